@@ -1,0 +1,35 @@
+# Entry points for people and CI. Every recipe uses the project's own venv (.venv),
+# created by the README's set-up command.
+
+bin := justfile_directory() / ".venv" / "bin"
+
+# list recipes
+default:
+    @just --list
+
+# embedded local run: NATS + every service as a process + agents, trains the built-in task
+up *ARGS:
+    {{bin}}/seamlessflow up {{ARGS}}
+
+# the test suite (real nats-server, real HTTP, real torch)
+test *ARGS:
+    {{bin}}/pytest -q {{ARGS}}
+
+# lint, format check and type check of libs/
+check:
+    {{bin}}/ruff check .
+    {{bin}}/ruff format --check .
+    {{bin}}/mypy libs/seamlessflow
+
+# throughput benchmark of the built-in task (prints figures; see docs/benchmarks.md)
+bench STEPS="20":
+    {{bin}}/seamlessflow bench --steps {{STEPS}}
+
+# gateway load test against a live mesh (prints requests/s and latency percentiles)
+load *ARGS:
+    {{bin}}/python loadtests/gateway_load.py {{ARGS}}
+
+# format the code
+fmt:
+    {{bin}}/ruff format .
+    {{bin}}/ruff check --fix .

@@ -1,0 +1,3 @@
+from seamlessflow.cli import main
+
+main()

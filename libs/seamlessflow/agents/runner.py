@@ -1,0 +1,158 @@
+"""The agent runner: claims task samples, runs an agent per sample in its own session.
+
+Consumes:
+- ``sf.<run>.task.claim`` replies (TaskAssignment | NoTask) from the trajectory service
+Produces:
+- ``sf.<run>.task.claim`` requests (TaskClaim)
+- HTTP to the gateway: ``POST /sessions``, the agent's OpenAI calls, ``/reward``,
+  ``/finish``
+
+Every claimed sample ends with ``/finish`` (also when the agent raised), so the
+trajectory service can always close the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+
+import httpx
+from openai import AsyncOpenAI
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from seamlessflow.agents import AgentTask, get_agent
+from seamlessflow.bus import NoResponder
+from seamlessflow.protocol import NoTask, TaskAssignment, TaskClaim
+from seamlessflow.service import ServiceContext, supervise
+
+log = logging.getLogger(__name__)
+
+
+class AgentRunnerSettings(BaseSettings):
+    """agent-runner settings (env prefix ``SF_AGENTS_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="SF_AGENTS_", extra="ignore")
+
+    gateway_url: str = "http://127.0.0.1:8000"
+    """Where the rollout gateway's HTTP API is."""
+
+    agent: str = "single_turn"
+    """The agent to run: a registered name or ``package.module:function``."""
+
+    concurrency: int = 32
+    """Agent sessions run at once by this process."""
+
+    model: str = "policy"
+    """The model name agents ask the gateway for."""
+
+    max_tokens: int = 16
+    """Completion budget per agent call."""
+
+    temperature: float = 1.0
+    """Sampling temperature agents use (the trainer must use the same)."""
+
+    api_key: str = "sf-local"
+    """Key the agents' OpenAI client sends."""
+
+
+class AgentRunner:
+    name = "agents"
+
+    def __init__(self, settings: AgentRunnerSettings | None = None) -> None:
+        self.settings = settings or AgentRunnerSettings()
+        self.runner_id = f"agents-{socket.gethostname()}-{os.getpid()}"
+        self.agent = get_agent(self.settings.agent)
+        self.completed = 0
+        self.failed = 0
+
+    async def run(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        async with httpx.AsyncClient(base_url=self.settings.gateway_url, timeout=600.0) as http:
+            self.http = http
+            await self._wait_for_gateway()
+            workers = [self._worker() for _ in range(self.settings.concurrency)]
+            await supervise(ctx.stopping, *workers)
+        log.info("agent runner done: %d completed, %d failed", self.completed, self.failed)
+
+    async def _wait_for_gateway(self) -> None:
+        """The gateway may start after us (embedded mode, compose): poll its health."""
+        while not self.ctx.stopping.is_set():
+            try:
+                if (await self.http.get("/healthz")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.2)
+
+    async def _worker(self) -> None:
+        while True:
+            try:
+                reply = await self.ctx.bus.request(
+                    self.ctx.subjects.task_claim(),
+                    TaskClaim(runner_id=self.runner_id),
+                    TaskAssignment | NoTask,
+                    timeout=5.0,
+                )
+            except NoResponder:
+                await asyncio.sleep(0.5)  # the trajectory service is (re)starting
+                continue
+            if isinstance(reply, NoTask):
+                if reply.reason == "exhausted":
+                    return
+                await asyncio.sleep(reply.retry_after_s)
+                continue
+            try:
+                await self.run_sample(reply)
+            except httpx.HTTPError as exc:
+                # The sample is lost to this runner; the trajectory service closes the
+                # group when the session never finishes (claim timeouts: issue 6).
+                self.failed += 1
+                log.error("sample %s/%d failed at the gateway: %s", reply.group_id,
+                          reply.sample_index, exc)  # fmt: skip
+
+    async def run_sample(self, assignment: TaskAssignment) -> None:
+        response = await self.http.post(
+            "/sessions",
+            json={
+                "task_id": assignment.task_id,
+                "group_id": assignment.group_id,
+                "sample_index": assignment.sample_index,
+                "group_size": assignment.group_size,
+                "reference": assignment.reference,
+                "reward_fn": assignment.reward_fn,
+                "policy": assignment.policy,
+            },
+        )
+        response.raise_for_status()
+        session = response.json()
+        session_id = session["session_id"]
+        client = AsyncOpenAI(
+            base_url=session["base_url"], api_key=self.settings.api_key, max_retries=0,
+            timeout=600.0,
+        )  # fmt: skip
+        task = AgentTask(
+            task_id=assignment.task_id,
+            messages=[{"role": m.role, "content": m.content} for m in assignment.messages],
+            model=self.settings.model,
+            reference=assignment.reference,
+            max_tokens=self.settings.max_tokens,
+            temperature=self.settings.temperature,
+        )
+        try:
+            reward = await self.agent(client, task)
+            if reward is not None:
+                (await self.http.post(f"/sessions/{session_id}/reward", json={"reward": reward})
+                 ).raise_for_status()  # fmt: skip
+            self.completed += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.failed += 1
+            log.exception("agent failed on %s (session %s)", assignment.task_id, session_id)
+        finally:
+            await client.close()
+            finish = await self.http.post(f"/sessions/{session_id}/finish")
+            if finish.status_code not in (200, 409):
+                log.warning("finishing %s: HTTP %d %s", session_id, finish.status_code, finish.text)

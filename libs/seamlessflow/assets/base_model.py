@@ -1,0 +1,480 @@
+"""The tiny base model, built locally: tokenizer, random-init Qwen2-style model, SFT warm-up.
+
+No model hub is reachable, so `build_base_model` makes everything from scratch, given a
+seed: a byte-level BPE tokenizer trained on text from the "arithmetic" task, a small
+untied Qwen2 model (untied because vLLM's in-place weight reload leaves a tied lm_head
+stale), and a short supervised warm-up, then writes a directory that
+`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load.
+
+SFT recipe: a correct teacher, then a noisy one. The base model exists to show RL
+working: it must already speak the format (a bare number, then `<|im_end|>`), yet be
+right only part of the time when sampled, and what RL has to learn must be learnable
+within minutes on a CPU. So the warm-up has two phases:
+1. Correct teacher (the first `1 - sft_noisy_fraction` of the steps, cosine LR): the
+   model learns the format and the sums (greedy accuracy on train ~0.8-1.0).
+2. Noisy teacher (the rest, low constant LR): each time an example is drawn, the target
+   is the correct sum with probability `teacher_p_correct`, else the answer of a random
+   other prompt. The model learns a mixture "correct sum + a broad prior over sums",
+   so sampled at temperature 1 it is right only ~0.15-0.3 of the time while the mode
+   stays correct. GRPO then has to shrink the prior component, one direction shared by
+   all prompts, so reward climbs fast and generalises across prompts.
+What did not work (measured): noise from the start (the sums are never learned), stopping
+SFT early (a wide distribution not centred on the answer: RL must then teach the
+arithmetic itself, slowly), and near-miss noise (sum +-1..3) or a high LR in the noisy
+phase (both blur the mode, greedy accuracy falls to ~0.35-0.6, and RL climbs slowly).
+
+Invariants: the build is deterministic given the seed (torch runs single-threaded for
+the duration of the build); the chat template is prefix-stable (rendering messages[:k]
+with the generation prompt, then appending the assistant's completion and
+"<|im_end|>\\n", renders messages[:k+1], token for token).
+
+CLI: `python -m seamlessflow.assets.base_model --out DIR [--seed N] [--sft-steps N]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import random
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from seamlessflow.rewards import get_reward
+from seamlessflow.tasks import TaskItem, get_task_source
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+# Bump when the build recipe changes in a way the config does not capture.
+BUILD_VERSION = 1
+TASK = "arithmetic"
+
+PAD = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+TOOL_CALL = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+SPECIAL_TOKENS = (PAD, IM_START, IM_END, TOOL_CALL, TOOL_CALL_END)
+
+# Qwen2.5-style ChatML, changed in two places so that it is prefix-stable:
+# - no default system prompt is invented when there is neither a system message nor tools;
+# - every tool message is its own turn (Qwen2.5 merges consecutive tool messages into one
+#   user turn, whose closing tag then depends on the message that follows).
+CHAT_TEMPLATE = r"""
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- '# Tools\n\nYou may call one or more functions. Function signatures are within <tools></tools>:\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' + (tool | tojson) }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nFor each call, return a JSON object within <tool_call></tool_call>:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages and messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'system' and loop.first %}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant\n' }}
+        {%- if message.content %}
+            {{- message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls or [] %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {%- if loop.first and not message.content %}
+                {{- '<tool_call>\n' }}
+            {%- else %}
+                {{- '\n<tool_call>\n' }}
+            {%- endif %}
+            {%- if tool_call.arguments is string %}
+                {{- '{"name": "' + tool_call.name + '", "arguments": ' + tool_call.arguments + '}' }}
+            {%- else %}
+                {{- '{"name": "' + tool_call.name + '", "arguments": ' + (tool_call.arguments | tojson) + '}' }}
+            {%- endif %}
+            {{- '\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+""".strip()
+
+# Generic text for the tokenizer besides the task: roles, tool-call scaffolding, digits.
+_GENERIC_TEXT = (
+    "system user assistant tool\n",
+    "You are a helpful assistant.\n",
+    "<tool_response>\n</tool_response>\n<tools>\n</tools>\n",
+    '{"name": "add", "arguments": {"a": 1, "b": 2}}\n',
+    '{"type": "function", "function": {"name": "calculator", "description": "Add numbers.",'
+    ' "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}\n',
+    "0 1 2 3 4 5 6 7 8 9 10 100 -1 + - * / = ? . , : ; ( ) [ ] { }\n",
+    "The answer is 42. What is the sum? Compute the result.\n",
+)
+
+
+@dataclass(frozen=True)
+class BaseModelConfig:
+    """Model size and SFT hyperparameters; all of it goes into the build hash."""
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 512
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    sft_steps: int = 500
+    sft_batch_size: int = 64
+    sft_lr: float = 3e-3
+    sft_warmup_steps: int = 20
+    sft_weight_decay: float = 0.01
+    # The last `sft_noisy_fraction` of the steps imitate the noisy teacher; the first
+    # ones a correct teacher (see the module docstring).
+    sft_noisy_fraction: float = 0.4
+    sft_noisy_lr: float = 3e-4  # low, so the noisy phase broadens but does not forget
+    teacher_p_correct: float = 0.3
+    # Post-SFT check: sampled reward at temperature 1 over the eval split.
+    check_samples_per_prompt: int = 4
+    check_max_new_tokens: int = 6
+
+
+def _split_on_specials(text: str) -> list[str]:
+    pattern = "|".join(re.escape(t) for t in SPECIAL_TOKENS)
+    return [part for part in re.split(pattern, text) if part]
+
+
+def _render(messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+    """Render with the chat template, without a tokenizer (used to make training text)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(
+        conversations=[messages],
+        chat_template=CHAT_TEMPLATE,
+        add_generation_prompt=add_generation_prompt,
+    )
+    return rendered[0]
+
+
+def train_tokenizer(items: list[TaskItem], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on the task's conversations plus generic text.
+
+    Special tokens are cut out of the training text so that no merge spans one. They get
+    the first ids; `<tool_call>`/`</tool_call>` are added tokens but not "special", so
+    that decoding with `skip_special_tokens=True` keeps the tool calls (as Qwen2.5 does).
+    """
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    corpus: list[str] = list(_GENERIC_TEXT)
+    for item in items:
+        conversation = [*item.messages, {"role": "assistant", "content": item.reference}]
+        corpus.extend(_split_on_specials(_render(conversation)))
+    tok = Tokenizer(models.BPE())
+    # Exactly Qwen2's normalizer and pre-tokenizer (digits split one by one): the saved
+    # config says qwen2, so AutoTokenizer (and vLLM) load the vocab and merges into a
+    # `Qwen2Tokenizer`, which imposes these; anything else would tokenize differently
+    # after loading than during SFT.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS[:3]]
+    )
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in SPECIAL_TOKENS[3:]])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD,
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_model(config: BaseModelConfig, tokenizer: PreTrainedTokenizerFast) -> torch.nn.Module:
+    """A random-init, untied Qwen2-style causal LM (torch's RNG decides the weights)."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    model_config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+    )
+    model = Qwen2ForCausalLM(model_config)
+    # Only the stop and pad ids: engines that read generation_config (vLLM does) must not
+    # pick up sampling defaults (top_k, top_p) that would bias RL sampling.
+    model.generation_config = GenerationConfig(
+        eos_token_id=model_config.eos_token_id, pad_token_id=model_config.pad_token_id
+    )
+    return model
+
+
+def _teacher_answer(
+    reference: str, rng: random.Random, p_correct: float, answers: list[str]
+) -> str:
+    """The reference with probability `p_correct`, else an answer to a random other prompt."""
+    return reference if rng.random() < p_correct else rng.choice(answers)
+
+
+def _sft_batches(
+    items: list[TaskItem],
+    tokenizer: PreTrainedTokenizerFast,
+    config: BaseModelConfig,
+    rng: random.Random,
+    steps: int,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Right-padded (input_ids, attention_mask, labels); labels only on the completion."""
+    import torch
+
+    prompts = {
+        item.task_id: tokenizer.apply_chat_template(
+            list(item.messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for item in items
+    }
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    answers = sorted({item.reference for item in items}, key=int)
+    clean_steps = round(steps * (1 - config.sft_noisy_fraction))
+    for step in range(steps):
+        p_correct = 1.0 if step < clean_steps else config.teacher_p_correct
+        batch = [rng.choice(items) for _ in range(config.sft_batch_size)]
+        rows = []
+        for item in batch:
+            answer = tokenizer.encode(_teacher_answer(item.reference, rng, p_correct, answers))
+            prompt = prompts[item.task_id]
+            rows.append((prompt + answer + [im_end], len(prompt)))
+        width = max(len(ids) for ids, _ in rows)
+        input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        for i, (ids, n_prompt) in enumerate(rows):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            attention[i, : len(ids)] = 1
+            labels[i, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+        yield input_ids, attention, labels
+
+
+def sft(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerFast,
+    items: list[TaskItem],
+    config: BaseModelConfig,
+    steps: int,
+    seed: int,
+) -> float:
+    """Noisy-teacher warm-up (see the module docstring); returns the last loss."""
+    import torch
+
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.sft_lr, weight_decay=config.sft_weight_decay
+    )
+
+    clean_steps = round(steps * (1 - config.sft_noisy_fraction))
+
+    def lr_scale(step: int) -> float:
+        # Clean phase: linear warm-up, cosine decay to 10%. Noisy phase: constant, low.
+        if step >= clean_steps:
+            return config.sft_noisy_lr / config.sft_lr
+        if step < config.sft_warmup_steps:
+            return (step + 1) / config.sft_warmup_steps
+        progress = (step - config.sft_warmup_steps) / max(1, clean_steps - config.sft_warmup_steps)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_scale)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for input_ids, attention, labels in _sft_batches(
+        items, tokenizer, config, random.Random(seed), steps
+    ):
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+    model.eval()
+    return loss.item()
+
+
+def sampled_reward(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerFast,
+    items: list[TaskItem],
+    reward_fn: str,
+    *,
+    samples_per_prompt: int,
+    max_new_tokens: int,
+    seed: int,
+) -> float:
+    """Mean reward of completions sampled at temperature 1 (no top-k / top-p)."""
+    import torch
+
+    reward = get_reward(reward_fn)
+    prompts = [list(item.messages) for item in items for _ in range(samples_per_prompt)]
+    references = [item.reference for item in items for _ in range(samples_per_prompt)]
+    enc = tokenizer.apply_chat_template(
+        prompts,
+        add_generation_prompt=True,
+        tokenize=True,
+        padding=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+        )
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    return sum(reward(t, r) for t, r in zip(texts, references, strict=True)) / len(texts)
+
+
+def _build_hash(config: BaseModelConfig, seed: int) -> str:
+    payload = {"version": BUILD_VERSION, "task": TASK, "seed": seed, **dataclasses.asdict(config)}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _resolve(config: BaseModelConfig | None, sft_steps: int | None) -> BaseModelConfig:
+    config = config or BaseModelConfig()
+    if sft_steps is not None:
+        config = dataclasses.replace(config, sft_steps=sft_steps)
+    return config
+
+
+def build_base_model(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    sft_steps: int | None = None,
+    config: BaseModelConfig | None = None,
+) -> Path:
+    """Build tokenizer + model + SFT warm-up into `out_dir` (overwriting); returns it."""
+    import torch
+
+    config = _resolve(config, sft_steps)
+    out_dir = Path(out_dir)
+    started = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core, and bit-for-bit the same weights on every machine
+    try:
+        task = get_task_source(TASK, seed=seed)
+        train, evaluation = task.items("train"), task.items("eval")
+        tokenizer = train_tokenizer(train + evaluation, config.vocab_size)
+        torch.manual_seed(seed)
+        model = build_model(config, tokenizer)
+        loss = sft(model, tokenizer, train, config, config.sft_steps, seed)
+        reward = sampled_reward(
+            model,
+            tokenizer,
+            evaluation,
+            task.reward_fn,
+            samples_per_prompt=config.check_samples_per_prompt,
+            max_new_tokens=config.check_max_new_tokens,
+            seed=seed,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    info = {
+        "build_hash": _build_hash(config, seed),
+        "build_version": BUILD_VERSION,
+        "task": TASK,
+        "seed": seed,
+        "config": dataclasses.asdict(config),
+        "vocab_size": len(tokenizer),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "sft_steps": config.sft_steps,
+        "sft_final_loss": loss,
+        "sampled_reward_after_sft": reward,
+        "build_seconds": round(time.perf_counter() - started, 2),
+    }
+    (out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    return out_dir
+
+
+def ensure_base_model(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    sft_steps: int | None = None,
+    config: BaseModelConfig | None = None,
+) -> Path:
+    """`out_dir`, built only if it is missing or was built with other parameters."""
+    out_dir = Path(out_dir)
+    config = _resolve(config, sft_steps)
+    info_path = out_dir / "build_info.json"
+    if info_path.exists() and (out_dir / "model.safetensors").exists():
+        info = json.loads(info_path.read_text())
+        if info.get("build_hash") == _build_hash(config, seed):
+            return out_dir
+    return build_base_model(out_dir, seed=seed, config=config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sft-steps", type=int, default=None, help="default: the config's")
+    args = parser.parse_args(argv)
+    out = build_base_model(args.out, seed=args.seed, sft_steps=args.sft_steps)
+    print((out / "build_info.json").read_text(), end="")
+
+
+if __name__ == "__main__":
+    main()

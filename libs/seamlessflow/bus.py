@@ -1,0 +1,227 @@
+"""The NATS layer every service uses: connection, typed request/reply, JetStream helpers.
+
+Errors are handled here, at the boundary: a handler registered with :meth:`Bus.serve`
+receives a decoded, typed message; a payload that fails to decode, and a handler that
+raises :class:`DomainError`, turn into an :class:`~seamlessflow.protocol.ErrorReply`
+to the requester. Anything else propagates into the log once and becomes an
+``internal`` error reply, so a requester never waits for a reply that will not come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy, StreamConfig
+
+from seamlessflow import telemetry
+from seamlessflow.protocol import ErrorReply, Message, ProtocolError, Subjects, decode, encode
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+
+class DomainError(Exception):
+    """A request that a service refuses for a reason the requester can act on."""
+
+    code = "bad_request"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class NotFound(DomainError):
+    code = "not_found"
+
+
+class Conflict(DomainError):
+    code = "conflict"
+
+
+class Unavailable(DomainError):
+    code = "unavailable"
+
+
+class RemoteError(Exception):
+    """The service we asked replied with a typed error."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class NoResponder(Exception):
+    """Nobody answered the request in time (the service is down or overloaded)."""
+
+
+Handler = Callable[[Any], Awaitable[Message | None]]
+
+
+class Bus:
+    """One NATS connection of one service, with the run's subjects."""
+
+    def __init__(self, nc: Client, subjects: Subjects) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.subjects = subjects
+        self._subscriptions: list[Subscription] = []
+
+    # ------------------------------------------------------------------ core NATS
+
+    async def publish(self, subject: str, message: Message) -> None:
+        await self.nc.publish(subject, encode(message), headers=telemetry.inject_headers())
+
+    async def request(
+        self, subject: str, message: Message, reply_type: type[M] | Any, *, timeout: float = 5.0
+    ) -> M:
+        """Send a request and decode a reply of ``reply_type``; typed errors raise."""
+        try:
+            msg = await self.nc.request(
+                subject, encode(message), timeout=timeout, headers=telemetry.inject_headers()
+            )
+        except nats.errors.NoRespondersError:
+            raise NoResponder(f"no responder on {subject}") from None
+        except nats.errors.TimeoutError:
+            raise NoResponder(f"no reply on {subject} within {timeout}s") from None
+        reply = decode(msg.data, reply_type | ErrorReply)
+        if isinstance(reply, ErrorReply):
+            raise RemoteError(reply.code, reply.message)
+        return reply  # type: ignore[no-any-return]
+
+    async def serve(
+        self,
+        subject: str,
+        request_type: Any,
+        handler: Handler,
+        *,
+        queue: str = "",
+    ) -> Subscription:
+        """Answer requests on ``subject``; each request runs in its own task.
+
+        ``handler`` gets the decoded message and returns the reply (or None: no reply,
+        for broadcasts). The subscription callback never blocks the connection's
+        dispatcher: handlers may be slow (an engine generating for seconds).
+        """
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def on_message(msg: Msg) -> None:
+            task = asyncio.create_task(self._answer(msg, request_type, handler))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_message)
+        self._subscriptions.append(sub)
+        return sub
+
+    async def _answer(self, msg: Msg, request_type: Any, handler: Handler) -> None:
+        reply: Message | None
+        try:
+            request = decode(msg.data, request_type)
+        except ProtocolError as exc:
+            reply = ErrorReply(code="bad_request", message=str(exc))
+        else:
+            with telemetry.extracted_context(msg.headers):
+                try:
+                    reply = await handler(request)
+                except DomainError as exc:
+                    reply = ErrorReply(code=exc.code, message=exc.message)  # type: ignore[arg-type]
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.exception("handler for %s failed", msg.subject)
+                    reply = ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
+        if reply is not None and msg.reply:
+            try:
+                await msg.respond(encode(reply))
+            except nats.errors.ConnectionClosedError:
+                log.warning("connection closed before replying on %s", msg.subject)
+
+    # ------------------------------------------------------------------ JetStream
+
+    async def ensure_streams(self) -> None:
+        """Create the run's streams if missing (idempotent; every service may call it)."""
+        for name, subjects in self.subjects.streams().items():
+            try:
+                await self.js.stream_info(name)
+            except nats.js.errors.NotFoundError:
+                try:
+                    await self.js.add_stream(
+                        StreamConfig(name=name, subjects=subjects, duplicate_window=600.0)
+                    )
+                except nats.js.errors.BadRequestError:
+                    # another service created it between our lookup and our add
+                    await self.js.stream_info(name)
+
+    async def js_publish(self, subject: str, message: Message, *, msg_id: str = "") -> int:
+        """Publish durably; ``msg_id`` makes a retried publish land once. Returns the seq."""
+        headers = telemetry.inject_headers()
+        if msg_id:
+            headers["Nats-Msg-Id"] = msg_id
+        ack = await self.js.publish(subject, encode(message), headers=headers)
+        return ack.seq
+
+    async def follow(self, stream: str, subject: str) -> tuple[Any, int]:
+        """An ordered consumer over ``subject`` from the stream's start.
+
+        ``subject`` must cover every subject of the stream. Returns the subscription and
+        the stream sequence of the last message stored when it was created: history has
+        been replayed once a message with that sequence was read (0: nothing stored).
+        """
+        info = await self.js.stream_info(stream)
+        last_seq = info.state.last_seq if info.state.messages else 0
+        sub = await self.js.subscribe(
+            subject, stream=stream, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+        )
+        return sub, last_seq
+
+    async def read_all(self, stream: str, subject: str) -> list[Msg]:
+        """Every message stored on the stream right now, in order."""
+        sub, last_seq = await self.follow(stream, subject)
+        messages: list[Msg] = []
+        try:
+            while last_seq and (not messages or messages[-1].metadata.sequence.stream < last_seq):
+                messages.append(await sub.next_msg(timeout=10.0))
+        finally:
+            await sub.unsubscribe()
+        return messages
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        """Finish in-flight callbacks and close, within ``timeout``. Safe to call twice."""
+        if self.nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(self.nc.drain(), timeout)
+        except (nats.errors.ConnectionClosedError, TimeoutError):
+            pass
+        finally:
+            if not self.nc.is_closed:
+                await self.nc.close()
+
+
+async def connect(url: str, subjects: Subjects, *, name: str) -> Bus:
+    """Connect with unbounded reconnects: a broker restart must not kill a service."""
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats: %s", exc)
+
+    nc = await nats.connect(
+        servers=[url],
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        error_cb=on_error,
+        connect_timeout=5,
+    )
+    return Bus(nc, subjects)

@@ -1,0 +1,128 @@
+"""The ``seamlessflow`` command line.
+
+Heavy modules (torch, transformers, the services) are imported inside the commands,
+so ``seamlessflow --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+# Each deployable process and where its service object lives.
+SERVICES: dict[str, str] = {
+    "tag-scheduler": "sf_tag_scheduler.service:TagScheduler",
+    "weight-sync": "sf_weight_sync.service:WeightSync",
+    "trajectory": "sf_trajectory.service:TrajectoryService",
+    "trainer": "sf_trainer.service:Trainer",
+    "gateway": "sf_gateway.gateway:GatewayService",
+    "engine": "sf_gateway.engine_worker:EngineWorker",
+    "agents": "seamlessflow.agents.runner:AgentRunner",
+}
+SERVICE_NAMES = tuple(SERVICES)
+
+app = typer.Typer(
+    help="SeamlessFlow: server-based RL post-training for LLM agents, over NATS.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.command()
+def up(
+    steps: Annotated[int, typer.Option(help="Trainer optimizer steps.")] = 60,
+    run_id: Annotated[str, typer.Option(help="Run id (default: from the time).")] = "",
+    runs_dir: Annotated[Path, typer.Option(help="Where runs/<run-id>/ is written.")] = Path("runs"),
+    model_dir: Annotated[
+        Path | None,
+        typer.Option(help="Base model (default: built)."),
+    ] = None,
+    group_size: Annotated[int, typer.Option(help="Samples per task.")] = 8,
+    groups_per_batch: Annotated[int, typer.Option(help="Tasks per step.")] = 8,
+    max_batches_ahead: Annotated[int, typer.Option(help="Rollout lead over training.")] = 1,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-4,
+    engines: Annotated[int, typer.Option(help="Engine worker processes.")] = 1,
+    agent: Annotated[str, typer.Option(help="Agent name or dotted path.")] = "single_turn",
+    seed: Annotated[int, typer.Option(help="Seed.")] = 0,
+    live: Annotated[bool, typer.Option(help="Live progress table.")] = True,
+) -> None:
+    """Embedded local run: NATS, every service as a process, agents, training."""
+    from seamlessflow.embedded import RunConfig, run_embedded
+
+    config = RunConfig(
+        steps=steps,
+        run_id=run_id,
+        runs_dir=runs_dir,
+        model_dir=model_dir,
+        group_size=group_size,
+        groups_per_batch=groups_per_batch,
+        max_batches_ahead=max_batches_ahead,
+        lr=lr,
+        engines=engines,
+        agent=agent,
+        seed=seed,
+        live=live,
+    )
+    summary = run_embedded(config)
+    typer.echo(json.dumps({k: v for k, v in summary.__dict__.items() if k != "config"}, indent=2))
+    typer.echo(f"run directory: {(config.runs_dir / summary.run_id).resolve()}")
+    if summary.status != "finished":
+        raise typer.Exit(1 if summary.status.startswith("failed") else 130)
+
+
+@app.command()
+def serve(
+    service: Annotated[str, typer.Argument(help=f"One of: {', '.join(SERVICE_NAMES)}.")],
+) -> None:
+    """Run one service alone against SF_NATS_URL (settings from the environment)."""
+    if service not in SERVICES:
+        raise typer.BadParameter(f"unknown service {service!r}; known: {', '.join(SERVICE_NAMES)}")
+    module_name, _, attr = SERVICES[service].partition(":")
+    service_class = getattr(importlib.import_module(module_name), attr)
+    from seamlessflow.service import main
+
+    main(service_class())
+
+
+@app.command("build-model")
+def build_model(
+    out: Annotated[Path, typer.Option(help="Output directory (HF layout).")],
+    seed: Annotated[int, typer.Option(help="Seed.")] = 0,
+    force: Annotated[bool, typer.Option(help="Rebuild even if up to date.")] = False,
+) -> None:
+    """Build the small base model and tokenizer (no downloads); skip if up to date."""
+    from seamlessflow.assets.base_model import build_base_model, ensure_base_model
+
+    path = build_base_model(out, seed=seed) if force else ensure_base_model(out, seed=seed)
+    typer.echo(str(path))
+
+
+@app.command()
+def bench(
+    steps: Annotated[int, typer.Option(help="Optimizer steps to measure.")] = 20,
+    runs_dir: Annotated[Path, typer.Option(help="Where the bench run is written.")] = Path("runs"),
+) -> None:
+    """Run the built-in task for a fixed number of steps and print throughput figures."""
+    from seamlessflow.embedded import RunConfig, run_embedded
+
+    config = RunConfig(steps=steps, runs_dir=runs_dir, run_id="", live=False)
+    summary = run_embedded(config)
+    figures = {
+        "steps": summary.steps,
+        "status": summary.status,
+        "generated_tokens_per_s": round(summary.generated_tokens_per_s, 1),
+        "trained_tokens_per_s": round(summary.trained_tokens_per_s, 1),
+        "mean_train_step_s": round(summary.mean_step_s, 3),
+        "mean_trainer_wait_for_batch_s": round(summary.mean_wait_s, 3),
+        "mean_weight_publish_s": round(summary.mean_publish_s, 3),
+        "wall_s": summary.wall_s,
+    }
+    typer.echo(json.dumps(figures, indent=2))
+
+
+def main() -> None:
+    app()

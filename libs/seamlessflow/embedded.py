@@ -1,0 +1,435 @@
+"""Embedded local mode: a NATS server, every service as its own process, agents, a run.
+
+``seamlessflow up`` calls :func:`run_embedded`. Each service is started exactly as it
+would be deployed alone (``python -m seamlessflow serve <service>`` with env settings);
+this module only wires environment variables, watches the processes, shows progress
+and writes the run report:
+
+    runs/<run-id>/summary.json      the contract: see ``Summary``
+    runs/<run-id>/metrics.jsonl     one TrainStepMetrics per line
+    runs/<run-id>/spans.jsonl       every process's spans (also per process in spans/)
+    runs/<run-id>/checkpoints/final HF layout, loadable with from_pretrained
+    runs/<run-id>/reward_curve.png
+    runs/<run-id>/logs/<service>.log
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+from pydantic import BaseModel, Field
+
+from seamlessflow.natsserver import EmbeddedNats
+from seamlessflow.protocol import Subjects, TrainingFinished, TrainStepMetrics, decode
+
+log = logging.getLogger(__name__)
+
+# Start order: infrastructure first so that resources find the scheduler and weight-sync.
+SERVICE_ORDER = ["tag-scheduler", "weight-sync", "trajectory", "trainer", "gateway", "engine"]
+
+
+class RunConfig(BaseModel):
+    """What an embedded run does. Every field maps to one service setting."""
+
+    run_id: str = ""
+    """Run id (default: ``r<date>-<time>``)."""
+    runs_dir: Path = Path("runs")
+    """Where ``<run-id>/`` is written."""
+    model_dir: Path | None = None
+    """Base model directory; default: built (once) into the cache directory."""
+    cache_dir: Path = Field(
+        default_factory=lambda: Path(os.environ.get("SF_CACHE_DIR", "~/.cache/seamlessflow"))
+    )
+    """Cache for the built base model."""
+    task: str = "arithmetic"
+    """Task source (``seamlessflow.tasks``)."""
+    agent: str = "single_turn"
+    """Agent run for each sample (registered name or dotted path)."""
+    steps: int = 60
+    """Trainer optimizer steps."""
+    group_size: int = 8
+    """Samples per task (GRPO group)."""
+    groups_per_batch: int = 8
+    """Tasks per optimizer step."""
+    max_batches_ahead: int = 1
+    """Rollout may run this many batches ahead of the trainer (0 = synchronous)."""
+    max_tokens: int = 8
+    """Completion budget per agent call."""
+    lr: float = 1e-4
+    """Trainer learning rate."""
+    engines: int = 1
+    """Engine worker processes."""
+    agent_concurrency: int = 64
+    """Concurrent agent sessions."""
+    engine_batch_size: int = 64
+    """Requests one engine decodes together."""
+    seed: int = 0
+    """Seed for task order and the trainer."""
+    mode: str = "disaggregated"
+    """Tag-scheduler mode."""
+    live: bool = True
+    """Show live progress in the terminal."""
+
+
+@dataclass
+class Summary:
+    """``summary.json``: read by tools and users. Field names are a contract."""
+
+    run_id: str
+    status: str
+    steps: int
+    reward_first: float | None
+    reward_last: float | None
+    tokens_generated: int
+    tokens_trained: int
+    wall_s: float
+    final_version: int
+    mode: str
+    generated_tokens_per_s: float
+    trained_tokens_per_s: float
+    mean_step_s: float
+    mean_wait_s: float
+    mean_publish_s: float
+    checkpoint: str | None
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def default_run_id() -> str:
+    return time.strftime("r%Y%m%d-%H%M%S", time.localtime()).lower()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def window_mean(values: list[float], first: bool) -> float | None:
+    """Mean over the first or last 10% of the values (at least one)."""
+    if not values:
+        return None
+    n = max(1, len(values) // 10)
+    chosen = values[:n] if first else values[-n:]
+    return sum(chosen) / len(chosen)
+
+
+class EmbeddedRun:
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.run_id = config.run_id or default_run_id()
+        self.run_dir = (config.runs_dir / self.run_id).resolve()
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.metrics: list[TrainStepMetrics] = []
+        self.finished: TrainingFinished | None = None
+        self.status = "running"
+        self.started = time.monotonic()
+        self.started_wall = time.time()
+
+    # ---------------------------------------------------------------- processes
+
+    def service_env(self, nats_url: str, model_dir: Path, gateway_port: int) -> dict[str, str]:
+        c = self.config
+        env = dict(os.environ)
+        env.update(
+            {
+                "SF_NATS_URL": nats_url,
+                "SF_RUN_ID": self.run_id,
+                "SF_RUN_DIR": str(self.run_dir),
+                "SF_MODEL_DIR": str(model_dir),
+                "SF_TAG_SCHEDULER_MODE": c.mode,
+                "SF_TRAJECTORY_TASK": c.task,
+                "SF_TRAJECTORY_SEED": str(c.seed),
+                "SF_TRAJECTORY_GROUP_SIZE": str(c.group_size),
+                "SF_TRAJECTORY_GROUPS_PER_BATCH": str(c.groups_per_batch),
+                "SF_TRAJECTORY_TOTAL_BATCHES": str(c.steps),
+                "SF_TRAJECTORY_MAX_BATCHES_AHEAD": str(c.max_batches_ahead),
+                "SF_TRAINER_STEPS": str(c.steps),
+                "SF_TRAINER_LR": str(c.lr),
+                "SF_TRAINER_SEED": str(c.seed),
+                "SF_GATEWAY_PORT": str(gateway_port),
+                "SF_ENGINE_MAX_BATCH_SIZE": str(c.engine_batch_size),
+                "SF_AGENTS_GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
+                "SF_AGENTS_AGENT": c.agent,
+                "SF_AGENTS_CONCURRENCY": str(c.agent_concurrency),
+                "SF_AGENTS_MAX_TOKENS": str(c.max_tokens),
+                # each process uses one core; several share the machine
+                "OMP_NUM_THREADS": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+            }
+        )
+        return env
+
+    def spawn(self, label: str, service: str, env: dict[str, str]) -> None:
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        with (logs / f"{label}.log").open("ab") as out:
+            self.processes[label] = subprocess.Popen(
+                [sys.executable, "-m", "seamlessflow", "serve", service],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches the runner, which stops us in order
+            )
+
+    def stop_processes(self, timeout: float = 30.0) -> None:
+        """SIGTERM everyone (each drains), then SIGKILL whatever is left. Idempotent."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for label, process in self.processes.items():
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", label)
+                process.kill()
+                process.wait()
+
+    def unexpected_exit(self) -> str | None:
+        for label, process in self.processes.items():
+            code = process.poll()
+            if code is None:
+                continue
+            normal = (label == "agents" and code == 0) or (
+                label == "trainer" and code == 0 and self.finished is not None
+            )
+            if not normal:
+                return f"{label} exited with code {code} (see {self.run_dir}/logs/{label}.log)"
+        return None
+
+    # ---------------------------------------------------------------- the run
+
+    async def run(self) -> Summary:
+        from seamlessflow.assets.base_model import ensure_base_model
+
+        c = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        model_dir = c.model_dir or (c.cache_dir.expanduser() / "models" / f"base-{c.task}")
+        model_dir = await asyncio.to_thread(ensure_base_model, model_dir)
+        nats_server = EmbeddedNats(self.run_dir / "nats")
+        url = nats_server.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        try:
+            env = self.service_env(url, model_dir, free_port())
+            for service in SERVICE_ORDER:
+                if service == "engine":
+                    for i in range(c.engines):
+                        self.spawn(
+                            f"engine-{i}", "engine", {**env, "SF_ENGINE_ENGINE_ID": f"engine-{i}"}
+                        )
+                else:
+                    self.spawn(service, service, env)
+            self.spawn("agents", "agents", env)
+            await self._follow(url, stop)
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+            loop.remove_signal_handler(signal.SIGTERM)
+            await asyncio.to_thread(self.stop_processes)
+            nats_server.stop()
+        return self.write_report()
+
+    async def _follow(self, url: str, stop: asyncio.Event) -> None:
+        subjects = Subjects(self.run_id)
+        nc = await nats.connect(url, max_reconnect_attempts=-1)
+        metrics_file = (self.run_dir / "metrics.jsonl").open("a")
+        progress = Progress(self.config, self.run_id, enabled=self.config.live)
+        try:
+            js = nc.jetstream()
+            problem = await self._wait_for_stream(js, subjects.stream_metrics(), stop)
+            if problem:
+                self.status = f"failed: {problem}"
+                log.error(problem)
+                return
+            sub = await js.subscribe(
+                f"sf.{self.run_id}.train.>", stream=subjects.stream_metrics(), ordered_consumer=True
+            )
+            with progress:
+                while not stop.is_set():
+                    problem = self.unexpected_exit()
+                    if problem:
+                        self.status = f"failed: {problem}"
+                        log.error(problem)
+                        return
+                    try:
+                        msg = await sub.next_msg(timeout=0.5)
+                    except nats.errors.TimeoutError:
+                        progress.tick(self)
+                        continue
+                    message = decode(msg.data, TrainStepMetrics | TrainingFinished)
+                    if isinstance(message, TrainingFinished):
+                        self.finished = message
+                        self.status = "finished"
+                        return
+                    self.metrics.append(message)
+                    metrics_file.write(json.dumps(_struct_dict(message)) + "\n")
+                    metrics_file.flush()
+                    progress.update(self)
+            self.status = "interrupted"
+        finally:
+            metrics_file.close()
+            await nc.close()
+
+    async def _wait_for_stream(self, js: Any, name: str, stop: asyncio.Event) -> str | None:
+        """Wait until a service created the run's streams; a crashed service is returned."""
+        import nats.js.errors
+
+        while not stop.is_set():
+            try:
+                await js.stream_info(name)
+                return None
+            except nats.js.errors.NotFoundError:
+                problem = self.unexpected_exit()
+                if problem:
+                    return problem
+                await asyncio.sleep(0.2)
+        return None
+
+    # ---------------------------------------------------------------- the report
+
+    def write_report(self) -> Summary:
+        spans = self.run_dir / "spans"
+        with (self.run_dir / "spans.jsonl").open("wb") as merged:
+            for part in sorted(spans.glob("*.jsonl")) if spans.exists() else []:
+                merged.write(part.read_bytes())
+        rewards = [m.mean_reward for m in self.metrics]
+        train_wall = (self.metrics[-1].timestamp - self.started_wall) if self.metrics else 0.0
+        generated = sum(m.tokens_generated for m in self.metrics)
+        trained = sum(m.tokens_trained for m in self.metrics)
+        checkpoint = self.run_dir / "checkpoints" / "final"
+        n = max(len(self.metrics), 1)
+        summary = Summary(
+            run_id=self.run_id,
+            status=self.status,
+            steps=len(self.metrics),
+            reward_first=window_mean(rewards, first=True),
+            reward_last=window_mean(rewards, first=False),
+            tokens_generated=generated,
+            tokens_trained=trained,
+            wall_s=round(time.monotonic() - self.started, 3),
+            final_version=self.metrics[-1].version if self.metrics else 0,
+            mode=self.config.mode,
+            generated_tokens_per_s=generated / train_wall if train_wall > 0 else 0.0,
+            trained_tokens_per_s=trained / train_wall if train_wall > 0 else 0.0,
+            mean_step_s=sum(m.step_seconds for m in self.metrics) / n,
+            mean_wait_s=sum(m.wait_seconds for m in self.metrics) / n,
+            mean_publish_s=sum(m.publish_seconds for m in self.metrics) / n,
+            checkpoint=str(checkpoint) if (checkpoint / "config.json").exists() else None,
+            config=json.loads(self.config.model_dump_json()),
+        )
+        (self.run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
+        if self.metrics:
+            plot_rewards(self.metrics, self.run_dir / "reward_curve.png", self.run_id)
+        return summary
+
+
+def _struct_dict(message: TrainStepMetrics) -> dict[str, Any]:
+    import msgspec
+
+    return msgspec.to_builtins(message)  # type: ignore[no-any-return]
+
+
+def plot_rewards(metrics: list[TrainStepMetrics], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m.step for m in metrics]
+    rewards = [m.mean_reward for m in metrics]
+    window = max(1, len(rewards) // 10)
+    smooth = [
+        sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+        for i in range(len(rewards))
+    ]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, rewards, alpha=0.4, label="mean reward per step")
+    ax.plot(steps, smooth, label=f"moving mean ({window} steps)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"reward curve: {title}")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+class Progress:
+    """Live terminal progress: step, mean reward, tokens/s, weight version."""
+
+    def __init__(self, config: RunConfig, run_id: str, *, enabled: bool) -> None:
+        self.config = config
+        self.run_id = run_id
+        self.enabled = enabled
+        self._live: Any = None
+
+    def __enter__(self) -> Progress:
+        if self.enabled:
+            from rich.live import Live
+
+            self._live = Live(self._render(None), refresh_per_second=4, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)
+
+    def tick(self, run: EmbeddedRun) -> None:
+        if self._live is not None:
+            self._live.update(self._render(run))
+
+    def update(self, run: EmbeddedRun) -> None:
+        self.tick(run)
+        if not self.enabled and run.metrics:
+            m = run.metrics[-1]
+            log.info("step %d reward %.3f version %d", m.step, m.mean_reward, m.version)
+
+    def _render(self, run: EmbeddedRun | None) -> Any:
+        from rich.table import Table
+
+        table = Table(title=f"seamlessflow run {self.run_id}", show_header=True)
+        for column in ("step", "mean reward", "last-10 reward", "gen tok/s", "version", "elapsed"):
+            table.add_column(column, justify="right")
+        if run is None or not run.metrics:
+            elapsed = f"{time.monotonic() - run.started:.0f}s" if run else "0s"
+            table.add_row(f"0/{self.config.steps}", "-", "-", "-", "0", elapsed)
+            return table
+        m = run.metrics[-1]
+        recent = run.metrics[-10:]
+        elapsed = time.time() - run.started_wall
+        generated = sum(x.tokens_generated for x in run.metrics)
+        table.add_row(
+            f"{m.step}/{self.config.steps}",
+            f"{m.mean_reward:.3f}",
+            f"{sum(x.mean_reward for x in recent) / len(recent):.3f}",
+            f"{generated / elapsed:.0f}",
+            str(m.version),
+            f"{elapsed:.0f}s",
+        )
+        return table
+
+
+def run_embedded(config: RunConfig) -> Summary:
+    import uvloop
+
+    run = EmbeddedRun(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        return uvloop.run(run.run())
+    return run.write_report()

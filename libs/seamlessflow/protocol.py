@@ -1,0 +1,506 @@
+"""The wire protocol: every NATS subject, stream, bucket and message type, defined once.
+
+Rules (ARCHITECTURE.md, STYLE.md):
+- Subjects are built only by the functions below: ``sf.<run>.<domain>.<...>``, lowercase.
+- Every message is a msgspec Struct with a type tag (``type`` field) and a schema
+  version (``schema``); its docstring states ``producer -> consumer``.
+- Durable data (trajectory events, batches, weight versions, metrics) goes through the
+  JetStream streams named here; core NATS carries only what may be lost (heartbeats,
+  broadcasts that are re-sent, request/reply).
+
+This module imports nothing heavy: no torch, no web framework, no NATS client.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+_RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_TOKEN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,127}$")
+
+
+class ProtocolError(ValueError):
+    """A message or identifier that does not follow this protocol."""
+
+
+def check_run_id(run_id: str) -> str:
+    """Run ids become subject tokens, stream and bucket names, so the alphabet is narrow."""
+    if not _RUN_ID.match(run_id):
+        raise ProtocolError(f"run id {run_id!r} must match {_RUN_ID.pattern}")
+    return run_id
+
+
+def check_token(value: str, what: str = "identifier") -> str:
+    if not _TOKEN.match(value):
+        raise ProtocolError(f"{what} {value!r} must match {_TOKEN.pattern}")
+    return value
+
+
+# --------------------------------------------------------------------------- subjects
+
+
+class Subjects:
+    """Subject builders for one run. Services hold one instance; nothing else formats subjects."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = check_run_id(run_id)
+        self._root = f"sf.{run_id}"
+
+    # engine workers (gateway -> engines)
+    def engine_generate(self) -> str:
+        """Request/reply, queue group ``ENGINE_QUEUE``: one engine takes each request."""
+        return f"{self._root}.engine.generate"
+
+    def engine_abort(self) -> str:
+        """Broadcast: the engine running the request aborts it (others ignore it)."""
+        return f"{self._root}.engine.abort"
+
+    def engine_load(self) -> str:
+        """Broadcast from weight-sync: load a weight version (request/reply per engine)."""
+        return f"{self._root}.engine.load"
+
+    # trajectory (gateway -> trajectory, durable)
+    def trajectory_event(self, session_id: str) -> str:
+        return f"{self._root}.traj.event.{check_token(session_id, 'session id')}"
+
+    def trajectory_events_all(self) -> str:
+        return f"{self._root}.traj.event.>"
+
+    # tasks (agent runner <-> trajectory)
+    def task_claim(self) -> str:
+        return f"{self._root}.task.claim"
+
+    # batches (trajectory -> trainer, durable)
+    def batch_ready(self) -> str:
+        return f"{self._root}.batch.ready"
+
+    # weights (trainer -> weight-sync -> engines)
+    def weights_published(self) -> str:
+        return f"{self._root}.weights.published"
+
+    def weights_current(self) -> str:
+        """Request/reply to weight-sync: which version should an engine serve now?"""
+        return f"{self._root}.weights.current"
+
+    def weights_loaded(self) -> str:
+        """Engines announce the version they now serve (core, informational)."""
+        return f"{self._root}.weights.loaded"
+
+    # trainer progress (trainer -> observers, durable)
+    def train_metrics(self) -> str:
+        return f"{self._root}.train.metrics"
+
+    def train_finished(self) -> str:
+        return f"{self._root}.train.finished"
+
+    # tag scheduler
+    def sched_register(self) -> str:
+        return f"{self._root}.sched.register"
+
+    def sched_heartbeat(self, resource_id: str) -> str:
+        return f"{self._root}.sched.heartbeat.{check_token(resource_id, 'resource id')}"
+
+    def sched_heartbeat_all(self) -> str:
+        return f"{self._root}.sched.heartbeat.*"
+
+    def sched_assignment(self, resource_id: str) -> str:
+        return f"{self._root}.sched.assign.{check_token(resource_id, 'resource id')}"
+
+    def sched_phase(self) -> str:
+        return f"{self._root}.sched.phase"
+
+    # JetStream streams, KV buckets and object stores of this run
+    def stream_trajectory(self) -> str:
+        return f"SF_{self._upper}_TRAJ"
+
+    def stream_batches(self) -> str:
+        return f"SF_{self._upper}_BATCH"
+
+    def stream_weights(self) -> str:
+        return f"SF_{self._upper}_WEIGHTS"
+
+    def stream_metrics(self) -> str:
+        return f"SF_{self._upper}_METRICS"
+
+    def kv_resources(self) -> str:
+        return f"sf_{self._lower}_resources"
+
+    def object_store_weights(self) -> str:
+        return f"sf_{self._lower}_weights"
+
+    @property
+    def _upper(self) -> str:
+        return self.run_id.replace("-", "_").upper()
+
+    @property
+    def _lower(self) -> str:
+        return self.run_id.replace("-", "_")
+
+    def streams(self) -> dict[str, list[str]]:
+        """Every durable stream of the run and the subjects it captures."""
+        return {
+            self.stream_trajectory(): [self.trajectory_events_all()],
+            self.stream_batches(): [self.batch_ready()],
+            self.stream_weights(): [self.weights_published()],
+            self.stream_metrics(): [self.train_metrics(), self.train_finished()],
+        }
+
+
+ENGINE_QUEUE = "engines"
+TRAJECTORY_QUEUE = "trajectory"
+TRAINER_DURABLE = "trainer"
+WEIGHT_SYNC_DURABLE = "weight-sync"
+TRAJECTORY_DURABLE = "trajectory"
+
+
+# --------------------------------------------------------------------------- messages
+
+
+class Message(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fields=False):
+    """Base of every message on the wire."""
+
+    schema: int = SCHEMA_VERSION
+
+
+class ErrorReply(Message, tag="error"):
+    """Any service -> a requester: the request was refused. ``code`` is machine-readable."""
+
+    code: Literal["bad_request", "not_found", "conflict", "unavailable", "internal"]
+    message: str
+
+
+# engine ---------------------------------------------------------------------
+
+
+class GenerateRequest(Message, tag="engine.generate"):
+    """rollout-gateway -> engine worker (queue group): generate a continuation of prompt_ids."""
+
+    request_id: str
+    session_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    seed: int | None = None
+
+
+class GenerateReply(Message, tag="engine.generate.reply"):
+    """engine worker -> rollout-gateway: the tokens, their behaviour logprobs and versions."""
+
+    request_id: str
+    engine_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: Literal["stop", "length", "abort"]
+
+
+class AbortGeneration(Message, tag="engine.abort"):
+    """rollout-gateway -> engine workers (broadcast): stop a request at a token boundary."""
+
+    request_id: str
+    reason: str
+
+
+class LoadWeights(Message, tag="engine.load"):
+    """weight-sync -> engine workers (broadcast request): load this version, then reply."""
+
+    version: int
+    object_name: str
+    sha256: str
+
+
+class WeightsLoaded(Message, tag="engine.loaded"):
+    """engine worker -> weight-sync: the version this engine now serves."""
+
+    engine_id: str
+    version: int
+
+
+# trajectory events (gateway -> trajectory, JetStream) -------------------------
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str
+
+
+class SessionOpened(Message, tag="traj.session_opened"):
+    """rollout-gateway -> trajectory: a new agent session for one sample of a task."""
+
+    session_id: str
+    task_id: str
+    group_id: str
+    sample_index: int
+    group_size: int
+    reference: str = ""
+    reward_fn: str = ""
+    policy: str = "default"
+    opened_at: float = msgspec.field(default_factory=time.time)
+
+
+class TurnRecorded(Message, tag="traj.turn"):
+    """rollout-gateway -> trajectory: exactly what one engine call consumed and produced."""
+
+    session_id: str
+    turn_index: int
+    request_id: str
+    engine_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    completion_text: str
+
+
+class RewardReported(Message, tag="traj.reward"):
+    """rollout-gateway -> trajectory: the agent (or its environment) reported a reward."""
+
+    session_id: str
+    reward: float
+
+
+class SessionFinished(Message, tag="traj.finished"):
+    """rollout-gateway -> trajectory: the agent finished; the session becomes a sample."""
+
+    session_id: str
+    finished_at: float = msgspec.field(default_factory=time.time)
+
+
+TrajectoryEvent = SessionOpened | TurnRecorded | RewardReported | SessionFinished
+
+
+# tasks (agent runner <-> trajectory) ----------------------------------------------
+
+
+class TaskClaim(Message, tag="task.claim"):
+    """agent runner -> trajectory: give me one sample of a task to roll out."""
+
+    runner_id: str
+
+
+class TaskAssignment(Message, tag="task.assignment"):
+    """trajectory -> agent runner: roll out sample ``sample_index`` of group ``group_id``."""
+
+    task_id: str
+    group_id: str
+    sample_index: int
+    group_size: int
+    messages: list[ChatMessage]
+    reference: str
+    reward_fn: str
+    policy: str = "default"
+
+
+class NoTask(Message, tag="task.none"):
+    """trajectory -> agent runner: nothing to do now (backpressure) or ever (exhausted)."""
+
+    reason: Literal["backpressure", "exhausted"]
+    retry_after_s: float = 0.2
+
+
+# batches (trajectory -> trainer, JetStream) -------------------------------------
+
+
+class TrainSample(msgspec.Struct, kw_only=True):
+    """One trajectory as the trainer sees it: token ids exactly as the engine saw them.
+
+    ``loss_mask[i] == 1`` iff token i was produced by the engine (trained on);
+    ``behaviour_logprobs[i]`` and ``versions[i]`` are meaningful only where the mask is 1
+    (0.0 and -1 elsewhere).
+    """
+
+    session_id: str
+    token_ids: list[int]
+    loss_mask: list[int]
+    behaviour_logprobs: list[float]
+    versions: list[int]
+    reward: float
+
+
+class SampleGroup(msgspec.Struct, kw_only=True):
+    """All samples of one task (a GRPO group)."""
+
+    group_id: str
+    task_id: str
+    samples: list[TrainSample]
+
+
+class TrainBatch(Message, tag="batch"):
+    """trajectory -> trainer (JetStream, durable consumer): one optimizer step's worth."""
+
+    batch_index: int
+    groups: list[SampleGroup]
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+# weights ----------------------------------------------------------------------------
+
+
+class WeightsPublished(Message, tag="weights.published"):
+    """trainer -> weight-sync (JetStream): version ``version`` is complete in the object store."""
+
+    version: int
+    object_name: str
+    sha256: str
+    num_bytes: int
+    step: int
+
+
+class CurrentVersionQuery(Message, tag="weights.query"):
+    """engine worker -> weight-sync: which version should I serve?"""
+
+    engine_id: str
+
+
+class CurrentVersion(Message, tag="weights.current"):
+    """weight-sync -> engine worker: the newest complete version (0 = the base model)."""
+
+    version: int
+    object_name: str = ""
+    sha256: str = ""
+
+
+# trainer progress ---------------------------------------------------------------------
+
+
+class TrainStepMetrics(Message, tag="train.metrics"):
+    """trainer -> observers (JetStream): what one optimizer step did."""
+
+    step: int
+    version: int
+    batch_index: int
+    mean_reward: float
+    loss: float
+    clip_fraction: float
+    samples: int
+    tokens_generated: int
+    tokens_trained: int
+    max_staleness: int
+    step_seconds: float
+    wait_seconds: float
+    publish_seconds: float
+    timestamp: float = msgspec.field(default_factory=time.time)
+
+
+class TrainingFinished(Message, tag="train.finished"):
+    """trainer -> observers (JetStream): the run reached its step budget."""
+
+    steps: int
+    final_version: int
+    checkpoint_dir: str
+
+
+# tag scheduler ---------------------------------------------------------------------
+
+
+Role = Literal["rollout", "train", "idle"]
+Phase = Literal["rollout", "train", "sync", "idle"]
+
+
+class ResourceRegister(Message, tag="sched.register"):
+    """any resource -> tag-scheduler (request): I exist, with these capability tags."""
+
+    resource_id: str
+    kind: str
+    tags: list[str]
+    host: str = ""
+    pid: int = 0
+
+
+class RoleAssignment(Message, tag="sched.assignment"):
+    """tag-scheduler -> resource (reply or publish): the role it should play now."""
+
+    resource_id: str
+    role: Role
+    reason: str
+
+
+class Heartbeat(Message, tag="sched.heartbeat"):
+    """resource -> tag-scheduler (core, lossy): still alive; current phase and load."""
+
+    resource_id: str
+    phase: Phase = "idle"
+    in_flight: int = 0
+    version: int = 0
+    sent_at: float = msgspec.field(default_factory=time.time)
+
+
+class PhaseChanged(Message, tag="sched.phase"):
+    """tag-scheduler -> observers: a resource changed phase, or was declared dead."""
+
+    resource_id: str
+    phase: Phase | Literal["dead"]
+    at: float = msgspec.field(default_factory=time.time)
+
+
+AnyMessage = (
+    ErrorReply
+    | GenerateRequest
+    | GenerateReply
+    | AbortGeneration
+    | LoadWeights
+    | WeightsLoaded
+    | SessionOpened
+    | TurnRecorded
+    | RewardReported
+    | SessionFinished
+    | TaskClaim
+    | TaskAssignment
+    | NoTask
+    | TrainBatch
+    | WeightsPublished
+    | CurrentVersionQuery
+    | CurrentVersion
+    | TrainStepMetrics
+    | TrainingFinished
+    | ResourceRegister
+    | RoleAssignment
+    | Heartbeat
+    | PhaseChanged
+)
+
+_encoder = msgspec.json.Encoder()
+_any_decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(AnyMessage)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes, expected: Any = None) -> Any:
+    """Decode a wire payload; ``expected`` is a Message class or a union of them.
+
+    Raises ``ProtocolError`` for anything that is not a valid message of the expected
+    type(s) or that carries a newer schema than this build understands.
+    """
+    try:
+        if expected is None:
+            message = _any_decoder.decode(data)
+        else:
+            message = _decoder_for(expected).decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"invalid message: {exc}") from None
+    if message.schema > SCHEMA_VERSION:
+        raise ProtocolError(
+            f"message schema {message.schema} is newer than supported {SCHEMA_VERSION}"
+        )
+    return message
+
+
+_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+
+
+def _decoder_for(expected: Any) -> msgspec.json.Decoder[Any]:
+    decoder = _decoders.get(expected)
+    if decoder is None:
+        decoder = _decoders[expected] = msgspec.json.Decoder(expected)
+    return decoder

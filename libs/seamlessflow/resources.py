@@ -1,0 +1,122 @@
+"""A resource's side of the tag-scheduler contract: register, heartbeat, follow assignments.
+
+Every process that holds compute (an engine worker, a trainer rank) owns one
+:class:`ResourceMembership`. It registers its capability tags with the tag-scheduler
+(retrying until the scheduler answers), then heartbeats with its current phase; the
+scheduler's reply and later publishes on the resource's assignment subject set
+``role``. A process must not serve its role before ``wait_for_role`` returns it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+
+from opentelemetry import trace
+
+from seamlessflow import telemetry
+from seamlessflow.bus import Bus, NoResponder
+from seamlessflow.protocol import (
+    Heartbeat,
+    Phase,
+    ResourceRegister,
+    Role,
+    RoleAssignment,
+    decode,
+)
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+class ResourceMembership:
+    def __init__(self, bus: Bus, resource_id: str, kind: str, tags: list[str]) -> None:
+        self.bus = bus
+        self.resource_id = resource_id
+        self.kind = kind
+        self.tags = tags
+        self.role: Role | None = None
+        self.phase: Phase = "idle"
+        self.in_flight = 0
+        self.version = 0
+        self._role_changed = asyncio.Condition()
+        self._phase_span: trace.Span | None = None
+
+    async def register(self) -> RoleAssignment:
+        """Register until the scheduler answers (it may start after us)."""
+        await self.bus.nc.subscribe(
+            self.bus.subjects.sched_assignment(self.resource_id), cb=self._on_assignment
+        )
+        request = ResourceRegister(
+            resource_id=self.resource_id,
+            kind=self.kind,
+            tags=self.tags,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+        delay = 0.1
+        while True:
+            try:
+                assignment = await self.bus.request(
+                    self.bus.subjects.sched_register(), request, RoleAssignment, timeout=2.0
+                )
+            except NoResponder:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            await self._set_role(assignment)
+            return assignment
+
+    async def _on_assignment(self, msg) -> None:  # type: ignore[no-untyped-def]
+        await self._set_role(decode(msg.data, RoleAssignment))
+
+    async def _set_role(self, assignment: RoleAssignment) -> None:
+        async with self._role_changed:
+            if assignment.role != self.role:
+                log.info("%s: role %s (%s)", self.resource_id, assignment.role, assignment.reason)
+            self.role = assignment.role
+            self._role_changed.notify_all()
+
+    async def wait_for_role(self, *roles: Role) -> Role:
+        async with self._role_changed:
+            await self._role_changed.wait_for(lambda: self.role in roles)
+            assert self.role is not None
+            return self.role
+
+    def set_phase(self, phase: Phase) -> None:
+        """Enter ``phase``; each phase interval is one span (the timeline's lanes)."""
+        if phase == self.phase and self._phase_span is not None:
+            return
+        self.end_phase()
+        self.phase = phase
+        self._phase_span = telemetry.tracer(__name__).start_span(
+            f"phase.{phase}",
+            context=trace.set_span_in_context(trace.INVALID_SPAN),  # a root: lanes, not trees
+            attributes={
+                "resource.id": self.resource_id,
+                "resource.kind": self.kind,
+                "phase": phase,
+            },
+        )
+
+    def end_phase(self) -> None:
+        if self._phase_span is not None:
+            self._phase_span.end()
+            self._phase_span = None
+
+    async def heartbeat_loop(self) -> None:
+        subject = self.bus.subjects.sched_heartbeat(self.resource_id)
+        while True:
+            await self.bus.publish(
+                subject,
+                Heartbeat(
+                    resource_id=self.resource_id,
+                    phase=self.phase,
+                    in_flight=self.in_flight,
+                    version=self.version,
+                ),
+            )
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)

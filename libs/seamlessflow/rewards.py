@@ -1,0 +1,64 @@
+"""Reward functions: `(completion_text, reference) -> reward in [0, 1]`.
+
+Register one with `@register_reward("name")`; look one up with `get_reward`, which takes
+a registered name or a dotted path to any importable function ("pkg.mod:fn" or
+"pkg.mod.fn"), so a user's reward lives in its own small file and needs no registration.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+
+RewardFn = Callable[[str, str], float]
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    def decorator(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"reward {name!r} is already registered")
+        _REGISTRY[name] = fn
+        return fn
+
+    return decorator
+
+
+def reward_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_reward(name_or_dotted_path: str) -> RewardFn:
+    """A registered reward by name, else the function at a dotted path, imported."""
+    if name_or_dotted_path in _REGISTRY:
+        return _REGISTRY[name_or_dotted_path]
+    module_name, sep, attr = name_or_dotted_path.partition(":")
+    if not sep:
+        module_name, _, attr = name_or_dotted_path.rpartition(".")
+    if not module_name or not attr:
+        raise KeyError(
+            f"unknown reward {name_or_dotted_path!r}; registered rewards: "
+            f"{', '.join(reward_names())}; or give a dotted path 'package.module:function'"
+        )
+    fn = getattr(importlib.import_module(module_name), attr)
+    if not callable(fn):
+        raise TypeError(f"{name_or_dotted_path!r} is not callable")
+    return fn
+
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+def first_integer(text: str) -> int | None:
+    match = _INTEGER.search(text)
+    return int(match.group()) if match else None
+
+
+@register_reward("integer_match")
+def integer_match(completion_text: str, reference: str) -> float:
+    """1.0 iff the first integer in the completion equals the reference integer."""
+    expected = first_integer(reference)
+    got = first_integer(completion_text)
+    return 1.0 if expected is not None and got == expected else 0.0

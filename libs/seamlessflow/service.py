@@ -1,0 +1,115 @@
+"""The one service skeleton: config -> connect -> TaskGroup of loops -> SIGTERM -> drain.
+
+A service is an object with ``name`` and ``async run(ctx)``. ``run`` starts its loops
+with :func:`supervise` and returns when they end. The skeleton owns the NATS connection,
+telemetry and signals: SIGTERM/SIGINT set ``ctx.stopping``; the service then has
+``drain_timeout_s`` to finish in-flight work before it is cancelled. Shutdown is
+idempotent (a second signal does no harm).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from seamlessflow import telemetry
+from seamlessflow.bus import Bus, connect
+from seamlessflow.protocol import Subjects
+from seamlessflow.settings import MeshSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServiceContext:
+    mesh: MeshSettings
+    bus: Bus
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def subjects(self) -> Subjects:
+        return self.bus.subjects
+
+
+class Service(Protocol):
+    name: str
+
+    async def run(self, ctx: ServiceContext) -> None: ...
+
+
+async def supervise(stopping: asyncio.Event, *loops: Coroutine[Any, Any, None]) -> None:
+    """Run ``loops`` in a TaskGroup until they all return or ``stopping`` is set.
+
+    One loop raising cancels its siblings and the error propagates (the process fails
+    loudly instead of limping on half-alive).
+    """
+    tasks: list[asyncio.Task[None]] = []
+
+    async def cancel_on_stop() -> None:
+        await stopping.wait()
+        for task in tasks:
+            task.cancel()
+
+    watcher = asyncio.create_task(cancel_on_stop())
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks.extend(group.create_task(loop) for loop in loops)
+    finally:
+        watcher.cancel()
+
+
+def configure_logging(service_name: str, level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s {service_name}[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )
+
+
+async def run_service(service: Service, mesh: MeshSettings) -> None:
+    """Run one service until it finishes or is signalled; always drain and flush spans."""
+    jsonl = mesh.run_dir / "spans" / f"{service.name}-{os.getpid()}.jsonl" if mesh.run_dir else None
+    telemetry.setup(service.name, jsonl_path=jsonl, otlp_endpoint=mesh.otlp_endpoint)
+    bus = await connect(
+        mesh.nats_url, Subjects(mesh.run_id), name=f"{service.name}@{socket.gethostname()}"
+    )
+    ctx = ServiceContext(mesh=mesh, bus=bus)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, ctx.stopping.set)
+    try:
+        await bus.ensure_streams()
+        run_task = asyncio.create_task(service.run(ctx))
+        stop_task = asyncio.create_task(ctx.stopping.wait())
+        await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        stop_task.cancel()
+        if not run_task.done():
+            log.info("stopping: draining for up to %.1fs", mesh.drain_timeout_s)
+            done, _ = await asyncio.wait({run_task}, timeout=mesh.drain_timeout_s)
+            if not done:
+                log.warning("drain timed out; cancelling")
+                run_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run_task
+        if not run_task.cancelled():
+            run_task.result()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await bus.drain()
+        telemetry.shutdown()
+
+
+def main(service: Service, mesh: MeshSettings | None = None) -> None:
+    """Process entry point used by ``python -m <service>`` and ``seamlessflow serve``."""
+    import uvloop
+
+    mesh = mesh or MeshSettings()
+    configure_logging(service.name, mesh.log_level)
+    uvloop.run(run_service(service, mesh))

@@ -1,0 +1,1 @@
+"""rollout-gateway service: the OpenAI-compatible data plane and its engine workers."""

@@ -1,0 +1,58 @@
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    """rollout-gateway settings (env prefix ``SF_GATEWAY_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="SF_GATEWAY_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    """Interface the HTTP server binds to (0.0.0.0 in containers)."""
+
+    port: int = 8000
+    """HTTP port (0 = pick a free one)."""
+
+    public_url: str = ""
+    """Base URL agents reach this gateway at; default ``http://<host>:<port>``."""
+
+    served_models: str = "policy"
+    """Comma-separated model names agents may ask for (the policies this run trains)."""
+
+    max_context: int = 1024
+    """Prompt plus completion tokens may not exceed this (the model's context)."""
+
+    default_max_tokens: int = 64
+    """Completion budget when a request gives none."""
+
+    generate_timeout_s: float = 300.0
+    """Longest wait for one engine reply before the request fails with 503."""
+
+    engine_wait_s: float = 60.0
+    """How long a request waits for any engine to come up before failing with 503."""
+
+
+class EngineSettings(BaseSettings):
+    """engine-worker settings (env prefix ``SF_ENGINE_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="SF_ENGINE_", extra="ignore")
+
+    engine_id: str = ""
+    """Unique id of this worker; default ``engine-<host>-<pid>``."""
+
+    backend: str = "hf"
+    """Inference engine: ``hf`` (transformers, CPU/tests); ``vllm`` arrives in issue 2."""
+
+    max_batch_size: int = 64
+    """Requests decoded together."""
+
+    max_context: int = 1024
+    """Prompt plus completion tokens per request."""
+
+    dtype: str = "float32"
+    """Weights dtype of the engine (float32 keeps logprobs comparable with the trainer)."""
+
+    torch_threads: int = 1
+    """torch intra-op threads (processes share a few cores in embedded mode)."""
+
+    version_poll_s: float = 5.0
+    """How often to ask weight-sync for the current version (catches missed broadcasts)."""

@@ -1,0 +1,272 @@
+"""The inference-engine interface that every engine worker wraps.
+
+An engine turns (prompt token ids, sampling params) into a stream of generated tokens,
+each carrying its token id, its behaviour logprob and the weight version that produced
+it. Implementations: `TransformersEngine` (tests, tiny models, CPU) and, next, one over
+vLLM's `AsyncLLM`. The shape follows `AsyncLLM` so that engine drops in unchanged:
+
+    engine.stream(request_id, prompt_ids, params)   ~ AsyncLLM.generate(...)
+    await engine.abort(request_id)                  ~ AsyncLLM.abort(request_id)
+    await engine.pause(mode) / engine.resume()      ~ AsyncLLM.pause_generation(mode=...)
+                                                      / resume_generation()
+    await engine.load_weights(state_dict, version)  ~ in-place weight update
+
+Logprob definition (the trainer recomputes exactly this from a plain forward pass over
+prompt + completion, so engines must match it to ~1e-4 in fp32):
+
+    temperature > 0:  log_softmax(logits / temperature)[token]   (before top-p truncation)
+    temperature == 0: log_softmax(logits)[token]                  (greedy)
+
+Invariants every engine keeps:
+- `abort` ends a request at a token boundary: its stream finishes with reason "abort"
+  and keeps every token delivered so far (the gateway re-submits prompt + partial ids).
+- No decode step runs on a partially loaded weight set; each token's `version` is the
+  version of the complete weight set that computed it.
+- Bad input (invalid params, over-long prompt, unknown weight names) raises ValueError
+  and changes no engine state.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Self
+
+if TYPE_CHECKING:
+    import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+PauseMode = Literal["abort", "wait", "keep"]
+"""How `InferenceEngine.pause` treats requests in flight (the `AsyncLLM` modes):
+
+- "abort": every queued or running request finishes now with reason "abort" (partial
+  tokens kept); requests submitted while paused wait for `resume`.
+- "wait": stop admitting; requests already decoding run to completion; `pause` returns
+  once none is decoding.
+- "keep": freeze running requests at the next token boundary, keeping their state (KV
+  cache); they continue after `resume`. A `load_weights` while kept swaps the weights
+  under them: later tokens carry the new version (the KV cache of earlier tokens was
+  computed with the old weights, like vLLM's `clear_cache=False`).
+"""
+
+
+class EngineError(RuntimeError):
+    """Base of the errors an engine raises besides ValueError for bad input."""
+
+
+class EngineNotRunningError(EngineError):
+    """A request was submitted to an engine that is not started or already closed."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. Invalid values raise ValueError at construction."""
+
+    max_tokens: int
+    """Maximum number of tokens to generate (>= 1)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 disables truncation. Ignored when greedy."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation stops after any of these ids; the stop token is part of the output."""
+    seed: int | None = None
+    """Seed of this request's own RNG: same seed, prompt and weights give the same
+    tokens regardless of which other requests share the batch."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an int, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        stop = tuple(self.stop_token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop):
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {stop!r}")
+        object.__setattr__(self, "stop_token_ids", stop)
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    token_id: int
+    logprob: float
+    """Behaviour logprob, see the module docstring for the exact definition."""
+    version: int
+    """Version of the weight set that produced this token."""
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+
+
+class GenerationStream(AsyncIterator[GeneratedToken]):
+    """Handle on one submitted request.
+
+    Consumer side: `async for token in stream` yields every generated token once and
+    ends when the request finishes; then `finish_reason` is set. `await result()` waits
+    for the end and returns everything (whether or not the stream was iterated). A
+    consumer that stops early calls `aclose()` (or uses `async with`), which aborts the
+    request if it is still running. An engine failure is re-raised to the consumer.
+
+    Producer side (engine implementations, on the event loop): `put`, `finish`, `fail`.
+    After the request finished, further `put`/`finish` calls are ignored, so an abort
+    is final the moment `abort()` returns even if a decode step was in flight.
+    """
+
+    def __init__(self, request_id: str, abort: Callable[[str], Awaitable[bool]]) -> None:
+        self.request_id = request_id
+        self.tokens: list[GeneratedToken] = []
+        self.finish_reason: FinishReason | None = None
+        self._abort = abort
+        self._error: BaseException | None = None
+        self._next = 0
+        self._changed = asyncio.Event()
+        self._done = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    # -- producer side ---------------------------------------------------------------
+    def put(self, token: GeneratedToken) -> None:
+        if not self.finished:
+            self.tokens.append(token)
+            self._changed.set()
+
+    def finish(self, reason: FinishReason) -> None:
+        if not self.finished:
+            self.finish_reason = reason
+            self._done.set()
+            self._changed.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.finished:
+            self._error = error
+            self._done.set()
+            self._changed.set()
+
+    # -- consumer side ---------------------------------------------------------------
+    async def __anext__(self) -> GeneratedToken:
+        while self._next >= len(self.tokens):
+            if self._error is not None:
+                raise self._error
+            if self.finished:
+                raise StopAsyncIteration
+            self._changed.clear()
+            await self._changed.wait()
+        token = self.tokens[self._next]
+        self._next += 1
+        return token
+
+    async def result(self) -> GenerationResult:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self.finish_reason is not None
+        return GenerationResult(
+            token_ids=[t.token_id for t in self.tokens],
+            logprobs=[t.logprob for t in self.tokens],
+            versions=[t.version for t in self.tokens],
+            finish_reason=self.finish_reason,
+        )
+
+    async def aclose(self) -> None:
+        """Abort the request if it is still running; idempotent."""
+        if not self.finished:
+            await self._abort(self.request_id)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class InferenceEngine(abc.ABC):
+    """One inference engine behind the engine-worker role of the rollout gateway.
+
+    Lifecycle: `await start()` ... `await close()` (or `async with engine:`). `close` is
+    idempotent and finishes every live request with reason "abort".
+    """
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """Version of the weight set the next decode step will use."""
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def stream(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> GenerationStream:
+        """Submit a request and return its stream; the request is queued immediately.
+
+        Raises ValueError (nothing submitted) for an empty/out-of-vocabulary prompt, a
+        prompt + max_tokens over the context limit, or a request_id already live; and
+        EngineNotRunningError if the engine is not started or closed. While the engine
+        is paused, the request is accepted and waits for `resume`.
+        """
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> bool:
+        """End a queued or running request with reason "abort", keeping its tokens so
+        far. Returns False if the request is unknown or already finished."""
+
+    @abc.abstractmethod
+    async def pause(self, mode: PauseMode) -> None:
+        """Stop generation (see `PauseMode`); returns once the mode's effect holds."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Undo `pause`; idempotent."""
+
+    @abc.abstractmethod
+    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace weights in place and set `version`; returns once loaded.
+
+        Unless paused with mode "keep", a request already decoding finishes on the old
+        weights: no new request is admitted until the load is done, and the load waits
+        for the running batch. No decode step runs while the copy is in progress, so
+        no token is ever computed from a partially loaded set. Unknown names or shape
+        mismatches raise ValueError before anything is copied.
+        """
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> GenerationResult:
+        """Run one request to the end. Cancelling the caller aborts the request."""
+        stream = self.stream(request_id, prompt_ids, params)
+        try:
+            return await stream.result()
+        finally:
+            await stream.aclose()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -1,0 +1,494 @@
+"""`TransformersEngine`: the `InferenceEngine` over a Hugging Face causal LM.
+
+Meant for tests, tiny models and CPU runs; vLLM serves real models behind the same
+interface.
+
+Scheduling. One scheduler task (created in `start`, cancelled in `close`) owns the
+running batch; every other method only touches queues and flags on the event loop.
+Batching is continuous: at each token boundary the scheduler drops finished and aborted
+rows and admits queued requests up to `max_batch_size` (their prompts are prefilled,
+left-padded, and their KV cache is merged into the running one). Admission is closed
+while paused or while a weight load is pending, so a running batch drains on the
+weights it started with. Each step's torch compute (prune, prefill, one decode step,
+sampling) runs in `asyncio.to_thread`; the event loop stays free for NATS heartbeats.
+
+Weights. Steps and weight copies hold one `asyncio.Lock`, and a step reads `version`
+under it, so every token is labelled with the complete weight set that computed it and
+no step ever sees a partial copy (a cancelled holder still waits for its thread).
+
+Padding. Rows are left-padded; `attention_mask` marks real tokens and `position_ids`
+count real tokens only, so a row's logits do not depend on its batch mates (up to float
+rounding), and seeded requests give the same tokens batched or alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from .base import (
+    EngineError,
+    EngineNotRunningError,
+    FinishReason,
+    GeneratedToken,
+    GenerationStream,
+    InferenceEngine,
+    PauseMode,
+    SamplingParams,
+)
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: GenerationStream
+    generator: torch.Generator
+    produced: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.stream.finished
+
+
+@dataclass(eq=False)
+class _BatchState:
+    """Tensors of the running batch; row i belongs to the i-th running request."""
+
+    cache: DynamicCache
+    mask: torch.Tensor
+    """[B, S] 1 for real tokens in the cache, 0 for left padding."""
+    next_ids: torch.Tensor
+    """[B] last sampled token of each row; not yet in the cache."""
+    next_pos: torch.Tensor
+    """[B] position id of `next_ids`."""
+
+
+async def _to_thread_to_completion(fn: Callable[..., _T], *args: Any) -> _T:
+    """`asyncio.to_thread`, but a cancelled caller still waits for the thread to end,
+    so a lock held around this call is only released once the compute really stopped."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise
+
+
+class TransformersEngine(InferenceEngine):
+    """Continuous-batching engine over `AutoModelForCausalLM` with a KV cache.
+
+    Args:
+        model: a model directory (loaded in `start`) or a built causal LM (moved to
+            `device`/`dtype` in place).
+        dtype: compute dtype of the weights; logits are upcast to fp32 for sampling.
+        device: torch device.
+        max_batch_size: most requests decoded together.
+        max_context: limit on len(prompt) + max_tokens; defaults to the model's
+            `max_position_embeddings`.
+        version: version of the initial weights.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | PreTrainedModel,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        max_batch_size: int = 8,
+        max_context: int | None = None,
+        version: int = 0,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self._source = model
+        self._dtype = dtype
+        self._device = torch.device(device)
+        self._max_batch_size = max_batch_size
+        self._max_context_arg = max_context
+        self._version = version
+
+        self._model: PreTrainedModel | None = None
+        self._params: dict[str, torch.Tensor] = {}
+        self._vocab_size = 0
+        self._max_context = 0
+        self._can_merge = False
+
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._live: dict[str, _Request] = {}
+        self._queue: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._batch_running = False
+        self._frozen = False
+        self._paused: PauseMode | None = None
+        self._loads_pending = 0
+        self._compute_lock = asyncio.Lock()
+        self._wakeup = asyncio.Event()
+
+    # -- lifecycle -------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    async def start(self) -> None:
+        if self._task is not None or self._closed:
+            raise EngineError("engine already started")
+        if isinstance(self._source, str | Path):
+            model = await asyncio.to_thread(_load_pretrained, Path(self._source), self._dtype)
+        else:
+            model = self._source
+        model.to(device=self._device, dtype=self._dtype)  # type: ignore[call-arg]
+        model.eval()
+        self._model = model
+        self._params = dict(model.state_dict())
+        self._vocab_size = int(model.config.get_text_config().vocab_size)
+        self._max_context = self._max_context_arg or model.config.max_position_embeddings
+        # Merging caches of different lengths edits plain per-layer K/V tensors; other
+        # cache layouts (sliding window, linear attention) get dynamic batching instead.
+        probe = DynamicCache(config=model.config)
+        self._can_merge = bool(probe.layers) and all(
+            type(layer) is DynamicLayer for layer in probe.layers
+        )
+        self._task = asyncio.create_task(self._scheduler(), name="transformers-engine")
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for req in list(self._live.values()):
+            self._finish(req, "abort")
+        self._queue.clear()
+        self._notify()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])
+
+    # -- requests --------------------------------------------------------------------
+    def stream(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> GenerationStream:
+        if self._task is None or self._closed:
+            raise EngineNotRunningError("engine is not running")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self._live:
+            raise ValueError(f"request {request_id!r} is already running")
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise ValueError("prompt_ids must not be empty")
+        bad: list[object] = [
+            t
+            for t in prompt
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size
+        ]
+        if bad:
+            raise ValueError(
+                f"prompt_ids must be ints in [0, {self._vocab_size}), got e.g. {bad[0]!r}"
+            )
+        if len(prompt) + params.max_tokens > self._max_context:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the context limit of {self._max_context} tokens"
+            )
+        generator = torch.Generator(device=self._device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed)
+        req = _Request(
+            request_id=request_id,
+            prompt_ids=prompt,
+            params=params,
+            stream=GenerationStream(request_id, self.abort),
+            generator=generator,
+        )
+        self._live[request_id] = req
+        self._queue.append(req)
+        self._notify()
+        return req.stream
+
+    async def abort(self, request_id: str) -> bool:
+        req = self._live.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, "abort")
+        if req in self._queue:
+            self._queue.remove(req)
+        self._notify()
+        return True
+
+    async def pause(self, mode: PauseMode) -> None:
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
+        self._paused = mode
+        self._notify()
+        if mode == "abort":
+            for req in list(self._live.values()):
+                self._finish(req, "abort")
+            self._queue.clear()
+            await self._wait_until(lambda: not self._batch_running)
+        elif mode == "wait":
+            await self._wait_until(lambda: not self._batch_running)
+        else:
+            await self._wait_until(lambda: not self._batch_running or self._frozen)
+
+    async def resume(self) -> None:
+        self._paused = None
+        self._notify()
+
+    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        if self._task is None or self._closed:
+            raise EngineNotRunningError("engine is not running")
+        self._check_weights(state_dict)
+        self._loads_pending += 1  # closes admission: the running batch drains
+        try:
+            await self._wait_until(lambda: not self._batch_running or self._paused == "keep")
+            async with self._compute_lock:
+                await _to_thread_to_completion(self._copy_weights, state_dict, version)
+        finally:
+            self._loads_pending -= 1
+            self._notify()
+
+    # -- scheduler (event loop side) -------------------------------------------------
+    def _notify(self) -> None:
+        """Wake every `_wait_until`; each re-checks its own predicate."""
+        event, self._wakeup = self._wakeup, asyncio.Event()
+        event.set()
+
+    async def _wait_until(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await self._wakeup.wait()
+
+    def _may_admit(self) -> bool:
+        return bool(self._queue) and self._paused is None and self._loads_pending == 0
+
+    def _finish(self, req: _Request, reason: FinishReason) -> None:
+        req.stream.finish(reason)
+        self._live.pop(req.request_id, None)
+
+    async def _scheduler(self) -> None:
+        while True:
+            await self._wait_until(self._may_admit)
+            self._batch_running = True
+            try:
+                await self._run_batch()
+            except Exception as exc:
+                # A failed step fails the requests it carried, not the engine.
+                log.exception("engine step failed; failing %d requests", len(self._running))
+                for req in self._running:
+                    req.stream.fail(EngineError(f"engine step failed: {exc!r}"))
+                    self._live.pop(req.request_id, None)
+            finally:
+                self._running = []
+                self._batch_running = False
+                self._frozen = False
+                self._notify()
+
+    async def _run_batch(self) -> None:
+        state: _BatchState | None = None
+        while True:
+            if self._paused == "keep" and any(not req.done for req in self._running):
+                self._frozen = True
+                self._notify()
+                await self._wait_until(lambda: self._paused != "keep")
+                self._frozen = False
+            keep = [i for i, req in enumerate(self._running) if not req.done]
+            new: list[_Request] = []
+            if self._may_admit() and (self._can_merge or not keep):
+                while self._queue and len(keep) + len(new) < self._max_batch_size:
+                    new.append(self._queue.popleft())
+            if not keep and not new:
+                return
+            self._running = [self._running[i] for i in keep] + new
+            async with self._compute_lock:
+                version = self._version
+                state, tokens, logprobs = await _to_thread_to_completion(
+                    self._step, state, keep, new, self._running
+                )
+            for req, token, logprob in zip(self._running, tokens, logprobs, strict=True):
+                if req.done:  # aborted while the step ran
+                    continue
+                req.produced += 1
+                req.stream.put(GeneratedToken(token, logprob, version))
+                if token in req.params.stop_token_ids:
+                    self._finish(req, "stop")
+                elif req.produced >= req.params.max_tokens:
+                    self._finish(req, "length")
+
+    # -- compute (worker thread; touches only tensors and the requests' generators) ---
+    def _step(
+        self,
+        state: _BatchState | None,
+        keep: list[int],
+        new: list[_Request],
+        rows: list[_Request],
+    ) -> tuple[_BatchState, list[int], list[float]]:
+        with torch.inference_mode():
+            logits = []
+            if state is not None and len(keep) < state.mask.shape[0]:
+                state = self._select(state, keep) if keep else None
+            if state is not None:
+                logits.append(self._decode(state))
+            if new:
+                new_state, new_logits = self._prefill(new)
+                state = new_state if state is None else self._merge(state, new_state)
+                logits.append(new_logits)
+            assert state is not None
+            tokens, logprobs = _sample(torch.cat(logits), rows)
+            state.next_ids = tokens
+            return state, tokens.tolist(), logprobs.tolist()
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any):
+        assert self._model is not None
+        out = self._model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1].float()
+
+    def _prefill(self, reqs: list[_Request]) -> tuple[_BatchState, torch.Tensor]:
+        lengths = [len(r.prompt_ids) for r in reqs]
+        width = max(lengths)
+        ids = torch.zeros(len(reqs), width, dtype=torch.long, device=self._device)
+        mask = torch.zeros_like(ids)
+        for i, req in enumerate(reqs):
+            ids[i, width - lengths[i] :] = torch.tensor(req.prompt_ids)
+            mask[i, width - lengths[i] :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp_(min=0)
+        cache = DynamicCache(config=self._model.config if self._model else None)
+        logits = self._forward(ids, mask, pos, cache)
+        next_pos = torch.tensor(lengths, dtype=torch.long, device=self._device)
+        return _BatchState(cache, mask, ids[:, -1], next_pos), logits
+
+    def _decode(self, state: _BatchState) -> torch.Tensor:
+        ones = state.mask.new_ones(state.mask.shape[0], 1)
+        state.mask = torch.cat([state.mask, ones], dim=-1)
+        logits = self._forward(
+            state.next_ids[:, None], state.mask, state.next_pos[:, None], state.cache
+        )
+        state.next_pos = state.next_pos + 1
+        return logits
+
+    def _select(self, state: _BatchState, keep: list[int]) -> _BatchState:
+        idx = torch.tensor(keep, dtype=torch.long, device=self._device)
+        state.cache.batch_select_indices(idx)
+        state.mask = state.mask[idx]
+        state.next_ids = state.next_ids[idx]
+        state.next_pos = state.next_pos[idx]
+        if self._can_merge:  # drop columns that are padding in every remaining row
+            first = int(state.mask.any(dim=0).to(torch.int8).argmax())
+            if first > 0:
+                state.mask = state.mask[:, first:]
+                for layer in _kv_layers(state.cache):
+                    keys, values = _kv(layer)
+                    layer.keys, layer.values = keys[:, :, first:], values[:, :, first:]
+        return state
+
+    def _merge(self, old: _BatchState, new: _BatchState) -> _BatchState:
+        """Stack `new` rows under `old` rows, left-padding the shorter cache."""
+        width = max(old.mask.shape[1], new.mask.shape[1])
+
+        def pad(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:
+            missing = width - t.shape[-dim_from_end]
+            return F.pad(t, (0, 0) * (dim_from_end - 1) + (missing, 0)) if missing else t
+
+        for lo, ln in zip(_kv_layers(old.cache), _kv_layers(new.cache), strict=True):
+            (ko, vo), (kn, vn) = _kv(lo), _kv(ln)
+            lo.keys = torch.cat([pad(ko, 2), pad(kn, 2)])
+            lo.values = torch.cat([pad(vo, 2), pad(vn, 2)])
+        old.mask = torch.cat([pad(old.mask, 1), pad(new.mask, 1)])
+        old.next_ids = torch.cat([old.next_ids, new.next_ids])
+        old.next_pos = torch.cat([old.next_pos, new.next_pos])
+        return old
+
+    def _check_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        for name, tensor in state_dict.items():
+            target = self._params.get(name)
+            if target is None:
+                raise ValueError(f"unknown weight {name!r}")
+            if not isinstance(tensor, torch.Tensor) or tensor.shape != target.shape:
+                shape = getattr(tensor, "shape", type(tensor).__name__)
+                raise ValueError(
+                    f"weight {name!r}: expected shape {tuple(target.shape)}, got {shape}"
+                )
+
+    def _copy_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                self._params[name].copy_(tensor)
+        # Written under the compute lock, which every step reads `version` under.
+        self._version = version
+
+
+def _load_pretrained(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model
+
+
+def _kv_layers(cache: DynamicCache) -> list[DynamicLayer]:
+    """The cache's layers, which `start` checked are all plain `DynamicLayer`s."""
+    return cast(list[DynamicLayer], cache.layers)
+
+
+def _kv(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    assert layer.keys is not None and layer.values is not None
+    return layer.keys, layer.values
+
+
+def _sample(logits: torch.Tensor, rows: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row; return (token ids [B], logprobs [B]).
+
+    Each sampled row draws exactly one uniform from its own generator and inverts the
+    CDF of its own (top-p truncated) distribution, so its token depends only on its
+    logits, params and seed, never on its batch mates.
+    """
+    temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=logits.device)
+    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    tokens = logits.argmax(dim=-1)
+    full = [i for i, r in enumerate(rows) if not r.params.greedy and r.params.top_p == 1]
+    nucleus = [i for i, r in enumerate(rows) if not r.params.greedy and r.params.top_p < 1]
+    if full:
+        idx = torch.tensor(full, device=logits.device)
+        tokens[idx] = _invert_cdf(logp[idx].exp(), [rows[i] for i in full])
+    if nucleus:
+        idx = torch.tensor(nucleus, device=logits.device)
+        probs, order = logp[idx].exp().sort(dim=-1, descending=True)
+        top_p = torch.tensor([rows[i].params.top_p for i in nucleus], device=logits.device)
+        probs = probs * ((probs.cumsum(dim=-1) - probs) < top_p[:, None])  # keeps >= 1 token
+        picked = _invert_cdf(probs, [rows[i] for i in nucleus])
+        tokens[idx] = order.gather(1, picked[:, None]).squeeze(1)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _invert_cdf(probs: torch.Tensor, rows: list[_Request]) -> torch.Tensor:
+    """Index drawn from each row of unnormalized `probs` with that row's generator."""
+    cdf = probs.cumsum(dim=-1)
+    u = torch.cat([torch.rand(1, generator=r.generator, device=probs.device) for r in rows])
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    return picked.clamp_(max=probs.shape[-1] - 1)

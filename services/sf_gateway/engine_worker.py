@@ -1,0 +1,186 @@
+"""engine worker: the rollout-gateway's second process role, one inference engine each.
+
+Consumes:
+- ``sf.<run>.engine.generate`` (queue group ``engines``; GenerateRequest -> GenerateReply)
+- ``sf.<run>.engine.abort`` (AbortGeneration broadcast)
+- ``sf.<run>.engine.load`` (LoadWeights broadcast from weight-sync)
+- ``sf.<run>.sched.assign.<engine>`` (RoleAssignment from the tag-scheduler)
+Produces:
+- ``sf.<run>.weights.loaded`` (WeightsLoaded: the version now served)
+- ``sf.<run>.weights.current`` requests (CurrentVersionQuery, to catch up)
+- ``sf.<run>.sched.register`` / ``sf.<run>.sched.heartbeat.<engine>``
+
+Invariants: the worker joins the generate queue only after it serves the current
+weight version and the scheduler gave it the ``rollout`` role; weights are loaded
+between decode steps only after the full set arrived and its checksum matched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+
+import torch
+
+from seamlessflow import telemetry, weights
+from seamlessflow.bus import DomainError, NoResponder
+from seamlessflow.protocol import (
+    ENGINE_QUEUE,
+    AbortGeneration,
+    CurrentVersion,
+    CurrentVersionQuery,
+    GenerateReply,
+    GenerateRequest,
+    LoadWeights,
+    WeightsLoaded,
+)
+from seamlessflow.resources import ResourceMembership
+from seamlessflow.service import ServiceContext, supervise
+from sf_gateway.config import EngineSettings
+from sf_gateway.engine import InferenceEngine, SamplingParams, TransformersEngine
+
+log = logging.getLogger(__name__)
+tracer = telemetry.tracer(__name__)
+
+
+def build_engine(settings: EngineSettings, model_dir: str) -> InferenceEngine:
+    if settings.backend == "hf":
+        return TransformersEngine(
+            model_dir,
+            dtype=getattr(torch, settings.dtype),
+            max_batch_size=settings.max_batch_size,
+            max_context=settings.max_context,
+        )
+    raise ValueError(f"unknown engine backend {settings.backend!r} (known: hf)")
+
+
+class EngineWorker:
+    name = "engine"
+
+    def __init__(self, settings: EngineSettings | None = None) -> None:
+        self.settings = settings or EngineSettings()
+        self.engine_id = self.settings.engine_id or f"engine-{socket.gethostname()}-{os.getpid()}"
+        self._load_lock = asyncio.Lock()
+        self.requests_served = 0
+
+    async def run(self, ctx: ServiceContext) -> None:
+        if ctx.mesh.model_dir is None:
+            raise RuntimeError("the engine needs SF_MODEL_DIR")
+        torch.set_num_threads(self.settings.torch_threads)
+        self.ctx = ctx
+        self.engine = build_engine(self.settings, str(ctx.mesh.model_dir))
+        await self.engine.start()
+        self.membership = ResourceMembership(
+            ctx.bus, self.engine_id, "engine", ctx.mesh.tags(["rollout"])
+        )
+        try:
+            await self._join(ctx)
+            await supervise(
+                ctx.stopping, self.membership.heartbeat_loop(), self._version_poll_loop()
+            )
+        finally:
+            self.membership.end_phase()
+            await self.engine.close()
+
+    async def _join(self, ctx: ServiceContext) -> None:
+        subjects = ctx.subjects
+        await self.membership.register()
+        self.membership.set_phase("sync")
+        await ctx.bus.serve(subjects.engine_load(), LoadWeights, self.on_load)
+        await self._catch_up()
+        await self.membership.wait_for_role("rollout")
+        await ctx.bus.serve(subjects.engine_abort(), AbortGeneration, self.on_abort)
+        await ctx.bus.serve(
+            subjects.engine_generate(), GenerateRequest, self.on_generate, queue=ENGINE_QUEUE
+        )
+        self.membership.set_phase("idle")
+        log.info("%s serving version %d", self.engine_id, self.engine.version)
+
+    async def on_generate(self, request: GenerateRequest) -> GenerateReply:
+        try:
+            params = SamplingParams(
+                max_tokens=request.max_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                stop_token_ids=tuple(request.stop_token_ids),
+                seed=request.seed,
+            )
+        except ValueError as exc:
+            raise DomainError(str(exc)) from None
+        self.membership.in_flight += 1
+        self.membership.set_phase("rollout")
+        try:
+            with tracer.start_as_current_span(
+                "engine.generate",
+                attributes={"engine.id": self.engine_id, "prompt_tokens": len(request.prompt_ids)},
+            ) as span:
+                try:
+                    result = await self.engine.generate(
+                        request.request_id, request.prompt_ids, params
+                    )
+                except ValueError as exc:
+                    raise DomainError(str(exc)) from None
+                span.set_attribute("completion_tokens", len(result.token_ids))
+                span.set_attribute("finish_reason", result.finish_reason)
+        finally:
+            self.membership.in_flight -= 1
+            if self.membership.in_flight == 0:
+                self.membership.set_phase("idle")
+        self.requests_served += 1
+        return GenerateReply(
+            request_id=request.request_id,
+            engine_id=self.engine_id,
+            token_ids=result.token_ids,
+            logprobs=result.logprobs,
+            versions=result.versions,
+            finish_reason=result.finish_reason,
+        )
+
+    async def on_abort(self, message: AbortGeneration) -> None:
+        await self.engine.abort(message.request_id)
+
+    async def on_load(self, message: LoadWeights) -> None:
+        await self._load(message.version, message.object_name, message.sha256)
+
+    async def _load(self, version: int, object_name: str, sha256: str) -> None:
+        async with self._load_lock:
+            if version <= self.engine.version:
+                return  # already serving it (or newer): loads are idempotent
+            with tracer.start_as_current_span(
+                "engine.load_weights", attributes={"engine.id": self.engine_id, "version": version}
+            ):
+                state_dict = await weights.get_weights(self.ctx.bus, object_name, sha256)
+                await self.engine.load_weights(state_dict, version)
+            self.membership.version = version
+            await self.ctx.bus.publish(
+                self.ctx.subjects.weights_loaded(),
+                WeightsLoaded(engine_id=self.engine_id, version=version),
+            )
+            log.info("%s loaded version %d", self.engine_id, version)
+
+    async def _catch_up(self) -> None:
+        """Ask weight-sync for the current version until it answers, then load it."""
+        delay = 0.1
+        while True:
+            try:
+                current = await self.ctx.bus.request(
+                    self.ctx.subjects.weights_current(),
+                    CurrentVersionQuery(engine_id=self.engine_id),
+                    CurrentVersion,
+                    timeout=2.0,
+                )
+            except NoResponder:
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 2.0)
+                continue
+            if current.version > self.engine.version:
+                await self._load(current.version, current.object_name, current.sha256)
+            return
+
+    async def _version_poll_loop(self) -> None:
+        """A missed broadcast (reconnect, late start) must not leave an engine stale."""
+        while True:
+            await asyncio.sleep(self.settings.version_poll_s)
+            await self._catch_up()

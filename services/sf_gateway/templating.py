@@ -1,0 +1,42 @@
+"""Tokenization at the gateway: the chat template is applied here and only here.
+
+Engines and the trainer only ever see token ids; text exists at the agent boundary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+class ChatTokenizer:
+    def __init__(self, model_dir: Path) -> None:
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir))
+        stops = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id}
+        for special in ("<|im_end|>", "<|endoftext|>"):
+            token_id = self.tokenizer.convert_tokens_to_ids(special)
+            if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id:
+                stops.add(token_id)
+        self.stop_token_ids: tuple[int, ...] = tuple(sorted(t for t in stops if t is not None))
+        self.vocab_size = len(self.tokenizer)
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Template the conversation and open an assistant turn."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return self.encode_text(str(text))
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode_completion(self, token_ids: list[int]) -> str:
+        """The text an agent sees: without a trailing stop token."""
+        if token_ids and token_ids[-1] in self.stop_token_ids:
+            token_ids = token_ids[:-1]
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))

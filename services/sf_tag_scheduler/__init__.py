@@ -1,0 +1,1 @@
+"""tag-scheduler service: resources, capability tags, roles and liveness."""

@@ -1,0 +1,1 @@
+"""trainer service: GRPO-family policy optimisation on batches from the trajectory service."""

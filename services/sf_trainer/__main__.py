@@ -1,0 +1,4 @@
+from seamlessflow.service import main
+from sf_trainer.service import Trainer
+
+main(Trainer())

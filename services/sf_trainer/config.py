@@ -1,0 +1,42 @@
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class TrainerSettings(BaseSettings):
+    """trainer settings (env prefix ``SF_TRAINER_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="SF_TRAINER_", extra="ignore")
+
+    steps: int = 100
+    """Optimizer steps (one batch each); the trainer finishes after this many."""
+
+    lr: float = 1e-4
+    """AdamW learning rate (constant)."""
+
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas (SRPO's choice)."""
+
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm."""
+
+    clip_eps: float = 0.2
+    """PPO ratio clip: the ratio is kept within [1 - eps, 1 + eps]."""
+
+    temperature: float = 1.0
+    """Sampling temperature the agents use; logprobs are computed at this temperature
+    so they match the engine's behaviour logprobs."""
+
+    micro_batch_tokens: int = 16384
+    """Gradient accumulation: sequences are packed into micro-batches of at most this
+    many (padded) tokens."""
+
+    checkpoint_every: int = 0
+    """Also checkpoint every N steps (0 = only at the end and on stop)."""
+
+    seed: int = 0
+    """torch seed."""
+
+    torch_threads: int = 1
+    """torch intra-op threads."""

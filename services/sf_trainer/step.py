@@ -1,0 +1,125 @@
+"""One optimizer step on a TrainBatch (runs in a worker thread; pure torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from seamlessflow.protocol import TrainBatch, TrainSample
+from sf_trainer.config import TrainerSettings
+from sf_trainer.grpo import clipped_policy_loss, group_advantages, token_logprobs
+
+
+@dataclass
+class StepResult:
+    loss: float
+    mean_reward: float
+    clip_fraction: float
+    samples: int
+    tokens_generated: int
+    tokens_trained: int
+    max_staleness: int
+
+
+@dataclass
+class PackedSamples:
+    """Right-padded tensors of a list of samples, shifted for next-token prediction."""
+
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    targets: torch.Tensor  # [B, T-1]: token t+1 predicted at position t
+    loss_mask: torch.Tensor  # [B, T-1]
+    old_logprobs: torch.Tensor  # [B, T-1]
+    advantages: torch.Tensor  # [B, 1]
+
+
+def pack(samples: list[TrainSample], advantages: list[float]) -> PackedSamples:
+    length = max(len(s.token_ids) for s in samples)
+    batch = len(samples)
+    ids = torch.zeros(batch, length, dtype=torch.long)
+    attention = torch.zeros(batch, length, dtype=torch.long)
+    mask = torch.zeros(batch, length, dtype=torch.float32)
+    old = torch.zeros(batch, length, dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        n = len(sample.token_ids)
+        ids[row, :n] = torch.tensor(sample.token_ids)
+        attention[row, :n] = 1
+        mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.float32)
+        old[row, :n] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
+    return PackedSamples(
+        input_ids=ids,
+        attention_mask=attention,
+        targets=ids[:, 1:],
+        # a token at position t is predicted by position t-1; position 0 is never trained
+        loss_mask=mask[:, 1:],
+        old_logprobs=old[:, 1:],
+        advantages=torch.tensor(advantages, dtype=torch.float32).unsqueeze(-1),
+    )
+
+
+def micro_batches(samples: list[TrainSample], token_budget: int) -> list[list[int]]:
+    """Indices of samples grouped so that rows x longest row stays within the budget."""
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].token_ids))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for index in order:
+        n = len(samples[index].token_ids)
+        if current and (len(current) + 1) * max(longest, n) > token_budget:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(index)
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    settings: TrainerSettings,
+    current_version: int,
+) -> StepResult:
+    samples: list[TrainSample] = []
+    advantages: list[float] = []
+    for group in batch.groups:
+        rewards = torch.tensor([[s.reward for s in group.samples]], dtype=torch.float32)
+        advantages.extend(group_advantages(rewards)[0].tolist())
+        samples.extend(group.samples)
+    total_tokens = float(sum(sum(s.loss_mask) for s in samples))
+    normalizer = max(total_tokens, 1.0)
+
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = 0.0
+    clipped = 0.0
+    for indices in micro_batches(samples, settings.micro_batch_tokens):
+        packed = pack([samples[i] for i in indices], [advantages[i] for i in indices])
+        logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
+        logprobs = token_logprobs(logits[:, :-1], packed.targets, settings.temperature)
+        loss, clipped_count = clipped_policy_loss(
+            logprobs,
+            packed.old_logprobs,
+            packed.advantages,
+            packed.loss_mask,
+            settings.clip_eps,
+            normalizer=normalizer,
+        )
+        loss.backward()
+        loss_sum += float(loss.detach())
+        clipped += float(clipped_count)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+    optimizer.step()
+
+    versions = [v for s in samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
+    return StepResult(
+        loss=loss_sum,
+        mean_reward=sum(s.reward for s in samples) / max(len(samples), 1),
+        clip_fraction=clipped / normalizer,
+        samples=len(samples),
+        tokens_generated=int(total_tokens),
+        tokens_trained=int(total_tokens),
+        max_staleness=current_version - min(versions) if versions else 0,
+    )

@@ -1,0 +1,1 @@
+"""trajectory service: sessions, samples, GRPO groups, batches and the rollout rhythm."""

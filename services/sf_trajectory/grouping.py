@@ -1,0 +1,155 @@
+"""Pure logic of the trajectory service: sessions -> samples -> groups -> batches.
+
+No I/O here, so it is tested directly and rebuilt deterministically by replaying the
+trajectory stream after a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from seamlessflow.protocol import (
+    RewardReported,
+    SampleGroup,
+    SessionFinished,
+    SessionOpened,
+    TrainSample,
+    TrajectoryEvent,
+    TurnRecorded,
+)
+
+log = logging.getLogger(__name__)
+
+RewardLookup = Callable[[str], Callable[[str, str], float]]
+
+
+@dataclass
+class Session:
+    opened: SessionOpened
+    turns: list[TurnRecorded] = field(default_factory=list)
+    reported_reward: float | None = None
+    finished: bool = False
+
+
+def build_sample(session: Session, reward: float) -> TrainSample | None:
+    """The trajectory ending at the session's last turn, as exact engine tokens.
+
+    The sequence is the last turn's prompt + completion. Earlier turns whose prompt and
+    completion lie on that sequence (same ids at the same positions) contribute their
+    completion tokens to the loss mask; a turn from an abandoned branch does not.
+    Every masked-in token is therefore one the engine produced (invariant 1), with the
+    logprob and version it was produced with.
+    """
+    if not session.turns:
+        return None
+    last = session.turns[-1]
+    token_ids = [*last.prompt_ids, *last.completion_ids]
+    loss_mask = [0] * len(token_ids)
+    logprobs = [0.0] * len(token_ids)
+    versions = [-1] * len(token_ids)
+    for turn in session.turns:
+        start = len(turn.prompt_ids)
+        end = start + len(turn.completion_ids)
+        on_path = (
+            token_ids[:start] == turn.prompt_ids and token_ids[start:end] == turn.completion_ids
+        )
+        if not on_path:
+            continue
+        loss_mask[start:end] = [1] * (end - start)
+        logprobs[start:end] = turn.logprobs
+        versions[start:end] = turn.versions
+    return TrainSample(
+        session_id=session.opened.session_id,
+        token_ids=token_ids,
+        loss_mask=loss_mask,
+        behaviour_logprobs=logprobs,
+        versions=versions,
+        reward=reward,
+    )
+
+
+@dataclass
+class Group:
+    group_id: str
+    task_id: str
+    size: int
+    samples: list[TrainSample] = field(default_factory=list)
+    failed: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return len(self.samples) + self.failed >= self.size
+
+
+class Grouper:
+    """Folds trajectory events into complete groups, in completion order.
+
+    ``already_batched`` holds the session ids that are in a published batch already:
+    replaying the event stream after a restart skips them, so no trajectory is batched
+    twice (invariant 4).
+    """
+
+    def __init__(self, reward_lookup: RewardLookup, already_batched: set[str] | None = None):
+        self.reward_lookup = reward_lookup
+        self.already_batched = already_batched or set()
+        self.sessions: dict[str, Session] = {}
+        self.groups: dict[str, Group] = {}
+        self.ready: list[SampleGroup] = []
+        self.dropped: dict[str, int] = {}
+
+    def apply(self, event: TrajectoryEvent) -> None:
+        if isinstance(event, SessionOpened):
+            if event.session_id in self.already_batched:
+                return
+            self.sessions[event.session_id] = Session(opened=event)
+            self.groups.setdefault(
+                event.group_id, Group(event.group_id, event.task_id, event.group_size)
+            )
+            return
+        session = self.sessions.get(event.session_id)
+        if session is None or session.finished:
+            return  # batched before a restart, or an event after finish: nothing to do
+        if isinstance(event, TurnRecorded):
+            session.turns.append(event)
+        elif isinstance(event, RewardReported):
+            session.reported_reward = event.reward
+        elif isinstance(event, SessionFinished):
+            session.finished = True
+            self._finish(session)
+
+    def _finish(self, session: Session) -> None:
+        opened = session.opened
+        group = self.groups[opened.group_id]
+        reward = self._reward(session)
+        sample = build_sample(session, reward) if reward is not None else None
+        if sample is None:
+            group.failed += 1
+            reason = "no_turns" if not session.turns else "no_reward"
+            self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        else:
+            group.samples.append(sample)
+        del self.sessions[opened.session_id]
+        if group.complete:
+            del self.groups[group.group_id]
+            if group.samples:
+                self.ready.append(
+                    SampleGroup(
+                        group_id=group.group_id, task_id=group.task_id, samples=group.samples
+                    )
+                )
+
+    def _reward(self, session: Session) -> float | None:
+        if session.reported_reward is not None:
+            return session.reported_reward
+        if not session.turns or not session.opened.reward_fn:
+            return None
+        reward_fn = self.reward_lookup(session.opened.reward_fn)
+        return float(reward_fn(session.turns[-1].completion_text, session.opened.reference))
+
+    def take_batch(self, groups_per_batch: int) -> list[SampleGroup] | None:
+        if len(self.ready) < groups_per_batch:
+            return None
+        batch, self.ready = self.ready[:groups_per_batch], self.ready[groups_per_batch:]
+        return batch

@@ -1,0 +1,1 @@
+"""weight-sync service: versioned weights from the trainer to the engines."""

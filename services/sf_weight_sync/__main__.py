@@ -1,0 +1,4 @@
+from seamlessflow.service import main
+from sf_weight_sync.service import WeightSync
+
+main(WeightSync())

@@ -1,0 +1,14 @@
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WeightSyncSettings(BaseSettings):
+    """weight-sync settings (env prefix ``SF_WEIGHT_SYNC_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="SF_WEIGHT_SYNC_", extra="ignore")
+
+    keep_versions: int = 3
+    """Versions kept in the object store (older ones are deleted; engines still
+    loading an old version then catch up to the current one)."""
+
+    sync_timeout_s: float = 60.0
+    """How long a sync span waits for every known engine to report the new version."""

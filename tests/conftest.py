@@ -1,0 +1,85 @@
+"""Shared fixtures: a real nats-server on a random port, a small real model."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from seamlessflow.bus import Bus, connect
+from seamlessflow.natsserver import EmbeddedNats
+from seamlessflow.protocol import Subjects
+
+
+@pytest.fixture(scope="session")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with EmbeddedNats(tmp_path_factory.mktemp("nats")) as server:
+        yield server.url
+
+
+@pytest.fixture
+def run_id() -> str:
+    """A fresh run id per test: subjects, streams and buckets never collide."""
+    return "t" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+async def bus(nats_url: str, run_id: str) -> AsyncIterator[Bus]:
+    bus = await connect(nats_url, Subjects(run_id), name="test")
+    await bus.ensure_streams()
+    yield bus
+    await bus.drain()
+
+
+@pytest.fixture(scope="session")
+def base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real base-model builder with a short SFT: a loadable model + tokenizer."""
+    from seamlessflow.assets.base_model import build_base_model
+
+    return build_base_model(tmp_path_factory.mktemp("model") / "base", seed=0, sft_steps=30)
+
+
+class InProcessMesh:
+    """Services of one run started in this test's event loop, each with its own
+    connection, exactly as ``run_service`` would start them (minus signals)."""
+
+    def __init__(self, nats_url: str, run_id: str, model_dir: Path | None) -> None:
+        from seamlessflow.settings import MeshSettings
+
+        self.mesh = MeshSettings(nats_url=nats_url, run_id=run_id, model_dir=model_dir)
+        self.running: list[tuple[object, object, object]] = []
+
+    async def start(self, service):  # type: ignore[no-untyped-def]
+        import asyncio
+
+        from seamlessflow.service import ServiceContext
+
+        service_bus = await connect(
+            self.mesh.nats_url, Subjects(self.mesh.run_id), name=service.name
+        )
+        await service_bus.ensure_streams()
+        ctx = ServiceContext(mesh=self.mesh, bus=service_bus)
+        task = asyncio.create_task(service.run(ctx))
+        self.running.append((service, ctx, task))
+        return service
+
+    async def stop(self) -> None:
+        import asyncio
+
+        for _, ctx, _ in reversed(self.running):
+            ctx.stopping.set()  # type: ignore[attr-defined]
+        for _, ctx, task in reversed(self.running):
+            try:
+                await asyncio.wait_for(task, 20)  # type: ignore[arg-type]
+            finally:
+                await ctx.bus.drain()  # type: ignore[attr-defined]
+        self.running.clear()
+
+
+@pytest.fixture
+async def mesh(nats_url: str, run_id: str, base_model_dir: Path) -> AsyncIterator[InProcessMesh]:
+    in_process = InProcessMesh(nats_url, run_id, base_model_dir)
+    yield in_process
+    await in_process.stop()

@@ -1,0 +1,472 @@
+"""Offline validation of compose/docker-compose.yml and compose/Dockerfile.
+
+No container engine runs in CI, so the compose deployment is checked structurally: the
+file is parsed with PyYAML (anchors and `<<` merge keys resolved), `${VAR:-default}`
+references are resolved to their defaults, and the result is checked against the
+deployment contract (one image, `seamlessflow serve <service>` commands, NATS / OTLP
+wiring, start order, the gateway port, the `gpu` profile). When a compose CLI is on
+PATH, `config -q` validates the file against the Compose schema as well.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_DIR = ROOT / "compose"
+COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
+DOCKERFILE = COMPOSE_DIR / "Dockerfile"
+
+# Fallback only: the authoritative list is seamlessflow.cli.SERVICE_NAMES (see
+# cli_service_names()); this copy is used when the CLI cannot be imported.
+FALLBACK_SERVICE_NAMES = frozenset(
+    {"tag-scheduler", "weight-sync", "trajectory", "trainer", "gateway", "engine", "agents"}
+)
+INFRA_SERVICES = ("nats", "jaeger")
+BUILD_MODEL = "build-model"
+# GPU variant -> the service it runs.
+GPU_SERVICES = {"engine-gpu": "engine", "trainer-gpu": "trainer"}
+SCHEDULER_MODES = {"colocated", "disaggregated", "multiplexed"}
+RUN_ID_RE = re.compile(r"^[a-z0-9-]+$")
+
+_VAR_RE = re.compile(
+    r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
+    r"|\$(?P<bare>[A-Za-z_][A-Za-z0-9_]*)"
+)
+
+
+# --------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------
+
+
+def cli_service_names() -> frozenset[str] | None:
+    """The service names the CLI's `serve` accepts, or None if the CLI is not importable."""
+    try:
+        from seamlessflow.cli import SERVICE_NAMES
+    except ImportError:
+        return None
+    names = SERVICE_NAMES.keys() if isinstance(SERVICE_NAMES, dict) else SERVICE_NAMES
+    return frozenset(str(getattr(n, "value", n)) for n in names)
+
+
+def known_service_names() -> frozenset[str]:
+    return cli_service_names() or FALLBACK_SERVICE_NAMES
+
+
+def interpolate(value: str) -> str:
+    """Resolve Compose variable references to their defaults (the caller's environment
+    is ignored so that the checks are deterministic)."""
+
+    def repl(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        if m.group("bare") or m.group("op") is None:
+            return ""
+        op, arg = m.group("op"), m.group("arg")
+        return arg if op in (":-", "-") else ""
+
+    return _VAR_RE.sub(repl, value)
+
+
+def _resolve(node: Any) -> Any:
+    if isinstance(node, str):
+        return interpolate(node)
+    if isinstance(node, dict):
+        return {k: _resolve(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_resolve(v) for v in node]
+    return node
+
+
+def _strings(node: Any) -> Iterator[str]:
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _strings(v)
+
+
+@pytest.fixture(scope="module")
+def raw_compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert isinstance(data, dict), "compose file must be a mapping"
+    return data
+
+
+@pytest.fixture(scope="module")
+def compose(raw_compose: dict[str, Any]) -> dict[str, Any]:
+    return _resolve(raw_compose)
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    svcs = compose.get("services")
+    assert isinstance(svcs, dict) and svcs, "compose file has no services"
+    return svcs
+
+
+def sf_services(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every service that runs the seamlessflow image (not NATS / Jaeger)."""
+    return {n: s for n, s in services.items() if n not in INFRA_SERVICES}
+
+
+def long_running(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """seamlessflow services that talk to NATS (everything but the one-shot build)."""
+    return {n: s for n, s in sf_services(services).items() if n != BUILD_MODEL}
+
+
+def env_of(svc: dict[str, Any]) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
+
+
+def depends_of(svc: dict[str, Any]) -> dict[str, str]:
+    deps = svc.get("depends_on") or {}
+    if isinstance(deps, list):
+        return {d: "service_started" for d in deps}
+    return {d: (cfg or {}).get("condition", "service_started") for d, cfg in deps.items()}
+
+
+def command_of(name: str, svc: dict[str, Any]) -> list[str]:
+    cmd = svc.get("command")
+    assert isinstance(cmd, list), f"{name}: command must be an exec-form list, got {cmd!r}"
+    return [str(c) for c in cmd]
+
+
+def mounts_of(svc: dict[str, Any]) -> dict[str, str]:
+    """container path -> volume source."""
+    out: dict[str, str] = {}
+    for v in svc.get("volumes") or []:
+        if isinstance(v, dict):
+            out[str(v["target"])] = str(v.get("source", ""))
+        else:
+            parts = str(v).split(":")
+            out[parts[1]] = parts[0]
+    return out
+
+
+def volume_for(svc: dict[str, Any], path: str) -> str | None:
+    """The volume source mounted at `path` or at one of its parents."""
+    p = PurePosixPath(path)
+    for target, source in mounts_of(svc).items():
+        t = PurePosixPath(target)
+        if p == t or t in p.parents:
+            return source
+    return None
+
+
+def published_ports(svc: dict[str, Any]) -> set[tuple[int, int]]:
+    """(host port, container port) pairs."""
+    out: set[tuple[int, int]] = set()
+    for p in svc.get("ports") or []:
+        if isinstance(p, dict):
+            out.add((int(p["published"]), int(p["target"])))
+            continue
+        parts = str(p).split("/")[0].split(":")
+        if len(parts) == 1:
+            continue  # container port only: random host port
+        out.add((int(parts[-2]), int(parts[-1])))
+    return out
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, comments dropped, continuation lines joined."""
+    out: list[tuple[str, str]] = []
+    buf = ""
+    for line in DOCKERFILE.read_text().splitlines():
+        stripped = line.strip()
+        if not buf and (not stripped or stripped.startswith("#")):
+            continue
+        if buf and stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            buf += stripped[:-1] + " "
+            continue
+        buf += stripped
+        instr, _, args = buf.partition(" ")
+        out.append((instr.upper(), args.strip()))
+        buf = ""
+    assert not buf, "Dockerfile ends with a dangling line continuation"
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# compose file
+# --------------------------------------------------------------------------------------
+
+
+def test_every_variable_has_a_default(raw_compose: dict[str, Any]) -> None:
+    """The file must work without a .env: every ${VAR} reference carries a default."""
+    missing = set()
+    for s in _strings(raw_compose):
+        for m in _VAR_RE.finditer(s):
+            if m.group(0) == "$$":
+                continue
+            if m.group("bare") or m.group("op") not in (":-", "-"):
+                missing.add(m.group(0))
+    assert not missing, f"variables without a default: {sorted(missing)}"
+
+
+def test_all_services_exist(services: dict[str, dict[str, Any]]) -> None:
+    expected = {*INFRA_SERVICES, BUILD_MODEL, *FALLBACK_SERVICE_NAMES, *GPU_SERVICES}
+    missing = expected - services.keys()
+    assert not missing, f"missing compose services: {sorted(missing)}"
+
+
+def test_named_volumes_declared(compose: dict[str, Any], services: dict[str, Any]) -> None:
+    declared = set((compose.get("volumes") or {}).keys())
+    assert {"models", "runs", "nats-data"} <= declared
+    for name, svc in services.items():
+        for target, source in mounts_of(svc).items():
+            if not source.startswith((".", "/", "~")):
+                assert source in declared, f"{name}: volume {source!r} ({target}) not declared"
+
+
+def test_one_image_built_from_the_repo(services: dict[str, dict[str, Any]]) -> None:
+    cpu = {n: s for n, s in sf_services(services).items() if n not in GPU_SERVICES}
+    images = {n: s.get("image") for n, s in cpu.items()}
+    builds = {n: s.get("build") for n, s in cpu.items()}
+    assert len(set(images.values())) == 1 and None not in images.values(), images
+    first = next(iter(builds.values()))
+    assert all(b == first for b in builds.values()), builds
+    for name, svc in sf_services(services).items():
+        build = svc.get("build")
+        assert isinstance(build, dict), f"{name}: build must be a mapping"
+        context = (COMPOSE_DIR / build["context"]).resolve()
+        assert context == ROOT, f"{name}: build context {context} is not the repository root"
+        assert (context / "pyproject.toml").is_file()
+        assert (context / build["dockerfile"]).resolve() == DOCKERFILE.resolve(), name
+
+
+def test_gpu_image_is_a_cuda_variant(services: dict[str, dict[str, Any]]) -> None:
+    cpu_args = services["engine"]["build"].get("args") or {}
+    assert "/whl/cpu" in cpu_args.get("TORCH_INDEX_URL", ""), cpu_args
+    for name in GPU_SERVICES:
+        svc = services[name]
+        assert svc["image"] != services["engine"]["image"], f"{name}: must not reuse CPU tag"
+        args = svc["build"].get("args") or {}
+        assert re.search(r"/whl/cu\d+", args.get("TORCH_INDEX_URL", "")), f"{name}: {args}"
+        assert "vllm" in args.get("EXTRA_PIP_PACKAGES", ""), f"{name}: {args}"
+
+
+def test_commands(services: dict[str, dict[str, Any]]) -> None:
+    known = known_service_names()
+    for name, svc in long_running(services).items():
+        cmd = command_of(name, svc)
+        assert len(cmd) == 2 and cmd[0] == "serve", f"{name}: {cmd}"
+        assert cmd[1] in known, f"{name}: unknown service {cmd[1]!r} (known: {sorted(known)})"
+        expected = GPU_SERVICES.get(name, name)
+        assert cmd[1] == expected, f"{name} runs `serve {cmd[1]}`, expected `serve {expected}`"
+    cmd = command_of(BUILD_MODEL, services[BUILD_MODEL])
+    assert cmd[0] == "build-model" and "--out" in cmd, cmd
+
+
+def test_commands_match_cli_service_names(services: dict[str, dict[str, Any]]) -> None:
+    names = cli_service_names()
+    if names is None:
+        pytest.skip("seamlessflow.cli.SERVICE_NAMES is not importable yet")
+    served = {command_of(n, s)[1] for n, s in long_running(services).items()}
+    assert served <= names, f"compose serves unknown services: {sorted(served - names)}"
+    assert names <= served, f"CLI services without a container: {sorted(names - served)}"
+
+
+def test_nats(services: dict[str, dict[str, Any]]) -> None:
+    nats = services["nats"]
+    assert str(nats["image"]).split(":")[0] in ("nats", "library/nats", "docker.io/nats")
+    cmd = nats["command"]
+    cmd = shlex.split(cmd) if isinstance(cmd, str) else [str(c) for c in cmd]
+    assert "-js" in cmd or "--jetstream" in cmd, cmd
+    store = cmd[cmd.index("-sd") + 1]
+    assert volume_for(nats, store) == "nats-data", "JetStream store must be on a volume"
+    assert cmd[cmd.index("-m") + 1] == "8222", cmd
+    test = nats["healthcheck"]["test"]
+    test = " ".join(test) if isinstance(test, list) else test
+    assert "8222/healthz" in test, test
+    assert (4222, 4222) in published_ports(nats)
+
+
+def test_services_use_nats(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in long_running(services).items():
+        url = urlparse(env_of(svc).get("SF_NATS_URL", ""))
+        assert url.scheme == "nats" and url.hostname == "nats", f"{name}: SF_NATS_URL {url}"
+        assert (url.port or 4222) == 4222, name
+        assert depends_of(svc).get("nats") == "service_healthy", f"{name}: must wait for nats"
+
+
+def test_services_wait_for_the_model(services: dict[str, dict[str, Any]]) -> None:
+    build = services[BUILD_MODEL]
+    assert str(build.get("restart", "no")) == "no", "build-model is one-shot"
+    assert not build.get("profiles"), "build-model must run by default"
+    cmd = command_of(BUILD_MODEL, build)
+    out = cmd[cmd.index("--out") + 1]
+    out_volume = volume_for(build, out)
+    assert out_volume, f"build-model writes {out} outside any volume"
+    for name, svc in long_running(services).items():
+        deps = depends_of(svc)
+        assert deps.get(BUILD_MODEL) == "service_completed_successfully", name
+        model_dir = env_of(svc).get("SF_MODEL_DIR", "")
+        assert model_dir == out, f"{name}: SF_MODEL_DIR {model_dir!r} != build output {out!r}"
+        assert volume_for(svc, model_dir) == out_volume, f"{name}: model volume not mounted"
+
+
+def test_run_settings(services: dict[str, dict[str, Any]]) -> None:
+    run_volumes = set()
+    for name, svc in sf_services(services).items():
+        env = env_of(svc)
+        run_id = env.get("SF_RUN_ID", "")
+        assert RUN_ID_RE.match(run_id), f"{name}: SF_RUN_ID {run_id!r}"
+        if name == BUILD_MODEL:
+            continue
+        run_dir = env.get("SF_RUN_DIR", "")
+        assert PurePosixPath(run_dir).name == run_id, f"{name}: SF_RUN_DIR {run_dir!r}"
+        vol = volume_for(svc, run_dir)
+        assert vol, f"{name}: SF_RUN_DIR {run_dir} is not on a volume"
+        run_volumes.add(vol)
+    assert len(run_volumes) == 1, f"services must share one runs volume: {run_volumes}"
+
+
+def test_otlp_points_at_jaeger(services: dict[str, dict[str, Any]]) -> None:
+    jaeger = services["jaeger"]
+    assert "jaegertracing/" in str(jaeger["image"])
+    assert {(16686, 16686), (4318, 4318)} <= published_ports(jaeger)
+    service_names = []
+    for name, svc in sf_services(services).items():
+        env = env_of(svc)
+        url = urlparse(env.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""))
+        assert url.hostname == "jaeger" and url.port == 4318, f"{name}: OTLP endpoint {url}"
+        assert env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf") == "http/protobuf"
+        if "OTEL_SERVICE_NAME" in env:
+            service_names.append(env["OTEL_SERVICE_NAME"])
+        if name != BUILD_MODEL:
+            assert "jaeger" in depends_of(svc), f"{name}: should start after jaeger"
+    assert len(service_names) == len(set(service_names)), "OTEL_SERVICE_NAME must be unique"
+
+
+def test_gateway_and_agents(services: dict[str, dict[str, Any]]) -> None:
+    gateway = services["gateway"]
+    assert (8000, 8000) in published_ports(gateway)
+    assert "healthcheck" in gateway
+    agents = services["agents"]
+    assert depends_of(agents).get("gateway") == "service_healthy"
+    url = urlparse(env_of(agents).get("SF_AGENTS_GATEWAY_URL", ""))
+    assert url.hostname == "gateway" and url.port == 8000, url
+
+
+def test_engine_and_scheduler(services: dict[str, dict[str, Any]]) -> None:
+    engine = services["engine"]
+    assert int(engine["deploy"]["replicas"]) == 2
+    assert "container_name" not in engine, "a replicated service cannot have container_name"
+    assert env_of(engine).get("SF_ENGINE_BACKEND", "") != "vllm", "CPU engine must not be vLLM"
+    assert "rollout" in env_of(engine)["SF_RESOURCE_TAGS"].split(",")
+    assert "train" in env_of(services["trainer"])["SF_RESOURCE_TAGS"].split(",")
+    mode = env_of(services["tag-scheduler"]).get("SF_TAG_SCHEDULER_MODE", "disaggregated")
+    assert mode == "disaggregated", mode
+    assert mode in SCHEDULER_MODES
+
+
+def test_gpu_profile(services: dict[str, dict[str, Any]]) -> None:
+    for name, svc in services.items():
+        profiles = svc.get("profiles") or []
+        if name in GPU_SERVICES:
+            assert profiles == ["gpu"], f"{name}: must be only in the gpu profile"
+            devices = svc["deploy"]["resources"]["reservations"]["devices"]
+            assert any(
+                d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices
+            ), f"{name}: no NVIDIA GPU reservation"
+        else:
+            assert not profiles, f"{name}: must start by default (profiles {profiles})"
+            reservations = ((svc.get("deploy") or {}).get("resources") or {}).get(
+                "reservations"
+            ) or {}
+            assert not reservations.get("devices"), f"{name}: GPU reservation outside gpu"
+    assert env_of(services["engine-gpu"]).get("SF_ENGINE_BACKEND") == "vllm"
+    assert "train" in env_of(services["trainer-gpu"])["SF_RESOURCE_TAGS"].split(",")
+
+
+# --------------------------------------------------------------------------------------
+# Dockerfile
+# --------------------------------------------------------------------------------------
+
+
+def test_dockerfile() -> None:
+    instrs = dockerfile_instructions()
+    args: dict[str, str] = {}
+    for instr, rest in instrs:
+        if instr == "ARG" and "=" in rest:
+            key, _, default = rest.partition("=")
+            args[key.strip()] = default.strip().strip('"')
+    froms = [rest for instr, rest in instrs if instr == "FROM"]
+    assert froms, "no FROM"
+    base = re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), ""), froms[0].split()[0])
+    assert base == "python:3.11-slim", base
+    assert "/whl/cpu" in args.get("TORCH_INDEX_URL", ""), "CPU torch must be the default"
+
+    runs = " && ".join(rest for instr, rest in instrs if instr == "RUN")
+    assert "torch==2.13.0" in runs, "torch must be pinned to 2.13.0"
+    assert re.search(r"pip install (?:[^&;|]*\s)?\.(?:\s|$)", runs), "the repo is not installed"
+
+    copied = " ".join(rest for instr, rest in instrs if instr == "COPY")
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    wheres = pyproject["tool"]["setuptools"]["packages"]["find"]["where"]
+    for needed in ("pyproject.toml", *wheres):
+        assert re.search(rf"(^|\s){re.escape(needed)}(\s|/|$)", copied), f"{needed} not copied"
+
+    users = [(i, rest) for i, (instr, rest) in enumerate(instrs) if instr == "USER"]
+    assert users, "the image must not run as root"
+    last_user_at, user = users[-1]
+    assert user.split(":")[0] not in ("root", "0"), user
+
+    entrypoints = [(i, rest) for i, (instr, rest) in enumerate(instrs) if instr == "ENTRYPOINT"]
+    assert entrypoints, "no ENTRYPOINT"
+    at, entry = entrypoints[-1]
+    assert yaml.safe_load(entry) == ["seamlessflow"], entry
+    assert last_user_at < at
+
+
+# --------------------------------------------------------------------------------------
+# compose CLI (optional)
+# --------------------------------------------------------------------------------------
+
+
+def compose_cli() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if shutil.which("docker"):
+        probe = subprocess.run(
+            ["docker", "compose", "version"], capture_output=True, text=True, timeout=30
+        )
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    return None
+
+
+@pytest.mark.parametrize("profile", [None, "gpu"])
+def test_compose_config_is_valid(profile: str | None) -> None:
+    cli = compose_cli()
+    if cli is None:
+        pytest.skip("neither `docker-compose` nor `docker compose` is on PATH")
+    cmd = [*cli, "-f", str(COMPOSE_FILE)]
+    if profile:
+        cmd += ["--profile", profile]
+    result = subprocess.run(
+        [*cmd, "config", "-q"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr or result.stdout

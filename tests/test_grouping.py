@@ -1,0 +1,170 @@
+from seamlessflow.protocol import (
+    NoTask,
+    RewardReported,
+    SessionFinished,
+    SessionOpened,
+    TaskAssignment,
+    TurnRecorded,
+)
+from seamlessflow.tasks import TaskItem
+from sf_trajectory.dispatch import Dispatcher
+from sf_trajectory.grouping import Grouper
+
+
+def exact_match(completion: str, reference: str) -> float:
+    return float(completion.strip() == reference)
+
+
+def lookup(name: str):  # type: ignore[no-untyped-def]
+    assert name == "exact"
+    return exact_match
+
+
+def opened(session: str, group: str, index: int, size: int) -> SessionOpened:
+    return SessionOpened(
+        session_id=session,
+        task_id="t-" + group,
+        group_id=group,
+        sample_index=index,
+        group_size=size,
+        reference="4",
+        reward_fn="exact",
+    )
+
+
+def turn(session: str, index: int, prompt: list[int], completion: list[int], text: str):  # type: ignore[no-untyped-def]
+    return TurnRecorded(
+        session_id=session,
+        turn_index=index,
+        request_id=f"{session}-{index}",
+        engine_id="e0",
+        prompt_ids=prompt,
+        completion_ids=completion,
+        logprobs=[-0.5] * len(completion),
+        versions=[index] * len(completion),
+        finish_reason="stop",
+        completion_text=text,
+    )
+
+
+def test_a_group_is_ready_when_all_its_sessions_finished() -> None:
+    grouper = Grouper(lookup)
+    for i in range(3):
+        grouper.apply(opened(f"s{i}", "g0", i, 3))
+        grouper.apply(turn(f"s{i}", 0, [1, 2], [3 + i, 9], "4" if i == 0 else "5"))
+    grouper.apply(SessionFinished(session_id="s0"))
+    grouper.apply(SessionFinished(session_id="s1"))
+    assert grouper.take_batch(1) is None
+    grouper.apply(SessionFinished(session_id="s2"))
+    batch = grouper.take_batch(1)
+    assert batch is not None and len(batch) == 1
+    samples = batch[0].samples
+    assert [s.reward for s in samples] == [1.0, 0.0, 0.0]
+    assert samples[0].token_ids == [1, 2, 3, 9]
+    assert samples[0].loss_mask == [0, 0, 1, 1]
+    assert samples[0].behaviour_logprobs == [0.0, 0.0, -0.5, -0.5]
+    assert samples[0].versions == [-1, -1, 0, 0]
+
+
+def test_a_reported_reward_wins_over_the_verifier() -> None:
+    grouper = Grouper(lookup)
+    grouper.apply(opened("s", "g", 0, 1))
+    grouper.apply(turn("s", 0, [1], [2], "wrong"))
+    grouper.apply(RewardReported(session_id="s", reward=0.25))
+    grouper.apply(SessionFinished(session_id="s"))
+    batch = grouper.take_batch(1)
+    assert batch is not None and batch[0].samples[0].reward == 0.25
+
+
+def test_multi_turn_masks_every_engine_turn_and_skips_abandoned_branches() -> None:
+    grouper = Grouper(lookup)
+    grouper.apply(opened("s", "g", 0, 1))
+    grouper.apply(turn("s", 0, [1, 2], [3, 4], "a"))  # on the final path
+    grouper.apply(turn("s", 1, [1, 7], [8], "b"))  # a branch the agent abandoned
+    grouper.apply(turn("s", 2, [1, 2, 3, 4, 5, 6], [7, 9], "4"))  # extends turn 0
+    grouper.apply(SessionFinished(session_id="s"))
+    batch = grouper.take_batch(1)
+    assert batch is not None
+    sample = batch[0].samples[0]
+    assert sample.token_ids == [1, 2, 3, 4, 5, 6, 7, 9]
+    assert sample.loss_mask == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert sample.versions == [-1, -1, 0, 0, -1, -1, 2, 2]
+
+
+def test_sessions_already_batched_are_skipped_on_replay() -> None:
+    events = [
+        opened("s0", "g", 0, 1),
+        turn("s0", 0, [1], [2], "4"),
+        SessionFinished(session_id="s0"),
+    ]
+    first = Grouper(lookup)
+    for event in events:
+        first.apply(event)
+    assert first.take_batch(1) is not None
+    replayed = Grouper(lookup, already_batched={"s0"})
+    for event in events:
+        replayed.apply(event)
+    assert replayed.take_batch(1) is None and not replayed.sessions
+
+
+def test_a_session_without_turns_is_dropped_with_a_reason_and_closes_its_group() -> None:
+    grouper = Grouper(lookup)
+    grouper.apply(opened("a", "g", 0, 2))
+    grouper.apply(opened("b", "g", 1, 2))
+    grouper.apply(turn("a", 0, [1], [2], "4"))
+    grouper.apply(SessionFinished(session_id="a"))
+    grouper.apply(SessionFinished(session_id="b"))
+    batch = grouper.take_batch(1)
+    assert batch is not None and len(batch[0].samples) == 1
+    assert grouper.dropped == {"no_turns": 1}
+
+
+def items(n: int) -> list[TaskItem]:
+    return [
+        TaskItem(task_id=f"t{i}", messages=({"role": "user", "content": str(i)},), reference=str(i))
+        for i in range(n)
+    ]
+
+
+def test_dispatcher_hands_out_groups_and_applies_backpressure_and_the_budget() -> None:
+    dispatcher = Dispatcher(
+        items(5),
+        reward_fn="exact",
+        group_size=2,
+        groups_per_batch=2,
+        total_batches=3,
+        max_batches_ahead=1,
+        seed=0,
+    )
+    claims = [dispatcher.claim(trained_batches=0) for _ in range(8)]
+    assert all(isinstance(c, TaskAssignment) for c in claims)
+    got = [(c.group_id, c.sample_index) for c in claims if isinstance(c, TaskAssignment)]
+    assert got[:4] == [("g0000000", 0), ("g0000000", 1), ("g0000001", 0), ("g0000001", 1)]
+    # samples of one group share the task
+    assert claims[0].task_id == claims[1].task_id  # type: ignore[union-attr]
+    # batches 0 and 1 dispatched; batch 2 must wait until the trainer consumed batch 0
+    blocked = dispatcher.claim(trained_batches=0)
+    assert isinstance(blocked, NoTask) and blocked.reason == "backpressure"
+    assert isinstance(dispatcher.claim(trained_batches=1), TaskAssignment)
+    for _ in range(3):
+        dispatcher.claim(trained_batches=1)
+    done = dispatcher.claim(trained_batches=3)
+    assert isinstance(done, NoTask) and done.reason == "exhausted"
+
+
+def test_dispatcher_epochs_are_permutations_and_reproducible() -> None:
+    def order(seed: int) -> list[str]:
+        d = Dispatcher(
+            items(6),
+            reward_fn="exact",
+            group_size=1,
+            groups_per_batch=1,
+            total_batches=0,
+            max_batches_ahead=100,
+            seed=seed,
+        )
+        return [d.claim(trained_batches=0).task_id for _ in range(12)]  # type: ignore[union-attr]
+
+    first = order(1)
+    assert sorted(first[:6]) == sorted(first[6:]) == [f"t{i}" for i in range(6)]
+    assert order(1) == first

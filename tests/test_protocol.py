@@ -1,0 +1,136 @@
+import msgspec
+import pytest
+
+from seamlessflow import protocol as p
+
+
+def examples() -> list[p.Message]:
+    sample = p.TrainSample(
+        session_id="s1",
+        token_ids=[1, 2, 3],
+        loss_mask=[0, 1, 1],
+        behaviour_logprobs=[0.0, -0.5, -0.25],
+        versions=[-1, 3, 3],
+        reward=1.0,
+    )
+    return [
+        p.ErrorReply(code="bad_request", message="nope"),
+        p.GenerateRequest(
+            request_id="r",
+            session_id="s",
+            prompt_ids=[1, 2],
+            max_tokens=4,
+            stop_token_ids=[7],
+            seed=3,
+        ),
+        p.GenerateReply(
+            request_id="r",
+            engine_id="e",
+            token_ids=[5],
+            logprobs=[-0.1],
+            versions=[2],
+            finish_reason="stop",
+        ),
+        p.AbortGeneration(request_id="r", reason="weights"),
+        p.LoadWeights(version=2, object_name="w", sha256="ab"),
+        p.WeightsLoaded(engine_id="e", version=2),
+        p.SessionOpened(session_id="s", task_id="t", group_id="g", sample_index=0, group_size=2),
+        p.TurnRecorded(
+            session_id="s",
+            turn_index=0,
+            request_id="r",
+            engine_id="e",
+            prompt_ids=[1],
+            completion_ids=[2],
+            logprobs=[-1.0],
+            versions=[0],
+            finish_reason="stop",
+            completion_text="x",
+        ),
+        p.RewardReported(session_id="s", reward=0.5),
+        p.SessionFinished(session_id="s"),
+        p.TaskClaim(runner_id="a"),
+        p.TaskAssignment(
+            task_id="t",
+            group_id="g",
+            sample_index=1,
+            group_size=2,
+            messages=[p.ChatMessage(role="user", content="hi")],
+            reference="2",
+            reward_fn="integer_match",
+        ),
+        p.NoTask(reason="exhausted"),
+        p.TrainBatch(
+            batch_index=0, groups=[p.SampleGroup(group_id="g", task_id="t", samples=[sample])]
+        ),
+        p.WeightsPublished(version=1, object_name="w", sha256="ab", num_bytes=10, step=1),
+        p.CurrentVersionQuery(engine_id="e"),
+        p.CurrentVersion(version=1, object_name="w", sha256="ab"),
+        p.TrainStepMetrics(
+            step=1,
+            version=1,
+            batch_index=0,
+            mean_reward=0.5,
+            loss=0.1,
+            clip_fraction=0.0,
+            samples=8,
+            tokens_generated=10,
+            tokens_trained=10,
+            max_staleness=0,
+            step_seconds=0.1,
+            wait_seconds=0.2,
+            publish_seconds=0.01,
+        ),
+        p.TrainingFinished(steps=1, final_version=1, checkpoint_dir="/x"),
+        p.ResourceRegister(resource_id="e", kind="engine", tags=["rollout"]),
+        p.RoleAssignment(resource_id="e", role="rollout", reason="tag"),
+        p.Heartbeat(resource_id="e", phase="rollout", in_flight=2, version=1),
+        p.PhaseChanged(resource_id="e", phase="dead"),
+    ]
+
+
+@pytest.mark.parametrize("message", examples(), ids=lambda m: type(m).__name__)
+def test_every_message_round_trips_with_its_type_tag(message: p.Message) -> None:
+    data = p.encode(message)
+    assert msgspec.json.decode(data)["type"] == type(message).__struct_config__.tag
+    assert p.decode(data, type(message)) == message
+    assert p.decode(data) == message  # the union of all messages finds the type by tag
+
+
+def test_every_message_type_is_covered_by_the_examples() -> None:
+    covered = {type(m) for m in examples()}
+    declared = set(p.AnyMessage.__args__)  # type: ignore[attr-defined]
+    assert covered == declared
+
+
+def test_wrong_type_missing_fields_and_garbage_are_protocol_errors() -> None:
+    with pytest.raises(p.ProtocolError, match="invalid message"):
+        p.decode(p.encode(p.TaskClaim(runner_id="a")), p.GenerateRequest)
+    with pytest.raises(p.ProtocolError):
+        p.decode(b'{"type": "engine.generate", "request_id": "r"}', p.GenerateRequest)
+    with pytest.raises(p.ProtocolError):
+        p.decode(b"\xff not json")
+    with pytest.raises(p.ProtocolError):
+        p.decode(b'{"type": "engine.generate", "prompt_ids": "not a list"}')
+
+
+def test_a_newer_schema_is_refused() -> None:
+    data = p.encode(p.TaskClaim(runner_id="a", schema=p.SCHEMA_VERSION + 1))
+    with pytest.raises(p.ProtocolError, match="newer"):
+        p.decode(data, p.TaskClaim)
+
+
+def test_subjects_are_namespaced_by_run_and_validated() -> None:
+    s = p.Subjects("run-1")
+    assert s.engine_generate() == "sf.run-1.engine.generate"
+    assert s.trajectory_event("sabc") == "sf.run-1.traj.event.sabc"
+    assert s.sched_heartbeat("engine-0") == "sf.run-1.sched.heartbeat.engine-0"
+    assert s.stream_trajectory() == "SF_RUN_1_TRAJ"
+    assert s.object_store_weights() == "sf_run_1_weights"
+    with pytest.raises(p.ProtocolError):
+        s.trajectory_event("a.b")  # a dot would open another subject level
+    with pytest.raises(p.ProtocolError):
+        p.Subjects("Run.1")
+    # every durable subject is captured by exactly one stream
+    for name, subjects in s.streams().items():
+        assert name.startswith("SF_RUN_1_") and subjects
