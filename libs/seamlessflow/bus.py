@@ -137,6 +137,8 @@ class Bus:
                     reply = await handler(request)
                 except DomainError as exc:
                     reply = ErrorReply(code=exc.code, message=exc.message)  # type: ignore[arg-type]
+                except ProtocolError as exc:  # an identifier or value outside the protocol
+                    reply = ErrorReply(code="bad_request", message=str(exc))
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:

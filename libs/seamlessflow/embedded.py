@@ -78,6 +78,8 @@ class RunConfig(BaseModel):
     """Requests one engine decodes together."""
     seed: int = 0
     """Seed for task order and the trainer."""
+    nats_url: str = ""
+    """Use this NATS server (JetStream enabled) instead of starting an embedded one."""
     mode: str = "disaggregated"
     """Tag-scheduler mode."""
     live: bool = True
@@ -220,7 +222,7 @@ class EmbeddedRun:
         model_dir = c.model_dir or (c.cache_dir.expanduser() / "models" / f"base-{c.task}")
         model_dir = await asyncio.to_thread(ensure_base_model, model_dir)
         nats_server = EmbeddedNats(self.run_dir / "nats")
-        url = nats_server.start()
+        url = c.nats_url or nats_server.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, stop.set)

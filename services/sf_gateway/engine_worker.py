@@ -64,6 +64,7 @@ class EngineWorker:
         self.engine_id = self.settings.engine_id or f"engine-{socket.gethostname()}-{os.getpid()}"
         self._load_lock = asyncio.Lock()
         self.requests_served = 0
+        self.ready = asyncio.Event()
 
     async def run(self, ctx: ServiceContext) -> None:
         if ctx.mesh.model_dir is None:
@@ -97,6 +98,7 @@ class EngineWorker:
         )
         self.membership.set_phase("idle")
         log.info("%s serving version %d", self.engine_id, self.engine.version)
+        self.ready.set()
 
     async def on_generate(self, request: GenerateRequest) -> GenerateReply:
         try:

@@ -49,6 +49,7 @@ class TagScheduler:
         self.settings = settings or TagSchedulerSettings()
         self.policy = StaticTagPolicy(self.settings.mode)
         self.resources: dict[str, ResourceState] = {}
+        self.ready = asyncio.Event()
 
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
@@ -56,6 +57,7 @@ class TagScheduler:
         await ctx.bus.serve(ctx.subjects.sched_register(), ResourceRegister, self.on_register)
         await ctx.bus.nc.subscribe(ctx.subjects.sched_heartbeat_all(), cb=self._on_heartbeat_msg)
         log.info("tag-scheduler up (mode=%s)", self.settings.mode)
+        self.ready.set()
         await supervise(ctx.stopping, self._liveness_loop())
 
     async def on_register(self, request: ResourceRegister) -> RoleAssignment:

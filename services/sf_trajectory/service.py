@@ -17,6 +17,7 @@ a batch is rebuilt from the event stream.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import nats.errors
@@ -52,6 +53,7 @@ class TrajectoryService:
         self.trained_batches = 0
         self.next_batch_index = 0
         self.malformed_events = 0
+        self.ready = asyncio.Event()
 
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
@@ -93,6 +95,7 @@ class TrajectoryService:
         )
         await ctx.bus.nc.subscribe(subjects.train_metrics(), cb=self._on_train_metrics)
         await ctx.bus.serve(subjects.task_claim(), TaskClaim, self.on_claim)
+        self.ready.set()
         await supervise(ctx.stopping, self._event_loop(events))
 
     async def on_claim(self, claim: TaskClaim) -> TaskAssignment | NoTask:

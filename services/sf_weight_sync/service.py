@@ -49,6 +49,7 @@ class WeightSync:
         self.engine_versions: dict[str, int] = {}
         self._loaded = asyncio.Condition()
         self._watchers: set[asyncio.Task[None]] = set()
+        self.ready = asyncio.Event()
 
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
@@ -69,6 +70,7 @@ class WeightSync:
             stream=subjects.stream_weights(),
         )
         log.info("weight-sync up at version %d", self.current.version)
+        self.ready.set()
         try:
             await supervise(ctx.stopping, self._published_loop())
         finally:

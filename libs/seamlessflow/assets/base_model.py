@@ -74,11 +74,14 @@ CHAT_TEMPLATE = r"""
     {%- if messages[0].role == 'system' %}
         {{- messages[0].content + '\n\n' }}
     {%- endif %}
-    {{- '# Tools\n\nYou may call one or more functions. Function signatures are within <tools></tools>:\n<tools>' }}
+    {{- '# Tools\n\nYou may call one or more functions.'
+        + ' Function signatures are within <tools></tools>:\n<tools>' }}
     {%- for tool in tools %}
         {{- '\n' + (tool | tojson) }}
     {%- endfor %}
-    {{- '\n</tools>\n\nFor each call, return a JSON object within <tool_call></tool_call>:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+    {{- '\n</tools>\n\nFor each call, return a JSON object within <tool_call></tool_call>:\n'
+        + '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+        + '</tool_call><|im_end|>\n' }}
 {%- elif messages and messages[0].role == 'system' %}
     {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
 {%- endif %}
@@ -98,16 +101,18 @@ CHAT_TEMPLATE = r"""
             {%- else %}
                 {{- '\n<tool_call>\n' }}
             {%- endif %}
+            {{- '{"name": "' + tool_call.name + '", "arguments": ' }}
             {%- if tool_call.arguments is string %}
-                {{- '{"name": "' + tool_call.name + '", "arguments": ' + tool_call.arguments + '}' }}
+                {{- tool_call.arguments + '}' }}
             {%- else %}
-                {{- '{"name": "' + tool_call.name + '", "arguments": ' + (tool_call.arguments | tojson) + '}' }}
+                {{- (tool_call.arguments | tojson) + '}' }}
             {%- endif %}
             {{- '\n</tool_call>' }}
         {%- endfor %}
         {{- '<|im_end|>\n' }}
     {%- elif message.role == 'tool' %}
-        {{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}
+        {{- '<|im_start|>user\n<tool_response>\n' + message.content
+            + '\n</tool_response><|im_end|>\n' }}
     {%- else %}
         {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
     {%- endif %}
@@ -127,6 +132,11 @@ _GENERIC_TEXT = (
     ' "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}\n',
     "0 1 2 3 4 5 6 7 8 9 10 100 -1 + - * / = ? . , : ; ( ) [ ] { }\n",
     "The answer is 42. What is the sum? Compute the result.\n",
+    "Please think step by step, then give only the final answer.\n",
+    "Call the calculator tool when you need it; its response follows.\n",
+    "I added the two numbers together and checked my work.\n",
+    "Sorry, I cannot help with that request. Thank you!\n",
+    "Here is the error message returned by the function call.\n",
 )
 
 
