@@ -1,8 +1,12 @@
 """The whole mesh, every service its own OS process, for a few real training steps.
 
-A wiretap on the broker records what the engines consumed (GenerateRequest) and
-produced (GenerateReply) independently of the services, so invariant 1 is checked
-against the engines themselves, not against the gateway's own record.
+The engine workers run in audit mode (``SF_ENGINE_TRACE_TOKEN_IDS``): each generation's
+span carries the ids the engine consumed and produced, so invariant 1 is checked
+against the engines' own record, not against the gateway's.
+
+(A broker wiretap on the generate subject would not do: a plain subscriber there
+silences NATS's no-responders signal and requests sent before an engine joins would
+go to the tap alone.)
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from seamlessflow.embedded import EmbeddedRun, RunConfig
-from seamlessflow.protocol import GenerateReply, GenerateRequest, Subjects, TrainBatch, decode
+from seamlessflow.protocol import Subjects, TrainBatch, decode
 
 pytestmark = pytest.mark.slow
 
@@ -24,26 +28,14 @@ STEPS = 3
 
 
 async def test_full_mesh_trains_and_every_trained_token_came_from_an_engine(
-    nats_url: str, run_id: str, base_model_dir: Path, tmp_path: Path
+    nats_url: str,
+    run_id: str,
+    base_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("SF_ENGINE_TRACE_TOKEN_IDS", "true")
     subjects = Subjects(run_id)
-    requests: dict[str, GenerateRequest] = {}
-    replies: list[GenerateReply] = []
-
-    async def on_request(msg) -> None:  # type: ignore[no-untyped-def]
-        request = decode(msg.data, GenerateRequest)
-        requests[request.request_id] = request
-
-    async def on_inbox(msg) -> None:  # type: ignore[no-untyped-def]
-        try:
-            replies.append(decode(msg.data, GenerateReply))
-        except ValueError:
-            pass  # other request/reply traffic of the mesh
-
-    tap = await nats.connect(nats_url)
-    await tap.subscribe(subjects.engine_generate(), cb=on_request)
-    await tap.subscribe("_INBOX.>", cb=on_inbox)
-
     config = RunConfig(
         run_id=run_id,
         runs_dir=tmp_path,
@@ -61,6 +53,7 @@ async def test_full_mesh_trains_and_every_trained_token_came_from_an_engine(
     summary = await run.run()
 
     # what the trainer consumed, read back from the durable batch stream
+    tap = await nats.connect(nats_url)
     js = tap.jetstream()
     info = await js.stream_info(subjects.stream_batches())
     batches = [
@@ -73,10 +66,12 @@ async def test_full_mesh_trains_and_every_trained_token_came_from_an_engine(
     assert summary.steps == STEPS and summary.final_version == STEPS
     assert len(batches) >= STEPS
 
-    engine_io = {}
-    for reply in replies:
-        request = requests[reply.request_id]
-        engine_io[(tuple(request.prompt_ids), tuple(reply.token_ids))] = reply
+    run_dir = tmp_path / run_id
+    spans = [json.loads(line) for line in (run_dir / "spans.jsonl").read_text().splitlines()]
+    engine_io = {
+        (tuple(a["prompt_ids"]), tuple(a["completion_ids"])): a
+        for a in (s["attributes"] for s in spans if s["name"] == "engine.generate")
+    }
     trained_samples = [s for b in batches[:STEPS] for g in b.groups for s in g.samples]
     assert len(trained_samples) == STEPS * 2 * 4
     for sample in trained_samples:
@@ -84,13 +79,12 @@ async def test_full_mesh_trains_and_every_trained_token_came_from_an_engine(
         end = len(sample.loss_mask) - sample.loss_mask[::-1].index(1)
         assert all(sample.loss_mask[start:end])
         key = (tuple(sample.token_ids[:start]), tuple(sample.token_ids[start:end]))
-        reply = engine_io.get(key)
-        assert reply is not None, "a trained sample does not match any engine call"
-        assert sample.behaviour_logprobs[start:end] == reply.logprobs
-        assert sample.versions[start:end] == reply.versions
-        assert max(reply.versions) <= STEPS
+        engine_call = engine_io.get(key)
+        assert engine_call is not None, "a trained sample does not match any engine call"
+        assert sample.behaviour_logprobs[start:end] == pytest.approx(engine_call["logprobs"])
+        assert sample.versions[start:end] == list(engine_call["versions"])
+        assert max(engine_call["versions"]) <= STEPS
 
-    run_dir = tmp_path / run_id
     written = json.loads((run_dir / "summary.json").read_text())
     for key in (
         "run_id",
@@ -118,7 +112,6 @@ async def test_full_mesh_trains_and_every_trained_token_came_from_an_engine(
     )
 
     # spans from several processes, and one trace crossing gateway -> engine over NATS
-    spans = [json.loads(line) for line in (run_dir / "spans.jsonl").read_text().splitlines()]
     services = {s["service"] for s in spans}
     assert {"gateway", "engine", "trainer", "trajectory"} <= services
     by_id = {s["span_id"]: s for s in spans}

@@ -18,7 +18,9 @@ from seamlessflow.protocol import check_run_id
 class MeshSettings(BaseSettings):
     """Where the mesh is and which run this process belongs to."""
 
-    model_config = SettingsConfigDict(env_prefix="SF_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="SF_", extra="ignore", use_attribute_docstrings=True
+    )
 
     nats_url: str = "nats://127.0.0.1:4222"
     """NATS server URL (JetStream enabled)."""

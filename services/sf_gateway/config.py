@@ -4,7 +4,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class GatewaySettings(BaseSettings):
     """rollout-gateway settings (env prefix ``SF_GATEWAY_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="SF_GATEWAY_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="SF_GATEWAY_", extra="ignore", use_attribute_docstrings=True
+    )
 
     host: str = "127.0.0.1"
     """Interface the HTTP server binds to (0.0.0.0 in containers)."""
@@ -34,7 +36,9 @@ class GatewaySettings(BaseSettings):
 class EngineSettings(BaseSettings):
     """engine-worker settings (env prefix ``SF_ENGINE_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="SF_ENGINE_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="SF_ENGINE_", extra="ignore", use_attribute_docstrings=True
+    )
 
     engine_id: str = ""
     """Unique id of this worker; default ``engine-<host>-<pid>``."""
@@ -53,6 +57,10 @@ class EngineSettings(BaseSettings):
 
     torch_threads: int = 1
     """torch intra-op threads (processes share a few cores in embedded mode)."""
+
+    trace_token_ids: bool = False
+    """Audit mode: put the prompt and completion token ids on each ``engine.generate``
+    span, so what the engine consumed and produced can be checked offline."""
 
     version_poll_s: float = 5.0
     """How often to ask weight-sync for the current version (catches missed broadcasts)."""

@@ -125,6 +125,11 @@ class EngineWorker:
                 except ValueError as exc:
                     raise DomainError(str(exc)) from None
                 span.set_attribute("completion_tokens", len(result.token_ids))
+                if self.settings.trace_token_ids:
+                    span.set_attribute("prompt_ids", request.prompt_ids)
+                    span.set_attribute("completion_ids", result.token_ids)
+                    span.set_attribute("logprobs", result.logprobs)
+                    span.set_attribute("versions", result.versions)
                 span.set_attribute("finish_reason", result.finish_reason)
         finally:
             self.membership.in_flight -= 1

@@ -6,7 +6,9 @@ from sf_tag_scheduler.policy import Mode
 class TagSchedulerSettings(BaseSettings):
     """tag-scheduler settings (env prefix ``SF_TAG_SCHEDULER_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="SF_TAG_SCHEDULER_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="SF_TAG_SCHEDULER_", extra="ignore", use_attribute_docstrings=True
+    )
 
     mode: Mode = "disaggregated"
     """Deployment mode: colocated | disaggregated | multiplexed (a policy configuration)."""

@@ -4,7 +4,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class TrainerSettings(BaseSettings):
     """trainer settings (env prefix ``SF_TRAINER_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="SF_TRAINER_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="SF_TRAINER_", extra="ignore", use_attribute_docstrings=True
+    )
 
     steps: int = 100
     """Optimizer steps (one batch each); the trainer finishes after this many."""

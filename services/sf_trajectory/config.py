@@ -4,7 +4,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class TrajectorySettings(BaseSettings):
     """trajectory settings (env prefix ``SF_TRAJECTORY_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="SF_TRAJECTORY_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="SF_TRAJECTORY_", extra="ignore", use_attribute_docstrings=True
+    )
 
     task: str = "arithmetic"
     """Name of the task source (``seamlessflow.tasks``) the agents roll out."""

@@ -4,7 +4,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class WeightSyncSettings(BaseSettings):
     """weight-sync settings (env prefix ``SF_WEIGHT_SYNC_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="SF_WEIGHT_SYNC_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="SF_WEIGHT_SYNC_", extra="ignore", use_attribute_docstrings=True
+    )
 
     keep_versions: int = 3
     """Versions kept in the object store (older ones are deleted; engines still

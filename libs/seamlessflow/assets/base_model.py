@@ -15,9 +15,11 @@ within minutes on a CPU. So the warm-up has two phases:
 2. Noisy teacher (the rest, low constant LR): each time an example is drawn, the target
    is the correct sum with probability `teacher_p_correct`, else the answer of a random
    other prompt. The model learns a mixture "correct sum + a broad prior over sums",
-   so sampled at temperature 1 it is right only ~0.15-0.3 of the time while the mode
-   stays correct. GRPO then has to shrink the prior component, one direction shared by
-   all prompts, so reward climbs fast and generalises across prompts.
+   so sampled at temperature 1 it is right only ~0.1-0.2 of the time while its answers
+   stay near the sum (greedy accuracy ~0.4-0.8, |error| <= 3 for ~90%). GRPO then mostly
+   has to shrink the prior component, one direction shared by all prompts, so reward
+   climbs fast and generalises across prompts (measured with seed 0: GRPO, 8 prompts x 8
+   samples, lr 1e-4, 300 steps: mean reward 0.12 -> 0.60 between the first and last 10%).
 What did not work (measured): noise from the start (the sums are never learned), stopping
 SFT early (a wide distribution not centred on the answer: RL must then teach the
 arithmetic itself, slowly), and near-miss noise (sum +-1..3) or a high LR in the noisy
@@ -158,8 +160,8 @@ class BaseModelConfig:
     sft_weight_decay: float = 0.01
     # The last `sft_noisy_fraction` of the steps imitate the noisy teacher; the first
     # ones a correct teacher (see the module docstring).
-    sft_noisy_fraction: float = 0.4
-    sft_noisy_lr: float = 3e-4  # low, so the noisy phase broadens but does not forget
+    sft_noisy_fraction: float = 0.3
+    sft_noisy_lr: float = 2e-4  # low, so the noisy phase broadens but does not forget
     teacher_p_correct: float = 0.3
     # Post-SFT check: sampled reward at temperature 1 over the eval split.
     check_samples_per_prompt: int = 4

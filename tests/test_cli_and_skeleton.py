@@ -1,0 +1,91 @@
+"""The CLI, the documented configuration, and the service skeleton's shutdown path."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+
+from seamlessflow.cli import SERVICE_NAMES, configuration_reference
+from seamlessflow.protocol import ResourceRegister, RoleAssignment, Subjects, decode, encode
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_configuration_doc_is_generated_from_the_code() -> None:
+    documented = (ROOT / "docs" / "configuration.md").read_text()
+    assert documented == configuration_reference(), (
+        "run: seamlessflow config > docs/configuration.md"
+    )
+
+
+def test_help_is_fast_and_lists_the_commands() -> None:
+    started = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "seamlessflow", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert {"up", "serve", "build-model", "bench", "config"} <= set(out.split())
+    # heavy imports happen inside commands: --help must not import torch
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, seamlessflow.cli; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert probe == "False"
+    assert time.monotonic() - started < 60  # sanity bound only, not a performance target
+
+
+def test_serve_refuses_an_unknown_service() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "seamlessflow", "serve", "nope"], capture_output=True, text=True
+    )
+    assert result.returncode != 0
+    assert "unknown service" in result.stderr
+
+
+async def test_a_service_started_alone_serves_and_drains_on_sigterm(
+    nats_url: str, run_id: str, tmp_path: Path
+) -> None:
+    assert "tag-scheduler" in SERVICE_NAMES
+    env = {**os.environ, "SF_NATS_URL": nats_url, "SF_RUN_ID": run_id, "SF_RUN_DIR": str(tmp_path)}
+    log_path = tmp_path / "service.log"
+    with log_path.open("wb") as log_file:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "sf_tag_scheduler",
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    nc = await nats.connect(nats_url)
+    try:
+        subject = Subjects(run_id).sched_register()
+        request = encode(ResourceRegister(resource_id="engine-x", kind="engine", tags=["rollout"]))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                reply = decode((await nc.request(subject, request, timeout=1)).data, RoleAssignment)
+                break
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                assert time.monotonic() < deadline, "the service never answered"
+        assert reply.role == "rollout"
+        process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)  # a second signal while draining is harmless
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await nc.close()
+    output = log_path.read_text()
+    assert "stopping: draining" in output
+    spans = list((tmp_path / "spans").glob("tag-scheduler-*.jsonl"))
+    assert spans, "the skeleton must flush the span file on shutdown"
