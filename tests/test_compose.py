@@ -258,12 +258,14 @@ def test_one_image_built_from_the_repo(services: dict[str, dict[str, Any]]) -> N
 
 def test_gpu_image_is_a_cuda_variant(services: dict[str, dict[str, Any]]) -> None:
     cpu_args = services["engine"]["build"].get("args") or {}
-    assert "/whl/cpu" in cpu_args.get("TORCH_INDEX_URL", ""), cpu_args
+    # the torch wheel index is a deployment choice: wired to a variable, never a host name
+    raw = COMPOSE_FILE.read_text()
+    assert "TORCH_INDEX_URL" in cpu_args and "${SF_TORCH_CPU_INDEX_URL:-" in raw, cpu_args
     for name in GPU_SERVICES:
         svc = services[name]
         assert svc["image"] != services["engine"]["image"], f"{name}: must not reuse CPU tag"
         args = svc["build"].get("args") or {}
-        assert re.search(r"/whl/cu\d+", args.get("TORCH_INDEX_URL", "")), f"{name}: {args}"
+        assert "TORCH_INDEX_URL" in args and "${SF_TORCH_CUDA_INDEX_URL:-" in raw, f"{name}"
         assert "vllm" in args.get("EXTRA_PIP_PACKAGES", ""), f"{name}: {args}"
 
 
@@ -417,7 +419,8 @@ def test_dockerfile() -> None:
     assert froms, "no FROM"
     base = re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), ""), froms[0].split()[0])
     assert base == "python:3.11-slim", base
-    assert "/whl/cpu" in args.get("TORCH_INDEX_URL", ""), "CPU torch must be the default"
+    assert "TORCH_INDEX_URL" in args, "the torch wheel index must be a build argument"
+    assert '--index-url "${TORCH_INDEX_URL}"' in DOCKERFILE.read_text()
 
     runs = " && ".join(rest for instr, rest in instrs if instr == "RUN")
     assert "torch==2.13.0" in runs, "torch must be pinned to 2.13.0"
@@ -470,3 +473,22 @@ def test_compose_config_is_valid(profile: str | None) -> None:
         [*cmd, "config", "-q"], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert result.returncode == 0, result.stderr or result.stdout
+
+
+def test_every_seamlessflow_setting_in_compose_exists_in_the_code() -> None:
+    """A typo'd or invented SF_* variable would be silently ignored by pydantic-settings."""
+    from seamlessflow.cli import configuration_reference
+
+    known = set(re.findall(r"`(SF_[A-Z0-9_]+)", configuration_reference()))
+    raw = yaml.safe_load(COMPOSE_FILE.read_text())
+    used: set[str] = set()
+    for service in raw["services"].values():
+        environment = service.get("environment") or {}
+        keys = (
+            environment if isinstance(environment, dict) else [e.split("=")[0] for e in environment]
+        )
+        used.update(k for k in keys if k.startswith("SF_"))
+    for anchor in (v for k, v in raw.items() if k.startswith("x-") and isinstance(v, dict)):
+        used.update(k for k in anchor if k.startswith("SF_"))
+    assert used, "the compose file sets no seamlessflow settings"
+    assert used <= known, f"unknown settings in compose: {sorted(used - known)}"

@@ -34,7 +34,7 @@ app = typer.Typer(
 
 @app.command()
 def up(
-    steps: Annotated[int, typer.Option(help="Trainer optimizer steps.")] = 60,
+    steps: Annotated[int, typer.Option(help="Trainer optimizer steps.")] = 300,
     run_id: Annotated[str, typer.Option(help="Run id (default: from the time).")] = "",
     runs_dir: Annotated[Path, typer.Option(help="Where runs/<run-id>/ is written.")] = Path("runs"),
     model_dir: Annotated[
@@ -153,7 +153,7 @@ def configuration_reference() -> str:
         for name, info in settings_class.model_fields.items():
             alias = info.validation_alias
             if alias is not None:
-                env = " / ".join(str(choice) for choice in alias.choices)  # type: ignore[union-attr]
+                env = " / ".join(str(choice) for choice in alias.choices)
             else:
                 env = f"{prefix}{name}".upper()
             default = info.get_default(call_default_factory=True)

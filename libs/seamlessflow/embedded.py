@@ -58,7 +58,7 @@ class RunConfig(BaseModel):
     """Task source (``seamlessflow.tasks``)."""
     agent: str = "single_turn"
     """Agent run for each sample (registered name or dotted path)."""
-    steps: int = 60
+    steps: int = 300
     """Trainer optimizer steps."""
     group_size: int = 8
     """Samples per task (GRPO group)."""
@@ -66,7 +66,7 @@ class RunConfig(BaseModel):
     """Tasks per optimizer step."""
     max_batches_ahead: int = 1
     """Rollout may run this many batches ahead of the trainer (0 = synchronous)."""
-    max_tokens: int = 8
+    max_tokens: int = 6
     """Completion budget per agent call."""
     lr: float = 1e-4
     """Trainer learning rate."""
@@ -343,7 +343,7 @@ class EmbeddedRun:
 def _struct_dict(message: TrainStepMetrics) -> dict[str, Any]:
     import msgspec
 
-    return msgspec.to_builtins(message)  # type: ignore[no-any-return]
+    return msgspec.to_builtins(message)
 
 
 def plot_rewards(metrics: list[TrainStepMetrics], path: Path, title: str) -> None:
@@ -410,8 +410,8 @@ class Progress:
         for column in ("step", "mean reward", "last-10 reward", "gen tok/s", "version", "elapsed"):
             table.add_column(column, justify="right")
         if run is None or not run.metrics:
-            elapsed = f"{time.monotonic() - run.started:.0f}s" if run else "0s"
-            table.add_row(f"0/{self.config.steps}", "-", "-", "-", "0", elapsed)
+            waited = f"{time.monotonic() - run.started:.0f}s" if run else "0s"
+            table.add_row(f"0/{self.config.steps}", "-", "-", "-", "0", waited)
             return table
         m = run.metrics[-1]
         recent = run.metrics[-10:]

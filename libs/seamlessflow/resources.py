@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 
+from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from seamlessflow import telemetry
@@ -60,7 +61,7 @@ class ResourceMembership:
         delay = 0.1
         while True:
             try:
-                assignment = await self.bus.request(
+                assignment: RoleAssignment = await self.bus.request(
                     self.bus.subjects.sched_register(), request, RoleAssignment, timeout=2.0
                 )
             except NoResponder:
@@ -70,7 +71,7 @@ class ResourceMembership:
             await self._set_role(assignment)
             return assignment
 
-    async def _on_assignment(self, msg) -> None:  # type: ignore[no-untyped-def]
+    async def _on_assignment(self, msg: Msg) -> None:
         await self._set_role(decode(msg.data, RoleAssignment))
 
     async def _set_role(self, assignment: RoleAssignment) -> None:

@@ -70,6 +70,9 @@ def configure_logging(service_name: str, level: str) -> None:
         level=level.upper(),
         format=f"%(asctime)s {service_name}[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
+    # one line per HTTP request of every agent drowns the log; errors still show
+    for chatty in ("httpx", "httpx2"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
 async def run_service(service: Service, mesh: MeshSettings) -> None:

@@ -12,6 +12,7 @@ import hashlib
 from typing import TYPE_CHECKING
 
 import nats.js.errors
+from nats.js.object_store import ObjectStore
 
 from seamlessflow.bus import Bus
 
@@ -27,7 +28,7 @@ def object_name(version: int) -> str:
     return f"weights-v{version:08d}"
 
 
-async def weights_store(bus: Bus):  # type: ignore[no-untyped-def]
+async def weights_store(bus: Bus) -> ObjectStore:
     bucket = bus.subjects.object_store_weights()
     try:
         return await bus.js.object_store(bucket)

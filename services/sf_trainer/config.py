@@ -37,6 +37,9 @@ class TrainerSettings(BaseSettings):
     checkpoint_every: int = 0
     """Also checkpoint every N steps (0 = only at the end and on stop)."""
 
+    device: str = "cpu"
+    """torch device of the policy (``cpu``, ``cuda``, ``cuda:1``)."""
+
     seed: int = 0
     """torch seed."""
 

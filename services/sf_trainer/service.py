@@ -66,6 +66,7 @@ class Trainer:
         self.model = await asyncio.to_thread(
             AutoModelForCausalLM.from_pretrained, str(self.model_dir), dtype=torch.float32
         )
+        self.model.to(self.settings.device)
         self.model.train()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -161,7 +162,7 @@ class Trainer:
         with tracer.start_as_current_span(
             "trainer.publish_weights", attributes={"version": self.version}
         ):
-            state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
             name, digest, size = await weights.put_weights(self.ctx.bus, self.version, state)
             await self.ctx.bus.js_publish(
                 self.ctx.subjects.weights_published(),

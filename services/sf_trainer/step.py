@@ -33,6 +33,11 @@ class PackedSamples:
     old_logprobs: torch.Tensor  # [B, T-1]
     advantages: torch.Tensor  # [B, 1]
 
+    def to(self, device: str) -> PackedSamples:
+        if device == "cpu":
+            return self
+        return PackedSamples(**{name: value.to(device) for name, value in vars(self).items()})
+
 
 def pack(samples: list[TrainSample], advantages: list[float]) -> PackedSamples:
     length = max(len(s.token_ids) for s in samples)
@@ -97,6 +102,7 @@ def train_step(
     clipped = 0.0
     for indices in micro_batches(samples, settings.micro_batch_tokens):
         packed = pack([samples[i] for i in indices], [advantages[i] for i in indices])
+        packed = packed.to(settings.device)
         logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
         logprobs = token_logprobs(logits[:, :-1], packed.targets, settings.temperature)
         loss, clipped_count = clipped_policy_loss(

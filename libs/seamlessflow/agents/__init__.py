@@ -58,4 +58,4 @@ def get_agent(name_or_path: str) -> AgentFn:
     fn = getattr(importlib.import_module(module_name), attr)
     if not callable(fn):
         raise TypeError(f"{name_or_path} is not callable")
-    return fn  # type: ignore[no-any-return]
+    return fn

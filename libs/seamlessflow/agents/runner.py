@@ -97,7 +97,7 @@ class AgentRunner:
     async def _worker(self) -> None:
         while True:
             try:
-                reply = await self.ctx.bus.request(
+                reply: TaskAssignment | NoTask = await self.ctx.bus.request(
                     self.ctx.subjects.task_claim(),
                     TaskClaim(runner_id=self.runner_id),
                     TaskAssignment | NoTask,

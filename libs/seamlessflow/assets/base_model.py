@@ -177,7 +177,7 @@ def _render(messages: list[dict[str, Any]], add_generation_prompt: bool = False)
     """Render with the chat template, without a tokenizer (used to make training text)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    rendered, _ = render_jinja_template(
+    rendered, _ = render_jinja_template(  # type: ignore[str-unpack]
         conversations=[messages],
         chat_template=CHAT_TEMPLATE,
         add_generation_prompt=add_generation_prompt,
@@ -259,7 +259,7 @@ def build_model(config: BaseModelConfig, tokenizer: PreTrainedTokenizerFast) -> 
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
-        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),  # type: ignore[arg-type]
     )
     model = Qwen2ForCausalLM(model_config)
     # Only the stop and pad ids: engines that read generation_config (vLLM does) must not
@@ -383,15 +383,16 @@ def sampled_reward(
     )
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(
-            **enc,
+        out = model.generate(  # type: ignore[operator]
+            **enc,  # type: ignore[arg-type]
             do_sample=True,
             temperature=1.0,
             top_k=0,
             top_p=1.0,
             max_new_tokens=max_new_tokens,
         )
-    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    prompt_length = enc["input_ids"].shape[1]  # type: ignore[call-overload,union-attr,index]
+    texts = tokenizer.batch_decode(out[:, prompt_length:], skip_special_tokens=True)
     return sum(reward(t, r) for t, r in zip(texts, references, strict=True)) / len(texts)
 
 
@@ -441,7 +442,7 @@ def build_base_model(
     finally:
         torch.set_num_threads(threads)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(out_dir, safe_serialization=True)  # type: ignore[operator]
     tokenizer.save_pretrained(out_dir)
     info = {
         "build_hash": _build_hash(config, seed),
