@@ -142,9 +142,10 @@ class InProcessMesh:
             raise TimeoutError(f"{what} not ready within {timeout:.0f}s")
 
     async def stop(self) -> None:
-        for _, ctx, _ in reversed(self.running):
-            ctx.stopping.set()
+        """Stop in reverse start order, one at a time: the gateway finishes its in-flight
+        requests while the engines still serve them."""
         for service, ctx, task in reversed(self.running):
+            ctx.stopping.set()
             try:
                 await asyncio.wait_for(task, 20)
             except asyncio.CancelledError:
@@ -604,10 +605,9 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     import uvloop
+    from transformers.utils import logging as hf_logging
 
     from seamlessflow.natsserver import EmbeddedNats
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the engines' "Loading weights" bars
     model_dir = args.model_dir or default_model_dir()

@@ -10,6 +10,7 @@ to the requester. Anything else propagates into the log once and becomes an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -75,6 +76,7 @@ class Bus:
         self.js: JetStreamContext = nc.jetstream()
         self.subjects = subjects
         self._subscriptions: list[Subscription] = []
+        self._handlers: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ core NATS
 
@@ -112,12 +114,11 @@ class Bus:
         for broadcasts). The subscription callback never blocks the connection's
         dispatcher: handlers may be slow (an engine generating for seconds).
         """
-        tasks: set[asyncio.Task[None]] = set()
 
         async def on_message(msg: Msg) -> None:
             task = asyncio.create_task(self._answer(msg, request_type, handler))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_message)
         self._subscriptions.append(sub)
@@ -198,9 +199,20 @@ class Bus:
         return messages
 
     async def drain(self, timeout: float = 5.0) -> None:
-        """Finish in-flight callbacks and close, within ``timeout``. Safe to call twice."""
+        """Stop taking requests, let handlers in flight finish on an open connection, then
+        drain and close, all within about ``timeout``. Safe to call twice."""
         if self.nc.is_closed:
             return
+        for sub in self._subscriptions:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        self._subscriptions.clear()
+        if self._handlers:
+            _, pending = await asyncio.wait(set(self._handlers), timeout=timeout)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
         try:
             await asyncio.wait_for(self.nc.drain(), timeout)
         except (nats.errors.ConnectionClosedError, TimeoutError):

@@ -187,18 +187,29 @@ class EmbeddedRun:
             )
 
     def stop_processes(self, timeout: float = 30.0) -> None:
-        """SIGTERM everyone (each drains), then SIGKILL whatever is left. Idempotent."""
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for label, process in self.processes.items():
-            try:
-                process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in time; killing it", label)
-                process.kill()
-                process.wait()
+        """Stop in dependency order, each stage draining before the next one stops:
+        agents, then the gateway, then engines, then the rest (the trainer saves its
+        checkpoint). SIGKILL whatever misses its deadline. Idempotent."""
+        stages = [
+            ["agents"],
+            ["gateway"],
+            [label for label in self.processes if label.startswith("engine-")],
+            ["trajectory", "trainer", "weight-sync"],
+            ["tag-scheduler"],
+        ]
+        for stage in stages:
+            running = [(label, self.processes[label]) for label in stage if label in self.processes]
+            for _, process in running:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for label, process in running:
+                try:
+                    process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in time; killing it", label)
+                    process.kill()
+                    process.wait()
 
     def unexpected_exit(self) -> str | None:
         for label, process in self.processes.items():

@@ -82,6 +82,8 @@ class EngineWorker:
                 ctx.stopping, self.membership.heartbeat_loop(), self._version_poll_loop()
             )
         finally:
+            # Stop taking requests and answer those in flight before the engine goes away.
+            await ctx.bus.drain(timeout=ctx.mesh.drain_timeout_s)
             self.membership.end_phase()
             await self.engine.close()
 
@@ -158,7 +160,12 @@ class EngineWorker:
             with tracer.start_as_current_span(
                 "engine.load_weights", attributes={"engine.id": self.engine_id, "version": version}
             ):
-                state_dict = await weights.get_weights(self.ctx.bus, object_name, sha256)
+                try:
+                    state_dict = await weights.get_weights(self.ctx.bus, object_name, sha256)
+                except weights.WeightsCorrupted as exc:
+                    # never load it; the version poll fetches the current version again
+                    log.warning("refused version %d: %s", version, exc)
+                    return
                 await self.engine.load_weights(state_dict, version)
             self.membership.version = version
             await self.ctx.bus.publish(
