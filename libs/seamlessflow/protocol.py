@@ -189,6 +189,31 @@ class GenerateRequest(Message, tag="engine.generate"):
     top_p: float = 1.0
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     seed: int | None = None
+    top_logprobs: int = 0
+    """How many most likely alternatives to report per generated token (0-20)."""
+    stream_subject: str = ""
+    """If set, the engine also publishes GenerateChunk messages here as tokens appear;
+    the final GenerateReply still carries every token."""
+
+
+class TopLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class GenerateChunk(Message, tag="engine.generate.chunk"):
+    """engine worker -> rollout-gateway (core, on ``stream_subject``): new tokens so far.
+
+    Chunks of one request are numbered from 0; a gateway that misses one falls back to
+    the final GenerateReply, which is authoritative.
+    """
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    top_logprobs: list[list[TopLogprob]] = msgspec.field(default_factory=list)
 
 
 class GenerateReply(Message, tag="engine.generate.reply"):
@@ -200,6 +225,7 @@ class GenerateReply(Message, tag="engine.generate.reply"):
     logprobs: list[float]
     versions: list[int]
     finish_reason: Literal["stop", "length", "abort"]
+    top_logprobs: list[list[TopLogprob]] = msgspec.field(default_factory=list)
 
 
 class AbortGeneration(Message, tag="engine.abort"):
@@ -446,6 +472,7 @@ AnyMessage = (
     ErrorReply
     | GenerateRequest
     | GenerateReply
+    | GenerateChunk
     | AbortGeneration
     | LoadWeights
     | WeightsLoaded
