@@ -1,3 +1,5 @@
+from typing import Literal
+
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -57,6 +59,13 @@ class EngineSettings(BaseSettings):
 
     torch_threads: int = 1
     """torch intra-op threads (processes share a few cores in embedded mode)."""
+
+    interrupt_mode: Literal["keep", "abort", "wait"] = "keep"
+    """How a new weight version reaches requests in flight (partial rollout):
+    ``keep`` freezes them at a token boundary, swaps the weights under them and lets
+    them continue (later tokens carry the new version); ``abort`` ends them with their
+    partial tokens, which the gateway re-submits (prompt + partial ids) to any engine;
+    ``wait`` loads only after the running batch finished (no interruption)."""
 
     trace_token_ids: bool = False
     """Audit mode: put the prompt and completion token ids on each ``engine.generate``

@@ -157,22 +157,43 @@ class EngineWorker:
         async with self._load_lock:
             if version <= self.engine.version:
                 return  # already serving it (or newer): loads are idempotent
-            with tracer.start_as_current_span(
-                "engine.load_weights", attributes={"engine.id": self.engine_id, "version": version}
-            ):
-                try:
-                    state_dict = await weights.get_weights(self.ctx.bus, object_name, sha256)
-                except weights.WeightsCorrupted as exc:
-                    # never load it; the version poll fetches the current version again
-                    log.warning("refused version %d: %s", version, exc)
-                    return
-                await self.engine.load_weights(state_dict, version)
+            # Fetch while still serving: requests pause only for the swap itself.
+            try:
+                state_dict = await weights.get_weights(self.ctx.bus, object_name, sha256)
+            except weights.WeightsCorrupted as exc:
+                # never load it; the version poll fetches the current version again
+                log.warning("refused version %d: %s", version, exc)
+                return
+            await self._swap(state_dict, version)
             self.membership.version = version
             await self.ctx.bus.publish(
                 self.ctx.subjects.weights_loaded(),
                 WeightsLoaded(engine_id=self.engine_id, version=version),
             )
             log.info("%s loaded version %d", self.engine_id, version)
+
+    async def _swap(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Partial rollout: interrupt requests in flight as configured, load, resume."""
+        mode = self.settings.interrupt_mode
+        self.membership.set_phase("sync")
+        with tracer.start_as_current_span(
+            "engine.interrupt",
+            attributes={
+                "engine.id": self.engine_id,
+                "version": version,
+                "mode": mode,
+                "in_flight": self.membership.in_flight,
+            },
+        ):
+            if mode == "wait":
+                await self.engine.load_weights(state_dict, version)  # waits for the batch
+            else:
+                await self.engine.pause(mode)
+                try:
+                    await self.engine.load_weights(state_dict, version)
+                finally:
+                    await self.engine.resume()
+        self.membership.set_phase("rollout" if self.membership.in_flight else "idle")
 
     async def _catch_up(self) -> None:
         """Ask weight-sync for the current version until it answers, then load it."""

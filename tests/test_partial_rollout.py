@@ -1,0 +1,139 @@
+"""Partial rollout: weight updates land while many agents are mid-answer.
+
+A real engine worker, weight-sync, scheduler and gateway on a real nats-server; the
+test plays the trainer, publishing new weight versions as fast as the engine loads
+them while agents (the official openai SDK) keep asking for long answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from openai import AsyncOpenAI
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from seamlessflow import weights
+from seamlessflow.bus import Bus
+from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, WeightsPublished, decode
+from sf_gateway.config import EngineSettings, GatewaySettings
+from sf_gateway.engine_worker import EngineWorker
+from sf_gateway.gateway import GatewayService
+from sf_tag_scheduler.service import TagScheduler
+from sf_weight_sync.service import WeightSync
+
+AGENTS = 12
+VERSIONS = 5
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def chatty_model_dir(base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The base tokenizer with a random-init model: it rarely emits a stop token, so
+    answers run to MAX_TOKENS and weight updates land in the middle of them."""
+    out = tmp_path_factory.mktemp("chatty")
+    for name in base_model_dir.iterdir():
+        if "token" in name.name or name.suffix == ".jinja":
+            shutil.copy(name, out / name.name)
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(base_model_dir)))
+    model.save_pretrained(out)
+    return out
+
+
+async def publish_versions(bus: Bus, engine: EngineWorker, base: dict, done: asyncio.Event) -> None:  # type: ignore[type-arg]
+    """Publish VERSIONS versions, each as soon as the engine serves the previous one."""
+    for version in range(1, VERSIONS + 1):
+        state = {k: v + 0.01 * torch.randn_like(v) for k, v in base.items()}
+        name, digest, size = await weights.put_weights(bus, version, state)
+        await bus.js_publish(
+            bus.subjects.weights_published(),
+            WeightsPublished(
+                version=version, object_name=name, sha256=digest, num_bytes=size, step=version
+            ),
+            msg_id=f"weights-v{version}",
+        )
+        async with asyncio.timeout(30):
+            while engine.engine.version < version:  # noqa: ASYNC110 (polling another service)
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+    done.set()
+
+
+@pytest.mark.parametrize("interrupt_mode", ["keep", "abort"])
+async def test_agents_never_notice_weight_updates(
+    interrupt_mode: str, nats_url: str, run_id: str, chatty_model_dir: Path, bus: Bus
+) -> None:
+    from conftest import InProcessMesh
+
+    mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
+    try:
+        await mesh.start(TagScheduler())
+        await mesh.start(WeightSync())
+        engine = await mesh.start(
+            EngineWorker(
+                EngineSettings(
+                    engine_id="engine-p", max_batch_size=16, interrupt_mode=interrupt_mode
+                )
+            )
+        )  # type: ignore[arg-type]
+        gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
+        async with asyncio.timeout(60):
+            await engine.ready.wait()
+            await gateway.ready.wait()
+        url = f"http://127.0.0.1:{gateway.bound_port}"
+        base = AutoModelForCausalLM.from_pretrained(str(chatty_model_dir)).state_dict()
+
+        done = asyncio.Event()
+
+        async def agent(index: int, http: httpx.AsyncClient) -> list[tuple[str, list[float]]]:
+            session = (await http.post("/sessions", json={})).json()
+            client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+            seen = []
+            turn = 0
+            while turn == 0 or not done.is_set():  # answers keep flowing during every update
+                messages = [{"role": "user", "content": f"What is {index} + {turn}?"}]
+                turn += 1
+                reply = await client.chat.completions.create(
+                    model="policy",
+                    messages=messages,
+                    max_tokens=MAX_TOKENS,
+                    logprobs=True,  # type: ignore[arg-type]
+                )
+                choice = reply.choices[0]
+                assert choice.message.content is not None
+                logprobs = [t.logprob for t in choice.logprobs.content]  # type: ignore[union-attr]
+                seen.append((choice.message.content, logprobs))
+            await client.close()
+            await http.post(f"/sessions/{session['session_id']}/finish")
+            return seen
+
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            publisher = asyncio.create_task(publish_versions(bus, engine, base, done))
+            answers = await asyncio.gather(*(agent(i, http) for i in range(AGENTS)))
+            await publisher
+        assert engine.engine.version == VERSIONS
+    finally:
+        await mesh.stop()
+
+    s = bus.subjects
+    events = [
+        decode(m.data, TrajectoryEvent)
+        for m in await bus.read_all(s.stream_trajectory(), s.trajectory_events_all())
+    ]
+    turns = [e for e in events if isinstance(e, TurnRecorded)]
+    assert len(turns) == sum(len(a) for a in answers) >= AGENTS
+    recorded = {(t.completion_text, tuple(t.logprobs)) for t in turns}
+    for agent_answers in answers:
+        for text, logprobs in agent_answers:
+            # what the agent read is exactly one recorded engine output
+            assert (text, tuple(logprobs)) in recorded
+    for turn in turns:
+        assert turn.versions == sorted(turn.versions), "versions decreased within a response"
+        assert len(turn.versions) == len(turn.completion_ids) == len(turn.logprobs)
+    interrupted = [t for t in turns if len(set(t.versions)) > 1]
+    assert interrupted, "no weight update landed mid-response: the test proved nothing"
