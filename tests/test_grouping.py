@@ -168,3 +168,26 @@ def test_dispatcher_epochs_are_permutations_and_reproducible() -> None:
     first = order(1)
     assert sorted(first[:6]) == sorted(first[6:]) == [f"t{i}" for i in range(6)]
     assert order(1) == first
+
+
+def test_stale_samples_are_dropped_with_a_reason_and_the_batch_refilled() -> None:
+    grouper = Grouper(lookup)
+    # group g0: one sample made by version 0, one by version 5; group g1: version 5
+    for session, group, version in (("a", "g0", 0), ("b", "g0", 5), ("c", "g1", 5)):
+        grouper.apply(opened(session, group, 0 if session != "b" else 1, 2 if group == "g0" else 1))
+        grouper.apply(turn(session, version, [1], [2], "4"))
+        grouper.apply(SessionFinished(session_id=session))
+    batch = grouper.take_batch(2, batch_index=6, max_staleness=4)
+    assert batch is not None
+    assert [[s.session_id for s in g.samples] for g in batch] == [["b"], ["c"]]
+    assert grouper.dropped == {"stale": 1} and grouper.stale_sessions == ["a"]
+
+
+def test_a_group_left_empty_by_staleness_does_not_fill_a_batch() -> None:
+    grouper = Grouper(lookup)
+    for session, group, version in (("a", "g0", 0), ("c", "g1", 9)):
+        grouper.apply(opened(session, group, 0, 1))
+        grouper.apply(turn(session, version, [1], [2], "4"))
+        grouper.apply(SessionFinished(session_id=session))
+    assert grouper.take_batch(2, batch_index=9, max_staleness=2) is None
+    assert [g.group_id for g in grouper.ready] == ["g1"]

@@ -149,3 +149,35 @@ def test_a_train_step_raises_the_probability_of_rewarded_tokens() -> None:
     assert result.tokens_trained == 4 and result.mean_reward == 0.5
     assert logprob(good) > before_good
     assert logprob(bad) < before_bad
+
+
+def test_decoupled_loss_weights_tokens_by_truncated_behaviour_ratio() -> None:
+    from sf_trainer.losses import get_loss
+
+    settings = TrainerSettings(is_cap=2.0, clip_eps=0.2)
+    logprobs = torch.log(torch.tensor([[0.5, 0.5, 0.5]])).requires_grad_(True)
+    behaviour = torch.log(torch.tensor([[0.25, 0.1, 1.0]]))  # weights 2.0, 5.0 -> 2.0, 0.5
+    advantages = torch.tensor([[1.0, -1.0, 2.0]])  # per token here, to test each weight
+    mask = torch.ones(1, 3)
+    out = get_loss("grpo_decoupled")(logprobs, behaviour, advantages, mask, settings, 3.0)
+    # at the proximal policy the ratio is 1: loss = -sum(w * A) / n
+    assert out.loss.item() == pytest.approx(-(2.0 * 1 + 2.0 * -1 + 0.5 * 2) / 3)
+    assert out.truncated_tokens == 1 and out.clipped_tokens == 0
+    out.loss.backward()
+    assert logprobs.grad is not None
+    assert logprobs.grad[0].tolist() == pytest.approx([-2.0 / 3, 2.0 / 3, -1.0 / 3])
+
+
+def test_plain_grpo_loss_is_ppo_clip_against_behaviour() -> None:
+    from sf_trainer.losses import get_loss
+
+    settings = TrainerSettings(clip_eps=0.2)
+    logprobs = torch.log(torch.tensor([[0.5, 0.5]]))
+    behaviour = torch.log(torch.tensor([[0.25, 0.5]]))  # ratios 2.0 (clipped to 1.2), 1.0
+    out = get_loss("grpo")(
+        logprobs, behaviour, torch.tensor([[1.0]]), torch.ones(1, 2), settings, 2.0
+    )
+    assert out.loss.item() == pytest.approx(-(1.2 + 1.0) / 2)
+    assert out.clipped_tokens == 1
+    with pytest.raises(KeyError, match="unknown loss"):
+        get_loss("nope")

@@ -414,6 +414,12 @@ class TrainStepMetrics(Message, tag="train.metrics"):
     step_seconds: float
     wait_seconds: float
     publish_seconds: float
+    staleness_histogram: dict[int, int] = msgspec.field(default_factory=dict)
+    """Trained tokens by version gap (trained version - generating version)."""
+    logprob_abs_diff: float = 0.0
+    """Mean |trainer - behaviour| logprob over trained tokens."""
+    truncated_fraction: float = 0.0
+    """Fraction of trained tokens whose importance weight was truncated."""
     timestamp: float = msgspec.field(default_factory=time.time)
 
 

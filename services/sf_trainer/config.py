@@ -23,6 +23,13 @@ class TrainerSettings(BaseSettings):
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm."""
 
+    loss: str = "grpo_decoupled"
+    """Policy loss plug-in (``sf_trainer.losses``): ``grpo`` (PPO-clip against the
+    behaviour logprobs) or ``grpo_decoupled`` (decoupled PPO + truncated IS)."""
+
+    is_cap: float = 2.0
+    """Truncation of the behaviour importance weight in ``grpo_decoupled``."""
+
     clip_eps: float = 0.2
     """PPO ratio clip: the ratio is kept within [1 - eps, 1 + eps]."""
 

@@ -33,18 +33,22 @@ def clipped_policy_loss(
     mask: torch.Tensor,
     clip_eps: float,
     normalizer: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO-clip surrogate averaged over all unmasked tokens of the batch (token-level).
 
     All tensors are [batch, tokens] (advantages broadcast per sequence). Returns
     (loss, number of clipped tokens). ``normalizer`` is the batch's total token count
     when the batch is split into micro-batches, so the sum of micro-batch losses equals
-    the full-batch loss.
+    the full-batch loss. ``token_weights`` (no grad) scale each token's surrogate, e.g.
+    importance weights correcting for the behaviour policy.
     """
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
     per_token = -torch.minimum(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * token_weights
     mask = mask.to(per_token.dtype)
     total = normalizer if normalizer is not None else mask.sum().clamp(min=1.0)
     loss = (per_token * mask).sum() / total

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from seamlessflow.protocol import TrainBatch, TrainSample
 from sf_trainer.config import TrainerSettings
-from sf_trainer.grpo import clipped_policy_loss, group_advantages, token_logprobs
+from sf_trainer.grpo import group_advantages, token_logprobs
+from sf_trainer.losses import get_loss
 
 
 @dataclass
@@ -20,6 +22,11 @@ class StepResult:
     tokens_generated: int
     tokens_trained: int
     max_staleness: int
+    staleness_histogram: dict[int, int]
+    """Trained tokens by how many versions behind the trained policy they were made."""
+    logprob_abs_diff: float
+    """Mean |trainer - engine| logprob over trained tokens (mismatch + staleness)."""
+    truncated_fraction: float
 
 
 @dataclass
@@ -98,28 +105,29 @@ def train_step(
     normalizer = max(total_tokens, 1.0)
 
     optimizer.zero_grad(set_to_none=True)
+    loss_fn = get_loss(settings.loss)
     loss_sum = 0.0
-    clipped = 0.0
+    clipped = truncated = abs_diff = 0.0
     for indices in micro_batches(samples, settings.micro_batch_tokens):
         packed = pack([samples[i] for i in indices], [advantages[i] for i in indices])
         packed = packed.to(settings.device)
         logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
         logprobs = token_logprobs(logits[:, :-1], packed.targets, settings.temperature)
-        loss, clipped_count = clipped_policy_loss(
-            logprobs,
-            packed.old_logprobs,
-            packed.advantages,
-            packed.loss_mask,
-            settings.clip_eps,
-            normalizer=normalizer,
+        output = loss_fn(
+            logprobs, packed.old_logprobs, packed.advantages, packed.loss_mask, settings, normalizer
         )
-        loss.backward()
-        loss_sum += float(loss.detach())
-        clipped += float(clipped_count)
+        output.loss.backward()
+        loss_sum += float(output.loss.detach())
+        clipped += output.clipped_tokens
+        truncated += output.truncated_tokens
+        abs_diff += float(
+            ((logprobs.detach() - packed.old_logprobs).abs() * packed.loss_mask).sum()
+        )
     torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
     optimizer.step()
 
     versions = [v for s in samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
+    histogram = Counter(current_version - v for v in versions)
     return StepResult(
         loss=loss_sum,
         mean_reward=sum(s.reward for s in samples) / max(len(samples), 1),
@@ -128,4 +136,7 @@ def train_step(
         tokens_generated=int(total_tokens),
         tokens_trained=int(total_tokens),
         max_staleness=current_version - min(versions) if versions else 0,
+        staleness_histogram=dict(sorted(histogram.items())),
+        logprob_abs_diff=abs_diff / normalizer,
+        truncated_fraction=truncated / normalizer,
     )

@@ -23,6 +23,10 @@ class TrajectorySettings(BaseSettings):
     total_batches: int = 0
     """Stop dispatching after this many batches' worth of groups (0 = never stop)."""
 
+    max_staleness: int = 4
+    """Staleness bound: a sample with a token generated more than this many versions
+    before the version that will train it is dropped (reason ``stale``)."""
+
     max_batches_ahead: int = 1
     """Rollout rhythm: how many batches may be dispatched beyond what the trainer has
     consumed. 0 = synchronous (on-policy); larger values overlap rollout and training

@@ -98,6 +98,8 @@ class Grouper:
         self.groups: dict[str, Group] = {}
         self.ready: list[SampleGroup] = []
         self.dropped: dict[str, int] = {}
+        self.stale_sessions: list[str] = []
+        """Sessions dropped for staleness (accounted for: never trained, never lost)."""
 
     def apply(self, event: TrajectoryEvent) -> None:
         if isinstance(event, SessionOpened):
@@ -148,8 +150,42 @@ class Grouper:
         reward_fn = self.reward_lookup(session.opened.reward_fn)
         return float(reward_fn(session.turns[-1].completion_text, session.opened.reference))
 
-    def take_batch(self, groups_per_batch: int) -> list[SampleGroup] | None:
-        if len(self.ready) < groups_per_batch:
+    def take_batch(
+        self, groups_per_batch: int, *, batch_index: int = 0, max_staleness: int | None = None
+    ) -> list[SampleGroup] | None:
+        """The next batch, or None until enough groups are ready.
+
+        Batch ``batch_index`` is trained by policy version ``batch_index``; a sample with a
+        token generated more than ``max_staleness`` versions earlier is dropped (reason
+        ``stale``), and a group left empty is dropped with it. Stale groups do not count
+        towards the batch, so the batch is refilled from later groups.
+        """
+        while len(self.ready) >= groups_per_batch:
+            candidate, rest = self.ready[:groups_per_batch], self.ready[groups_per_batch:]
+            fresh = [
+                g
+                for g in (self._drop_stale(g, batch_index, max_staleness) for g in candidate)
+                if g is not None
+            ]
+            if len(fresh) == groups_per_batch:
+                self.ready = rest
+                return fresh
+            self.ready = fresh + rest
+        return None
+
+    def _drop_stale(
+        self, group: SampleGroup, batch_index: int, max_staleness: int | None
+    ) -> SampleGroup | None:
+        if max_staleness is None:
+            return group
+        kept = []
+        for sample in group.samples:
+            produced = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m]
+            if produced and batch_index - min(produced) > max_staleness:
+                self.dropped["stale"] = self.dropped.get("stale", 0) + 1
+                self.stale_sessions.append(sample.session_id)
+            else:
+                kept.append(sample)
+        if not kept:
             return None
-        batch, self.ready = self.ready[:groups_per_batch], self.ready[groups_per_batch:]
-        return batch
+        return SampleGroup(group_id=group.group_id, task_id=group.task_id, samples=kept)

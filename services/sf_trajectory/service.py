@@ -122,7 +122,13 @@ class TrajectoryService:
 
     async def _apply(self, event: TrajectoryEvent) -> None:
         self.grouper.apply(event)
-        while (groups := self.grouper.take_batch(self.settings.groups_per_batch)) is not None:
+        while (
+            groups := self.grouper.take_batch(
+                self.settings.groups_per_batch,
+                batch_index=self.next_batch_index,
+                max_staleness=self.settings.max_staleness,
+            )
+        ) is not None:
             batch = TrainBatch(batch_index=self.next_batch_index, groups=groups)
             with tracer.start_as_current_span(
                 "trajectory.batch", attributes={"batch.index": batch.batch_index}
