@@ -1,0 +1,155 @@
+"""A session's conversation as a tree of token prefixes: history is never re-tokenized.
+
+Every answer the gateway returns becomes a node: the messages of the request plus the
+reply as the agent received it (normalised), and the exact token ids the engine saw and
+produced (prompt + completion). A new request is matched structurally against the
+nodes; for the deepest node whose messages are a prefix of the request's, the prompt
+is that node's stored ids followed by the tokens of only what is new:
+
+    prompt = node.ids + encode(junction + template(new messages))
+
+``junction`` is what the chat template puts after the end of the stored assistant turn
+that the engine did not produce itself (``"\\n"`` after ``<|im_end|>`` in ChatML; the
+whole end-of-turn marker if the answer was cut by ``max_tokens``).
+
+An agent that edits or truncates its history matches a shallower node (or none): the
+new turn then starts a new branch (a fork) instead of silently mixing a re-tokenized
+history with engine tokens. n > 1 choices become sibling nodes.
+
+Requirements on the chat template (checked per request, with a fork as the fallback):
+rendering is prefix-stable (rendering the first k messages is a prefix of rendering
+more), and an assistant turn ends with the tokenizer's end-of-turn token.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Render = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None, bool], str]
+Encode = Callable[[str], list[int]]
+
+
+def normalize_message(message: dict[str, Any]) -> str:
+    """A canonical key for a chat message: what matters to the template, nothing else.
+
+    Tool-call arguments are compared as JSON values, so an agent that re-serialises
+    them with other spacing still continues the same branch.
+    """
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        calls.append({"name": function.get("name"), "arguments": arguments})
+    key = {
+        "role": message.get("role"),
+        "content": message.get("content") or "",
+        "tool_calls": calls,
+        "tool_call_id": message.get("tool_call_id"),
+        "name": message.get("name"),
+    }
+    return json.dumps(key, sort_keys=True, ensure_ascii=False)
+
+
+def tools_key(tools: Sequence[dict[str, Any]] | None) -> str:
+    return json.dumps(list(tools or []), sort_keys=True, ensure_ascii=False)
+
+
+@dataclass
+class Node:
+    """One answer: the request's messages + the reply, and the exact ids behind them."""
+
+    tools: str
+    path: tuple[str, ...]
+    ids: list[int]
+    completion_text: str
+    """The engine's completion decoded with special tokens (what ``ids`` end with)."""
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    reused_tokens: int
+    """How many leading ids come from a stored node (0 = a new root or a fork)."""
+    parent_path_length: int
+
+
+@dataclass
+class Conversation:
+    render: Render
+    encode: Encode
+    end_of_turn: str
+    nodes: list[Node] = field(default_factory=list)
+    forks: int = 0
+
+    def prompt_for(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> Prompt:
+        keys = tuple(normalize_message(m) for m in messages)
+        full = self.render(messages, tools, True)
+        node = self._deepest_match(keys, tools_key(tools))
+        if node is not None:
+            ids = self._extend(node, messages, tools, full)
+            if ids is not None:
+                return Prompt(ids, len(node.ids), len(node.path))
+        if self.nodes:
+            self.forks += 1  # history edited, truncated or new: a new branch
+        return Prompt(self.encode(full), 0, 0)
+
+    def record(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        reply: dict[str, Any],
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        completion_text: str,
+    ) -> None:
+        path = (*(normalize_message(m) for m in messages), normalize_message(reply))
+        self.nodes.append(
+            Node(tools_key(tools), path, [*prompt_ids, *completion_ids], completion_text)
+        )
+
+    def _deepest_match(self, keys: tuple[str, ...], tools: str) -> Node | None:
+        best: Node | None = None
+        for node in self.nodes:
+            n = len(node.path)
+            if node.tools == tools and n <= len(keys) and keys[:n] == node.path:
+                if best is None or n > len(best.path):
+                    best = node
+        return best
+
+    def _extend(
+        self,
+        node: Node,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        full: str,
+    ) -> list[int] | None:
+        k = len(node.path)
+        before_reply = self.render(messages[: k - 1], tools, True)
+        through_reply = self.render(messages[:k], tools, False)
+        if not (through_reply.startswith(before_reply) and full.startswith(through_reply)):
+            log.warning("chat template is not prefix-stable here; starting a new branch")
+            return None
+        reply_rendered = through_reply[len(before_reply) :]
+        end = reply_rendered.rfind(self.end_of_turn)
+        if end < 0:
+            log.warning("assistant turn has no %r; starting a new branch", self.end_of_turn)
+            return None
+        if node.completion_text.endswith(self.end_of_turn):
+            junction = reply_rendered[end + len(self.end_of_turn) :]
+        else:  # cut by max_tokens: the engine never produced the end of turn
+            junction = reply_rendered[end:]
+        new_text = junction + full[len(through_reply) :]
+        return [*node.ids, *self.encode(new_text)] if new_text else list(node.ids)
