@@ -4,6 +4,8 @@ real nats-server; agents are the official openai SDK."""
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 from typing import Any
 
 import httpx
@@ -181,3 +183,54 @@ async def test_the_sdk_raises_not_found_for_an_unknown_model(gateway_url: str) -
             model="gpt-9", messages=[{"role": "user", "content": "hi"}]
         )
     await client.close()
+
+
+async def test_export_shows_every_branch_with_exact_engine_ids(
+    mesh, gateway_url: str, nats_url: str, run_id: str
+) -> None:  # type: ignore[no-untyped-def]
+    from sf_trajectory.service import TrajectoryService
+
+    trajectory = await mesh.start(TrajectoryService())
+    await asyncio.wait_for(trajectory.ready.wait(), 30)
+    async with httpx.AsyncClient(base_url=gateway_url) as http:
+        session = await new_session(http, reference="4", reward_fn="integer_match")
+        sid = session["session_id"]
+        client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+        first = [{"role": "user", "content": "What is 2 + 2?"}]
+        a1 = await client.chat.completions.create(model="policy", messages=first, max_tokens=4)  # type: ignore[arg-type]
+        reply1 = {"role": "assistant", "content": a1.choices[0].message.content}
+        second = [*first, reply1, {"role": "user", "content": "Sure?"}]
+        await client.chat.completions.create(model="policy", messages=second, max_tokens=4)  # type: ignore[arg-type]
+        edited = [
+            *first,
+            {"role": "assistant", "content": "five"},
+            {"role": "user", "content": "Sure?"},
+        ]
+        await client.chat.completions.create(model="policy", messages=edited, max_tokens=4)  # type: ignore[arg-type]
+        await client.close()
+        assert (await http.post(f"/sessions/{sid}/finish")).status_code == 200
+        exported = (await http.get(f"/sessions/{sid}/export")).json()
+        missing = await http.get("/sessions/snope/export")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+    samples = exported["samples"]
+    assert exported["finished"] and len(samples) == 2  # the edit forked the session
+    kept, final = samples
+    assert not kept["final"] and final["final"] and final["reward"] in (0.0, 1.0)
+    assert kept["turn_indexes"] == [0, 1], "turn 2 continued turn 1's exact ids"
+    assert final["turn_indexes"] == [2]
+    # the CLI prints the same export
+    result = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "seamlessflow",
+        "export",
+        sid,
+        "--run-id",
+        run_id,
+        "--nats-url",
+        nats_url,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await result.communicate()
+    assert result.returncode == 0 and json.loads(out)["samples"] == samples

@@ -71,6 +71,23 @@ def examples() -> list[p.Message]:
         p.TrainBatch(
             batch_index=0, groups=[p.SampleGroup(group_id="g", task_id="t", samples=[sample])]
         ),
+        p.SessionExportQuery(session_id="s"),
+        p.SessionExport(
+            session_id="s",
+            task_id="t",
+            finished=True,
+            samples=[
+                p.ExportedSample(
+                    token_ids=[1, 2],
+                    loss_mask=[0, 1],
+                    behaviour_logprobs=[0, -1],
+                    versions=[-1, 0],
+                    turn_indexes=[0],
+                    final=True,
+                    reward=1.0,
+                )
+            ],
+        ),
         p.WeightsPublished(version=1, object_name="w", sha256="ab", num_bytes=10, step=1),
         p.CurrentVersionQuery(engine_id="e"),
         p.CurrentVersion(version=1, object_name="w", sha256="ab"),

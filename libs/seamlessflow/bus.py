@@ -198,6 +198,23 @@ class Bus:
             await sub.unsubscribe()
         return messages
 
+    async def read_subject(self, stream: str, subject: str) -> list[Msg]:
+        """Every message stored on one subject of a stream right now, in order."""
+        try:
+            last = await self.js.get_last_msg(stream, subject)
+        except nats.js.errors.NotFoundError:
+            return []
+        sub = await self.js.subscribe(
+            subject, stream=stream, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+        )
+        messages: list[Msg] = []
+        try:
+            while not messages or messages[-1].metadata.sequence.stream < last.seq:
+                messages.append(await sub.next_msg(timeout=10.0))
+        finally:
+            await sub.unsubscribe()
+        return messages
+
     async def drain(self, timeout: float = 5.0) -> None:
         """Stop taking requests, let handlers in flight finish on an open connection, then
         drain and close, all within about ``timeout``. Safe to call twice."""

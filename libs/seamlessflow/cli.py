@@ -88,6 +88,41 @@ def serve(
     main(service_class())
 
 
+@app.command()
+def export(
+    session: Annotated[str, typer.Argument(help="Session id.")],
+    run_id: Annotated[str, typer.Option(envvar="SF_RUN_ID", help="Run id.")],
+    nats_url: Annotated[str, typer.Option(envvar="SF_NATS_URL", help="NATS URL.")] = (
+        "nats://127.0.0.1:4222"
+    ),
+) -> None:
+    """Print a session's training samples (every branch: ids, loss mask, behaviour
+    logprobs, per-token versions, reward) as JSON, from the trajectory service."""
+    import asyncio
+
+    from seamlessflow.bus import NoResponder, RemoteError, connect
+    from seamlessflow.protocol import SessionExport, SessionExportQuery, Subjects, encode
+
+    async def fetch() -> bytes:
+        bus = await connect(nats_url, Subjects(run_id), name="seamlessflow-export")
+        try:
+            reply = await bus.request(
+                bus.subjects.trajectory_export(),
+                SessionExportQuery(session_id=session),
+                SessionExport,
+                timeout=30.0,
+            )
+            return encode(reply)
+        finally:
+            await bus.drain()
+
+    try:
+        typer.echo(asyncio.run(fetch()).decode())
+    except (RemoteError, NoResponder) as exc:
+        typer.echo(f"export failed: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
 @app.command("build-model")
 def build_model(
     out: Annotated[Path, typer.Option(help="Output directory (HF layout).")],

@@ -72,6 +72,10 @@ class Subjects:
     def trajectory_events_all(self) -> str:
         return f"{self._root}.traj.event.>"
 
+    def trajectory_export(self) -> str:
+        """Request/reply: SessionExportQuery -> SessionExport."""
+        return f"{self._root}.traj.export"
+
     # tasks (agent runner <-> trajectory)
     def task_claim(self) -> str:
         return f"{self._root}.task.claim"
@@ -360,6 +364,35 @@ class SampleGroup(msgspec.Struct, kw_only=True):
     samples: list[TrainSample]
 
 
+class ExportedSample(msgspec.Struct, kw_only=True):
+    """One branch of a session's conversation tree, as the trainer would see it."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    behaviour_logprobs: list[float]
+    versions: list[int]
+    turn_indexes: list[int]
+    """The turns whose completions lie on this branch (trained tokens)."""
+    final: bool
+    """True for the branch ending at the session's last turn (the one that is trained)."""
+    reward: float | None = None
+
+
+class SessionExportQuery(Message, tag="traj.export_query"):
+    """rollout-gateway / CLI -> trajectory (request): export a session's samples."""
+
+    session_id: str
+
+
+class SessionExport(Message, tag="traj.export"):
+    """trajectory -> requester: every branch of a session, exact ids and versions."""
+
+    session_id: str
+    task_id: str
+    finished: bool
+    samples: list[ExportedSample]
+
+
 class TrainBatch(Message, tag="batch"):
     """trajectory -> trainer (JetStream, durable consumer): one optimizer step's worth."""
 
@@ -490,6 +523,8 @@ AnyMessage = (
     | TaskAssignment
     | NoTask
     | TrainBatch
+    | SessionExportQuery
+    | SessionExport
     | WeightsPublished
     | CurrentVersionQuery
     | CurrentVersion

@@ -6,6 +6,7 @@ HTTP (agents):
 - ``POST /s/<session>/v1/chat/completions``, ``POST /s/<session>/v1/completions``,
   ``GET /s/<session>/v1/models``, ``GET /v1/models``
 - ``POST /sessions/<session>/reward``, ``POST /sessions/<session>/finish``
+- ``GET /sessions/<session>/export``: every branch of the session as training samples
 - ``GET /healthz``
 
 Consumes:
@@ -45,12 +46,16 @@ from seamlessflow.protocol import (
     GenerateReply,
     GenerateRequest,
     RewardReported,
+    SessionExport,
+    SessionExportQuery,
     SessionFinished,
     SessionOpened,
     TurnRecorded,
+    encode,
 )
 from seamlessflow.service import ServiceContext
 from sf_gateway.config import GatewaySettings
+from sf_gateway.conversation import Conversation
 from sf_gateway.openai_api import (
     ApiError,
     ChatCompletionRequest,
@@ -70,6 +75,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 @dataclass
 class GatewaySession:
     opened: SessionOpened
+    conversation: Conversation
     finished: bool = False
     turns: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -103,6 +109,7 @@ class Gateway:
             Route("/sessions", self.create_session, methods=["POST"]),
             Route("/sessions/{session_id}/reward", self.report_reward, methods=["POST"]),
             Route("/sessions/{session_id}/finish", self.finish_session, methods=["POST"]),
+            Route("/sessions/{session_id}/export", self.export_session, methods=["GET"]),
             Route("/s/{session_id}/v1/models", self.list_models_in_session, methods=["GET"]),
             Route("/s/{session_id}/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/s/{session_id}/v1/completions", self.completions, methods=["POST"]),
@@ -152,7 +159,12 @@ class Gateway:
             policy=body.policy,
         )
         await self.bus.js_publish(self.bus.subjects.trajectory_event(session_id), opened)
-        self.sessions[session_id] = GatewaySession(opened=opened)
+        conversation = Conversation(
+            render=self.tokenizer.render,
+            encode=self.tokenizer.encode_text,
+            end_of_turn=self.tokenizer.end_of_turn,
+        )
+        self.sessions[session_id] = GatewaySession(opened=opened, conversation=conversation)
         return JSONResponse(
             {"session_id": session_id, "base_url": f"{self.public_url}/s/{session_id}/v1"},
             status_code=201,
@@ -176,6 +188,25 @@ class Gateway:
         # The record lives in JetStream; the gateway only needs to refuse further turns.
         return JSONResponse({"session_id": event.session_id, "turns": session.turns})
 
+    async def export_session(self, request: Request) -> Response:
+        """Every branch of the session as training samples (served by trajectory)."""
+        session_id = request.path_params["session_id"]
+        try:
+            export = await self.bus.request(
+                self.bus.subjects.trajectory_export(),
+                SessionExportQuery(session_id=session_id),
+                SessionExport,
+                timeout=30.0,
+            )
+        except RemoteError as exc:
+            status = {"not_found": 404, "bad_request": 400}.get(exc.code, 503)
+            raise ApiError(status, exc.message, code=exc.code) from None
+        except NoResponder as exc:
+            raise ApiError(
+                503, f"trajectory service unavailable: {exc}", type_="server_error"
+            ) from None
+        return Response(encode(export), media_type="application/json")
+
     async def chat_completions(self, request: Request) -> Response:
         session = self._session(request, open_only=True)
         body = parse(ChatCompletionRequest, await self._json(request))
@@ -184,7 +215,7 @@ class Gateway:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         for message in messages:
             message.setdefault("content", "")
-        prompt_ids = self.tokenizer.encode_chat(messages)
+        prompt_ids = self._chat_prompt_ids(session, messages, None)
         max_tokens = self._check_budget(
             prompt_ids, body.token_budget(self.settings.default_max_tokens)
         )
@@ -192,6 +223,14 @@ class Gateway:
             "gateway.chat_completion", attributes={"session.id": session.opened.session_id}
         ):
             generation, text = await self._run_turn(session, prompt_ids, max_tokens, body)
+        session.conversation.record(
+            messages,
+            None,
+            {"role": "assistant", "content": text},
+            prompt_ids,
+            generation.token_ids,
+            self.tokenizer.raw_text(generation.token_ids),
+        )
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
@@ -256,6 +295,16 @@ class Gateway:
         )
 
     # ------------------------------------------------------------------ internals
+
+    def _chat_prompt_ids(
+        self,
+        session: GatewaySession,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+    ) -> list[int]:
+        """The stored ids of the longest matching history + the new messages templated
+        (the session's prefix tree; history is never re-tokenized)."""
+        return session.conversation.prompt_for(messages, tools).ids
 
     async def _run_turn(
         self,

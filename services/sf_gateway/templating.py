@@ -22,12 +22,27 @@ class ChatTokenizer:
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(t for t in stops if t is not None))
         self.vocab_size = len(self.tokenizer)
 
+    @property
+    def end_of_turn(self) -> str:
+        """The token text that ends an assistant turn (the chat eos, e.g. ``<|im_end|>``)."""
+        return str(self.tokenizer.eos_token)
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> str:
+        """The chat template's text for ``messages`` (no tokenization)."""
+        return str(
+            self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        )
+
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Template the conversation and open an assistant turn."""
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        return self.encode_text(str(text))
+        return self.encode_text(self.render(messages, None, True))
 
     def encode_text(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -37,6 +52,10 @@ class ChatTokenizer:
         if token_ids and token_ids[-1] in self.stop_token_ids:
             token_ids = token_ids[:-1]
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def raw_text(self, token_ids: list[int]) -> str:
+        """The ids decoded with special tokens kept (what the engine literally produced)."""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
 
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))

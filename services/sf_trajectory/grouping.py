@@ -11,8 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from seamlessflow.protocol import (
+    ExportedSample,
     RewardReported,
     SampleGroup,
+    SessionExport,
     SessionFinished,
     SessionOpened,
     TrainSample,
@@ -33,40 +35,103 @@ class Session:
     finished: bool = False
 
 
-def build_sample(session: Session, reward: float) -> TrainSample | None:
-    """The trajectory ending at the session's last turn, as exact engine tokens.
+def branch(turns: list[TurnRecorded], leaf: TurnRecorded) -> tuple[TrainSample, list[int]]:
+    """The token sequence ending at ``leaf``, with every turn on it masked in.
 
-    The sequence is the last turn's prompt + completion. Earlier turns whose prompt and
-    completion lie on that sequence (same ids at the same positions) contribute their
-    completion tokens to the loss mask; a turn from an abandoned branch does not.
-    Every masked-in token is therefore one the engine produced (invariant 1), with the
-    logprob and version it was produced with.
+    The sequence is the leaf's prompt + completion. A turn whose prompt and completion lie
+    on that sequence (same ids at the same positions) contributes its completion tokens to
+    the loss mask; a turn from another branch does not. Every masked-in token is one the
+    engine produced (invariant 1), with the logprob and version it was produced with.
     """
-    if not session.turns:
-        return None
-    last = session.turns[-1]
-    token_ids = [*last.prompt_ids, *last.completion_ids]
+    token_ids = [*leaf.prompt_ids, *leaf.completion_ids]
     loss_mask = [0] * len(token_ids)
     logprobs = [0.0] * len(token_ids)
     versions = [-1] * len(token_ids)
-    for turn in session.turns:
+    on_path = []
+    for turn in turns:
         start = len(turn.prompt_ids)
         end = start + len(turn.completion_ids)
-        on_path = (
-            token_ids[:start] == turn.prompt_ids and token_ids[start:end] == turn.completion_ids
-        )
-        if not on_path:
+        if token_ids[:start] != turn.prompt_ids or token_ids[start:end] != turn.completion_ids:
             continue
+        on_path.append(turn.turn_index)
         loss_mask[start:end] = [1] * (end - start)
         logprobs[start:end] = turn.logprobs
         versions[start:end] = turn.versions
-    return TrainSample(
-        session_id=session.opened.session_id,
+    sample = TrainSample(
+        session_id=leaf.session_id,
         token_ids=token_ids,
         loss_mask=loss_mask,
         behaviour_logprobs=logprobs,
         versions=versions,
-        reward=reward,
+        reward=0.0,
+    )
+    return sample, on_path
+
+
+def leaves(turns: list[TurnRecorded]) -> list[TurnRecorded]:
+    """Turns that no later turn extends: one per branch of the conversation tree."""
+    result = []
+    for i, turn in enumerate(turns):
+        sequence = [*turn.prompt_ids, *turn.completion_ids]
+        extended = any(later.prompt_ids[: len(sequence)] == sequence for later in turns[i + 1 :])
+        if not extended:
+            result.append(turn)
+    return result
+
+
+def build_sample(session: Session, reward: float) -> TrainSample | None:
+    """The trajectory ending at the session's last turn (see ``branch``)."""
+    if not session.turns:
+        return None
+    sample, _ = branch(session.turns, session.turns[-1])
+    sample.reward = reward
+    return sample
+
+
+def session_reward(session: Session, reward_lookup: RewardLookup) -> float | None:
+    """A reward the agent reported wins; else the task's verifier on the last answer."""
+    if session.reported_reward is not None:
+        return session.reported_reward
+    if not session.turns or not session.opened.reward_fn:
+        return None
+    reward_fn = reward_lookup(session.opened.reward_fn)
+    return float(reward_fn(session.turns[-1].completion_text, session.opened.reference))
+
+
+def export_session(events: list[TrajectoryEvent], reward_lookup: RewardLookup) -> SessionExport:
+    """Every branch of one session's conversation tree, from its stored events."""
+    opened = next((e for e in events if isinstance(e, SessionOpened)), None)
+    if opened is None:
+        raise ValueError("the events hold no SessionOpened")
+    session = Session(opened=opened)
+    for event in events:
+        if isinstance(event, TurnRecorded):
+            session.turns.append(event)
+        elif isinstance(event, RewardReported):
+            session.reported_reward = event.reward
+        elif isinstance(event, SessionFinished):
+            session.finished = True
+    reward = session_reward(session, reward_lookup) if session.finished else None
+    samples = []
+    for leaf in leaves(session.turns):
+        sample, on_path = branch(session.turns, leaf)
+        final = leaf is session.turns[-1]
+        samples.append(
+            ExportedSample(
+                token_ids=sample.token_ids,
+                loss_mask=sample.loss_mask,
+                behaviour_logprobs=sample.behaviour_logprobs,
+                versions=sample.versions,
+                turn_indexes=on_path,
+                final=final,
+                reward=reward if final else None,
+            )
+        )
+    return SessionExport(
+        session_id=opened.session_id,
+        task_id=opened.task_id,
+        finished=session.finished,
+        samples=samples,
     )
 
 
@@ -143,12 +208,7 @@ class Grouper:
                 )
 
     def _reward(self, session: Session) -> float | None:
-        if session.reported_reward is not None:
-            return session.reported_reward
-        if not session.turns or not session.opened.reward_fn:
-            return None
-        reward_fn = self.reward_lookup(session.opened.reward_fn)
-        return float(reward_fn(session.turns[-1].completion_text, session.opened.reference))
+        return session_reward(session, self.reward_lookup)
 
     def take_batch(
         self, groups_per_batch: int, *, batch_index: int = 0, max_staleness: int | None = None

@@ -1,6 +1,8 @@
 """trajectory: the trajectory manager and the rollout rhythm.
 
 Consumes:
+- ``sf.<run>.traj.export`` (request SessionExportQuery -> reply SessionExport: every
+  branch of one session, rebuilt from its stored events)
 - ``sf.<run>.traj.event.<session>`` (JetStream ``SF_<RUN>_TRAJ``: SessionOpened,
   TurnRecorded, RewardReported, SessionFinished from the gateway), replayed from the
   stream's start on every start-up, so a restart rebuilds exactly the open sessions
@@ -24,8 +26,11 @@ import nats.errors
 import nats.js.errors
 
 from seamlessflow import telemetry
+from seamlessflow.bus import NotFound
 from seamlessflow.protocol import (
     NoTask,
+    SessionExport,
+    SessionExportQuery,
     SessionOpened,
     TaskAssignment,
     TaskClaim,
@@ -39,7 +44,7 @@ from seamlessflow.service import ServiceContext, supervise
 from seamlessflow.tasks import get_task_source
 from sf_trajectory.config import TrajectorySettings
 from sf_trajectory.dispatch import Dispatcher, group_index
-from sf_trajectory.grouping import Grouper
+from sf_trajectory.grouping import Grouper, export_session
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -95,11 +100,22 @@ class TrajectoryService:
         )
         await ctx.bus.nc.subscribe(subjects.train_metrics(), cb=self._on_train_metrics)
         await ctx.bus.serve(subjects.task_claim(), TaskClaim, self.on_claim)
+        await ctx.bus.serve(subjects.trajectory_export(), SessionExportQuery, self.on_export)
         self.ready.set()
         await supervise(ctx.stopping, self._event_loop(events))
 
     async def on_claim(self, claim: TaskClaim) -> TaskAssignment | NoTask:
         return self.dispatcher.claim(self.trained_batches)
+
+    async def on_export(self, query: SessionExportQuery) -> SessionExport:
+        subjects = self.ctx.subjects
+        messages = await self.ctx.bus.read_subject(
+            subjects.stream_trajectory(), subjects.trajectory_event(query.session_id)
+        )
+        events = [e for e in (self._decode_event(m) for m in messages) if e is not None]
+        if not events:
+            raise NotFound(f"session {query.session_id!r} does not exist")
+        return export_session(events, get_reward)
 
     async def _event_loop(self, events) -> None:  # type: ignore[no-untyped-def]
         while True:
