@@ -21,9 +21,10 @@ check:
     {{bin}}/ruff format --check .
     {{bin}}/mypy libs/seamlessflow
 
-# throughput benchmark of the built-in task (prints figures; see docs/benchmarks.md)
+# benchmarks: built-in task throughput, then the cost of one partial-rollout interruption
 bench STEPS="20":
     {{bin}}/seamlessflow bench --steps {{STEPS}}
+    {{bin}}/python loadtests/interruption.py
 
 # gateway load test against a live mesh (prints requests/s and latency percentiles)
 load *ARGS:
