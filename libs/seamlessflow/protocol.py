@@ -218,6 +218,8 @@ class GenerateChunk(Message, tag="engine.generate.chunk"):
     logprobs: list[float]
     versions: list[int]
     top_logprobs: list[list[TopLogprob]] = msgspec.field(default_factory=list)
+    engine_id: str = ""
+    """Which engine is generating: lets the gateway re-route if that engine dies."""
 
 
 class GenerateReply(Message, tag="engine.generate.reply"):
