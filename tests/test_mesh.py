@@ -101,6 +101,7 @@ async def test_full_mesh_trains_and_every_trained_token_came_from_an_engine(
     metrics = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["version"] for line in metrics] == list(range(1, STEPS + 1))
     assert (run_dir / "reward_curve.png").stat().st_size > 1000
+    assert 0 <= written["bubble_ratio"] < 1 and (run_dir / "timeline.html").exists()
 
     # the final checkpoint loads with from_pretrained and differs from the base model
     checkpoint = run_dir / "checkpoints" / "final"

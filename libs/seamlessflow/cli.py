@@ -123,6 +123,24 @@ def export(
         raise typer.Exit(1) from None
 
 
+@app.command()
+def timeline(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (runs/<run-id>).")],
+) -> None:
+    """Render a run's timeline (one lane per resource, bubbles marked) as HTML and PNG
+    and print the bubble ratio (idle resource-time / total)."""
+    from seamlessflow.timeline import render_run
+
+    if not (run_dir / "spans.jsonl").exists():
+        raise typer.BadParameter(f"{run_dir} has no spans.jsonl")
+    result = render_run(run_dir)
+    for resource in sorted(result.lanes):
+        busy = result.busy(resource) / result.duration if result.duration else 0.0
+        typer.echo(f"{resource:40s} busy {100 * busy:5.1f}%")
+    typer.echo(f"bubble ratio {result.bubble_ratio:.3f} over {result.duration:.1f}s")
+    typer.echo(f"wrote {run_dir / 'timeline.html'} and {run_dir / 'timeline.png'}")
+
+
 @app.command("build-model")
 def build_model(
     out: Annotated[Path, typer.Option(help="Output directory (HF layout).")],

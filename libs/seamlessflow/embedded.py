@@ -10,6 +10,7 @@ and writes the run report:
     runs/<run-id>/spans.jsonl       every process's spans (also per process in spans/)
     runs/<run-id>/checkpoints/final HF layout, loadable with from_pretrained
     runs/<run-id>/reward_curve.png
+    runs/<run-id>/timeline.html|png one lane per resource, bubbles marked
     runs/<run-id>/logs/<service>.log
 """
 
@@ -106,6 +107,8 @@ class Summary:
     mean_wait_s: float
     mean_publish_s: float
     checkpoint: str | None
+    bubble_ratio: float | None = None
+    """Idle resource-time / total over the busy window (``seamlessflow.timeline``)."""
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -320,6 +323,11 @@ class EmbeddedRun:
         with (self.run_dir / "spans.jsonl").open("wb") as merged:
             for part in sorted(spans.glob("*.jsonl")) if spans.exists() else []:
                 merged.write(part.read_bytes())
+        bubble_ratio = None
+        if (self.run_dir / "spans.jsonl").stat().st_size:
+            from seamlessflow.timeline import render_run
+
+            bubble_ratio = round(render_run(self.run_dir).bubble_ratio, 4)
         rewards = [m.mean_reward for m in self.metrics]
         train_wall = (self.metrics[-1].timestamp - self.started_wall) if self.metrics else 0.0
         generated = sum(m.tokens_generated for m in self.metrics)
@@ -343,6 +351,7 @@ class EmbeddedRun:
             mean_wait_s=sum(m.wait_seconds for m in self.metrics) / n,
             mean_publish_s=sum(m.publish_seconds for m in self.metrics) / n,
             checkpoint=str(checkpoint) if (checkpoint / "config.json").exists() else None,
+            bubble_ratio=bubble_ratio,
             config=json.loads(self.config.model_dump_json()),
         )
         (self.run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
