@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from openai import AsyncOpenAI, NotFoundError
+from openai import AsyncOpenAI, NotFoundError, OpenAI
 from transformers import AutoTokenizer
 
 from seamlessflow.bus import Bus
@@ -114,13 +114,63 @@ BAD_CHAT_REQUESTS = [
         400,
         "temperature",
     ),
-    (b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n"),
+    (b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "n": 0}', 400, "n"),
+    (b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "n": 17}', 400, "n"),
     (b'{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
     (
         b'{"model": "policy", "messages": [{"role": "user", "content": "' + b"9 " * 400 + b'"}]}',
         400,
         None,
     ),
+]
+
+
+def _chat(**fields: Any) -> bytes:
+    return json.dumps(
+        {"model": "policy", "messages": [{"role": "user", "content": "x"}], **fields}
+    ).encode()
+
+
+def _tool(**function: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "add", "parameters": {}, **function}}
+
+
+BAD_CHAT_REQUESTS += [
+    (_chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    (_chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    (_chat(top_logprobs=2), 400, "top_logprobs"),
+    (_chat(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    (_chat(stop=[""]), 400, "stop"),
+    (_chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    (_chat(seed="x"), 400, "seed"),
+    (_chat(tools=[{"type": "retrieval"}]), 400, "tools.0"),
+    (_chat(tools=[{"type": "function"}]), 400, "tools.0.function"),
+    (_chat(tools=[_tool(name="has space")]), 400, "tools.0.function.name"),
+    (_chat(tools=[_tool(parameters={"type": "string"})]), 400, "tools.0.function.parameters"),
+    (_chat(tools=[_tool(parameters=[1])]), 400, "tools.0.function.parameters"),
+    (_chat(tools=[_tool()], tool_choice="required"), 400, "tool_choice"),
+    (_chat(tool_choice="auto"), 400, "tool_choice"),
+    (
+        _chat(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "1"}]),
+        400,
+        "messages.1",
+    ),
+    (
+        _chat(
+            messages=[
+                {
+                    "role": "user",
+                    "content": "x",
+                    "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}],
+                }
+            ]
+        ),
+        400,
+        "messages.0",
+    ),
+    (_chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400, "messages.0"),
+    (_chat(stream=True, model="nope"), 404, "model"),
+    (_chat(stream=True, n=99), 400, "n"),
 ]
 
 
@@ -139,6 +189,8 @@ async def test_bad_chat_requests_get_openai_errors_and_store_nothing(
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
+    if status == 404:
+        assert error["code"] == "model_not_found"
     if param is not None:
         assert param in (error["param"] or "")
     assert await stored_events(bus) == before
@@ -234,3 +286,143 @@ async def test_export_shows_every_branch_with_exact_engine_ids(
     )
     out, _ = await result.communicate()
     assert result.returncode == 0 and json.loads(out)["samples"] == samples
+
+
+# ------------------------------------------------------------------ OpenAI compatibility
+
+
+async def recorded_turns(bus: Bus, session_id: str) -> list[TurnRecorded]:
+    return [
+        e
+        for e in await stored_events(bus)
+        if isinstance(e, TurnRecorded) and e.session_id == session_id
+    ]
+
+
+async def open_client(http: httpx.AsyncClient) -> tuple[str, AsyncOpenAI]:
+    session = await new_session(http)
+    client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+    return session["session_id"], client
+
+
+QUESTION = [{"role": "user", "content": "What is 3 + 5?"}]
+
+
+async def test_streamed_text_equals_non_streamed_and_the_record(gateway_url: str, bus: Bus) -> None:
+    ask = {"model": "policy", "messages": QUESTION, "max_tokens": 12, "temperature": 1.0}
+    async with httpx.AsyncClient(base_url=gateway_url) as http:
+        sid, client = await open_client(http)
+        whole = await client.chat.completions.create(**ask, seed=3)  # type: ignore[call-overload]
+        stream = await client.chat.completions.create(
+            **ask, seed=3, stream=True, stream_options={"include_usage": True}, logprobs=True
+        )  # type: ignore[call-overload]
+        chunks = [chunk async for chunk in stream]
+        await client.close()
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant"
+    streamed = "".join(d.content or "" for d in deltas)
+    assert streamed == whole.choices[0].message.content  # same seed, same answer
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in ("stop", "length") and not any(finishes[:-1])
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage is not None
+    first, second = await recorded_turns(bus, sid)
+    assert streamed == second.completion_text and first.completion_ids == second.completion_ids
+    assert usage.completion_tokens == len(second.completion_ids)
+    assert usage.prompt_tokens == len(second.prompt_ids)
+    logprobs = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content or []]  # fmt: skip
+    assert logprobs == pytest.approx(second.logprobs)
+
+
+async def test_the_sync_client_in_a_thread_streams_too(gateway_url: str, bus: Bus) -> None:
+    async with httpx.AsyncClient(base_url=gateway_url) as http:
+        session = await new_session(http)
+
+    def agent() -> tuple[str, str]:
+        with OpenAI(base_url=session["base_url"], api_key="x", max_retries=0) as client:
+            ask = {"model": "policy", "messages": QUESTION, "max_tokens": 8, "seed": 11}
+            whole = client.chat.completions.create(**ask)  # type: ignore[call-overload]
+            pieces = client.chat.completions.create(**ask, stream=True)  # type: ignore[call-overload]
+            streamed = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+            text = client.completions.create(model="policy", prompt=[5, 6], max_tokens=4, seed=2)
+            streamed_text = "".join(
+                c.choices[0].text
+                for c in client.completions.create(
+                    model="policy", prompt=[5, 6], max_tokens=4, seed=2, stream=True
+                )
+            )
+            assert text.choices[0].text == streamed_text
+            return whole.choices[0].message.content or "", streamed
+
+    whole, streamed = await asyncio.to_thread(agent)
+    assert whole == streamed
+    turns = await recorded_turns(bus, session["session_id"])
+    assert len(turns) == 4 and turns[1].completion_text == streamed
+
+
+async def test_n_choices_are_sibling_turns(gateway_url: str, bus: Bus) -> None:
+    async with httpx.AsyncClient(base_url=gateway_url) as http:
+        sid, client = await open_client(http)
+        reply = await client.chat.completions.create(
+            model="policy",
+            messages=QUESTION,
+            max_tokens=6,
+            n=3,
+            seed=5,  # type: ignore[arg-type]
+        )
+        streamed = await client.chat.completions.create(
+            model="policy",
+            messages=QUESTION,
+            max_tokens=6,
+            n=3,
+            seed=5,
+            stream=True,  # type: ignore[arg-type]
+        )
+        texts = ["", "", ""]
+        async for chunk in streamed:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+        await client.close()
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    turns = await recorded_turns(bus, sid)
+    assert len(turns) == 6 and [t.turn_index for t in turns] == list(range(6))
+    assert len({tuple(t.prompt_ids) for t in turns}) == 1  # siblings: one prompt
+    assert [c.message.content for c in reply.choices] == [t.completion_text for t in turns[:3]]
+    assert texts == [t.completion_text for t in turns[3:]]
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == sum(len(t.completion_ids) for t in turns[:3])
+
+
+async def test_top_logprobs_shape_and_consistency(gateway_url: str, bus: Bus) -> None:
+    async with httpx.AsyncClient(base_url=gateway_url) as http:
+        sid, client = await open_client(http)
+        reply = await client.chat.completions.create(
+            model="policy",
+            messages=QUESTION,
+            max_tokens=8,
+            logprobs=True,
+            top_logprobs=4,  # type: ignore[arg-type]
+        )
+        legacy = await client.completions.create(
+            model="policy", prompt="What is 1 + 1?", max_tokens=5, logprobs=3
+        )
+        await client.close()
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    turn = (await recorded_turns(bus, sid))[0]
+    assert content is not None and len(content) == len(turn.completion_ids)
+    listed_once = False
+    for entry, logprob in zip(content, turn.logprobs, strict=True):
+        assert entry.logprob == pytest.approx(logprob)
+        assert len(entry.top_logprobs) == 4
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and values[0] <= 0
+        for top in entry.top_logprobs:
+            if top.token == entry.token:  # the chosen token's logprob, when listed
+                assert top.logprob == pytest.approx(entry.logprob)
+                listed_once = True
+    assert listed_once
+    logprobs = legacy.choices[0].logprobs
+    assert logprobs is not None and logprobs.top_logprobs is not None
+    assert len(logprobs.tokens or []) == len(logprobs.top_logprobs)
+    assert all(len(top) <= 3 for top in logprobs.top_logprobs)

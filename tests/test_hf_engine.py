@@ -103,6 +103,51 @@ async def test_logprobs_match_full_forward(
         assert res.logprobs == pytest.approx(ref, abs=1e-4)
 
 
+async def test_top_logprobs_are_the_same_distribution_as_logprob(
+    engine: TransformersEngine, base_model: Qwen2ForCausalLM
+) -> None:
+    asks = [
+        ([1, 2, 3], SamplingParams(max_tokens=10, temperature=0.7, seed=5, top_logprobs=5)),
+        ([4, 5], SamplingParams(max_tokens=10, temperature=0, top_logprobs=20)),
+        ([6, 7, 8], SamplingParams(max_tokens=10, temperature=1.3, top_p=0.8, seed=6)),
+        ([9], SamplingParams(max_tokens=10, temperature=1.0, seed=7, top_logprobs=1)),
+    ]
+    results = await asyncio.gather(
+        *(engine.generate(f"top{i}", p, s) for i, (p, s) in enumerate(asks))
+    )
+    for (prompt, params), res in zip(asks, results, strict=True):
+        if params.top_logprobs == 0:
+            assert res.top_logprobs == []  # nothing asked, nothing computed per token
+            continue
+        assert len(res.top_logprobs) == len(res.token_ids)
+        with torch.no_grad():
+            logits = base_model(torch.tensor([prompt + res.token_ids])).logits[0].float()
+        logp = torch.log_softmax(logits / (params.temperature or 1.0), dim=-1)
+        for j, (token, logprob, top) in enumerate(
+            zip(res.token_ids, res.logprobs, res.top_logprobs, strict=True)
+        ):
+            assert len(top) == params.top_logprobs
+            values = [lp for _, lp in top]
+            assert values == sorted(values, reverse=True)
+            ref_values, ref_ids = logp[len(prompt) - 1 + j].topk(params.top_logprobs)
+            assert values == pytest.approx(ref_values.tolist(), abs=1e-4)
+            assert [t for t, _ in top][:1] == ref_ids.tolist()[:1]
+            listed = dict(top)
+            if token in listed:  # the chosen token's logprob is its listed one
+                assert listed[token] == pytest.approx(logprob, abs=1e-6)
+            if params.greedy:
+                assert top[0][0] == token
+
+
+async def test_stream_batches_deliver_every_token_once(engine: TransformersEngine) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0, top_logprobs=2)
+    stream = engine.stream("batches", [1, 2, 3], params)
+    seen = [token async for batch in stream.batches() for token in batch]
+    res = await stream.result()
+    assert [t.token_id for t in seen] == res.token_ids and len(seen) == 12
+    assert [t.top_logprobs for t in seen] == res.top_logprobs
+
+
 async def test_batched_equals_unbatched(
     engine: TransformersEngine, engine1: TransformersEngine
 ) -> None:
@@ -257,6 +302,8 @@ async def test_invalid_input_raises_value_error(
         {"max_tokens": 4, "top_p": 0.0},
         {"max_tokens": 4, "top_p": 1.5},
         {"max_tokens": 4, "stop_token_ids": (-1,)},
+        {"max_tokens": 4, "top_logprobs": 21},
+        {"max_tokens": 4, "top_logprobs": -1},
     ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)

@@ -34,6 +34,10 @@ class GatewaySettings(BaseSettings):
     engine_wait_s: float = 60.0
     """How long a request waits for any engine to come up before failing with 503."""
 
+    tool_parser: str = "qwen"
+    """How tool calls are read from completions (a registered name in
+    ``sf_gateway.tool_parsers``; ``qwen``: ``<tool_call>{json}</tool_call>`` blocks)."""
+
 
 class EngineSettings(BaseSettings):
     """engine-worker settings (env prefix ``SF_ENGINE_``)."""

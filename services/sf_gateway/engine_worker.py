@@ -6,6 +6,8 @@ Consumes:
 - ``sf.<run>.engine.load`` (LoadWeights broadcast from weight-sync)
 - ``sf.<run>.sched.assign.<engine>`` (RoleAssignment from the tag-scheduler)
 Produces:
+- ``GenerateChunk`` on a request's ``stream_subject`` (the gateway's inbox), while
+  generating, when the request asks for streaming
 - ``sf.<run>.weights.loaded`` (WeightsLoaded: the version now served)
 - ``sf.<run>.weights.current`` requests (CurrentVersionQuery, to catch up)
 - ``sf.<run>.sched.register`` / ``sf.<run>.sched.heartbeat.<engine>``
@@ -31,18 +33,30 @@ from seamlessflow.protocol import (
     AbortGeneration,
     CurrentVersion,
     CurrentVersionQuery,
+    GenerateChunk,
     GenerateReply,
     GenerateRequest,
     LoadWeights,
+    TopLogprob,
     WeightsLoaded,
 )
 from seamlessflow.resources import ResourceMembership
 from seamlessflow.service import ServiceContext, supervise
 from sf_gateway.config import EngineSettings
-from sf_gateway.engine import InferenceEngine, SamplingParams, TransformersEngine
+from sf_gateway.engine import (
+    GenerationResult,
+    InferenceEngine,
+    SamplingParams,
+    TopLogprobs,
+    TransformersEngine,
+)
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
+
+
+def _top_logprobs(top: TopLogprobs) -> list[TopLogprob]:
+    return [TopLogprob(token_id, logprob) for token_id, logprob in top]
 
 
 def build_engine(settings: EngineSettings, model_dir: str) -> InferenceEngine:
@@ -53,7 +67,16 @@ def build_engine(settings: EngineSettings, model_dir: str) -> InferenceEngine:
             max_batch_size=settings.max_batch_size,
             max_context=settings.max_context,
         )
-    raise ValueError(f"unknown engine backend {settings.backend!r} (known: hf)")
+    if settings.backend == "vllm":
+        from sf_gateway.engine.vllm_engine import VllmEngine  # vLLM is an optional extra
+
+        return VllmEngine(
+            model_dir,
+            dtype=settings.dtype,
+            max_batch_size=settings.max_batch_size,
+            max_context=settings.max_context,
+        )
+    raise ValueError(f"unknown engine backend {settings.backend!r} (known: hf, vllm)")
 
 
 class EngineWorker:
@@ -110,6 +133,7 @@ class EngineWorker:
                 top_p=request.top_p,
                 stop_token_ids=tuple(request.stop_token_ids),
                 seed=request.seed,
+                top_logprobs=request.top_logprobs,
             )
         except ValueError as exc:
             raise DomainError(str(exc)) from None
@@ -120,12 +144,7 @@ class EngineWorker:
                 "engine.generate",
                 attributes={"engine.id": self.engine_id, "prompt_tokens": len(request.prompt_ids)},
             ) as span:
-                try:
-                    result = await self.engine.generate(
-                        request.request_id, request.prompt_ids, params
-                    )
-                except ValueError as exc:
-                    raise DomainError(str(exc)) from None
+                result = await self._run(request, params)
                 span.set_attribute("completion_tokens", len(result.token_ids))
                 if self.settings.trace_token_ids:
                     span.set_attribute("prompt_ids", request.prompt_ids)
@@ -145,7 +164,38 @@ class EngineWorker:
             logprobs=result.logprobs,
             versions=result.versions,
             finish_reason=result.finish_reason,
+            top_logprobs=[_top_logprobs(top) for top in result.top_logprobs],
         )
+
+    async def _run(self, request: GenerateRequest, params: SamplingParams) -> GenerationResult:
+        """Generate to the end; with ``stream_subject``, publish the tokens as they come.
+
+        Chunks go out once per decode step (every token that arrived since the last
+        chunk), numbered from 0. They are fire-and-forget: the reply is authoritative.
+        Leaving early (cancelled, e.g. on drain) aborts the engine request.
+        """
+        try:
+            stream = self.engine.stream(request.request_id, request.prompt_ids, params)
+        except ValueError as exc:
+            raise DomainError(str(exc)) from None
+        async with stream:
+            if request.stream_subject:
+                index = 0
+                async for batch in stream.batches():
+                    chunk = GenerateChunk(
+                        request_id=request.request_id,
+                        index=index,
+                        token_ids=[t.token_id for t in batch],
+                        logprobs=[t.logprob for t in batch],
+                        versions=[t.version for t in batch],
+                        top_logprobs=[_top_logprobs(t.top_logprobs) for t in batch]
+                        if params.top_logprobs
+                        else [],
+                        engine_id=self.engine_id,
+                    )
+                    await self.ctx.bus.publish(request.stream_subject, chunk)
+                    index += 1
+            return await stream.result()
 
     async def on_abort(self, message: AbortGeneration) -> None:
         await self.engine.abort(message.request_id)

@@ -30,19 +30,24 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import uvicorn
+from nats.aio.msg import Msg
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from seamlessflow import telemetry
 from seamlessflow.bus import Bus, NoResponder, RemoteError
 from seamlessflow.protocol import (
+    AbortGeneration,
+    GenerateChunk,
     GenerateReply,
     GenerateRequest,
     RewardReported,
@@ -51,9 +56,11 @@ from seamlessflow.protocol import (
     SessionFinished,
     SessionOpened,
     TurnRecorded,
+    decode,
     encode,
 )
 from seamlessflow.service import ServiceContext
+from sf_gateway.choice import Choice
 from sf_gateway.config import GatewaySettings
 from sf_gateway.conversation import Conversation
 from sf_gateway.openai_api import (
@@ -64,7 +71,9 @@ from sf_gateway.openai_api import (
     SessionCreate,
     parse,
 )
+from sf_gateway.responses import ChatFormat, CompletionFormat
 from sf_gateway.templating import ChatTokenizer
+from sf_gateway.tool_parsers import get_tool_parser
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -81,16 +90,6 @@ class GatewaySession:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-@dataclass
-class Generation:
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: str
-    engine_id: str
-    resumes: int
-
-
 class Gateway:
     def __init__(self, settings: GatewaySettings, bus: Bus, tokenizer: ChatTokenizer) -> None:
         self.settings = settings
@@ -99,6 +98,8 @@ class Gateway:
         self.sessions: dict[str, GatewaySession] = {}
         self.models = [m.strip() for m in settings.served_models.split(",") if m.strip()]
         self.public_url = ""
+        self.tool_parser = get_tool_parser(settings.tool_parser)
+        self._turns: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ HTTP app
 
@@ -211,50 +212,42 @@ class Gateway:
         session = self._session(request, open_only=True)
         body = parse(ChatCompletionRequest, await self._json(request))
         self._check_model(body.model)
-        body.check_supported()
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        for message in messages:
-            message.setdefault("content", "")
-        prompt_ids = self._chat_prompt_ids(session, messages, None)
-        max_tokens = self._check_budget(
-            prompt_ids, body.token_budget(self.settings.default_max_tokens)
+        body.check()
+        messages, tools = body.template_messages(), body.template_tools()
+        prompt_ids = self._chat_prompt_ids(session, messages, tools)
+        parser = self.tool_parser if body.parses_tool_calls else None
+        plan = self._plan(body, prompt_ids, hold_from=parser.start_marker if parser else "")
+        view = ChatFormat(
+            model=body.model,
+            token_text=self.tokenizer.token_text,
+            include_usage=body.include_usage,
+            parser=parser,
+            logprobs=body.logprobs,
         )
-        with tracer.start_as_current_span(
-            "gateway.chat_completion", attributes={"session.id": session.opened.session_id}
-        ):
-            generation, text = await self._run_turn(session, prompt_ids, max_tokens, body)
-        session.conversation.record(
-            messages,
-            None,
-            {"role": "assistant", "content": text},
-            prompt_ids,
-            generation.token_ids,
-            self.tokenizer.raw_text(generation.token_ids),
-        )
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": _finish_reason(generation.finish_reason),
-            "logprobs": None,
-        }
-        if body.logprobs:
-            choice["logprobs"] = {"content": self._logprob_content(generation)}
-        return JSONResponse(
-            {
-                "id": "chatcmpl-" + uuid.uuid4().hex,
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": body.model,
-                "choices": [choice],
-                "usage": _usage(prompt_ids, generation),
-            }
-        )
+
+        def remember(choices: list[Choice]) -> None:
+            # each choice is a sibling node of the session's tree (same messages)
+            for choice in choices:
+                session.conversation.record(
+                    messages,
+                    tools,
+                    view.message(choice),
+                    prompt_ids,
+                    choice.token_ids,
+                    self.tokenizer.raw_text(choice.token_ids),
+                )
+
+        turn = Turn(session, plan, self._choices(plan), remember, "gateway.chat_completion")
+        if body.stream:
+            return self._stream(turn, view)
+        await self._run_turn(turn)
+        return JSONResponse(view.response(len(prompt_ids), turn.choices))
 
     async def completions(self, request: Request) -> Response:
         session = self._session(request, open_only=True)
         body = parse(CompletionRequest, await self._json(request))
         self._check_model(body.model)
-        body.check_supported()
+        body.check()
         if isinstance(body.prompt, str):
             prompt_ids = self.tokenizer.encode_text(body.prompt)
         else:
@@ -263,36 +256,18 @@ class Gateway:
             if bad:
                 raise ApiError(400, f"prompt has token ids outside the vocabulary: {bad[:5]}",
                                param="prompt")  # fmt: skip
-        max_tokens = self._check_budget(
-            prompt_ids, body.token_budget(self.settings.default_max_tokens)
+        plan = self._plan(body, prompt_ids, hold_from="")
+        view = CompletionFormat(
+            model=body.model,
+            token_text=self.tokenizer.token_text,
+            include_usage=body.include_usage,
+            logprobs=body.logprobs,
         )
-        with tracer.start_as_current_span(
-            "gateway.completion", attributes={"session.id": session.opened.session_id}
-        ):
-            generation, text = await self._run_turn(session, prompt_ids, max_tokens, body)
-        choice: dict[str, Any] = {
-            "index": 0,
-            "text": text,
-            "finish_reason": _finish_reason(generation.finish_reason),
-            "logprobs": None,
-        }
-        if body.logprobs is not None:
-            choice["logprobs"] = {
-                "tokens": [self.tokenizer.token_text(t) for t in generation.token_ids],
-                "token_logprobs": generation.logprobs,
-                "top_logprobs": None,
-                "text_offset": None,
-            }
-        return JSONResponse(
-            {
-                "id": "cmpl-" + uuid.uuid4().hex,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": body.model,
-                "choices": [choice],
-                "usage": _usage(prompt_ids, generation),
-            }
-        )
+        turn = Turn(session, plan, self._choices(plan), lambda _: None, "gateway.completion")
+        if body.stream:
+            return self._stream(turn, view)
+        await self._run_turn(turn)
+        return JSONResponse(view.response(len(prompt_ids), turn.choices))
 
     # ------------------------------------------------------------------ internals
 
@@ -306,69 +281,151 @@ class Gateway:
         (the session's prefix tree; history is never re-tokenized)."""
         return session.conversation.prompt_for(messages, tools).ids
 
-    async def _run_turn(
-        self,
-        session: GatewaySession,
-        prompt_ids: list[int],
-        max_tokens: int,
-        body: ChatCompletionRequest | CompletionRequest,
-    ) -> tuple[Generation, str]:
-        async with session.lock:
-            if session.finished:
-                raise ApiError(409, "session already finished", code="session_finished")
-            generation = await self._generate(session, prompt_ids, max_tokens, body)
-            text = self.tokenizer.decode_completion(generation.token_ids)
-            turn = TurnRecorded(
-                session_id=session.opened.session_id,
-                turn_index=session.turns,
-                request_id=uuid.uuid4().hex,
-                engine_id=generation.engine_id,
-                prompt_ids=prompt_ids,
-                completion_ids=generation.token_ids,
-                logprobs=generation.logprobs,
-                versions=generation.versions,
-                finish_reason=generation.finish_reason,
-                completion_text=text,
-            )
-            await self.bus.js_publish(self.bus.subjects.trajectory_event(turn.session_id), turn)
-            session.turns += 1
-        return generation, text
+    def _plan(
+        self, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], hold_from: str
+    ) -> Plan:
+        stop = body.stop_strings
+        return Plan(
+            prompt_ids=prompt_ids,
+            max_tokens=self._check_budget(
+                prompt_ids, body.token_budget(self.settings.default_max_tokens)
+            ),
+            n=body.n,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            top_logprobs=body.k_top_logprobs,
+            stop=stop,
+            hold_from=hold_from if body.stream else "",
+            engine_stream=body.stream or bool(stop),
+            include_usage=body.include_usage,
+        )
 
-    async def _generate(
-        self,
-        session: GatewaySession,
-        prompt_ids: list[int],
-        max_tokens: int,
-        body: ChatCompletionRequest | CompletionRequest,
-    ) -> Generation:
-        """Run one generation to completion, resuming across engine interruptions.
+    def _choices(self, plan: Plan) -> list[Choice]:
+        decode = self.tokenizer.decode_completion
+        return [Choice(i, decode, plan.stop, plan.hold_from) for i in range(plan.n)]
 
-        An interrupted engine returns the tokens so far with finish_reason "abort"; we
-        re-submit prompt + those exact ids for the remaining budget, to any engine.
+    def _stream(self, turn: Turn, view: ChatFormat | CompletionFormat) -> Response:
+        """Server-sent events of ``turn``, generated by a task of its own.
+
+        The client going away (or the response ending for any other reason before the
+        turn did) cancels that task: its engine requests are aborted, nothing is
+        resubmitted and nothing is recorded.
         """
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        resumes = 0
+        updated = asyncio.Event()
+        turn.on_update = updated.set
+        producer = asyncio.create_task(self._run_turn(turn), name="gateway.turn")
+        self._turns.add(producer)
+        producer.add_done_callback(self._turn_done)
+        return EventStream(self._events(turn, view, producer, updated), on_close=producer.cancel)
+
+    async def _events(
+        self,
+        turn: Turn,
+        view: ChatFormat | CompletionFormat,
+        producer: asyncio.Task[None],
+        updated: asyncio.Event,
+    ) -> AsyncIterator[bytes]:
+        for chunk in view.opening(turn.choices):
+            yield _sse(chunk)
+        while True:
+            updated.clear()  # before reading: an update while we yield is not lost
+            for choice in turn.choices:
+                progress = view.progress(choice)
+                if progress is not None:
+                    yield _sse(progress)
+            if producer.done():
+                break
+            waiter = asyncio.ensure_future(updated.wait())
+            try:
+                await asyncio.wait({waiter, producer}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+        try:
+            producer.result()
+        except ApiError as exc:  # the response has started: the error is an event
+            yield _sse(exc.body())
+            return
+        for choice in turn.choices:
+            for chunk in view.closing(choice):
+                yield _sse(chunk)
+        if turn.plan.include_usage:
+            obj = "chat.completion.chunk" if isinstance(view, ChatFormat) else "text_completion"
+            yield _sse(view.usage_chunk(obj, len(turn.plan.prompt_ids), turn.choices))
+        yield b"data: [DONE]\n\n"
+
+    def _turn_done(self, task: asyncio.Task[None]) -> None:
+        self._turns.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()  # also read when the client left before the end
+        if exc is not None and not isinstance(exc, ApiError):
+            log.error("turn failed", exc_info=exc)
+
+    async def _run_turn(self, turn: Turn) -> None:
+        """Generate every choice (concurrently), then record each as a TurnRecorded."""
+        session, plan = turn.session, turn.plan
+        with tracer.start_as_current_span(
+            turn.span, attributes={"session.id": session.opened.session_id, "n": plan.n}
+        ):
+            async with session.lock:
+                if session.finished:
+                    raise ApiError(409, "session already finished", code="session_finished")
+                try:
+                    async with asyncio.TaskGroup() as group:
+                        for choice in turn.choices:
+                            group.create_task(self._generate(turn, choice))
+                except ExceptionGroup as errors:
+                    api_errors = [e for e in errors.exceptions if isinstance(e, ApiError)]
+                    if api_errors:
+                        raise api_errors[0] from None
+                    raise
+                for choice in turn.choices:
+                    await self._record(session, plan, choice)
+                turn.after(turn.choices)
+
+    async def _record(self, session: GatewaySession, plan: Plan, choice: Choice) -> None:
+        turn = TurnRecorded(
+            session_id=session.opened.session_id,
+            turn_index=session.turns,
+            request_id=uuid.uuid4().hex,
+            engine_id=choice.engine_id,
+            prompt_ids=plan.prompt_ids,
+            completion_ids=choice.token_ids,
+            logprobs=choice.logprobs,
+            versions=choice.versions,
+            finish_reason=choice.finish_reason,
+            completion_text=choice.text,
+        )
+        await self.bus.js_publish(self.bus.subjects.trajectory_event(turn.session_id), turn)
+        session.turns += 1
+
+    async def _generate(self, turn: Turn, choice: Choice) -> None:
+        """Run one choice to completion, resuming across engine interruptions.
+
+        The single place engine calls happen. An interrupted engine returns the tokens
+        so far with finish_reason "abort"; we re-submit prompt + those exact ids for the
+        remaining budget, to any engine, and (streaming) the choice simply continues.
+        A matched stop string ends the choice (its engine request is aborted). Being
+        cancelled (the client left) aborts the engine request and never re-submits.
+        """
+        plan = turn.plan
         engine_wait_deadline = time.monotonic() + self.settings.engine_wait_s
         while True:
             request = GenerateRequest(
                 request_id=uuid.uuid4().hex,
-                session_id=session.opened.session_id,
-                prompt_ids=prompt_ids + token_ids,
-                max_tokens=max_tokens - len(token_ids),
-                temperature=body.temperature,
-                top_p=body.top_p,
+                session_id=turn.session.opened.session_id,
+                prompt_ids=plan.prompt_ids + choice.token_ids,
+                max_tokens=plan.max_tokens - len(choice.token_ids),
+                temperature=plan.temperature,
+                top_p=plan.top_p,
                 stop_token_ids=list(self.tokenizer.stop_token_ids),
-                seed=body.seed,
+                seed=plan.seed_for(choice.index),
+                top_logprobs=plan.top_logprobs,
+                stream_subject=self.bus.nc.new_inbox() if plan.engine_stream else "",
             )
             try:
-                reply = await self.bus.request(
-                    self.bus.subjects.engine_generate(),
-                    request,
-                    GenerateReply,
-                    timeout=self.settings.generate_timeout_s,
-                )
+                reply = await self._call_engine(request, choice, turn.on_update)
             except NoResponder as exc:
                 if time.monotonic() < engine_wait_deadline:
                     await asyncio.sleep(0.2)
@@ -379,32 +436,93 @@ class Gateway:
                 if exc.code == "bad_request":
                     raise ApiError(400, exc.message) from None
                 raise ApiError(503, f"engine error: {exc.message}", type_="server_error") from None
-            token_ids += reply.token_ids
-            logprobs += reply.logprobs
-            versions += reply.versions
-            if reply.finish_reason != "abort" or len(token_ids) >= max_tokens:
-                finish = reply.finish_reason if reply.finish_reason != "abort" else "length"
-                return Generation(token_ids, logprobs, versions, finish, reply.engine_id, resumes)
-            resumes += 1
+            choice.engine_id = reply.engine_id
+            if choice.stopped:
+                choice.finish_reason = "stop"
+                return
+            if reply.finish_reason != "abort" or len(choice.token_ids) >= plan.max_tokens:
+                choice.finish_reason = (
+                    "length" if reply.finish_reason == "abort" else reply.finish_reason
+                )
+                return
             with tracer.start_as_current_span(
                 "gateway.resume",
-                attributes={"partial_tokens": len(token_ids), "engine.id": reply.engine_id},
+                attributes={"partial_tokens": len(choice.token_ids), "engine.id": reply.engine_id},
             ):
                 pass
 
-    def _logprob_content(self, generation: Generation) -> list[dict[str, Any]]:
-        content = []
-        for token_id, logprob in zip(generation.token_ids, generation.logprobs, strict=True):
-            text = self.tokenizer.token_text(token_id)
-            content.append(
-                {
-                    "token": text,
-                    "logprob": logprob,
-                    "bytes": list(text.encode()),
-                    "top_logprobs": [],
-                }
+    async def _call_engine(
+        self, request: GenerateRequest, choice: Choice, on_update: Callable[[], None]
+    ) -> GenerateReply:
+        """One engine request; its tokens go into ``choice`` as chunks arrive (if the
+        request streams) and from the reply, which is authoritative."""
+        chunks: asyncio.Queue[bytes] = asyncio.Queue()
+        subscription = None
+        if request.stream_subject:  # subscribed before asking: no chunk is missed
+
+            async def on_chunk(msg: Msg) -> None:
+                chunks.put_nowait(msg.data)
+
+            subscription = await self.bus.nc.subscribe(request.stream_subject, cb=on_chunk)
+        reply_task = asyncio.ensure_future(
+            self.bus.request(
+                self.bus.subjects.engine_generate(),
+                request,
+                GenerateReply,
+                timeout=self.settings.generate_timeout_s,
             )
-        return content
+        )
+        try:
+            seen = 0
+            if subscription is not None:
+                seen = await self._follow_chunks(request, chunks, reply_task, choice, on_update)
+            reply: GenerateReply = await reply_task
+        except asyncio.CancelledError:
+            await self._abort(request.request_id, "client disconnected")
+            raise
+        finally:
+            reply_task.cancel()
+            if subscription is not None:
+                await subscription.unsubscribe()
+        tops = reply.top_logprobs[seen:] if reply.top_logprobs else []
+        choice.extend(reply.token_ids[seen:], reply.logprobs[seen:], reply.versions[seen:], tops)
+        on_update()
+        return reply
+
+    async def _follow_chunks(
+        self,
+        request: GenerateRequest,
+        chunks: asyncio.Queue[bytes],
+        reply_task: asyncio.Future[Any],
+        choice: Choice,
+        on_update: Callable[[], None],
+    ) -> int:
+        """Feed chunks into ``choice`` until the reply is in; returns how many of the
+        reply's tokens they delivered. A missing chunk ends following (the reply fills in)."""
+        seen = index = 0
+        while True:
+            getter = asyncio.ensure_future(chunks.get())
+            try:
+                await asyncio.wait({getter, reply_task}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                getter.cancel()
+            if not getter.done() or getter.cancelled():
+                return seen
+            chunk = decode(getter.result(), GenerateChunk)
+            if chunk.index != index:
+                return seen
+            index += 1
+            seen += len(chunk.token_ids)
+            choice.engine_id = chunk.engine_id
+            if choice.extend(chunk.token_ids, chunk.logprobs, chunk.versions, chunk.top_logprobs):
+                await self._abort(request.request_id, "stop")
+            on_update()
+
+    async def _abort(self, request_id: str, reason: str) -> None:
+        """Free the engine slot of a request whose answer is no longer needed."""
+        await self.bus.publish(
+            self.bus.subjects.engine_abort(), AbortGeneration(request_id=request_id, reason=reason)
+        )
 
     def _session(self, request: Request, *, open_only: bool = False) -> GatewaySession:
         session_id = request.path_params["session_id"]
@@ -450,16 +568,60 @@ class Gateway:
         return body
 
 
-def _finish_reason(reason: str) -> str:
-    return "stop" if reason == "stop" else "length"
+def _sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-def _usage(prompt_ids: list[int], generation: Generation) -> dict[str, int]:
-    return {
-        "prompt_tokens": len(prompt_ids),
-        "completion_tokens": len(generation.token_ids),
-        "total_tokens": len(prompt_ids) + len(generation.token_ids),
-    }
+@dataclass(frozen=True)
+class Plan:
+    """What every choice of one request asks the engines for."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    n: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    top_logprobs: int
+    stop: tuple[str, ...]
+    hold_from: str
+    """While streaming, text from this marker on (a tool call) is held until parsed."""
+    engine_stream: bool
+    """Engines stream chunks: for SSE, and to catch stop strings early."""
+    include_usage: bool
+
+    def seed_for(self, index: int) -> int | None:
+        """Choice i of a seeded request uses seed + i: n choices differ, and a repeat of
+        the request (streamed or not) gives the same n answers."""
+        return None if self.seed is None else self.seed + index
+
+
+@dataclass
+class Turn:
+    """One request in flight: its session, plan, choices, and what to do once recorded."""
+
+    session: GatewaySession
+    plan: Plan
+    choices: list[Choice]
+    after: Callable[[list[Choice]], None]
+    span: str
+    on_update: Callable[[], None] = lambda: None
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that calls ``on_close`` however it ends (the client leaving too)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Any]) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"cache-control": "no-cache"}
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 class _Server(uvicorn.Server):

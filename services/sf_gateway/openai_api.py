@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from starlette.responses import JSONResponse
 
 
@@ -32,24 +39,36 @@ class ApiError(Exception):
         self.param = param
         self.type = type_
 
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
     def response(self) -> JSONResponse:
-        return JSONResponse(
-            {
-                "error": {
-                    "message": self.message,
-                    "type": self.type,
-                    "param": self.param,
-                    "code": self.code,
-                }
-            },
-            status_code=self.status,
-        )
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 def validation_error(exc: ValidationError) -> ApiError:
     first = exc.errors()[0]
     param = ".".join(str(part) for part in first["loc"]) or None
     return ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param)
+
+
+MAX_CHOICES = 16
+"""Largest ``n``: every choice is its own engine request and recorded turn."""
+MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool = False
 
 
 class _Request(BaseModel):
@@ -59,43 +78,156 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
-    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
 
-    def check_supported(self) -> None:
-        if self.n != 1:
-            raise ApiError(400, "n > 1 is not supported yet; send n requests", param="n")
-        if self.stream:
-            raise ApiError(400, "stream=true is not supported yet", param="stream")
-        if self.stop:
-            raise ApiError(400, "stop sequences are not supported yet", param="stop")
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences")
+        if any(not s for s in strings):
+            raise ValueError("stop sequences must be non-empty")
+        return stop
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check(self) -> None:
+        """Checks across fields (after field validation)."""
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true",
+                           param="stream_options")  # fmt: skip
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
 
 
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | None = None
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> ChatMessageIn:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may have tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool messages need the tool_call_id they answer")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it (content always a string)."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text for part in self.content)
+        message.setdefault("content", "")
+        return message
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+    @field_validator("parameters")
+    @classmethod
+    def _check_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        if schema.get("type", "object") != "object":
+            raise ValueError("function parameters must be a JSON schema of type object")
+        if not isinstance(schema.get("properties", {}), dict):
+            raise ValueError("function parameters' properties must be an object")
+        return schema
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDef
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto"] | dict[str, Any] | str | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ApiError(400, "only tool_choice 'auto' and 'none' are supported",
+                           param="tool_choice")  # fmt: skip
+        if self.tool_choice is not None and not self.tools:
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
 
     def token_budget(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
 
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as given (validated), for the chat template; None without tools."""
+        return [t.model_dump(exclude_unset=True) for t in self.tools] if self.tools else None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def k_top_logprobs(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
+
 
 class CompletionRequest(_Request):
     prompt: str | list[int]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def token_budget(self, default: int) -> int:
         # OpenAI's legacy completions default to 16 tokens
         return self.max_tokens or min(default, 16)
+
+    @property
+    def k_top_logprobs(self) -> int:
+        return self.logprobs or 0
 
 
 class SessionCreate(BaseModel):

@@ -8,6 +8,7 @@ engine implementations are imported lazily by attribute access.
 from typing import TYPE_CHECKING, Any
 
 from .base import (
+    MAX_TOP_LOGPROBS,
     EngineError,
     EngineNotRunningError,
     FinishReason,
@@ -17,12 +18,14 @@ from .base import (
     InferenceEngine,
     PauseMode,
     SamplingParams,
+    TopLogprobs,
 )
 
 if TYPE_CHECKING:
     from .hf_engine import TransformersEngine
 
 __all__ = [
+    "MAX_TOP_LOGPROBS",
     "EngineError",
     "EngineNotRunningError",
     "FinishReason",
@@ -32,6 +35,7 @@ __all__ = [
     "InferenceEngine",
     "PauseMode",
     "SamplingParams",
+    "TopLogprobs",
     "TransformersEngine",
 ]
 

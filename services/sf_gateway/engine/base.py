@@ -17,6 +17,9 @@ prompt + completion, so engines must match it to ~1e-4 in fp32):
     temperature > 0:  log_softmax(logits / temperature)[token]   (before top-p truncation)
     temperature == 0: log_softmax(logits)[token]                  (greedy)
 
+`top_logprobs` (if asked for) are the k largest entries of that same distribution, so
+the chosen token's logprob equals its entry whenever it is among the k.
+
 Invariants every engine keeps:
 - `abort` ends a request at a token boundary: its stream finishes with reason "abort"
   and keeps every token delivered so far (the gateway re-submits prompt + partial ids).
@@ -31,7 +34,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Self
 
 if TYPE_CHECKING:
@@ -51,6 +54,12 @@ PauseMode = Literal["abort", "wait", "keep"]
   under them: later tokens carry the new version (the KV cache of earlier tokens was
   computed with the old weights, like vLLM's `clear_cache=False`).
 """
+
+
+MAX_TOP_LOGPROBS = 20
+
+TopLogprobs = tuple[tuple[int, float], ...]
+"""(token id, logprob) of the most likely tokens at one step, most likely first."""
 
 
 class EngineError(RuntimeError):
@@ -76,6 +85,9 @@ class SamplingParams:
     seed: int | None = None
     """Seed of this request's own RNG: same seed, prompt and weights give the same
     tokens regardless of which other requests share the batch."""
+    top_logprobs: int = 0
+    """Also report the ids and logprobs of the k most likely tokens at each step
+    (0..MAX_TOP_LOGPROBS; 0 = none)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -94,6 +106,9 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        k = self.top_logprobs
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
 
     @property
     def greedy(self) -> bool:
@@ -107,6 +122,9 @@ class GeneratedToken:
     """Behaviour logprob, see the module docstring for the exact definition."""
     version: int
     """Version of the weight set that produced this token."""
+    top_logprobs: TopLogprobs = ()
+    """The `SamplingParams.top_logprobs` most likely tokens of this step (same
+    distribution as `logprob`); empty when none were asked for."""
 
 
 @dataclass
@@ -115,6 +133,8 @@ class GenerationResult:
     logprobs: list[float]
     versions: list[int]
     finish_reason: FinishReason
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """Per token, as `GeneratedToken.top_logprobs` (empty if none were asked for)."""
 
 
 class GenerationStream(AsyncIterator[GeneratedToken]):
@@ -176,6 +196,23 @@ class GenerationStream(AsyncIterator[GeneratedToken]):
         self._next += 1
         return token
 
+    async def batches(self) -> AsyncIterator[list[GeneratedToken]]:
+        """Like iterating, but each item is every token that arrived since the last one
+        (one decode step's worth while the consumer keeps up). Shares the cursor with
+        `__anext__`."""
+        while True:
+            if self._next < len(self.tokens):
+                batch = self.tokens[self._next :]
+                self._next = len(self.tokens)
+                yield batch
+                continue
+            if self._error is not None:
+                raise self._error
+            if self.finished:
+                return
+            self._changed.clear()
+            await self._changed.wait()
+
     async def result(self) -> GenerationResult:
         await self._done.wait()
         if self._error is not None:
@@ -186,6 +223,9 @@ class GenerationStream(AsyncIterator[GeneratedToken]):
             logprobs=[t.logprob for t in self.tokens],
             versions=[t.version for t in self.tokens],
             finish_reason=self.finish_reason,
+            top_logprobs=[t.top_logprobs for t in self.tokens]
+            if any(t.top_logprobs for t in self.tokens)
+            else [],
         )
 
     async def aclose(self) -> None:

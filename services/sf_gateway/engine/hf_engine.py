@@ -45,6 +45,7 @@ from .base import (
     InferenceEngine,
     PauseMode,
     SamplingParams,
+    TopLogprobs,
 )
 
 log = logging.getLogger(__name__)
@@ -324,14 +325,14 @@ class TransformersEngine(InferenceEngine):
             self._running = [self._running[i] for i in keep] + new
             async with self._compute_lock:
                 version = self._version
-                state, tokens, logprobs = await _to_thread_to_completion(
+                state, tokens, logprobs, tops = await _to_thread_to_completion(
                     self._step, state, keep, new, self._running
                 )
-            for req, token, logprob in zip(self._running, tokens, logprobs, strict=True):
+            for req, token, logprob, top in zip(self._running, tokens, logprobs, tops, strict=True):
                 if req.done:  # aborted while the step ran
                     continue
                 req.produced += 1
-                req.stream.put(GeneratedToken(token, logprob, version))
+                req.stream.put(GeneratedToken(token, logprob, version, top))
                 if token in req.params.stop_token_ids:
                     self._finish(req, "stop")
                 elif req.produced >= req.params.max_tokens:
@@ -344,7 +345,7 @@ class TransformersEngine(InferenceEngine):
         keep: list[int],
         new: list[_Request],
         rows: list[_Request],
-    ) -> tuple[_BatchState, list[int], list[float]]:
+    ) -> tuple[_BatchState, list[int], list[float], list[TopLogprobs]]:
         with torch.inference_mode():
             logits = []
             if state is not None and len(keep) < state.mask.shape[0]:
@@ -356,9 +357,9 @@ class TransformersEngine(InferenceEngine):
                 state = new_state if state is None else self._merge(state, new_state)
                 logits.append(new_logits)
             assert state is not None
-            tokens, logprobs = _sample(torch.cat(logits), rows)
+            tokens, logprobs, tops = _sample(torch.cat(logits), rows)
             state.next_ids = tokens
-            return state, tokens.tolist(), logprobs.tolist()
+            return state, tokens.tolist(), logprobs.tolist(), tops
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any):
         assert self._model is not None
@@ -461,8 +462,10 @@ def _kv(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
     return layer.keys, layer.values
 
 
-def _sample(logits: torch.Tensor, rows: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; return (token ids [B], logprobs [B]).
+def _sample(
+    logits: torch.Tensor, rows: list[_Request]
+) -> tuple[torch.Tensor, torch.Tensor, list[TopLogprobs]]:
+    """Pick one token per row; return (token ids [B], logprobs [B], top logprobs per row).
 
     Each sampled row draws exactly one uniform from its own generator and inverts the
     CDF of its own (top-p truncated) distribution, so its token depends only on its
@@ -483,7 +486,24 @@ def _sample(logits: torch.Tensor, rows: list[_Request]) -> tuple[torch.Tensor, t
         probs = probs * ((probs.cumsum(dim=-1) - probs) < top_p[:, None])  # keeps >= 1 token
         picked = _invert_cdf(probs, [rows[i] for i in nucleus])
         tokens[idx] = order.gather(1, picked[:, None]).squeeze(1)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1), _top_logprobs(logp, rows)
+
+
+def _top_logprobs(logp: torch.Tensor, rows: list[_Request]) -> list[TopLogprobs]:
+    """The k most likely (token, logprob) of each row's distribution (k per row)."""
+    k_max = max(r.params.top_logprobs for r in rows)
+    if k_max == 0:
+        return [()] * len(rows)
+    values, ids = logp.topk(min(k_max, logp.shape[-1]), dim=-1)
+    values_l, ids_l = values.tolist(), ids.tolist()
+    return [
+        tuple(
+            zip(
+                ids_l[i][: r.params.top_logprobs], values_l[i][: r.params.top_logprobs], strict=True
+            )
+        )
+        for i, r in enumerate(rows)
+    ]
 
 
 def _invert_cdf(probs: torch.Tensor, rows: list[_Request]) -> torch.Tensor:

@@ -1,0 +1,255 @@
+"""OpenAI response bodies for finished and streaming choices (chat and legacy completions).
+
+A format turns `Choice`s into JSON-able dicts: the whole response, or the stream's
+chunks (what is new in a choice since the last chunk, then its closing chunks). The
+streamed text of a choice concatenates to exactly the ``content`` (``text``) of the
+equivalent non-streamed response, and its streamed logprobs to its ``logprobs``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from seamlessflow.protocol import TopLogprob
+from sf_gateway.choice import Choice
+from sf_gateway.tool_parsers import ParsedCompletion, ToolParser
+
+TokenText = Callable[[int], str]
+
+
+def usage(prompt_tokens: int, choices: Sequence[Choice]) -> dict[str, int]:
+    completion = sum(len(c.token_ids) for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+
+
+@dataclass
+class _Format:
+    model: str
+    token_text: TokenText
+    include_usage: bool = False
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        return body
+
+    def _chunk(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+        body = self._envelope(obj, [choice])
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(
+        self, obj: str, prompt_tokens: int, choices: Sequence[Choice]
+    ) -> dict[str, Any]:
+        body = self._envelope(obj, [])
+        body["usage"] = usage(prompt_tokens, choices)
+        return body
+
+
+@dataclass
+class ChatFormat(_Format):
+    parser: ToolParser | None = None
+    logprobs: bool = False
+    _parsed: dict[int, ParsedCompletion] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.id = self.id or "chatcmpl-" + uuid.uuid4().hex
+
+    # -- whole response ----------------------------------------------------------------
+    def parsed(self, choice: Choice) -> ParsedCompletion:
+        """The finished choice's content and tool calls (parsed once: call ids are stable)."""
+        if choice.index not in self._parsed:
+            if self.parser is None:
+                self._parsed[choice.index] = ParsedCompletion(choice.text, [])
+            else:
+                self._parsed[choice.index] = self.parser.parse(choice.text)
+        return self._parsed[choice.index]
+
+    def message(self, choice: Choice) -> dict[str, Any]:
+        parsed = self.parsed(choice)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in parsed.tool_calls
+            ]
+        return message
+
+    def finish_reason(self, choice: Choice) -> str:
+        if self.parsed(choice).tool_calls:
+            return "tool_calls"
+        return "stop" if choice.finish_reason == "stop" else "length"
+
+    def response(self, prompt_tokens: int, choices: Sequence[Choice]) -> dict[str, Any]:
+        body = self._envelope(
+            "chat.completion",
+            [
+                {
+                    "index": c.index,
+                    "message": self.message(c),
+                    "finish_reason": self.finish_reason(c),
+                    "logprobs": self._logprobs(c, 0) if self.logprobs else None,
+                }
+                for c in choices
+            ],
+        )
+        body["usage"] = usage(prompt_tokens, choices)
+        return body
+
+    # -- stream ------------------------------------------------------------------------
+    def opening(self, choices: Sequence[Choice]) -> list[dict[str, Any]]:
+        return [self._delta(c, {"role": "assistant", "content": ""}) for c in choices]
+
+    def progress(self, choice: Choice) -> dict[str, Any] | None:
+        """What is new and final in ``choice`` since the last chunk, if anything."""
+        text = choice.safe_text()[choice.sent_chars :]
+        if not text and not (self.logprobs and choice.sent_tokens < len(choice.token_ids)):
+            return None
+        return self._advance(choice, text, len(choice.token_ids))
+
+    def closing(self, choice: Choice) -> list[dict[str, Any]]:
+        parsed = self.parsed(choice)
+        chunks = []
+        rest = (parsed.content or "")[choice.sent_chars :]
+        if rest or (self.logprobs and choice.sent_tokens < len(choice.token_ids)):
+            chunks.append(self._advance(choice, rest, len(choice.token_ids)))
+        if parsed.tool_calls:
+            calls = self.message(choice)["tool_calls"]
+            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+            chunks.append(self._delta(choice, delta))
+        chunks.append(self._delta(choice, {}, finish_reason=self.finish_reason(choice)))
+        return chunks
+
+    def _advance(self, choice: Choice, text: str, tokens_to: int) -> dict[str, Any]:
+        chunk = self._delta(choice, {"content": text})
+        if self.logprobs:
+            chunk["choices"][0]["logprobs"] = self._logprobs(choice, choice.sent_tokens, tokens_to)
+        choice.sent_chars += len(text)
+        choice.sent_tokens = tokens_to
+        return chunk
+
+    def _delta(
+        self, choice: Choice, delta: dict[str, Any], finish_reason: str | None = None
+    ) -> dict[str, Any]:
+        return self._chunk(
+            "chat.completion.chunk",
+            {
+                "index": choice.index,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            },
+        )
+
+    def _logprobs(self, choice: Choice, start: int, end: int | None = None) -> dict[str, Any]:
+        rows = zip(choice.token_ids, choice.logprobs, choice.top_logprobs, strict=True)
+        return {
+            "content": [
+                {
+                    **self._entry(token, logprob),
+                    "top_logprobs": [self._entry(t.token_id, t.logprob) for t in top],
+                }
+                for token, logprob, top in list(rows)[start:end]
+            ]
+        }
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+@dataclass
+class CompletionFormat(_Format):
+    logprobs: int | None = None
+    """None: no logprobs; k >= 0: each token's logprob and its k most likely tokens."""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or "cmpl-" + uuid.uuid4().hex
+
+    def response(self, prompt_tokens: int, choices: Sequence[Choice]) -> dict[str, Any]:
+        body = self._envelope(
+            "text_completion",
+            [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "finish_reason": _finish(c),
+                    "logprobs": self._logprobs(c, 0, None),
+                }
+                for c in choices
+            ],
+        )
+        body["usage"] = usage(prompt_tokens, choices)
+        return body
+
+    def opening(self, choices: Sequence[Choice]) -> list[dict[str, Any]]:
+        return []
+
+    def progress(self, choice: Choice) -> dict[str, Any] | None:
+        text = choice.safe_text()[choice.sent_chars :]
+        if not text and not (
+            self.logprobs is not None and choice.sent_tokens < len(choice.token_ids)
+        ):
+            return None
+        return self._advance(choice, text, None)
+
+    def closing(self, choice: Choice) -> list[dict[str, Any]]:
+        chunk = self._advance(choice, choice.text[choice.sent_chars :], _finish(choice))
+        return [chunk]
+
+    def _advance(self, choice: Choice, text: str, finish_reason: str | None) -> dict[str, Any]:
+        end = len(choice.token_ids)
+        chunk = self._chunk(
+            "text_completion",
+            {
+                "index": choice.index,
+                "text": text,
+                "logprobs": self._logprobs(choice, choice.sent_tokens, end),
+                "finish_reason": finish_reason,
+            },
+        )
+        choice.sent_chars += len(text)
+        choice.sent_tokens = end
+        return chunk
+
+    def _logprobs(self, choice: Choice, start: int, end: int | None) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        tokens = [self.token_text(t) for t in choice.token_ids[start:end]]
+        offsets, offset = [], sum(len(self.token_text(t)) for t in choice.token_ids[:start])
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        tops: list[list[TopLogprob]] = choice.top_logprobs[start:end]
+        return {
+            "tokens": tokens,
+            "token_logprobs": choice.logprobs[start:end],
+            "top_logprobs": [{self.token_text(t.token_id): t.logprob for t in top} for top in tops]
+            if self.logprobs
+            else None,
+            "text_offset": offsets,
+        }
+
+
+def _finish(choice: Choice) -> str:
+    return "stop" if choice.finish_reason == "stop" else "length"
