@@ -50,7 +50,8 @@ class EngineSettings(BaseSettings):
     """Unique id of this worker; default ``engine-<host>-<pid>``."""
 
     backend: str = "hf"
-    """Inference engine: ``hf`` (transformers, CPU/tests); ``vllm`` arrives in issue 2."""
+    """Inference engine: ``hf`` (transformers; tests, tiny models) or ``vllm`` (vLLM
+    ``AsyncLLM``; needs the ``vllm`` extra)."""
 
     max_batch_size: int = 64
     """Requests decoded together."""

@@ -1,0 +1,380 @@
+"""The `InferenceEngine` contract, run against every engine: transformers and vLLM.
+
+One engine instance per engine kind is shared by the whole module (vLLM starts in
+18-56 s), so tests that load weights restore the base weights before they return and
+compare versions relative to `engine.version` at their start. The vLLM engine is marked
+`slow` and skipped when `import vllm` fails (the main venv has no vLLM; install the
+`vllm` extra, then remove torchvision/torchaudio/torchcodec/triton, see STACK.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from sf_gateway.engine import GenerationResult, InferenceEngine, SamplingParams
+
+torch.set_num_threads(1)
+
+pytestmark = [
+    # vLLM's own import-time chatter (torch deprecations seen from vllm modules).
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
+
+MAX_CONTEXT = 256
+PROMPTS = [[1, 2, 3], list(range(10, 40)), [7] * 9, [200, 13], list(range(100, 117))]
+PARAMS = [
+    SamplingParams(max_tokens=20, temperature=0),
+    SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, seed=1),
+    SamplingParams(max_tokens=25, temperature=1.3, seed=2),
+    SamplingParams(max_tokens=5, temperature=1.0, top_p=0.5, seed=3),
+    SamplingParams(max_tokens=16, seed=4),
+]
+
+
+def _import_vllm_or_skip() -> None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import vllm  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install (CUDA triton etc.)
+        pytest.skip(f"vLLM engine skipped: `import vllm` failed ({exc!r})")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real base model (tokenizer + untied Qwen2) with a short SFT."""
+    from seamlessflow.assets.base_model import build_base_model
+
+    return build_base_model(tmp_path_factory.mktemp("contract") / "base", seed=0, sft_steps=8)
+
+
+@pytest.fixture(scope="module")
+def base_model(model_dir: Path) -> PreTrainedModel:
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def base_weights(base_model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in base_model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def other_weights(base_weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A complete, clearly different weight set of the same shapes."""
+    gen = torch.Generator().manual_seed(1)
+    return {k: v + 0.2 * torch.randn(v.shape, generator=gen) for k, v in base_weights.items()}
+
+
+@pytest.fixture(scope="module")
+def other_model(base_model: PreTrainedModel, other_weights) -> PreTrainedModel:
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(base_model.config)
+    model.load_state_dict(other_weights)
+    return model.eval()
+
+
+@pytest.fixture(
+    scope="module",
+    params=["hf", pytest.param("vllm", marks=pytest.mark.slow)],
+)
+async def engine(request: pytest.FixtureRequest, model_dir: Path) -> AsyncIterator[InferenceEngine]:
+    eng: InferenceEngine
+    if request.param == "hf":
+        from sf_gateway.engine import TransformersEngine
+
+        eng = TransformersEngine(model_dir, max_batch_size=8, max_context=MAX_CONTEXT)
+    else:
+        _import_vllm_or_skip()
+        from sf_gateway.engine.vllm_engine import VllmEngine
+
+        eng = VllmEngine(model_dir, max_batch_size=16, max_context=MAX_CONTEXT)
+    async with eng:
+        yield eng
+
+
+def _reference_logprobs(
+    model: PreTrainedModel, prompt: list[int], res: GenerationResult, params: SamplingParams
+) -> list[float]:
+    """The trainer's recomputation: one plain forward over prompt + completion."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + res.token_ids])).logits[0].float()
+    logp = torch.log_softmax(logits / (params.temperature or 1.0), dim=-1)
+    return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(res.token_ids)]
+
+
+async def _generate_all(eng: InferenceEngine, tag: str) -> list[GenerationResult]:
+    return await asyncio.gather(
+        *(
+            eng.generate(f"{tag}{i}", p, s)
+            for i, (p, s) in enumerate(zip(PROMPTS, PARAMS, strict=True))
+        )
+    )
+
+
+async def test_lengths_versions_and_logprobs_match_forward(
+    engine: InferenceEngine, base_model: PreTrainedModel
+) -> None:
+    version = engine.version
+    results = await _generate_all(engine, "lp")
+    for prompt, params, res in zip(PROMPTS, PARAMS, results, strict=True):
+        assert len(res.token_ids) == len(res.logprobs) == len(res.versions) == params.max_tokens
+        assert res.finish_reason == "length"
+        assert res.versions == [version] * params.max_tokens
+        ref = _reference_logprobs(base_model, prompt, res, params)
+        assert res.logprobs == pytest.approx(ref, abs=1e-4)
+
+
+async def test_top_logprobs_match_forward(
+    engine: InferenceEngine, base_model: PreTrainedModel
+) -> None:
+    prompt = [4, 40, 400]
+    cases = [
+        SamplingParams(max_tokens=6, temperature=0, top_logprobs=3),
+        SamplingParams(max_tokens=6, temperature=0.8, top_p=0.5, seed=7, top_logprobs=5),
+        SamplingParams(max_tokens=6, seed=7),
+    ]
+    results = await asyncio.gather(
+        *(engine.generate(f"top{i}", prompt, p) for i, p in enumerate(cases))
+    )
+    assert results[2].top_logprobs == []  # not asked for
+    for params, res in zip(cases[:2], results[:2], strict=True):
+        assert len(res.top_logprobs) == len(res.token_ids)
+        with torch.no_grad():
+            logits = base_model(torch.tensor([prompt + res.token_ids])).logits[0].float()
+        logp = torch.log_softmax(logits / (params.temperature or 1.0), dim=-1)
+        for j, (token, top) in enumerate(zip(res.token_ids, res.top_logprobs, strict=True)):
+            assert len(top) == params.top_logprobs
+            values = [lp for _, lp in top]
+            assert values == sorted(values, reverse=True)
+            ref_values = logp[len(prompt) - 1 + j].topk(params.top_logprobs).values
+            assert values == pytest.approx(ref_values.tolist(), abs=1e-4)
+            for token_id, lp in top:
+                assert lp == pytest.approx(logp[len(prompt) - 1 + j, token_id].item(), abs=1e-4)
+            if token in dict(top):
+                assert dict(top)[token] == pytest.approx(res.logprobs[j], abs=1e-6)
+
+
+async def test_seeded_and_greedy_are_reproducible(engine: InferenceEngine) -> None:
+    prompt = [5, 6, 7]
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    a = await engine.generate("g1", prompt, greedy)
+    b = await engine.generate("g2", prompt, greedy)
+    assert a.token_ids == b.token_ids
+    seeded = [SamplingParams(max_tokens=16, seed=s) for s in (11, 11, 12)]
+    c, d, e = await asyncio.gather(
+        *(engine.generate(f"s{i}", prompt, p) for i, p in enumerate(seeded))
+    )
+    alone = await engine.generate("s-alone", prompt, seeded[0])
+    assert c.token_ids == d.token_ids == alone.token_ids  # batched or not
+    assert c.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+    assert c.token_ids != e.token_ids
+
+
+async def test_many_long_seeded_prompts_at_once(engine: InferenceEngine) -> None:
+    """More prompt tokens than one vLLM step takes by default (2048): vLLM 0.32 on CPU
+    dies if it splits a seeded request's prefill over steps (chunked prefill)."""
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(200)] for i in range(16)]
+    results = await asyncio.gather(
+        *(
+            engine.generate(f"long{i}", p, SamplingParams(max_tokens=4, seed=i))
+            for i, p in enumerate(prompts)
+        )
+    )
+    assert [r.finish_reason for r in results] == ["length"] * 16
+
+
+async def test_stop_token_and_length(engine: InferenceEngine) -> None:
+    prompt = [3, 1, 4, 1, 5]
+    params = SamplingParams(max_tokens=12, seed=21)
+    ref = await engine.generate("ref", prompt, params)
+    assert ref.finish_reason == "length" and len(ref.token_ids) == 12
+    stop = ref.token_ids[4]
+    cut = ref.token_ids.index(stop) + 1
+    stopping = SamplingParams(max_tokens=12, seed=21, stop_token_ids=(stop, 511))
+    res = await engine.generate("stop", prompt, stopping)
+    assert res.finish_reason == "stop"
+    assert res.token_ids == ref.token_ids[:cut]  # the stop token is included
+    assert len(res.logprobs) == len(res.versions) == cut
+
+
+async def test_abort_returns_partial_tokens(engine: InferenceEngine) -> None:
+    params = SamplingParams(max_tokens=200, seed=5)
+    running = engine.stream("run", [1, 2, 3], params)
+    async for _ in running:
+        if len(running.tokens) == 3:
+            break
+    assert await engine.abort("run")
+    assert not await engine.abort("run")
+    assert not await engine.abort("never-submitted")
+    res = await running.result()
+    assert res.finish_reason == "abort" and 3 <= len(res.token_ids) < 200
+    assert len(res.logprobs) == len(res.versions) == len(res.token_ids)
+    full = await engine.generate("full", [1, 2, 3], SamplingParams(max_tokens=10, seed=5))
+    assert res.token_ids[:3] == full.token_ids[:3]
+    # Aborted before producing anything: no tokens, reason "abort".
+    early = engine.stream("early", [1, 2, 3], params)
+    assert await engine.abort("early")
+    assert (await early.result()).finish_reason == "abort"
+
+
+async def test_cancelled_generate_aborts(engine: InferenceEngine) -> None:
+    task = asyncio.create_task(engine.generate("c", [1], SamplingParams(max_tokens=250)))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not await engine.abort("c")  # already gone
+
+
+async def test_pause_abort_ends_in_flight_and_queues_new(engine: InferenceEngine) -> None:
+    running = engine.stream("pa-r", [1, 2], SamplingParams(max_tokens=200))
+    await running.__anext__()
+    await engine.pause("abort")
+    try:
+        res = await running.result()
+        assert res.finish_reason == "abort" and 1 <= len(res.token_ids) < 200
+        held = engine.stream("pa-h", [1, 2], SamplingParams(max_tokens=3))
+        await asyncio.sleep(0.3)
+        assert held.tokens == [] and not held.finished
+    finally:
+        await engine.resume()
+    done = await held.result()
+    assert done.finish_reason == "length" and len(done.token_ids) == 3
+
+
+async def test_pause_wait_drains_and_holds_new(engine: InferenceEngine) -> None:
+    running = engine.stream("pw-r", [1, 2], SamplingParams(max_tokens=30))
+    await running.__anext__()
+    await engine.pause("wait")
+    try:
+        assert (await running.result()).finish_reason == "length"
+        held = engine.stream("pw-h", [1, 2], SamplingParams(max_tokens=3))
+        await asyncio.sleep(0.3)
+        assert held.tokens == [] and not held.finished
+    finally:
+        await engine.resume()
+    assert len((await held.result()).token_ids) == 3
+
+
+async def test_load_weights_changes_outputs_and_versions(
+    engine: InferenceEngine,
+    base_weights: dict[str, torch.Tensor],
+    other_weights: dict[str, torch.Tensor],
+    other_model: PreTrainedModel,
+) -> None:
+    v0 = engine.version
+    prompt = [9, 8, 7]
+    params = SamplingParams(max_tokens=16, seed=3)
+    before = await engine.generate("lw-a", prompt, params)
+    await engine.load_weights(other_weights, version=v0 + 1)
+    try:
+        assert engine.version == v0 + 1
+        after = await engine.generate("lw-b", prompt, params)
+        assert before.versions == [v0] * 16 and after.versions == [v0 + 1] * 16
+        assert before.token_ids != after.token_ids
+        # Every weight was replaced: the new outputs are exactly the other model's.
+        ref = _reference_logprobs(other_model, prompt, after, params)
+        assert after.logprobs == pytest.approx(ref, abs=1e-4)
+    finally:
+        await engine.load_weights(base_weights, version=v0 + 2)
+    again = await engine.generate("lw-c", prompt, params)
+    assert again.token_ids == before.token_ids and again.versions == [v0 + 2] * 16
+    assert again.logprobs == pytest.approx(before.logprobs, abs=1e-4)
+
+
+async def test_load_during_generation_is_never_partial(
+    engine: InferenceEngine,
+    base_weights: dict[str, torch.Tensor],
+    other_weights: dict[str, torch.Tensor],
+    base_model: PreTrainedModel,
+    other_model: PreTrainedModel,
+) -> None:
+    v0 = engine.version
+    params = SamplingParams(max_tokens=60, seed=8)
+    prompt = [1, 2, 3]
+    long = engine.stream("ld-long", prompt, params)
+    await long.__anext__()
+    load = asyncio.create_task(engine.load_weights(other_weights, version=v0 + 1))
+    await asyncio.sleep(0.05)
+    late = engine.stream("ld-late", prompt, params)  # not admitted until the load is done
+    try:
+        res = await long.result()
+        await load
+        late_res = await late.result()
+    finally:
+        await engine.load_weights(base_weights, version=v0 + 2)
+    # The running request finished on the old weights, the late one ran on the new.
+    assert res.finish_reason == "length" and res.versions == [v0] * 60
+    assert late_res.versions == [v0 + 1] * 60
+    ref_old = _reference_logprobs(base_model, prompt, res, params)
+    ref_new = _reference_logprobs(other_model, prompt, late_res, params)
+    assert res.logprobs == pytest.approx(ref_old, abs=1e-4)
+    assert late_res.logprobs == pytest.approx(ref_new, abs=1e-4)
+
+
+async def test_pause_keep_then_load_continues_on_new_version(
+    engine: InferenceEngine,
+    base_weights: dict[str, torch.Tensor],
+    other_weights: dict[str, torch.Tensor],
+) -> None:
+    v0 = engine.version
+    running = engine.stream("pk", [1, 2], SamplingParams(max_tokens=40, seed=9))
+    await running.__anext__()
+    await engine.pause("keep")
+    try:
+        frozen = len(running.tokens)
+        await asyncio.sleep(0.2)
+        assert len(running.tokens) == frozen and not running.finished
+        await engine.load_weights(other_weights, version=v0 + 1)
+    finally:
+        await engine.resume()
+    res = await running.result()
+    await engine.load_weights(base_weights, version=v0 + 2)
+    assert res.finish_reason == "length"
+    assert res.versions == [v0] * frozen + [v0 + 1] * (40 - frozen)
+
+
+async def test_bad_input_raises_value_error_and_changes_nothing(
+    engine: InferenceEngine, base_weights: dict[str, torch.Tensor]
+) -> None:
+    v0 = engine.version
+    ok = SamplingParams(max_tokens=4, seed=1)
+    before = await engine.generate("bi-before", [1, 2], ok)
+    for bad in (
+        {"max_tokens": 0},
+        {"max_tokens": 4, "temperature": -0.1},
+        {"max_tokens": 4, "top_p": 0.0},
+        {"max_tokens": 4, "stop_token_ids": (-1,)},
+    ):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    with pytest.raises(ValueError, match="context limit"):
+        engine.stream("long", [1] * (MAX_CONTEXT - 5), SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="empty"):
+        engine.stream("empty", [], ok)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.stream("oov", [1, 10**6], ok)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        engine.stream("neg", [1, -1], ok)
+    live = engine.stream("dup", [1], SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="already running"):
+        engine.stream("dup", [1], ok)
+    await live.aclose()
+    with pytest.raises(ValueError, match="unknown weight"):
+        await engine.load_weights({"nope": torch.zeros(1)}, version=v0 + 1)
+    # One bad tensor among good ones: nothing is loaded.
+    broken = dict(base_weights)
+    broken["lm_head.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="shape"):
+        await engine.load_weights(broken, version=v0 + 1)
+    assert engine.version == v0
+    after = await engine.generate("bi-after", [1, 2], ok)
+    assert after.versions == [v0] * 4 and after.token_ids == before.token_ids
