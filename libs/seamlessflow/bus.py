@@ -209,7 +209,8 @@ class Bus:
         )
         messages: list[Msg] = []
         try:
-            while not messages or messages[-1].metadata.sequence.stream < last.seq:
+            last_seq = last.seq or 0
+            while not messages or messages[-1].metadata.sequence.stream < last_seq:
                 messages.append(await sub.next_msg(timeout=10.0))
         finally:
             await sub.unsubscribe()

@@ -47,6 +47,12 @@ def up(
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-4,
     engines: Annotated[int, typer.Option(help="Engine worker processes.")] = 1,
     agent: Annotated[str, typer.Option(help="Agent name or dotted path.")] = "single_turn",
+    task: Annotated[str, typer.Option(help="Task source (e.g. arithmetic, lookup).")] = (
+        "arithmetic"
+    ),
+    max_tokens: Annotated[
+        int | None, typer.Option(help="Completion budget per call (default: the task's).")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed.")] = 0,
     live: Annotated[bool, typer.Option(help="Live progress table.")] = True,
 ) -> None:
@@ -54,6 +60,8 @@ def up(
     from seamlessflow.embedded import RunConfig, run_embedded
 
     config = RunConfig(
+        task=task,
+        **({"max_tokens": max_tokens} if max_tokens is not None else {}),  # type: ignore[arg-type]
         steps=steps,
         run_id=run_id,
         runs_dir=runs_dir,
@@ -146,11 +154,13 @@ def build_model(
     out: Annotated[Path, typer.Option(help="Output directory (HF layout).")],
     seed: Annotated[int, typer.Option(help="Seed.")] = 0,
     force: Annotated[bool, typer.Option(help="Rebuild even if up to date.")] = False,
+    task: Annotated[str, typer.Option(help="Task to warm up on.")] = "arithmetic",
 ) -> None:
     """Build the small base model and tokenizer (no downloads); skip if up to date."""
     from seamlessflow.assets.base_model import build_base_model, ensure_base_model
 
-    path = build_base_model(out, seed=seed) if force else ensure_base_model(out, seed=seed)
+    build = build_base_model if force else ensure_base_model
+    path = build(out, seed=seed, task=task)
     typer.echo(str(path))
 
 

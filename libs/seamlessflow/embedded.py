@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import nats.errors
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import Subjects, TrainingFinished, TrainStepMetrics, decode
@@ -68,7 +68,8 @@ class RunConfig(BaseModel):
     max_batches_ahead: int = 1
     """Rollout may run this many batches ahead of the trainer (0 = synchronous)."""
     max_tokens: int = 6
-    """Completion budget per agent call."""
+    """Completion budget per agent call (default: the task's ``max_tokens`` if it has
+    one, e.g. room for a tool call; else 6)."""
     lr: float = 1e-4
     """Trainer learning rate."""
     engines: int = 1
@@ -85,6 +86,16 @@ class RunConfig(BaseModel):
     """Tag-scheduler mode."""
     live: bool = True
     """Show live progress in the terminal."""
+
+    @model_validator(mode="after")
+    def _task_max_tokens(self) -> RunConfig:
+        if "max_tokens" not in self.model_fields_set:
+            from seamlessflow.tasks import get_task_source
+
+            task_budget = getattr(get_task_source(self.task, seed=self.seed), "max_tokens", None)
+            if task_budget is not None:
+                self.max_tokens = int(task_budget)
+        return self
 
 
 @dataclass
@@ -234,7 +245,7 @@ class EmbeddedRun:
         c = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         model_dir = c.model_dir or (c.cache_dir.expanduser() / "models" / f"base-{c.task}")
-        model_dir = await asyncio.to_thread(ensure_base_model, model_dir)
+        model_dir = await asyncio.to_thread(ensure_base_model, model_dir, task=c.task)
         nats_server = EmbeddedNats(self.run_dir / "nats")
         url = c.nats_url or nats_server.start()
         stop = asyncio.Event()

@@ -46,7 +46,8 @@ def register_agent(name: str) -> Callable[[AgentFn], AgentFn]:
 
 
 def get_agent(name_or_path: str) -> AgentFn:
-    from seamlessflow.agents import builtin  # noqa: F401  (registers the built-in agents)
+    # registers the built-in agents
+    from seamlessflow.agents import builtin, tool_agent  # noqa: F401
 
     if name_or_path in _REGISTRY:
         return _REGISTRY[name_or_path]

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from seamlessflow.rewards import get_reward
-from seamlessflow.tasks import TaskItem, get_task_source
+from seamlessflow.tasks import TaskItem, TaskSource, ToolTaskSource, get_task_source
 
 if TYPE_CHECKING:
     import torch
@@ -173,7 +173,11 @@ def _split_on_specials(text: str) -> list[str]:
     return [part for part in re.split(pattern, text) if part]
 
 
-def _render(messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+def _render(
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
     """Render with the chat template, without a tokenizer (used to make training text)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -181,12 +185,26 @@ def _render(messages: list[dict[str, Any]], add_generation_prompt: bool = False)
         conversations=[messages],
         chat_template=CHAT_TEMPLATE,
         add_generation_prompt=add_generation_prompt,
+        **({"tools": tools} if tools else {}),  # type: ignore[arg-type]
     )
     return rendered[0]
 
 
-def train_tokenizer(items: list[TaskItem], vocab_size: int) -> PreTrainedTokenizerFast:
+Conversation = tuple[list[dict[str, Any]], list[dict[str, Any]] | None]
+"""A full chat and the tools it is rendered with."""
+
+
+def train_tokenizer(
+    items: list[TaskItem],
+    vocab_size: int,
+    conversations: list[Conversation] | None = None,
+    extra_text: tuple[str, ...] = (),
+) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on the task's conversations plus generic text.
+
+    The conversations are `conversations` if given (a tool task's SFT chats), else each
+    item's prompt answered with its reference. `extra_text` (a task's `tokenizer_text`)
+    is added as is: e.g. "lookup" repeats its code words so that each becomes one token.
 
     Special tokens are cut out of the training text so that no merge spans one. They get
     the first ids; `<tool_call>`/`</tool_call>` are added tokens but not "special", so
@@ -205,10 +223,14 @@ def train_tokenizer(items: list[TaskItem], vocab_size: int) -> PreTrainedTokeniz
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    corpus: list[str] = list(_GENERIC_TEXT)
-    for item in items:
-        conversation = [*item.messages, {"role": "assistant", "content": item.reference}]
-        corpus.extend(_split_on_specials(_render(conversation)))
+    corpus: list[str] = [*_GENERIC_TEXT, *extra_text]
+    if conversations is None:
+        conversations = [
+            ([*item.messages, {"role": "assistant", "content": item.reference}], None)
+            for item in items
+        ]
+    for conversation, tools in conversations:
+        corpus.extend(_split_on_specials(_render(conversation, tools=tools)))
     tok = Tokenizer(models.BPE())
     # Exactly Qwen2's normalizer and pre-tokenizer (digits split one by one): the saved
     # config says qwen2, so AutoTokenizer (and vLLM) load the vocab and merges into a
@@ -315,6 +337,61 @@ def _sft_batches(
         yield input_ids, attention, labels
 
 
+def assistant_labels(ids: list[int], tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """`ids` where the model speaks (every assistant turn's tokens and its `<|im_end|>`),
+    -100 elsewhere: the SFT labels of a rendered multi-turn chat."""
+    header = tokenizer.encode(IM_START + "assistant\n", add_special_tokens=False)
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    labels = [-100] * len(ids)
+    i = 0
+    while i < len(ids):
+        if ids[i : i + len(header)] == header:
+            i += len(header)
+            while i < len(ids):
+                labels[i] = ids[i]
+                i += 1
+                if ids[i - 1] == im_end:
+                    break
+        else:
+            i += 1
+    return labels
+
+
+def _conversation_sft_batches(
+    source: ToolTaskSource,
+    items: list[TaskItem],
+    tokenizer: PreTrainedTokenizerFast,
+    config: BaseModelConfig,
+    rng: random.Random,
+    steps: int,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """As `_sft_batches`, for a tool task: each row is a full chat from the task's
+    teacher (`source.sft_conversation`), labels on the assistant turns only."""
+    import torch
+
+    clean_steps = round(steps * (1 - config.sft_noisy_fraction))
+    cache: dict[str, tuple[list[int], list[int]]] = {}
+    for step in range(steps):
+        p_correct = 1.0 if step < clean_steps else config.teacher_p_correct
+        rows = []
+        for _ in range(config.sft_batch_size):
+            item = rng.choice(items)
+            text = _render(source.sft_conversation(item, rng, p_correct), tools=source.tools)
+            if text not in cache:
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                cache[text] = (ids, assistant_labels(ids, tokenizer))
+            rows.append(cache[text])
+        width = max(len(ids) for ids, _ in rows)
+        input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        for i, (ids, row_labels) in enumerate(rows):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            attention[i, : len(ids)] = 1
+            labels[i, : len(ids)] = torch.tensor(row_labels)
+        yield input_ids, attention, labels
+
+
 def sft(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerFast,
@@ -322,8 +399,12 @@ def sft(
     config: BaseModelConfig,
     steps: int,
     seed: int,
+    source: TaskSource | None = None,
 ) -> float:
-    """Noisy-teacher warm-up (see the module docstring); returns the last loss."""
+    """Noisy-teacher warm-up (see the module docstring); returns the last loss.
+
+    With a tool task `source` (one with `sft_conversation`), the rows are its teacher's
+    full multi-turn chats; otherwise prompt + noisy answer."""
     import torch
 
     optimizer = torch.optim.AdamW(
@@ -344,9 +425,18 @@ def sft(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_scale)
     model.train()
     loss = torch.tensor(float("nan"))
-    for input_ids, attention, labels in _sft_batches(
-        items, tokenizer, config, random.Random(seed), steps
-    ):
+    if source is not None and is_tool_task(source):
+        batches = _conversation_sft_batches(
+            source,  # type: ignore[arg-type]  # narrowed by is_tool_task
+            items,
+            tokenizer,
+            config,
+            random.Random(seed),
+            steps,
+        )
+    else:
+        batches = _sft_batches(items, tokenizer, config, random.Random(seed), steps)
+    for input_ids, attention, labels in batches:
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -396,13 +486,142 @@ def sampled_reward(
     return sum(reward(t, r) for t, r in zip(texts, references, strict=True)) / len(texts)
 
 
-def _build_hash(config: BaseModelConfig, seed: int) -> str:
-    payload = {"version": BUILD_VERSION, "task": TASK, "seed": seed, **dataclasses.asdict(config)}
+_TOOL_CALL_RE = re.compile(re.escape(TOOL_CALL) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_END), re.S)
+
+
+def parse_tool_calls(text: str) -> list[tuple[str, Any]] | None:
+    """`(name, arguments)` of each `<tool_call>{...}</tool_call>` block of a completion,
+    or None if it has none or one is not `{"name": str, "arguments": ...}` JSON (the
+    completion is then a final answer)."""
+    calls = []
+    for block in _TOOL_CALL_RE.findall(text):
+        try:
+            call = json.loads(block)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        calls.append((call["name"], call.get("arguments", {})))
+    return calls or None
+
+
+def tool_rollout_rewards(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerFast,
+    source: ToolTaskSource,
+    items: list[TaskItem],
+    *,
+    samples_per_prompt: int,
+    max_new_tokens: int,
+    seed: int,
+    max_rounds: int = 3,
+) -> list[float]:
+    """Rewards of multi-turn tool rollouts sampled at temperature 1, as the `tool_user`
+    agent runs them: ask; while the answer holds tool calls (at most `max_rounds`
+    answers), append it and the tools' results and ask again; score the last answer."""
+    import torch
+
+    reward = get_reward(source.reward_fn)
+    chats = [[dict(m) for m in item.messages] for item in items for _ in range(samples_per_prompt)]
+    references = [item.reference for item in items for _ in range(samples_per_prompt)]
+    last = [""] * len(chats)
+    active = list(range(len(chats)))
+    torch.manual_seed(seed)
+    for _ in range(max_rounds):
+        if not active:
+            break
+        enc = tokenizer.apply_chat_template(
+            [chats[i] for i in active],
+            tools=source.tools,  # type: ignore[arg-type]
+            add_generation_prompt=True,
+            tokenize=True,
+            padding=True,
+            return_tensors="pt",
+            return_dict=True,
+        )
+        with torch.no_grad():
+            out = model.generate(  # type: ignore[operator]
+                **enc,  # type: ignore[arg-type]
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max_new_tokens,
+            )
+        prompt_length = enc["input_ids"].shape[1]  # type: ignore[call-overload,union-attr,index]
+        texts = tokenizer.batch_decode(out[:, prompt_length:], skip_special_tokens=True)
+        still = []
+        for i, text in zip(active, texts, strict=True):
+            last[i] = text
+            calls = parse_tool_calls(text)
+            if calls is None:
+                continue
+            chats[i].append(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [  # type: ignore[dict-item]
+                        {"type": "function", "function": {"name": n, "arguments": a}}
+                        for n, a in calls
+                    ],
+                }
+            )
+            for n, a in calls:
+                chats[i].append({"role": "tool", "content": source.call_tool(n, a)})
+            still.append(i)
+        active = still
+    return [reward(t, r) for t, r in zip(last, references, strict=True)]
+
+
+def _check_single_tokens(tokenizer: PreTrainedTokenizerFast, words: Any) -> None:
+    """Raise unless each of `words` (a task's `single_token_words`) is one token."""
+    split = [w for w in words if len(tokenizer.encode(w, add_special_tokens=False)) != 1]
+    if split:
+        raise ValueError(f"not single tokens (raise vocab_size?): {split}")
+
+
+def is_tool_task(source: TaskSource) -> bool:
+    return callable(getattr(source, "sft_conversation", None))
+
+
+def _build_hash(config: BaseModelConfig, seed: int, task: str = TASK) -> str:
+    payload = {"version": BUILD_VERSION, "task": task, "seed": seed, **dataclasses.asdict(config)}
+    if task != TASK:
+        # A tool task's teacher lives in its module: its version goes in the hash too.
+        payload["sft_version"] = getattr(get_task_source(task, seed=seed), "sft_version", None)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _resolve(config: BaseModelConfig | None, sft_steps: int | None) -> BaseModelConfig:
-    config = config or BaseModelConfig()
+# Per-task defaults; a task not listed uses `BaseModelConfig()` (the arithmetic recipe).
+# "lookup" (measured with seed 0; sampled = temperature 1, two-turn rollouts on eval):
+# - vocab 640: room for each code word as one token (at 512, half of them are split);
+# - 480 clean steps at 3e-3 (cosine): copying appears suddenly between steps ~200 and
+#   ~350 (the item number in the call, then the code into the answer); at 480 greedy
+#   item / copy 0.97 / 1.0, sampled reward 0.95;
+# - 120 noisy steps (teacher right half the time, at each of its two decisions) at 2e-4:
+#   sampled reward 0.16 (calls 0.69, right item 0.39, copies 0.32) while greedy stays
+#   0.94, so RL only has to shrink the noise, not learn to copy.
+TASK_CONFIGS: dict[str, BaseModelConfig] = {
+    "lookup": BaseModelConfig(
+        vocab_size=640,
+        sft_steps=600,
+        sft_batch_size=32,
+        sft_noisy_fraction=0.2,
+        teacher_p_correct=0.5,
+        check_samples_per_prompt=2,
+        check_max_new_tokens=32,
+    ),
+}
+
+
+def default_config(task: str = TASK) -> BaseModelConfig:
+    return TASK_CONFIGS.get(task, BaseModelConfig())
+
+
+def _resolve(
+    config: BaseModelConfig | None, sft_steps: int | None, task: str = TASK
+) -> BaseModelConfig:
+    config = config or default_config(task)
     if sft_steps is not None:
         config = dataclasses.replace(config, sft_steps=sft_steps)
     return config
@@ -414,40 +633,70 @@ def build_base_model(
     seed: int = 0,
     sft_steps: int | None = None,
     config: BaseModelConfig | None = None,
+    task: str = TASK,
 ) -> Path:
-    """Build tokenizer + model + SFT warm-up into `out_dir` (overwriting); returns it."""
+    """Build tokenizer + model + SFT warm-up for `task` into `out_dir` (overwriting).
+
+    A tool task (one with `sft_conversation`, e.g. "lookup") trains the tokenizer on its
+    teacher's chats rendered with its tools and warms up on full multi-turn chats, the
+    loss on the assistant turns only; any other task gets the arithmetic recipe."""
     import torch
 
-    config = _resolve(config, sft_steps)
+    config = _resolve(config, sft_steps, task)
+    task_name = task
     out_dir = Path(out_dir)
     started = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core, and bit-for-bit the same weights on every machine
     try:
-        task = get_task_source(TASK, seed=seed)
-        train, evaluation = task.items("train"), task.items("eval")
-        tokenizer = train_tokenizer(train + evaluation, config.vocab_size)
+        source = get_task_source(task_name, seed=seed)
+        train, evaluation = source.items("train"), source.items("eval")
+        conversations: list[Conversation] | None = None
+        if is_tool_task(source):
+            tool_source: ToolTaskSource = source  # type: ignore[assignment]
+            clean = random.Random(seed)
+            conversations = [
+                (tool_source.sft_conversation(item, clean, 1.0), tool_source.tools)
+                for item in train + evaluation
+            ]
+        extra_text: tuple[str, ...] = tuple(getattr(source, "tokenizer_text", ()))
+        tokenizer = train_tokenizer(
+            train + evaluation, config.vocab_size, conversations, extra_text
+        )
+        _check_single_tokens(tokenizer, getattr(source, "single_token_words", ()))
         torch.manual_seed(seed)
         model = build_model(config, tokenizer)
-        loss = sft(model, tokenizer, train, config, config.sft_steps, seed)
-        reward = sampled_reward(
-            model,
-            tokenizer,
-            evaluation,
-            task.reward_fn,
-            samples_per_prompt=config.check_samples_per_prompt,
-            max_new_tokens=config.check_max_new_tokens,
-            seed=seed,
-        )
+        loss = sft(model, tokenizer, train, config, config.sft_steps, seed, source)
+        if conversations is not None:
+            rewards = tool_rollout_rewards(
+                model,
+                tokenizer,
+                tool_source,
+                evaluation,
+                samples_per_prompt=config.check_samples_per_prompt,
+                max_new_tokens=config.check_max_new_tokens,
+                seed=seed,
+            )
+            reward = sum(rewards) / len(rewards)
+        else:
+            reward = sampled_reward(
+                model,
+                tokenizer,
+                evaluation,
+                source.reward_fn,
+                samples_per_prompt=config.check_samples_per_prompt,
+                max_new_tokens=config.check_max_new_tokens,
+                seed=seed,
+            )
     finally:
         torch.set_num_threads(threads)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)  # type: ignore[operator]
     tokenizer.save_pretrained(out_dir)
     info = {
-        "build_hash": _build_hash(config, seed),
+        "build_hash": _build_hash(config, seed, task_name),
         "build_version": BUILD_VERSION,
-        "task": TASK,
+        "task": task_name,
         "seed": seed,
         "config": dataclasses.asdict(config),
         "vocab_size": len(tokenizer),
@@ -467,16 +716,17 @@ def ensure_base_model(
     seed: int = 0,
     sft_steps: int | None = None,
     config: BaseModelConfig | None = None,
+    task: str = TASK,
 ) -> Path:
     """`out_dir`, built only if it is missing or was built with other parameters."""
     out_dir = Path(out_dir)
-    config = _resolve(config, sft_steps)
+    config = _resolve(config, sft_steps, task)
     info_path = out_dir / "build_info.json"
     if info_path.exists() and (out_dir / "model.safetensors").exists():
         info = json.loads(info_path.read_text())
-        if info.get("build_hash") == _build_hash(config, seed):
+        if info.get("build_hash") == _build_hash(config, seed, task):
             return out_dir
-    return build_base_model(out_dir, seed=seed, config=config)
+    return build_base_model(out_dir, seed=seed, config=config, task=task)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -484,8 +734,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft-steps", type=int, default=None, help="default: the config's")
+    parser.add_argument("--task", default=TASK, help="task to warm up on (default: %(default)s)")
     args = parser.parse_args(argv)
-    out = build_base_model(args.out, seed=args.seed, sft_steps=args.sft_steps)
+    out = build_base_model(args.out, seed=args.seed, sft_steps=args.sft_steps, task=args.task)
     print((out / "build_info.json").read_text(), end="")
 
 

@@ -7,9 +7,10 @@ deterministic given the seed the source was built with, and the splits are disjo
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 SPLITS = ("train", "eval")
 
@@ -30,14 +31,44 @@ class TaskSource(Protocol):
     def items(self, split: str) -> list[TaskItem]: ...
 
 
+class ToolTaskSource(TaskSource, Protocol):
+    """A task source whose items are solved with tools, over several turns (optional
+    extras; see ``seamlessflow.tasks.lookup``).
+
+    - ``tools``: the OpenAI ``tools`` list agents send with their requests;
+    - ``max_tokens``: a completion budget per call that fits a tool call;
+    - ``sft_version``: a string naming the teacher, for the base model's build hash;
+    - ``sft_conversation(item, rng, p_correct)``: one full chat (question, assistant tool
+      calls, tool messages, final answer) from a teacher right with probability
+      ``p_correct``; the base model's warm-up trains on its assistant turns;
+    - ``call_tool(name, arguments)``: the tools' implementation (a pure function).
+    """
+
+    tools: list[dict[str, Any]]
+    max_tokens: int
+    sft_version: str
+
+    def sft_conversation(
+        self, task: TaskItem, rng: random.Random, p_correct: float
+    ) -> list[dict[str, Any]]: ...
+
+    def call_tool(self, name: str, arguments: str | dict[str, Any]) -> str: ...
+
+
 def _arithmetic(seed: int) -> TaskSource:
     from seamlessflow.tasks.arithmetic import ArithmeticTask
 
     return ArithmeticTask(seed=seed)
 
 
+def _lookup(seed: int) -> TaskSource:
+    from seamlessflow.tasks.lookup import LookupTask
+
+    return LookupTask(seed=seed)
+
+
 # Factories import lazily so that listing the registry imports nothing else.
-_REGISTRY: dict[str, Callable[[int], TaskSource]] = {"arithmetic": _arithmetic}
+_REGISTRY: dict[str, Callable[[int], TaskSource]] = {"arithmetic": _arithmetic, "lookup": _lookup}
 
 
 def task_names() -> list[str]:
