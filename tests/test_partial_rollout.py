@@ -98,6 +98,27 @@ async def test_agents_never_notice_weight_updates(
             while turn == 0 or not done.is_set():  # answers keep flowing during every update
                 messages = [{"role": "user", "content": f"What is {index} + {turn}?"}]
                 turn += 1
+                if index % 2:  # half the agents stream: the SSE stream must not break
+                    stream = await client.chat.completions.create(
+                        model="policy",
+                        messages=messages,
+                        max_tokens=MAX_TOKENS,
+                        logprobs=True,
+                        stream=True,  # type: ignore[arg-type]
+                    )
+                    text, logprobs, finishes = "", [], []
+                    async for chunk in stream:
+                        if not chunk.choices:
+                            continue
+                        delta = chunk.choices[0]
+                        text += delta.delta.content or ""
+                        if delta.logprobs and delta.logprobs.content:
+                            logprobs += [t.logprob for t in delta.logprobs.content]
+                        if delta.finish_reason:
+                            finishes.append(delta.finish_reason)
+                    assert len(finishes) == 1, "one answer, one finish"
+                    seen.append((text, logprobs))
+                    continue
                 reply = await client.chat.completions.create(
                     model="policy",
                     messages=messages,
@@ -137,3 +158,10 @@ async def test_agents_never_notice_weight_updates(
         assert len(turn.versions) == len(turn.completion_ids) == len(turn.logprobs)
     interrupted = [t for t in turns if len(set(t.versions)) > 1]
     assert interrupted, "no weight update landed mid-response: the test proved nothing"
+    streamed = {
+        text
+        for index, agent_answers in enumerate(answers)
+        if index % 2
+        for text, _ in agent_answers
+    }
+    assert any(t.completion_text in streamed for t in interrupted), "no streamed answer resumed"
