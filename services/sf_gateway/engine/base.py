@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Self
 
@@ -135,6 +135,45 @@ class GenerationResult:
     finish_reason: FinishReason
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     """Per token, as `GeneratedToken.top_logprobs` (empty if none were asked for)."""
+
+
+def check_request(
+    request_id: str,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    live: Container[str],
+    vocab_size: int,
+    max_context: int,
+) -> list[int]:
+    """Validate one submission for any engine; returns the prompt as a list.
+
+    Raises ValueError (and so changes no engine state) for a wrong params type, an empty
+    or duplicate request id, an empty prompt, ids outside the vocabulary, or a prompt +
+    budget beyond the context.
+    """
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+    if not request_id or not isinstance(request_id, str):
+        raise ValueError("request_id must be a non-empty string")
+    if request_id in live:
+        raise ValueError(f"request {request_id!r} is already running")
+    prompt = list(prompt_ids)
+    if not prompt:
+        raise ValueError("prompt_ids must not be empty")
+    bad: list[object] = [
+        t
+        for t in prompt
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size
+    ]
+    if bad:
+        raise ValueError(f"prompt_ids must be ints in [0, {vocab_size}), got e.g. {bad[0]!r}")
+    if len(prompt) + params.max_tokens > max_context:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"the context limit of {max_context} tokens"
+        )
+    return prompt
 
 
 class GenerationStream(AsyncIterator[GeneratedToken]):

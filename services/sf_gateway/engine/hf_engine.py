@@ -46,6 +46,7 @@ from .base import (
     PauseMode,
     SamplingParams,
     TopLogprobs,
+    check_request,
 )
 
 log = logging.getLogger(__name__)
@@ -190,29 +191,14 @@ class TransformersEngine(InferenceEngine):
     ) -> GenerationStream:
         if self._task is None or self._closed:
             raise EngineNotRunningError("engine is not running")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not request_id:
-            raise ValueError("request_id must be a non-empty string")
-        if request_id in self._live:
-            raise ValueError(f"request {request_id!r} is already running")
-        prompt = list(prompt_ids)
-        if not prompt:
-            raise ValueError("prompt_ids must not be empty")
-        bad: list[object] = [
-            t
-            for t in prompt
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size
-        ]
-        if bad:
-            raise ValueError(
-                f"prompt_ids must be ints in [0, {self._vocab_size}), got e.g. {bad[0]!r}"
-            )
-        if len(prompt) + params.max_tokens > self._max_context:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the context limit of {self._max_context} tokens"
-            )
+        prompt = check_request(
+            request_id,
+            prompt_ids,
+            params,
+            live=self._live,
+            vocab_size=self._vocab_size,
+            max_context=self._max_context,
+        )
         generator = torch.Generator(device=self._device)
         if params.seed is None:
             generator.seed()

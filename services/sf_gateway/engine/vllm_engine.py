@@ -74,6 +74,7 @@ from .base import (
     InferenceEngine,
     PauseMode,
     SamplingParams,
+    check_request,
 )
 
 if TYPE_CHECKING:
@@ -303,29 +304,14 @@ class VllmEngine(InferenceEngine):
             raise EngineNotRunningError("engine is not running")
         if self._failed is not None:
             raise EngineError(self._failed)
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if not request_id or not isinstance(request_id, str):
-            raise ValueError("request_id must be a non-empty string")
-        if request_id in self._live:
-            raise ValueError(f"request {request_id!r} is already running")
-        prompt = list(prompt_ids)
-        if not prompt:
-            raise ValueError("prompt_ids must not be empty")
-        bad: list[object] = [
-            t
-            for t in prompt
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size
-        ]
-        if bad:
-            raise ValueError(
-                f"prompt_ids must be ints in [0, {self._vocab_size}), got e.g. {bad[0]!r}"
-            )
-        if len(prompt) + params.max_tokens > self._max_context:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the context limit of {self._max_context} tokens"
-            )
+        prompt = check_request(
+            request_id,
+            prompt_ids,
+            params,
+            live=self._live,
+            vocab_size=self._vocab_size,
+            max_context=self._max_context,
+        )
         top_k = params.top_logprobs
         sampling = self._sampling_params(params, top_k)
         req = _Request(request_id, GenerationStream(request_id, self.abort))
