@@ -41,6 +41,25 @@ def base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_base_model(tmp_path_factory.mktemp("model") / "base", seed=0, sft_steps=30)
 
 
+@pytest.fixture(scope="session")
+def chatty_model_dir(base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The base tokenizer with a random-init model: it rarely emits a stop token, so
+    answers run to their budget and events (weight updates, deaths) land mid-answer."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("chatty")
+    for name in base_model_dir.iterdir():
+        if "token" in name.name or name.suffix == ".jinja":
+            shutil.copy(name, out / name.name)
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(base_model_dir)))
+    model.save_pretrained(out)
+    return out
+
+
 class InProcessMesh:
     """Services of one run started in this test's event loop, each with its own
     connection, exactly as ``run_service`` would start them (minus signals)."""

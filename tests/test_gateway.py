@@ -401,6 +401,7 @@ async def test_top_logprobs_shape_and_consistency(gateway_url: str, bus: Bus) ->
             model="policy",
             messages=QUESTION,
             max_tokens=8,
+            temperature=0,  # greedy: the chosen token is always listed (no flaky sampling)
             logprobs=True,
             top_logprobs=4,  # type: ignore[arg-type]
         )

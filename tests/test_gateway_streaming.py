@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ import httpx
 import pytest
 import torch
 from openai import AsyncOpenAI
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import (
@@ -28,19 +27,6 @@ from sf_gateway.engine_worker import EngineWorker
 from sf_gateway.gateway import GatewayService
 from sf_tag_scheduler.service import TagScheduler
 from sf_weight_sync.service import WeightSync
-
-
-@pytest.fixture(scope="module")
-def chatty_model_dir(base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The base tokenizer with a random-init model: it rarely emits a stop token."""
-    out = tmp_path_factory.mktemp("chatty-stream")
-    for name in base_model_dir.iterdir():
-        if "token" in name.name or name.suffix == ".jinja":
-            shutil.copy(name, out / name.name)
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(base_model_dir)))
-    model.save_pretrained(out)
-    return out
 
 
 class Mesh:

@@ -8,14 +8,13 @@ them while agents (the official openai SDK) keep asking for long answers.
 from __future__ import annotations
 
 import asyncio
-import shutil
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from openai import AsyncOpenAI
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from seamlessflow import weights
 from seamlessflow.bus import Bus
@@ -29,20 +28,6 @@ from sf_weight_sync.service import WeightSync
 AGENTS = 12
 VERSIONS = 5
 MAX_TOKENS = 48
-
-
-@pytest.fixture(scope="module")
-def chatty_model_dir(base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The base tokenizer with a random-init model: it rarely emits a stop token, so
-    answers run to MAX_TOKENS and weight updates land in the middle of them."""
-    out = tmp_path_factory.mktemp("chatty")
-    for name in base_model_dir.iterdir():
-        if "token" in name.name or name.suffix == ".jinja":
-            shutil.copy(name, out / name.name)
-    torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(base_model_dir)))
-    model.save_pretrained(out)
-    return out
 
 
 async def publish_versions(bus: Bus, engine: EngineWorker, base: dict, done: asyncio.Event) -> None:  # type: ignore[type-arg]

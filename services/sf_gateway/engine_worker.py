@@ -180,7 +180,20 @@ class EngineWorker:
             raise DomainError(str(exc)) from None
         async with stream:
             if request.stream_subject:
-                index = 0
+                # An empty first chunk tells the gateway at once which engine has the
+                # request, so it can re-route it if this engine dies before its first token.
+                await self.ctx.bus.publish(
+                    request.stream_subject,
+                    GenerateChunk(
+                        request_id=request.request_id,
+                        index=0,
+                        token_ids=[],
+                        logprobs=[],
+                        versions=[],
+                        engine_id=self.engine_id,
+                    ),
+                )
+                index = 1
                 async for batch in stream.batches():
                     chunk = GenerateChunk(
                         request_id=request.request_id,

@@ -10,7 +10,9 @@ HTTP (agents):
 - ``GET /healthz``
 
 Consumes:
-- ``sf.<run>.engine.generate`` replies (GenerateReply) from engine workers
+- ``sf.<run>.engine.generate`` replies (GenerateReply) from engine workers, and their
+  GenerateChunks on a private inbox (which engine holds a request, tokens so far)
+- ``sf.<run>.sched.phase`` (PhaseChanged): a dead engine's requests are re-routed
 Produces:
 - ``sf.<run>.engine.generate`` requests (GenerateRequest, queue group ``engines``)
 - ``sf.<run>.traj.event.<session>`` (JetStream: SessionOpened, TurnRecorded,
@@ -50,6 +52,7 @@ from seamlessflow.protocol import (
     GenerateChunk,
     GenerateReply,
     GenerateRequest,
+    PhaseChanged,
     RewardReported,
     SessionExport,
     SessionExportQuery,
@@ -98,6 +101,10 @@ class Gateway:
         self.sessions: dict[str, GatewaySession] = {}
         self.models = [m.strip() for m in settings.served_models.split(",") if m.strip()]
         self.public_url = ""
+        # engine id -> {request id -> the pending engine reply}, learnt from chunks
+        self._engine_calls: dict[str, dict[str, asyncio.Future[Any]]] = {}
+        self._lost: dict[str, str] = {}
+        self.reroutes = 0
         self.tool_parser = get_tool_parser(settings.tool_parser)
         self._turns: set[asyncio.Task[None]] = set()
 
@@ -422,7 +429,9 @@ class Gateway:
                 stop_token_ids=list(self.tokenizer.stop_token_ids),
                 seed=plan.seed_for(choice.index),
                 top_logprobs=plan.top_logprobs,
-                stream_subject=self.bus.nc.new_inbox() if plan.engine_stream else "",
+                # Always streamed from the engine: chunks say which engine holds the request
+                # and carry its tokens so far, so a dead engine's requests can be re-routed.
+                stream_subject=self.bus.nc.new_inbox(),
             )
             try:
                 reply = await self._call_engine(request, choice, turn.on_update)
@@ -436,6 +445,18 @@ class Gateway:
                 if exc.code == "bad_request":
                     raise ApiError(400, exc.message) from None
                 raise ApiError(503, f"engine error: {exc.message}", type_="server_error") from None
+            except EngineLost as lost:
+                # The tokens streamed so far are in ``choice``: re-submit the rest elsewhere.
+                self.reroutes += 1
+                with tracer.start_as_current_span(
+                    "gateway.reroute",
+                    attributes={
+                        "engine.id": lost.engine_id,
+                        "partial_tokens": len(choice.token_ids),
+                    },
+                ):
+                    engine_wait_deadline = time.monotonic() + self.settings.engine_wait_s
+                    continue
             choice.engine_id = reply.engine_id
             if choice.stopped:
                 choice.finish_reason = "stop"
@@ -478,10 +499,15 @@ class Gateway:
                 seen = await self._follow_chunks(request, chunks, reply_task, choice, on_update)
             reply: GenerateReply = await reply_task
         except asyncio.CancelledError:
+            lost_engine = self._lost.pop(request.request_id, None)
+            task = asyncio.current_task()
+            if lost_engine is not None and task is not None and not task.cancelling():
+                raise EngineLost(lost_engine) from None  # only the engine call was cancelled
             await self._abort(request.request_id, "client disconnected")
             raise
         finally:
             reply_task.cancel()
+            self._forget_call(request.request_id)
             if subscription is not None:
                 await subscription.unsubscribe()
         tops = reply.top_logprobs[seen:] if reply.top_logprobs else []
@@ -514,9 +540,30 @@ class Gateway:
             index += 1
             seen += len(chunk.token_ids)
             choice.engine_id = chunk.engine_id
+            self._engine_calls.setdefault(chunk.engine_id, {})[request.request_id] = reply_task
             if choice.extend(chunk.token_ids, chunk.logprobs, chunk.versions, chunk.top_logprobs):
                 await self._abort(request.request_id, "stop")
             on_update()
+
+    async def on_phase(self, msg: Msg) -> None:
+        """An engine declared dead by the tag-scheduler: re-route its requests now
+        instead of waiting for a reply that will never come."""
+        try:
+            change = decode(msg.data, PhaseChanged)
+        except ValueError:
+            return
+        if change.phase != "dead":
+            return
+        calls = self._engine_calls.pop(change.resource_id, {})
+        if calls:
+            log.warning("engine %s died; re-routing %d requests", change.resource_id, len(calls))
+        for request_id, reply_task in calls.items():
+            self._lost[request_id] = change.resource_id
+            reply_task.cancel()
+
+    def _forget_call(self, request_id: str) -> None:
+        for calls in self._engine_calls.values():
+            calls.pop(request_id, None)
 
     async def _abort(self, request_id: str, reason: str) -> None:
         """Free the engine slot of a request whose answer is no longer needed."""
@@ -624,6 +671,14 @@ class EventStream(StreamingResponse):
             self._on_close()
 
 
+class EngineLost(Exception):
+    """The engine holding a request was declared dead; its request must be re-routed."""
+
+    def __init__(self, engine_id: str) -> None:
+        super().__init__(f"engine {engine_id} died")
+        self.engine_id = engine_id
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: the service skeleton owns SIGTERM."""
 
@@ -645,6 +700,7 @@ class GatewayService:
             raise RuntimeError("the gateway needs SF_MODEL_DIR (the tokenizer lives there)")
         tokenizer = await asyncio.to_thread(ChatTokenizer, ctx.mesh.model_dir)
         self.gateway = Gateway(self.settings, ctx.bus, tokenizer)
+        await ctx.bus.nc.subscribe(ctx.subjects.sched_phase(), cb=self.gateway.on_phase)
         config = uvicorn.Config(
             self.gateway.app(),
             host=self.settings.host,

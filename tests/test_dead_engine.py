@@ -1,0 +1,117 @@
+"""A killed engine's requests finish elsewhere: nothing waits for a dead engine.
+
+Engine A is a real OS process, killed with SIGKILL while it holds answers; engine B
+runs in-process. The tag-scheduler declares A dead from its missing heartbeats and the
+gateway re-submits A's requests (prompt + the tokens already streamed) to B.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import httpx
+from openai import AsyncOpenAI
+
+from seamlessflow.bus import Bus
+from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
+from sf_gateway.config import EngineSettings, GatewaySettings
+from sf_gateway.engine_worker import EngineWorker
+from sf_gateway.gateway import GatewayService
+from sf_tag_scheduler.config import TagSchedulerSettings
+from sf_tag_scheduler.service import TagScheduler
+from sf_weight_sync.service import WeightSync
+
+AGENTS = 8
+MAX_TOKENS = 200
+
+
+async def test_requests_on_a_killed_engine_finish_on_another(
+    nats_url: str, run_id: str, chatty_model_dir: Path, bus: Bus, tmp_path: Path
+) -> None:
+    from conftest import InProcessMesh
+
+    mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
+    env = {
+        **os.environ,
+        "SF_NATS_URL": nats_url,
+        "SF_RUN_ID": run_id,
+        "SF_MODEL_DIR": str(chatty_model_dir),
+        "SF_ENGINE_ENGINE_ID": "engine-a",
+        "SF_ENGINE_MAX_BATCH_SIZE": str(AGENTS),
+    }
+    with (tmp_path / "engine-a.log").open("wb") as log:
+        engine_a = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sf_gateway", "engine", env=env, stdout=log, stderr=log
+        )
+    try:
+        scheduler = await mesh.start(
+            TagScheduler(TagSchedulerSettings(dead_after_s=1.5, check_interval_s=0.2))
+        )
+        await mesh.start(WeightSync())
+        gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
+        async with asyncio.timeout(90):
+            await gateway.ready.wait()
+            while "engine-a" not in scheduler.resources:  # noqa: ASYNC110 (another process)
+                await asyncio.sleep(0.1)
+        url = f"http://127.0.0.1:{gateway.bound_port}"
+
+        async def agent(index: int, http: httpx.AsyncClient) -> str:
+            session = (await http.post("/sessions", json={})).json()
+            client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+            reply = await client.chat.completions.create(
+                model="policy",
+                messages=[{"role": "user", "content": f"Count to {index}"}],
+                max_tokens=MAX_TOKENS,
+                stream=index % 2 == 1,  # type: ignore[arg-type]
+            )
+            if index % 2:
+                text = "".join(
+                    [
+                        c.choices[0].delta.content or ""
+                        async for c in reply  # type: ignore[union-attr]
+                        if c.choices
+                    ]
+                )
+            else:
+                text = reply.choices[0].message.content  # type: ignore[union-attr]
+            await client.close()
+            return text
+
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            agents = [asyncio.create_task(agent(i, http)) for i in range(AGENTS)]
+            # every answer is on engine A (the only one) and has started streaming
+            async with asyncio.timeout(60):
+                while len(gateway.gateway._engine_calls.get("engine-a", {})) < AGENTS:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            engine_a.send_signal(signal.SIGKILL)
+            await engine_a.wait()
+            engine_b = await mesh.start(EngineWorker(EngineSettings(engine_id="engine-b")))
+            async with asyncio.timeout(120):
+                texts = await asyncio.gather(*agents)
+        assert engine_b.ready.is_set()
+        assert gateway.gateway.reroutes >= AGENTS
+    finally:
+        if engine_a.returncode is None:
+            engine_a.kill()
+            await engine_a.wait()
+        await mesh.stop()
+
+    s = bus.subjects
+    turns = [
+        e
+        for e in (
+            decode(m.data, TrajectoryEvent)
+            for m in await bus.read_all(s.stream_trajectory(), s.trajectory_events_all())
+        )
+        if isinstance(e, TurnRecorded)
+    ]
+    assert len(turns) == AGENTS and all(isinstance(t, str) for t in texts)
+    for turn in turns:
+        # one answer per agent, made by both engines, exactly as recorded
+        assert turn.completion_text in texts
+        assert len(turn.completion_ids) == len(turn.logprobs) == len(turn.versions)
+    assert any(t.engine_id == "engine-b" for t in turns)
