@@ -508,6 +508,7 @@ class Gateway:
         finally:
             reply_task.cancel()
             self._forget_call(request.request_id)
+            self._lost.pop(request.request_id, None)  # a death reported after the reply
             if subscription is not None:
                 await subscription.unsubscribe()
         tops = reply.top_logprobs[seen:] if reply.top_logprobs else []
