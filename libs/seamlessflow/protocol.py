@@ -208,8 +208,9 @@ class TopLogprob(msgspec.Struct, array_like=True):
 class GenerateChunk(Message, tag="engine.generate.chunk"):
     """engine worker -> rollout-gateway (core, on ``stream_subject``): new tokens so far.
 
-    Chunks of one request are numbered from 0; a gateway that misses one falls back to
-    the final GenerateReply, which is authoritative.
+    Chunks of one request are numbered from 0; chunk 0 has no tokens and only names the
+    engine. A gateway that misses one falls back to the final GenerateReply, which is
+    authoritative.
     """
 
     request_id: str

@@ -170,8 +170,9 @@ class EngineWorker:
     async def _run(self, request: GenerateRequest, params: SamplingParams) -> GenerationResult:
         """Generate to the end; with ``stream_subject``, publish the tokens as they come.
 
-        Chunks go out once per decode step (every token that arrived since the last
-        chunk), numbered from 0. They are fire-and-forget: the reply is authoritative.
+        Chunk 0 carries no tokens and names this engine; then one chunk per decode step
+        (every token that arrived since the last chunk). Chunks are fire-and-forget: the
+        reply is authoritative.
         Leaving early (cancelled, e.g. on drain) aborts the engine request.
         """
         try:
