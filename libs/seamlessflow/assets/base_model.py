@@ -447,6 +447,23 @@ def sft(
     return loss.item()
 
 
+def _sample_completions(model: Any, tokenizer: Any, enc: Any, max_new_tokens: int) -> list[str]:
+    """Decode completions sampled at temperature 1 with no top-k / top-p truncation."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+        )
+    prompt_length = enc["input_ids"].shape[1]
+    return list(tokenizer.batch_decode(out[:, prompt_length:], skip_special_tokens=True))
+
+
 def sampled_reward(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerFast,
@@ -472,17 +489,7 @@ def sampled_reward(
         return_dict=True,
     )
     torch.manual_seed(seed)
-    with torch.no_grad():
-        out = model.generate(  # type: ignore[operator]
-            **enc,  # type: ignore[arg-type]
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=max_new_tokens,
-        )
-    prompt_length = enc["input_ids"].shape[1]  # type: ignore[call-overload,union-attr,index]
-    texts = tokenizer.batch_decode(out[:, prompt_length:], skip_special_tokens=True)
+    texts = _sample_completions(model, tokenizer, enc, max_new_tokens)
     return sum(reward(t, r) for t, r in zip(texts, references, strict=True)) / len(texts)
 
 
@@ -539,17 +546,7 @@ def tool_rollout_rewards(
             return_tensors="pt",
             return_dict=True,
         )
-        with torch.no_grad():
-            out = model.generate(  # type: ignore[operator]
-                **enc,  # type: ignore[arg-type]
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=max_new_tokens,
-            )
-        prompt_length = enc["input_ids"].shape[1]  # type: ignore[call-overload,union-attr,index]
-        texts = tokenizer.batch_decode(out[:, prompt_length:], skip_special_tokens=True)
+        texts = _sample_completions(model, tokenizer, enc, max_new_tokens)
         still = []
         for i, text in zip(active, texts, strict=True):
             last[i] = text
