@@ -261,8 +261,9 @@ class Gateway:
             prompt_ids = list(body.prompt)
             bad = [t for t in prompt_ids if not 0 <= t < self.tokenizer.vocab_size]
             if bad:
-                raise ApiError(400, f"prompt has token ids outside the vocabulary: {bad[:5]}",
-                               param="prompt")  # fmt: skip
+                raise ApiError(
+                    400, f"prompt has token ids outside the vocabulary: {bad[:5]}", param="prompt"
+                )
         plan = self._plan(body, prompt_ids, hold_from="")
         view = CompletionFormat(
             model=body.model,
@@ -439,8 +440,12 @@ class Gateway:
                 if time.monotonic() < engine_wait_deadline:
                     await asyncio.sleep(0.2)
                     continue
-                raise ApiError(503, f"no engine available: {exc}", type_="server_error",
-                               code="engine_unavailable") from None  # fmt: skip
+                raise ApiError(
+                    503,
+                    f"no engine available: {exc}",
+                    type_="server_error",
+                    code="engine_unavailable",
+                ) from None
             except RemoteError as exc:
                 if exc.code == "bad_request":
                     raise ApiError(400, exc.message) from None
@@ -493,6 +498,8 @@ class Gateway:
                 timeout=self.settings.generate_timeout_s,
             )
         )
+        # until its first chunk names the engine, a request could be on any engine
+        self._engine_calls.setdefault(UNASSIGNED, {})[request.request_id] = reply_task
         try:
             seen = 0
             if subscription is not None:
@@ -541,6 +548,7 @@ class Gateway:
             index += 1
             seen += len(chunk.token_ids)
             choice.engine_id = chunk.engine_id
+            self._engine_calls.get(UNASSIGNED, {}).pop(request.request_id, None)
             self._engine_calls.setdefault(chunk.engine_id, {})[request.request_id] = reply_task
             if choice.extend(chunk.token_ids, chunk.logprobs, chunk.versions, chunk.top_logprobs):
                 await self._abort(request.request_id, "stop")
@@ -556,9 +564,19 @@ class Gateway:
         if change.phase != "dead":
             return
         calls = self._engine_calls.pop(change.resource_id, {})
-        if calls:
-            log.warning("engine %s died; re-routing %d requests", change.resource_id, len(calls))
-        for request_id, reply_task in calls.items():
+        # Requests not yet confirmed by any engine may have been on the dead one: abort
+        # them everywhere (a live engine drops its copy) and re-submit them too.
+        unconfirmed = self._engine_calls.pop(UNASSIGNED, {})
+        if calls or unconfirmed:
+            log.warning(
+                "engine %s died; re-routing %d requests (+%d unconfirmed)",
+                change.resource_id,
+                len(calls),
+                len(unconfirmed),
+            )
+        for request_id in unconfirmed:
+            await self._abort(request_id, f"engine {change.resource_id} died")
+        for request_id, reply_task in {**calls, **unconfirmed}.items():
             self._lost[request_id] = change.resource_id
             reply_task.cancel()
 
@@ -583,16 +601,23 @@ class Gateway:
 
     def _check_model(self, model: str) -> None:
         if model not in self.models:
-            raise ApiError(404, f"model {model!r} does not exist; served: {self.models}",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist; served: {self.models}",
+                param="model",
+                code="model_not_found",
+            )
 
     def _check_budget(self, prompt_ids: list[int], max_tokens: int) -> int:
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
         limit = self.settings.max_context
         if len(prompt_ids) >= limit:
-            raise ApiError(400, f"prompt has {len(prompt_ids)} tokens; the context is {limit}",
-                           code="context_length_exceeded")  # fmt: skip
+            raise ApiError(
+                400,
+                f"prompt has {len(prompt_ids)} tokens; the context is {limit}",
+                code="context_length_exceeded",
+            )
         # Like vLLM: a budget that would overflow the context is clipped, not refused.
         return min(max_tokens, limit - len(prompt_ids))
 
@@ -670,6 +695,10 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+UNASSIGNED = ""
+"""Key of ``Gateway._engine_calls`` for requests whose engine is not known yet."""
 
 
 class EngineLost(Exception):
