@@ -108,7 +108,16 @@ def examples() -> list[p.Message]:
         ),
         p.TrainingFinished(steps=1, final_version=1, checkpoint_dir="/x"),
         p.ResourceRegister(resource_id="e", kind="engine", tags=["rollout"]),
+        p.ResourceRegister(
+            resource_id="e", kind="engine", tags=["train", "rollout"], slots=["gpu0"]
+        ),
         p.RoleAssignment(resource_id="e", role="rollout", reason="tag"),
+        p.RoleAck(resource_id="e", role="idle", seconds=0.2, handed_back=3),
+        p.SlotsClaim(trainer_id="t", batch_index=4),
+        p.SlotsGranted(reclaimed=["e"], seconds=0.2, missed=[]),
+        p.SlotsReleased(trainer_id="t", version=5),
+        p.LendReport(lent=["e"], reason="r", expected_wait_s=None, gain_s=None, cost_s=1.0),
+        p.LendReport(lent=[], reason="r", expected_wait_s=2.5, gain_s=2.0, cost_s=1.0),
         p.Heartbeat(resource_id="e", phase="rollout", in_flight=2, version=1),
         p.PhaseChanged(resource_id="e", phase="dead"),
     ]

@@ -50,3 +50,37 @@ def test_overlapping_phases_are_not_double_counted() -> None:
 def test_no_busy_phase_means_an_empty_window() -> None:
     timeline = build_timeline({"e": [Interval(0, 3, "idle")]})
     assert timeline.duration == 0 and timeline.bubble_ratio == 0
+
+
+def test_processes_sharing_a_slot_draw_one_lane(tmp_path: Path) -> None:
+    """Multiplexed: the trainer's slot is lent to an engine while the trainer waits, so
+    the slot is busy throughout; a trainer sharded over two slots fills both lanes."""
+
+    def on(slots: list[str], resource: str, phase: str, start: float, end: float) -> dict:  # type: ignore[type-arg]
+        record = span(resource, phase, start, end)
+        record["attributes"]["resource.slots"] = slots
+        return record
+
+    spans = [
+        on(["s0"], "engine-0", "rollout", 0, 10),
+        on(["s1"], "trainer", "idle", 0, 6),
+        on(["s1"], "engine-lend-0", "rollout", 0, 5.5),
+        on(["s1"], "engine-lend-0", "sync", 5.5, 6),  # releasing its slot
+        on(["s1"], "trainer", "train", 6, 9),
+        on(["s1"], "trainer", "sync", 9, 10),
+    ]
+    (tmp_path / "spans.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    timeline = build_timeline(load_phase_spans(tmp_path / "spans.jsonl"))
+    assert sorted(timeline.lanes) == ["s0", "s1"]
+    assert timeline.bubble_ratio == 0
+
+    sharded = build_timeline(
+        load_phase_spans_from([on(["a", "b"], "trainer", "train", 0, 2)], tmp_path)
+    )
+    assert sorted(sharded.lanes) == ["a", "b"] and sharded.busy("a") == sharded.busy("b") == 2
+
+
+def load_phase_spans_from(spans: list[dict], tmp_path: Path) -> dict:  # type: ignore[type-arg]
+    path = tmp_path / "more.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in spans))
+    return load_phase_spans(path)

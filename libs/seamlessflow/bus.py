@@ -124,6 +124,13 @@ class Bus:
         self._subscriptions.append(sub)
         return sub
 
+    async def unserve(self, sub: Subscription) -> None:
+        """Stop taking requests on ``sub``; those already delivered are still handled."""
+        if sub in self._subscriptions:
+            self._subscriptions.remove(sub)
+        with contextlib.suppress(nats.errors.Error):
+            await sub.drain()
+
     async def _answer(self, msg: Msg, request_type: Any, handler: Handler) -> None:
         reply: Message | None
         try:

@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import nats.errors
 from pydantic import BaseModel, Field, model_validator
@@ -82,10 +82,17 @@ class RunConfig(BaseModel):
     """Seed for task order and the trainer."""
     nats_url: str = ""
     """Use this NATS server (JetStream enabled) instead of starting an embedded one."""
-    mode: str = "disaggregated"
-    """Tag-scheduler mode."""
+    mode: Literal["colocated", "disaggregated", "multiplexed"] = "disaggregated"
+    """Deployment (see ``deployment``): which slots train, which roll out, which are
+    lent. ``colocated`` also defaults ``max_batches_ahead`` to 0 (synchronous)."""
     live: bool = True
     """Show live progress in the terminal."""
+
+    @model_validator(mode="after")
+    def _colocated_is_synchronous(self) -> RunConfig:
+        if self.mode == "colocated" and "max_batches_ahead" not in self.model_fields_set:
+            self.max_batches_ahead = 0
+        return self
 
     @model_validator(mode="after")
     def _task_max_tokens(self) -> RunConfig:
@@ -96,6 +103,52 @@ class RunConfig(BaseModel):
             if task_budget is not None:
                 self.max_tokens = int(task_budget)
         return self
+
+
+@dataclass(frozen=True)
+class EngineProcess:
+    engine_id: str
+    tags: str
+    slot: str
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Which process computes on which slot with which tags: the mode, as tags only.
+
+    With ``engines = N`` every mode uses the same N + 1 slots (one core each here):
+
+    - ``disaggregated``: engines 0..N-1 on slots 0..N-1 (``rollout``); the trainer
+      alone on slot N (``train``), idle while it waits for a batch.
+    - ``multiplexed``: the same, plus a lendable engine ``engine-lend-0`` on the
+      trainer's slot N (``train,rollout``): it serves while the trainer waits.
+    - ``colocated``: a lendable engine on every slot (``train,rollout``) and the trainer
+      sharded over all N + 1 slots (one torch thread per slot); all engines step
+      aside while it trains.
+    """
+
+    engines: list[EngineProcess]
+    trainer_tags: str
+    trainer_slots: list[str]
+
+    @property
+    def slots(self) -> list[str]:
+        return sorted({e.slot for e in self.engines} | set(self.trainer_slots))
+
+
+def deployment(mode: str, engines: int) -> Deployment:
+    slots = [f"slot-{i}" for i in range(engines + 1)]
+    train_slot = slots[-1]
+    if mode == "colocated":
+        return Deployment(
+            [EngineProcess(f"engine-{i}", "train,rollout", slot) for i, slot in enumerate(slots)],
+            "train,rollout",
+            slots,
+        )
+    dedicated = [EngineProcess(f"engine-{i}", "rollout", slots[i]) for i in range(engines)]
+    if mode == "multiplexed":
+        dedicated.append(EngineProcess("engine-lend-0", "train,rollout", train_slot))
+    return Deployment(dedicated, "train", [train_slot])
 
 
 @dataclass
@@ -254,12 +307,31 @@ class EmbeddedRun:
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         try:
             env = self.service_env(url, model_dir, free_port())
+            layout = deployment(c.mode, c.engines)
             for service in SERVICE_ORDER:
                 if service == "engine":
-                    for i in range(c.engines):
+                    for engine in layout.engines:
                         self.spawn(
-                            f"engine-{i}", "engine", {**env, "SF_ENGINE_ENGINE_ID": f"engine-{i}"}
+                            engine.engine_id,
+                            "engine",
+                            {
+                                **env,
+                                "SF_ENGINE_ENGINE_ID": engine.engine_id,
+                                "SF_RESOURCE_TAGS": engine.tags,
+                                "SF_RESOURCE_SLOTS": engine.slot,
+                            },
                         )
+                elif service == "trainer":
+                    self.spawn(
+                        service,
+                        service,
+                        {
+                            **env,
+                            "SF_RESOURCE_TAGS": layout.trainer_tags,
+                            "SF_RESOURCE_SLOTS": ",".join(layout.trainer_slots),
+                            "SF_TRAINER_TORCH_THREADS": str(len(layout.trainer_slots)),
+                        },
+                    )
                 else:
                     self.spawn(service, service, env)
             self.spawn("agents", "agents", env)

@@ -119,6 +119,14 @@ class Subjects:
     def sched_phase(self) -> str:
         return f"{self._root}.sched.phase"
 
+    def sched_claim(self) -> str:
+        """Request/reply, trainer -> tag-scheduler: a batch is ready, give me my slots."""
+        return f"{self._root}.sched.claim"
+
+    def sched_release(self) -> str:
+        """Request/reply, trainer -> tag-scheduler: step published, my slots may be lent."""
+        return f"{self._root}.sched.release"
+
     # JetStream streams, KV buckets and object stores of this run
     def stream_trajectory(self) -> str:
         return f"SF_{self._upper}_TRAJ"
@@ -482,14 +490,67 @@ class ResourceRegister(Message, tag="sched.register"):
     tags: list[str]
     host: str = ""
     pid: int = 0
+    slots: list[str] = msgspec.field(default_factory=list)
+    """Physical slots (cores, GPUs) this process computes on; empty = its own id. An
+    engine and a trainer sharing a slot are one resource in time: the timeline's lane."""
 
 
 class RoleAssignment(Message, tag="sched.assignment"):
-    """tag-scheduler -> resource (reply or publish): the role it should play now."""
+    """tag-scheduler -> resource (registration reply, or a request on the resource's
+    assignment subject answered with RoleAck): the role it should play now."""
 
     resource_id: str
     role: Role
     reason: str
+
+
+class RoleAck(Message, tag="sched.role_ack"):
+    """resource -> tag-scheduler (reply to RoleAssignment): the role is in effect.
+
+    An engine acks ``rollout`` once it serves the current weight version and takes
+    requests; ``idle`` once it left the queue, handed its in-flight requests back for
+    transparent resume and released its memory."""
+
+    resource_id: str
+    role: Role
+    seconds: float
+    """How long the transition took on the resource."""
+    handed_back: int = 0
+    """Requests in flight that were interrupted for re-submission elsewhere."""
+
+
+class SlotsClaim(Message, tag="sched.claim"):
+    """trainer -> tag-scheduler (request): a batch is ready; reclaim my lent slots."""
+
+    trainer_id: str
+    batch_index: int = -1
+
+
+class SlotsGranted(Message, tag="sched.granted"):
+    """tag-scheduler -> trainer: every lent engine on the training slots released them
+    (or missed the deadline and is treated as gone)."""
+
+    reclaimed: list[str]
+    seconds: float
+    missed: list[str] = msgspec.field(default_factory=list)
+
+
+class SlotsReleased(Message, tag="sched.released"):
+    """trainer -> tag-scheduler (request): the step's weights are published; I wait."""
+
+    trainer_id: str
+    version: int
+
+
+class LendReport(Message, tag="sched.lend"):
+    """tag-scheduler -> trainer: what the policy decided for the wait that starts now."""
+
+    lent: list[str]
+    reason: str
+    expected_wait_s: float | None
+    """The trainer's expected wait with dedicated engines alone; None = unbounded."""
+    gain_s: float | None
+    cost_s: float
 
 
 class Heartbeat(Message, tag="sched.heartbeat"):
@@ -535,6 +596,11 @@ AnyMessage = (
     | TrainingFinished
     | ResourceRegister
     | RoleAssignment
+    | RoleAck
+    | SlotsClaim
+    | SlotsGranted
+    | SlotsReleased
+    | LendReport
     | Heartbeat
     | PhaseChanged
 )

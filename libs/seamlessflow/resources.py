@@ -1,20 +1,25 @@
 """A resource's side of the tag-scheduler contract: register, heartbeat, follow assignments.
 
 Every process that holds compute (an engine worker, a trainer rank) owns one
-:class:`ResourceMembership`. It registers its capability tags with the tag-scheduler
-(retrying until the scheduler answers), then heartbeats with its current phase; the
-scheduler's reply and later publishes on the resource's assignment subject set
-``role``. A process must not serve its role before ``wait_for_role`` returns it.
+:class:`ResourceMembership`. It registers its capability tags (and the slots it runs
+on) with the tag-scheduler, retrying until the scheduler answers, then heartbeats with
+its current phase. The registration reply sets the first role; later role changes are
+requests on the resource's assignment subject: the process applies the change (an
+engine leaves or joins the generate queue) and only then acks with ``RoleAck``, so the
+scheduler knows when a slot is really free. A process must not serve its role before
+``wait_for_role`` returns it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from seamlessflow import telemetry
@@ -24,21 +29,36 @@ from seamlessflow.protocol import (
     Phase,
     ResourceRegister,
     Role,
+    RoleAck,
     RoleAssignment,
-    decode,
 )
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
 
+RoleHandler = Callable[[Role], Awaitable[int]]
+"""Puts a role into effect before it is acked; returns how many requests in flight it
+handed back for re-submission (an engine leaving rollout)."""
+
 
 class ResourceMembership:
-    def __init__(self, bus: Bus, resource_id: str, kind: str, tags: list[str]) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        resource_id: str,
+        kind: str,
+        tags: list[str],
+        slots: list[str] | None = None,
+        on_role: RoleHandler | None = None,
+    ) -> None:
         self.bus = bus
         self.resource_id = resource_id
         self.kind = kind
         self.tags = tags
+        self.slots = slots or [resource_id]
+        self.on_role = on_role
+        self._applying = asyncio.Lock()
         self.role: Role | None = None
         self.phase: Phase = "idle"
         self.in_flight = 0
@@ -48,8 +68,10 @@ class ResourceMembership:
 
     async def register(self) -> RoleAssignment:
         """Register until the scheduler answers (it may start after us)."""
-        await self.bus.nc.subscribe(
-            self.bus.subjects.sched_assignment(self.resource_id), cb=self._on_assignment
+        await self.bus.serve(
+            self.bus.subjects.sched_assignment(self.resource_id),
+            RoleAssignment,
+            self._on_assignment,
         )
         request = ResourceRegister(
             resource_id=self.resource_id,
@@ -57,6 +79,7 @@ class ResourceMembership:
             tags=self.tags,
             host=socket.gethostname(),
             pid=os.getpid(),
+            slots=self.slots,
         )
         delay = 0.1
         while True:
@@ -68,18 +91,39 @@ class ResourceMembership:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
-            await self._set_role(assignment)
+            await self._apply(assignment)
             return assignment
 
-    async def _on_assignment(self, msg: Msg) -> None:
-        await self._set_role(decode(msg.data, RoleAssignment))
+    @contextlib.asynccontextmanager
+    async def transition(self) -> AsyncIterator[None]:
+        """Hold off role changes (the process is setting itself up for its role)."""
+        async with self._applying:
+            yield
 
-    async def _set_role(self, assignment: RoleAssignment) -> None:
-        async with self._role_changed:
-            if assignment.role != self.role:
-                log.info("%s: role %s (%s)", self.resource_id, assignment.role, assignment.reason)
-            self.role = assignment.role
-            self._role_changed.notify_all()
+    async def _on_assignment(self, assignment: RoleAssignment) -> RoleAck:
+        started = time.monotonic()
+        handed_back = await self._apply(assignment)
+        return RoleAck(
+            resource_id=self.resource_id,
+            role=assignment.role,
+            seconds=time.monotonic() - started,
+            handed_back=handed_back,
+        )
+
+    async def _apply(self, assignment: RoleAssignment) -> int:
+        """Put the role into effect, one change at a time, then publish it."""
+        async with self._applying:
+            handed_back = 0
+            if self.on_role is not None:
+                handed_back = await self.on_role(assignment.role)
+            async with self._role_changed:
+                if assignment.role != self.role:
+                    log.info(
+                        "%s: role %s (%s)", self.resource_id, assignment.role, assignment.reason
+                    )
+                self.role = assignment.role
+                self._role_changed.notify_all()
+            return handed_back
 
     async def wait_for_role(self, *roles: Role) -> Role:
         async with self._role_changed:
@@ -99,6 +143,7 @@ class ResourceMembership:
             attributes={
                 "resource.id": self.resource_id,
                 "resource.kind": self.kind,
+                "resource.slots": self.slots,
                 "phase": phase,
             },
         )

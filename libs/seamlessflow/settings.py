@@ -35,7 +35,14 @@ class MeshSettings(BaseSettings):
     """The base model directory (HF layout: config, safetensors, tokenizer)."""
 
     resource_tags: str = ""
-    """Comma-separated capability tags this process registers with (``train,rollout``)."""
+    """Comma-separated capability tags this process registers with (``train,rollout``).
+    An engine tagged both ``train`` and ``rollout`` sits on a training slot and is lent
+    to rollout only while the trainer waits (see ``sf_tag_scheduler.policy``)."""
+
+    resource_slots: str = ""
+    """Comma-separated physical slots (cores, GPUs) this process computes on, e.g.
+    ``node1-gpu0``; empty = its own resource id. Processes naming the same slot share it
+    in time: the timeline draws one lane per slot."""
 
     drain_timeout_s: float = 15.0
     """On SIGTERM, how long the service may take to finish in-flight work before cancel."""
@@ -55,5 +62,11 @@ class MeshSettings(BaseSettings):
         return check_run_id(value)
 
     def tags(self, default: list[str]) -> list[str]:
-        parsed = [tag.strip() for tag in self.resource_tags.split(",") if tag.strip()]
-        return parsed or default
+        return _split(self.resource_tags) or default
+
+    def slots(self) -> list[str]:
+        return _split(self.resource_slots)
+
+
+def _split(value: str) -> list[str]:
+    return [item.strip() for item in value.split(",") if item.strip()]

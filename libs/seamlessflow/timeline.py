@@ -1,14 +1,18 @@
-"""A run's timeline: one lane per resource, phases coloured, pipeline bubbles marked.
+"""A run's timeline: one lane per resource slot, phases coloured, pipeline bubbles marked.
 
-Input: the run's ``spans.jsonl``; every resource (engine, trainer) records each phase
-interval as a root span ``phase.<phase>`` with ``resource.id`` (``seamlessflow.resources``).
+Input: the run's ``spans.jsonl``; every resource process (engine, trainer) records each
+phase interval as a root span ``phase.<phase>`` with ``resource.id`` and
+``resource.slots`` (``seamlessflow.resources``). A lane is a *slot* (a core, a GPU):
+processes that share one (a trainer and the engine lent from its slot) draw on the
+same lane, and a process on several slots (a trainer sharded over them) on each.
+Spans without slots use their resource id as the slot.
 
 Definitions (used by ``summary.json`` and ``seamlessflow timeline``):
-- the *window* runs from the first moment any resource works (a non-idle phase starts)
-  to the last moment any resource works;
-- a resource's *busy* time is the union of its non-idle phase intervals inside the
-  window; everything else in the window is idle: a *bubble*;
-- ``bubble_ratio = idle resource-time / (resources x window)``.
+- the *window* runs from the first moment any slot works (a non-idle phase starts)
+  to the last moment any slot works;
+- a slot's *busy* time is the union of the non-idle phase intervals of every process on
+  it, inside the window; everything else in the window is idle: a *bubble*;
+- ``bubble_ratio = idle slot-time / (slots x window)``.
 """
 
 from __future__ import annotations
@@ -68,10 +72,13 @@ def load_phase_spans(spans_path: Path) -> dict[str, list[Interval]]:
             span = json.loads(line)
             if not span["name"].startswith("phase."):
                 continue
-            resource = span["attributes"].get("resource.id")
-            if resource:
-                phase = span["name"].removeprefix("phase.")
-                lanes[resource].append(Interval(span["start"], span["end"], phase))
+            attributes = span["attributes"]
+            resource = attributes.get("resource.id")
+            if not resource:
+                continue
+            phase = span["name"].removeprefix("phase.")
+            for slot in attributes.get("resource.slots") or [resource]:
+                lanes[slot].append(Interval(span["start"], span["end"], phase))
     return dict(lanes)
 
 

@@ -31,6 +31,11 @@ class GatewaySettings(BaseSettings):
     generate_timeout_s: float = 300.0
     """Longest wait for one engine reply before the request fails with 503."""
 
+    first_chunk_timeout_s: float = 10.0
+    """An engine confirms a request at once (an empty first chunk naming itself); a
+    request unconfirmed after this long is aborted and re-submitted, so a request lost
+    with a dying engine never waits for ``generate_timeout_s``."""
+
     engine_wait_s: float = 60.0
     """How long a request waits for any engine to come up before failing with 503."""
 
@@ -75,6 +80,10 @@ class EngineSettings(BaseSettings):
     trace_token_ids: bool = False
     """Audit mode: put the prompt and completion token ids on each ``engine.generate``
     span, so what the engine consumed and produced can be checked offline."""
+
+    vllm_sleep_mode: bool = False
+    """GPU + vLLM: put the engine to sleep (weights to host, KV cache freed) while its
+    slot is lent to training (``enable_sleep_mode``). No effect on CPU."""
 
     version_poll_s: float = 5.0
     """How often to ask weight-sync for the current version (catches missed broadcasts)."""

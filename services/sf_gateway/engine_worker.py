@@ -4,7 +4,8 @@ Consumes:
 - ``sf.<run>.engine.generate`` (queue group ``engines``; GenerateRequest -> GenerateReply)
 - ``sf.<run>.engine.abort`` (AbortGeneration broadcast)
 - ``sf.<run>.engine.load`` (LoadWeights broadcast from weight-sync)
-- ``sf.<run>.sched.assign.<engine>`` (RoleAssignment from the tag-scheduler)
+- ``sf.<run>.sched.assign.<engine>`` (request RoleAssignment -> RoleAck from the
+  tag-scheduler: ``rollout`` joins the generate queue, ``idle`` leaves it)
 Produces:
 - ``GenerateChunk`` on a request's ``stream_subject`` (the gateway's inbox), while
   generating, when the request asks for streaming
@@ -13,8 +14,15 @@ Produces:
 - ``sf.<run>.sched.register`` / ``sf.<run>.sched.heartbeat.<engine>``
 
 Invariants: the worker joins the generate queue only after it serves the current
-weight version and the scheduler gave it the ``rollout`` role; weights are loaded
-between decode steps only after the full set arrived and its checksum matched.
+weight version and the scheduler gave it the ``rollout`` role (a late joiner and an
+engine lent back to rollout take the same path); weights are loaded between decode
+steps only after the full set arrived and its checksum matched.
+
+Lending (an engine tagged ``train`` and ``rollout`` shares a training slot): on
+``idle`` the worker leaves the generate queue, ends its requests in flight at a token
+boundary (they return their partial tokens and the gateway re-submits them to another
+engine: the transparent-resume path), releases its memory (``engine.sleep``) and only
+then acks, so the trainer never computes next to a still-decoding engine.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import os
 import socket
 
 import torch
+from nats.aio.subscription import Subscription
 
 from seamlessflow import telemetry, weights
 from seamlessflow.bus import DomainError, NoResponder
@@ -37,6 +46,7 @@ from seamlessflow.protocol import (
     GenerateReply,
     GenerateRequest,
     LoadWeights,
+    Role,
     TopLogprob,
     WeightsLoaded,
 )
@@ -75,6 +85,7 @@ def build_engine(settings: EngineSettings, model_dir: str) -> InferenceEngine:
             dtype=settings.dtype,
             max_batch_size=settings.max_batch_size,
             max_context=settings.max_context,
+            engine_kwargs={"enable_sleep_mode": True} if settings.vllm_sleep_mode else None,
         )
     raise ValueError(f"unknown engine backend {settings.backend!r} (known: hf, vllm)")
 
@@ -87,7 +98,16 @@ class EngineWorker:
         self.engine_id = self.settings.engine_id or f"engine-{socket.gethostname()}-{os.getpid()}"
         self._load_lock = asyncio.Lock()
         self.requests_served = 0
+        self.handed_back = 0
         self.ready = asyncio.Event()
+        """Set once the worker first serves (joined the generate queue)."""
+        self._joined = False
+        self._generate_sub: Subscription | None = None
+        self._in_flight: set[str] = set()
+        self._none_in_flight = asyncio.Event()
+        self._none_in_flight.set()
+        self._asleep = False
+        """Lent out of rollout: weight broadcasts are skipped until it serves again."""
 
     async def run(self, ctx: ServiceContext) -> None:
         if ctx.mesh.model_dir is None:
@@ -97,7 +117,12 @@ class EngineWorker:
         self.engine = build_engine(self.settings, str(ctx.mesh.model_dir))
         await self.engine.start()
         self.membership = ResourceMembership(
-            ctx.bus, self.engine_id, "engine", ctx.mesh.tags(["rollout"])
+            ctx.bus,
+            self.engine_id,
+            "engine",
+            ctx.mesh.tags(["rollout"]),
+            slots=ctx.mesh.slots(),
+            on_role=self._on_role,
         )
         try:
             await self._join(ctx)
@@ -115,15 +140,70 @@ class EngineWorker:
         await self.membership.register()
         self.membership.set_phase("sync")
         await ctx.bus.serve(subjects.engine_load(), LoadWeights, self.on_load)
-        await self._catch_up()
-        await self.membership.wait_for_role("rollout")
         await ctx.bus.serve(subjects.engine_abort(), AbortGeneration, self.on_abort)
-        await ctx.bus.serve(
-            subjects.engine_generate(), GenerateRequest, self.on_generate, queue=ENGINE_QUEUE
-        )
+        await self._catch_up()
+        async with self.membership.transition():
+            self._joined = True
+            if self.membership.role == "rollout":
+                await self._start_serving()
+            else:
+                await self.engine.sleep()
+                self._asleep = True
+                self.membership.set_phase("idle")
+                log.info("%s waits for the rollout role (%s)", self.engine_id, self.membership.role)
+
+    async def _on_role(self, role: Role) -> int:
+        """Put a role from the tag-scheduler into effect (before it is acked)."""
+        if not self._joined:
+            return 0  # the join applies the role once the engine has caught up
+        if role == "rollout":
+            await self._start_serving()
+            return 0
+        return await self._stop_serving()
+
+    async def _start_serving(self) -> None:
+        """Wake, catch up to the current version, then (only then) join the queue."""
+        if self._generate_sub is not None:
+            return
+        with tracer.start_as_current_span("engine.join", attributes={"engine.id": self.engine_id}):
+            self.membership.set_phase("sync")
+            await self.engine.wake()
+            await self.engine.resume()
+            self._asleep = False
+            await self._catch_up()
+            self._generate_sub = await self.ctx.bus.serve(
+                self.ctx.subjects.engine_generate(),
+                GenerateRequest,
+                self.on_generate,
+                queue=ENGINE_QUEUE,
+            )
         self.membership.set_phase("idle")
         log.info("%s serving version %d", self.engine_id, self.engine.version)
         self.ready.set()
+
+    async def _stop_serving(self) -> int:
+        """Leave the queue; hand requests in flight back (partial tokens) for re-submission
+        elsewhere; release memory. Returns how many requests were handed back."""
+        sub, self._generate_sub = self._generate_sub, None
+        if sub is None:
+            return 0
+        with tracer.start_as_current_span(
+            "engine.release", attributes={"engine.id": self.engine_id}
+        ) as span:
+            self.membership.set_phase("sync")
+            # Requests already delivered are still handled (and bounced, see on_generate).
+            await self.ctx.bus.unserve(sub)
+            async with self._load_lock:  # never in the middle of a weight swap
+                handed_back = len(self._in_flight)
+                await self.engine.pause("abort")
+                await self._none_in_flight.wait()  # their "abort" replies are on the way
+                await self.engine.sleep()
+                self._asleep = True
+            span.set_attribute("handed_back", handed_back)
+        self.handed_back += handed_back
+        self.membership.set_phase("idle")
+        log.info("%s released its slot (%d requests handed back)", self.engine_id, handed_back)
+        return handed_back
 
     async def on_generate(self, request: GenerateRequest) -> GenerateReply:
         try:
@@ -137,7 +217,20 @@ class EngineWorker:
             )
         except ValueError as exc:
             raise DomainError(str(exc)) from None
+        if self._generate_sub is None:
+            # Delivered just before this engine left the queue: hand it straight back,
+            # the gateway re-submits it to an engine that serves.
+            return GenerateReply(
+                request_id=request.request_id,
+                engine_id=self.engine_id,
+                token_ids=[],
+                logprobs=[],
+                versions=[],
+                finish_reason="abort",
+            )
         self.membership.in_flight += 1
+        self._in_flight.add(request.request_id)
+        self._none_in_flight.clear()
         self.membership.set_phase("rollout")
         try:
             with tracer.start_as_current_span(
@@ -154,7 +247,10 @@ class EngineWorker:
                 span.set_attribute("finish_reason", result.finish_reason)
         finally:
             self.membership.in_flight -= 1
-            if self.membership.in_flight == 0:
+            self._in_flight.discard(request.request_id)
+            if not self._in_flight:
+                self._none_in_flight.set()
+            if self.membership.in_flight == 0 and self._generate_sub is not None:
                 self.membership.set_phase("idle")
         self.requests_served += 1
         return GenerateReply(
@@ -221,6 +317,8 @@ class EngineWorker:
         async with self._load_lock:
             if version <= self.engine.version:
                 return  # already serving it (or newer): loads are idempotent
+            if self._asleep:
+                return  # lent out of rollout: it catches up when lent back
             # Fetch while still serving: requests pause only for the swap itself.
             try:
                 state_dict = await weights.get_weights(self.ctx.bus, object_name, sha256)

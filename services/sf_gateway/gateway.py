@@ -536,10 +536,19 @@ class Gateway:
         seen = index = 0
         while True:
             getter = asyncio.ensure_future(chunks.get())
+            # An engine names itself in chunk 0 as soon as it takes the request; without
+            # it the request may be lost (an engine died or left the queue on receipt),
+            # so after ``first_chunk_timeout_s`` it is aborted and re-submitted.
+            timeout = self.settings.first_chunk_timeout_s if index == 0 else None
             try:
-                await asyncio.wait({getter, reply_task}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {getter, reply_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
             finally:
                 getter.cancel()
+            if not getter.done() and not reply_task.done():
+                await self._abort(request.request_id, "no engine confirmed the request")
+                raise EngineLost("")
             if not getter.done() or getter.cancelled():
                 return seen
             chunk = decode(getter.result(), GenerateChunk)

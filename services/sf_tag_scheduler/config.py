@@ -1,6 +1,6 @@
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from sf_tag_scheduler.policy import Mode
+from sf_tag_scheduler.policy import Mode, PolicyConfig
 
 
 class TagSchedulerSettings(BaseSettings):
@@ -11,10 +11,33 @@ class TagSchedulerSettings(BaseSettings):
     )
 
     mode: Mode = "disaggregated"
-    """Deployment mode: colocated | disaggregated | multiplexed (a policy configuration)."""
+    """How engines on training slots (tagged ``train`` and ``rollout``) are lent while
+    the trainer waits: ``colocated`` always, ``multiplexed`` when the expected gain beats
+    the switch cost, ``disaggregated`` never. The tags make the deployment."""
+
+    lend_margin: float = 1.0
+    """``multiplexed``: lend when the expected rollout gain exceeds this x the switch cost."""
+
+    switch_cost_prior_s: float = 1.0
+    """Lend-in and reclaim time assumed until measured on this run."""
+
+    reclaim_timeout_s: float = 10.0
+    """Longest the trainer waits for a lent engine to release its slot; an engine that
+    misses it is treated as gone (its heartbeats decide whether it is dead)."""
+
+    lend_timeout_s: float = 120.0
+    """Longest a lent engine may take to wake, catch up and serve before it counts as
+    failed to lend."""
 
     dead_after_s: float = 5.0
     """A resource whose last heartbeat is older than this is declared dead."""
 
     check_interval_s: float = 0.5
     """How often liveness is checked."""
+
+    def policy_config(self) -> PolicyConfig:
+        return PolicyConfig(
+            mode=self.mode,
+            lend_margin=self.lend_margin,
+            switch_cost_prior_s=self.switch_cost_prior_s,
+        )

@@ -1,36 +1,56 @@
-"""tag-scheduler: the registry of resources, their tags, roles, phases and liveness.
+"""tag-scheduler: resources, tags, roles, phases, liveness, and lending training slots.
 
 Consumes:
 - ``sf.<run>.sched.register`` (request ResourceRegister -> reply RoleAssignment)
 - ``sf.<run>.sched.heartbeat.<resource>`` (Heartbeat, core)
+- ``sf.<run>.sched.claim`` (request SlotsClaim -> SlotsGranted): the trainer has a
+  batch; every engine lent from its slots is reclaimed before the reply
+- ``sf.<run>.sched.release`` (request SlotsReleased -> LendReport): the trainer waits;
+  the policy decides which engines on its slots to lend
 Produces:
-- ``sf.<run>.sched.assign.<resource>`` (RoleAssignment, when a role changes)
+- ``sf.<run>.sched.assign.<resource>`` (request RoleAssignment -> RoleAck): role
+  changes (lend: ``rollout``; reclaim: ``idle``), acked once in effect
 - ``sf.<run>.sched.phase`` (PhaseChanged: phase transitions and deaths)
-- KV bucket ``sf_<run>_resources``: one entry per resource (tags, role, phase, status)
+- KV bucket ``sf_<run>_resources``: one entry per resource (tags, slots, role, phase,
+  status)
+- spans ``sched.reclaim`` and ``sched.lend`` (the multiplexing decisions and their cost)
+
+The decisions themselves are made by :class:`sf_tag_scheduler.policy.TagPolicy`, the
+same object the simulator drives; this module only does the I/O around it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import orjson
 
+from seamlessflow import telemetry
+from seamlessflow.bus import NoResponder, RemoteError
 from seamlessflow.protocol import (
     Heartbeat,
+    LendReport,
     PhaseChanged,
     ResourceRegister,
+    Role,
+    RoleAck,
     RoleAssignment,
+    SlotsClaim,
+    SlotsGranted,
+    SlotsReleased,
     check_token,
     decode,
 )
 from seamlessflow.service import ServiceContext, supervise
 from sf_tag_scheduler.config import TagSchedulerSettings
-from sf_tag_scheduler.policy import ResourceView, StaticTagPolicy
+from sf_tag_scheduler.policy import LendPlan, ResourceView, TagPolicy
 
 log = logging.getLogger(__name__)
+tracer = telemetry.tracer(__name__)
 
 
 @dataclass
@@ -47,37 +67,156 @@ class TagScheduler:
 
     def __init__(self, settings: TagSchedulerSettings | None = None) -> None:
         self.settings = settings or TagSchedulerSettings()
-        self.policy = StaticTagPolicy(self.settings.mode)
+        self.policy = TagPolicy(self.settings.policy_config())
         self.resources: dict[str, ResourceState] = {}
         self.ready = asyncio.Event()
+        self._lends: asyncio.Queue[LendPlan] = asyncio.Queue()
+        self._reassign: asyncio.Queue[str] = asyncio.Queue()
 
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
         self.kv = await ctx.bus.js.create_key_value(bucket=ctx.subjects.kv_resources())
         await ctx.bus.serve(ctx.subjects.sched_register(), ResourceRegister, self.on_register)
+        await ctx.bus.serve(ctx.subjects.sched_claim(), SlotsClaim, self.on_claim)
+        await ctx.bus.serve(ctx.subjects.sched_release(), SlotsReleased, self.on_release)
         await ctx.bus.nc.subscribe(ctx.subjects.sched_heartbeat_all(), cb=self._on_heartbeat_msg)
         log.info("tag-scheduler up (mode=%s)", self.settings.mode)
         self.ready.set()
-        await supervise(ctx.stopping, self._liveness_loop())
+        await supervise(
+            ctx.stopping, self._liveness_loop(), self._lend_loop(), self._reassign_loop()
+        )
+
+    # ------------------------------------------------------------------ registration
 
     async def on_register(self, request: ResourceRegister) -> RoleAssignment:
         check_token(request.resource_id, "resource id")
-        view = ResourceView(request.resource_id, request.kind, frozenset(request.tags))
-        decision = self.policy.assign(view)
+        for slot in request.slots:
+            check_token(slot, "slot")
+        view = ResourceView(
+            request.resource_id,
+            request.kind,
+            frozenset(request.tags),
+            tuple(request.slots) or (request.resource_id,),
+        )
+        self.policy.add(view)
+        # A lendable engine joining while the trainer waits may be lent at once.
+        self._lend_others(self.policy.rebalance(time.monotonic()), request.resource_id)
+        decision = self.policy.role_of(request.resource_id)
         self.resources[request.resource_id] = ResourceState(
             view=view, role=decision.role, last_seen=time.time()
         )
         await self._store(request.resource_id)
         log.info(
-            "registered %s %s tags=%s -> %s",
+            "registered %s %s tags=%s slots=%s -> %s",
             request.kind,
             request.resource_id,
             sorted(request.tags),
+            list(view.slots),
             decision.role,
         )
         return RoleAssignment(
             resource_id=request.resource_id, role=decision.role, reason=decision.reason
         )
+
+    # ------------------------------------------------------------------ the trainer's demand
+
+    async def on_claim(self, claim: SlotsClaim) -> SlotsGranted:
+        """Reclaim every lent engine; reply once each released its slot (or timed out)."""
+        started = time.monotonic()
+        plan = self.policy.trainer_claims(started)
+        with tracer.start_as_current_span(
+            "sched.reclaim",
+            attributes={
+                "trainer.id": claim.trainer_id,
+                "batch.index": claim.batch_index,
+                "reclaimed": list(plan.reclaim),
+            },
+        ) as span:
+            acks = await asyncio.gather(
+                *(
+                    self._assign(rid, "idle", plan.reason, self.settings.reclaim_timeout_s)
+                    for rid in plan.reclaim
+                )
+            )
+            seconds = time.monotonic() - started
+            missed = [rid for rid, ack in zip(plan.reclaim, acks, strict=True) if ack is None]
+            span.set_attribute("seconds", seconds)
+            span.set_attribute("handed_back", sum(a.handed_back for a in acks if a))
+            span.set_attribute("missed", missed)
+        if plan.reclaim:
+            self.policy.observe_reclaim(seconds)
+            log.info("reclaimed %s in %.3fs (missed %s)", list(plan.reclaim), seconds, missed)
+        return SlotsGranted(reclaimed=list(plan.reclaim), seconds=seconds, missed=missed)
+
+    async def on_release(self, release: SlotsReleased) -> LendReport:
+        """The trainer waits: decide now, lend in the background (the trainer goes on)."""
+        plan = self.policy.trainer_waiting(time.monotonic())
+        if plan.lend:
+            self._lends.put_nowait(plan)
+        log.info("trainer waits (v%d): lend %s: %s", release.version, list(plan.lend), plan.reason)
+        return LendReport(
+            lent=list(plan.lend),
+            reason=plan.reason,
+            expected_wait_s=_finite(plan.expected_wait_s),
+            gain_s=_finite(plan.gain_s),
+            cost_s=plan.cost_s,
+        )
+
+    async def _lend_loop(self) -> None:
+        while True:
+            plan = await self._lends.get()
+            started = time.monotonic()
+            with tracer.start_as_current_span(
+                "sched.lend",
+                attributes={
+                    "lent": list(plan.lend),
+                    "reason": plan.reason,
+                    "expected_wait_s": _finite(plan.expected_wait_s) or -1.0,
+                    "cost_s": plan.cost_s,
+                },
+            ) as span:
+                acks = await asyncio.gather(
+                    *(
+                        self._assign(rid, "rollout", plan.reason, self.settings.lend_timeout_s)
+                        for rid in plan.lend
+                    )
+                )
+                span.set_attribute("seconds", time.monotonic() - started)
+            for ack in acks:
+                if ack is not None:
+                    self.policy.observe_lend(ack.seconds)
+
+    async def _reassign_loop(self) -> None:
+        """A resource back from the dead is told the role it should play now (it may
+        still believe in a lend that was cancelled when it was declared dead)."""
+        while True:
+            resource_id = await self._reassign.get()
+            if resource_id in self.policy.members:
+                decision = self.policy.role_of(resource_id)
+                await self._assign(
+                    resource_id, decision.role, decision.reason, self.settings.reclaim_timeout_s
+                )
+
+    async def _assign(self, resource_id: str, role: Role, reason: str, timeout: float):  # type: ignore[no-untyped-def]
+        """Ask a resource to take ``role``; None if it did not ack in time (or refused)."""
+        state = self.resources.get(resource_id)
+        if state is not None:
+            state.role = role
+        try:
+            ack: RoleAck = await self.ctx.bus.request(
+                self.ctx.subjects.sched_assignment(resource_id),
+                RoleAssignment(resource_id=resource_id, role=role, reason=reason),
+                RoleAck,
+                timeout=timeout,
+            )
+        except (NoResponder, RemoteError) as exc:
+            log.warning("%s did not take role %s: %s", resource_id, role, exc)
+            return None
+        if state is not None:
+            await self._store(resource_id)
+        return ack
+
+    # ------------------------------------------------------------------ liveness
 
     async def _on_heartbeat_msg(self, msg) -> None:  # type: ignore[no-untyped-def]
         try:
@@ -91,6 +230,9 @@ class TagScheduler:
         state.last_seen = time.time()
         revived = not state.alive
         state.alive = True
+        if revived:
+            self.policy.revive(beat.resource_id)
+            self._reassign.put_nowait(beat.resource_id)
         if beat.phase != state.phase or revived:
             state.phase = beat.phase
             await self.ctx.bus.publish(
@@ -103,15 +245,23 @@ class TagScheduler:
         while True:
             await asyncio.sleep(self.settings.check_interval_s)
             now = time.time()
-            for resource_id, state in self.resources.items():
+            for resource_id, state in list(self.resources.items()):
                 if state.alive and now - state.last_seen > self.settings.dead_after_s:
                     state.alive = False
+                    self.policy.remove(resource_id)
                     log.warning("resource %s missed heartbeats: declared dead", resource_id)
                     await self.ctx.bus.publish(
                         self.ctx.subjects.sched_phase(),
                         PhaseChanged(resource_id=resource_id, phase="dead"),
                     )
                     await self._store(resource_id)
+                    self._lend_others(self.policy.rebalance(time.monotonic()), resource_id)
+
+    def _lend_others(self, plan: LendPlan, except_id: str) -> None:
+        """Queue the lends of ``plan`` except ``except_id`` (told in its registration reply)."""
+        others = tuple(rid for rid in plan.lend if rid != except_id)
+        if others:
+            self._lends.put_nowait(replace(plan, lend=others))
 
     async def _store(self, resource_id: str) -> None:
         state = self.resources[resource_id]
@@ -119,9 +269,15 @@ class TagScheduler:
             "resource_id": resource_id,
             "kind": state.view.kind,
             "tags": sorted(state.view.tags),
+            "slots": list(state.view.slots),
+            "lendable": state.view.lendable,
             "role": state.role,
             "phase": state.phase,
             "alive": state.alive,
             "last_seen": state.last_seen,
         }
         await self.kv.put(resource_id, orjson.dumps(record))
+
+
+def _finite(value: float) -> float | None:
+    return None if math.isinf(value) else value

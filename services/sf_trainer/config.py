@@ -44,6 +44,9 @@ class TrainerSettings(BaseSettings):
     checkpoint_every: int = 0
     """Also checkpoint every N steps (0 = only at the end and on stop)."""
 
+    claim_timeout_s: float = 30.0
+    """Longest wait for the tag-scheduler to free the training slots (then train anyway)."""
+
     device: str = "cpu"
     """torch device of the policy (``cpu``, ``cuda``, ``cuda:1``)."""
 

@@ -9,6 +9,9 @@ Produces:
 - ``sf.<run>.weights.published`` (JetStream: WeightsPublished)
 - ``sf.<run>.train.metrics`` / ``sf.<run>.train.finished`` (JetStream)
 - ``sf.<run>.sched.register`` / ``sf.<run>.sched.heartbeat.<trainer>``
+- ``sf.<run>.sched.claim`` (SlotsClaim: a batch is here, reclaim engines lent from my
+  slots) before each step; ``sf.<run>.sched.release`` (SlotsReleased: I wait, my
+  slots may be lent) after each publish and at start
 - ``<run_dir>/checkpoints/final`` (HF layout: safetensors + tokenizer) and
   ``<run_dir>/checkpoints/step-<n>``
 
@@ -30,8 +33,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from seamlessflow import telemetry, weights
+from seamlessflow.bus import NoResponder, RemoteError
 from seamlessflow.protocol import (
     TRAINER_DURABLE,
+    LendReport,
+    SlotsClaim,
+    SlotsGranted,
+    SlotsReleased,
     TrainBatch,
     TrainingFinished,
     TrainStepMetrics,
@@ -75,12 +83,13 @@ class Trainer:
             weight_decay=self.settings.weight_decay,
         )
         self.membership = ResourceMembership(
-            ctx.bus, self.trainer_id, "trainer", ctx.mesh.tags(["train"])
+            ctx.bus, self.trainer_id, "trainer", ctx.mesh.tags(["train"]), slots=ctx.mesh.slots()
         )
         await self.membership.register()
         heartbeat = asyncio.create_task(self.membership.heartbeat_loop())
         try:
             await self.membership.wait_for_role("train")
+            await self._release_slots()
             batches = await ctx.bus.js.pull_subscribe(
                 ctx.subjects.batch_ready(),
                 durable=TRAINER_DURABLE,
@@ -113,8 +122,11 @@ class Trainer:
                 await msg.term()
                 continue
             with telemetry.extracted_context(msg.headers):
+                await self._claim_slots(batch.batch_index)
                 await self._step(batch, wait_seconds)
             await msg.ack_sync()
+            if self.step < self.settings.steps:
+                await self._release_slots()
         if self.step >= self.settings.steps:
             checkpoint = await asyncio.to_thread(self.save_checkpoint, "final")
             await self.ctx.bus.js_publish(
@@ -142,6 +154,37 @@ class Trainer:
             return None
         finally:
             stop.cancel()
+
+    async def _claim_slots(self, batch_index: int) -> None:
+        """Take back the slots lent to rollout; train only once they are free. A
+        scheduler that does not answer never blocks training (it is logged)."""
+        try:
+            granted: SlotsGranted = await self.ctx.bus.request(
+                self.ctx.subjects.sched_claim(),
+                SlotsClaim(trainer_id=self.trainer_id, batch_index=batch_index),
+                SlotsGranted,
+                timeout=self.settings.claim_timeout_s,
+            )
+        except (NoResponder, RemoteError) as exc:
+            log.warning("claiming training slots failed (%s); training anyway", exc)
+            return
+        if granted.missed:
+            log.warning("engines %s did not release their slots in time", granted.missed)
+
+    async def _release_slots(self) -> None:
+        """Waiting for a batch: the scheduler may lend my slots to rollout meanwhile."""
+        try:
+            report: LendReport = await self.ctx.bus.request(
+                self.ctx.subjects.sched_release(),
+                SlotsReleased(trainer_id=self.trainer_id, version=self.version),
+                LendReport,
+                timeout=self.settings.claim_timeout_s,
+            )
+        except (NoResponder, RemoteError) as exc:
+            log.warning("releasing training slots failed: %s", exc)
+            return
+        if report.lent:
+            log.debug("slots lent to %s: %s", report.lent, report.reason)
 
     async def _step(self, batch: TrainBatch, wait_seconds: float) -> None:
         self.membership.set_phase("train")

@@ -10,6 +10,7 @@ vLLM's `AsyncLLM`. The shape follows `AsyncLLM` so that engine drops in unchange
     await engine.pause(mode) / engine.resume()      ~ AsyncLLM.pause_generation(mode=...)
                                                       / resume_generation()
     await engine.load_weights(state_dict, version)  ~ in-place weight update
+    await engine.sleep() / engine.wake()            ~ AsyncLLM.sleep(level=1) / wake_up()
 
 Logprob definition (the trainer recomputes exactly this from a plain forward pass over
 prompt + completion, so engines must match it to ~1e-4 in fp32):
@@ -332,6 +333,14 @@ class InferenceEngine(abc.ABC):
         no token is ever computed from a partially loaded set. Unknown names or shape
         mismatches raise ValueError before anything is copied.
         """
+
+    async def sleep(self) -> None:  # noqa: B027 (an optional hook; default: nothing held)
+        """Release what the engine holds between requests (KV cache; on GPU, weights
+        offloaded) so its slot can train. Called with nothing in flight, after
+        ``pause("abort")``. The default holds nothing between requests: a no-op."""
+
+    async def wake(self) -> None:  # noqa: B027 (an optional hook)
+        """Undo `sleep`; the engine serves again after `resume`. Idempotent."""
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams

@@ -170,6 +170,9 @@ class VllmEngine(InferenceEngine):
         self._kv_cache_gib = kv_cache_gib
         self._enforce_eager = enforce_eager
         self._engine_kwargs = dict(engine_kwargs or {})
+        # sleep/wake give device memory back to a colocated trainer: CUDA only
+        self._sleep_mode = bool(self._engine_kwargs.get("enable_sleep_mode", False))
+        self._asleep = False
 
         self._llm: Any = None
         self._vllm: Any = None  # the imported vllm names we use
@@ -432,6 +435,19 @@ class VllmEngine(InferenceEngine):
         self._paused = None
         if self._llm is not None and not self._loading and self._failed is None:
             await self._llm.resume_generation()
+
+    async def sleep(self) -> None:
+        """GPU only: vLLM's sleep mode (level 1: weights to host memory, KV cache freed)
+        needs ``enable_sleep_mode`` and CUDA. On CPU there is no device memory to give
+        back, so the engine just stays paused."""
+        if self._sleep_mode and not self._asleep:
+            await self._llm.sleep(level=1)
+            self._asleep = True
+
+    async def wake(self) -> None:
+        if self._asleep:
+            await self._llm.wake_up()
+            self._asleep = False
 
     async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         self._require_running()
