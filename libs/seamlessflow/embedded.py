@@ -50,7 +50,8 @@ class RunConfig(BaseModel):
     runs_dir: Path = Path("runs")
     """Where ``<run-id>/`` is written."""
     model_dir: Path | None = None
-    """Base model directory; default: built (once) into the cache directory."""
+    """Base model directory (HF layout), used as it is; default: the built-in model,
+    built once into the cache directory."""
     cache_dir: Path = Field(
         default_factory=lambda: Path(os.environ.get("SF_CACHE_DIR", "~/.cache/seamlessflow"))
     )
@@ -87,6 +88,10 @@ class RunConfig(BaseModel):
     lent. ``colocated`` also defaults ``max_batches_ahead`` to 0 (synchronous)."""
     live: bool = True
     """Show live progress in the terminal."""
+    pin_slots: bool = False
+    """Pin each engine and the trainer to the CPU core of its slot (slot i -> core
+    i mod cores), so a slot's core really idles when its process waits, as a GPU would;
+    the other services float. Used by the mode benchmark."""
 
     @model_validator(mode="after")
     def _colocated_is_synchronous(self) -> RunConfig:
@@ -172,7 +177,16 @@ class Summary:
     mean_publish_s: float
     checkpoint: str | None
     bubble_ratio: float | None = None
-    """Idle resource-time / total over the busy window (``seamlessflow.timeline``)."""
+    """Idle slot-time / total over the busy window (``seamlessflow.timeline``)."""
+    steady_generated_tokens_per_s: float = 0.0
+    """Generated tokens/s between the first and the last step (start-up excluded): the
+    figure to compare modes by."""
+    lends: int = 0
+    """Engines lent to rollout from training slots (``sched.lend`` spans)."""
+    reclaims: int = 0
+    """Engines taken back for training (``sched.reclaim`` spans)."""
+    requests_handed_back: int = 0
+    """Requests in flight on reclaimed engines, resumed elsewhere (partial rollout)."""
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -241,16 +255,23 @@ class EmbeddedRun:
         )
         return env
 
-    def spawn(self, label: str, service: str, env: dict[str, str]) -> None:
+    def spawn(
+        self, label: str, service: str, env: dict[str, str], slots: list[str] | None = None
+    ) -> None:
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         with (logs / f"{label}.log").open("ab") as out:
-            self.processes[label] = subprocess.Popen(
+            self.processes[label] = process = subprocess.Popen(
                 [sys.executable, "-m", "seamlessflow", "serve", service],
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches the runner, which stops us in order
+            )
+        if slots and self.config.pin_slots and hasattr(os, "sched_setaffinity"):
+            cores = os.cpu_count() or 1
+            os.sched_setaffinity(
+                process.pid, {int(slot.rsplit("-", 1)[1]) % cores for slot in slots}
             )
 
     def stop_processes(self, timeout: float = 30.0) -> None:
@@ -297,8 +318,11 @@ class EmbeddedRun:
 
         c = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        model_dir = c.model_dir or (c.cache_dir.expanduser() / "models" / f"base-{c.task}")
-        model_dir = await asyncio.to_thread(ensure_base_model, model_dir, task=c.task)
+        if c.model_dir is not None and (c.model_dir / "config.json").exists():
+            model_dir = c.model_dir  # the user's model, used as it is
+        else:
+            model_dir = c.model_dir or (c.cache_dir.expanduser() / "models" / f"base-{c.task}")
+            model_dir = await asyncio.to_thread(ensure_base_model, model_dir, task=c.task)
         nats_server = EmbeddedNats(self.run_dir / "nats")
         url = c.nats_url or nats_server.start()
         stop = asyncio.Event()
@@ -320,6 +344,7 @@ class EmbeddedRun:
                                 "SF_RESOURCE_TAGS": engine.tags,
                                 "SF_RESOURCE_SLOTS": engine.slot,
                             },
+                            [engine.slot],
                         )
                 elif service == "trainer":
                     self.spawn(
@@ -331,6 +356,7 @@ class EmbeddedRun:
                             "SF_RESOURCE_SLOTS": ",".join(layout.trainer_slots),
                             "SF_TRAINER_TORCH_THREADS": str(len(layout.trainer_slots)),
                         },
+                        layout.trainer_slots,
                     )
                 else:
                     self.spawn(service, service, env)
@@ -411,6 +437,11 @@ class EmbeddedRun:
             from seamlessflow.timeline import render_run
 
             bubble_ratio = round(render_run(self.run_dir).bubble_ratio, 4)
+        scheduling = count_scheduling(self.run_dir / "spans.jsonl")
+        steady_window = (
+            self.metrics[-1].timestamp - self.metrics[0].timestamp if self.metrics else 0
+        )
+        steady_tokens = sum(m.tokens_generated for m in self.metrics[1:])
         rewards = [m.mean_reward for m in self.metrics]
         train_wall = (self.metrics[-1].timestamp - self.started_wall) if self.metrics else 0.0
         generated = sum(m.tokens_generated for m in self.metrics)
@@ -435,12 +466,33 @@ class EmbeddedRun:
             mean_publish_s=sum(m.publish_seconds for m in self.metrics) / n,
             checkpoint=str(checkpoint) if (checkpoint / "config.json").exists() else None,
             bubble_ratio=bubble_ratio,
+            steady_generated_tokens_per_s=steady_tokens / steady_window if steady_window > 0 else 0,
+            lends=scheduling["lends"],
+            reclaims=scheduling["reclaims"],
+            requests_handed_back=scheduling["handed_back"],
             config=json.loads(self.config.model_dump_json()),
         )
         (self.run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
         if self.metrics:
             plot_rewards(self.metrics, self.run_dir / "reward_curve.png", self.run_id)
         return summary
+
+
+def count_scheduling(spans_path: Path) -> dict[str, int]:
+    """Lends, reclaims and handed-back requests, from the tag-scheduler's spans."""
+    counts = {"lends": 0, "reclaims": 0, "handed_back": 0}
+    if not spans_path.exists():
+        return counts
+    with spans_path.open() as lines:
+        for line in lines:
+            span = json.loads(line)
+            attributes = span["attributes"]
+            if span["name"] == "sched.lend":
+                counts["lends"] += len(attributes.get("lent", []))
+            elif span["name"] == "sched.reclaim":
+                counts["reclaims"] += len(attributes.get("reclaimed", []))
+                counts["handed_back"] += int(attributes.get("handed_back", 0))
+    return counts
 
 
 def _struct_dict(message: TrainStepMetrics) -> dict[str, Any]:

@@ -1,0 +1,85 @@
+"""The three deployments are configurations of one scheduler: the whole mesh, every
+service its own process, in each mode, for a few steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from seamlessflow.embedded import EmbeddedRun, RunConfig, deployment
+from seamlessflow.timeline import build_timeline, load_phase_spans
+
+pytestmark = pytest.mark.slow
+
+
+def test_modes_differ_only_in_tags() -> None:
+    disaggregated = deployment("disaggregated", engines=1)
+    multiplexed = deployment("multiplexed", engines=1)
+    colocated = deployment("colocated", engines=1)
+    # the same two slots in every mode
+    assert disaggregated.slots == multiplexed.slots == colocated.slots == ["slot-0", "slot-1"]
+    assert [(e.tags, e.slot) for e in disaggregated.engines] == [("rollout", "slot-0")]
+    assert disaggregated.trainer_slots == ["slot-1"] and disaggregated.trainer_tags == "train"
+    # multiplexed = disaggregated + an engine lendable from the trainer's slot
+    assert multiplexed.engines[:1] == disaggregated.engines
+    assert [(e.tags, e.slot) for e in multiplexed.engines[1:]] == [("train,rollout", "slot-1")]
+    # colocated: every slot trains and rolls out
+    assert {e.tags for e in colocated.engines} == {"train,rollout"}
+    assert colocated.trainer_slots == ["slot-0", "slot-1"]
+    assert RunConfig(mode="colocated").max_batches_ahead == 0
+    assert RunConfig(mode="colocated", max_batches_ahead=1).max_batches_ahead == 1
+
+
+@pytest.mark.parametrize("mode", ["colocated", "multiplexed"])
+async def test_a_run_lends_and_reclaims_training_slots(
+    mode: str, nats_url: str, run_id: str, base_model_dir: Path, tmp_path: Path
+) -> None:
+    steps = 3
+    summary = await EmbeddedRun(
+        RunConfig(
+            run_id=run_id,
+            runs_dir=tmp_path,
+            model_dir=base_model_dir,
+            nats_url=nats_url,
+            mode=mode,  # type: ignore[arg-type]
+            steps=steps,
+            group_size=4,
+            groups_per_batch=2,
+            agent_concurrency=8,
+            engine_batch_size=8,
+            live=False,
+        )
+    ).run()
+    assert summary.status == "finished" and summary.final_version == steps
+    assert summary.mode == mode
+    written = json.loads((tmp_path / run_id / "summary.json").read_text())
+    assert written["mode"] == mode and 0 <= written["bubble_ratio"] < 1
+    if mode == "colocated":  # lending is unconditional: both engines, every step
+        assert summary.reclaims == steps * 2, summary
+    else:  # the first wait lends to measure; later ones only if the gain beats the cost
+        assert 1 <= summary.reclaims <= steps, summary
+    spans = [
+        json.loads(line) for line in (tmp_path / run_id / "spans.jsonl").read_text().splitlines()
+    ]
+    reclaims = [s for s in spans if s["name"] == "sched.reclaim"]
+    assert len(reclaims) == steps and all(not s["attributes"]["missed"] for s in reclaims)
+    # training never overlapped a lent engine's generation on the same slot
+    train = [
+        s
+        for s in spans
+        if s["name"] == "phase.train" and s["attributes"]["resource.kind"] == "trainer"
+    ]
+    lent_rollout = [
+        s
+        for s in spans
+        if s["name"] == "phase.rollout"
+        and (mode == "colocated" or "lend" in s["attributes"]["resource.id"])
+    ]
+    assert len(train) == steps
+    for t in train:
+        for r in lent_rollout:
+            assert r["end"] <= t["start"] or r["start"] >= t["end"], "engine and trainer overlapped"
+    lanes = build_timeline(load_phase_spans(tmp_path / run_id / "spans.jsonl")).lanes
+    assert sorted(lanes) == ["slot-0", "slot-1"]

@@ -1,0 +1,210 @@
+"""Spatiotemporal multiplexing on a real mesh: lend a training slot's engine to rollout,
+reclaim it mid-answer, and lose no request and no token; late engines catch up first.
+
+A real tag-scheduler (multiplexed), weight-sync, gateway and two engine workers on a
+real nats-server: ``engine-d`` is a dedicated rollout engine, ``engine-l`` sits on the
+trainer's slot (tags ``train,rollout``). The test plays the trainer through the
+scheduler's own subjects (SlotsReleased / SlotsClaim), as ``sf_trainer`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import torch
+from openai import AsyncOpenAI
+from transformers import AutoModelForCausalLM
+
+from seamlessflow import weights
+from seamlessflow.bus import Bus
+from seamlessflow.protocol import (
+    GenerateReply,
+    GenerateRequest,
+    LendReport,
+    SlotsClaim,
+    SlotsGranted,
+    SlotsReleased,
+    TrajectoryEvent,
+    TurnRecorded,
+    WeightsPublished,
+    decode,
+)
+from seamlessflow.settings import MeshSettings
+from sf_gateway.config import EngineSettings, GatewaySettings
+from sf_gateway.engine_worker import EngineWorker
+from sf_gateway.gateway import GatewayService
+from sf_tag_scheduler.config import TagSchedulerSettings
+from sf_tag_scheduler.service import TagScheduler
+from sf_weight_sync.service import WeightSync
+
+AGENTS = 8
+MAX_TOKENS = 160
+
+
+async def start_engine(mesh, engine_id: str, tags: str, slot: str) -> EngineWorker:  # type: ignore[no-untyped-def]
+    """An engine worker with its own resource tags (SF_RESOURCE_TAGS in production)."""
+    worker = EngineWorker(EngineSettings(engine_id=engine_id, max_batch_size=AGENTS))
+    saved = mesh.mesh
+    mesh.mesh = MeshSettings(
+        nats_url=saved.nats_url,
+        run_id=saved.run_id,
+        model_dir=saved.model_dir,
+        resource_tags=tags,
+        resource_slots=slot,
+    )
+    try:
+        return await mesh.start(worker)  # type: ignore[no-any-return]
+    finally:
+        mesh.mesh = saved
+
+
+async def test_reclaim_during_generation_loses_no_request_and_no_token(
+    nats_url: str, run_id: str, chatty_model_dir: Path, bus: Bus
+) -> None:
+    from conftest import InProcessMesh
+
+    mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
+    try:
+        scheduler = await mesh.start(TagScheduler(TagSchedulerSettings(mode="multiplexed")))
+        await mesh.start(WeightSync())
+        dedicated = await start_engine(mesh, "engine-d", "rollout", "slot-0")
+        lendable = await start_engine(mesh, "engine-l", "train,rollout", "slot-1")
+        gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
+        async with asyncio.timeout(60):
+            await dedicated.ready.wait()
+            await gateway.ready.wait()
+            while "engine-l" not in scheduler.resources:  # noqa: ASYNC110 (another service)
+                await asyncio.sleep(0.05)
+        # The trainer waits for its first batch. No wait was measured yet, so the policy
+        # lends (here already when engine-l registered: no trainer was training).
+        report: LendReport = await bus.request(
+            bus.subjects.sched_release(),
+            SlotsReleased(trainer_id="trainer-t", version=0),
+            LendReport,
+        )
+        assert scheduler.policy.role_of("engine-l").role == "rollout", report.reason
+        async with asyncio.timeout(60):
+            await lendable.ready.wait()  # woke, caught up, joined the queue
+
+        url = f"http://127.0.0.1:{gateway.bound_port}"
+
+        async def agent(index: int, http: httpx.AsyncClient) -> str:
+            session = (await http.post("/sessions", json={})).json()
+            client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+            messages = [{"role": "user", "content": f"Count to {index}"}]
+            if index % 2:
+                stream = await client.chat.completions.create(
+                    model="policy",
+                    messages=messages,  # type: ignore[arg-type]
+                    max_tokens=MAX_TOKENS,
+                    stream=True,
+                )
+                parts, finishes = [], []
+                async for chunk in stream:
+                    if chunk.choices:
+                        parts.append(chunk.choices[0].delta.content or "")
+                        if chunk.choices[0].finish_reason:
+                            finishes.append(chunk.choices[0].finish_reason)
+                assert len(finishes) == 1, "one answer, one finish"
+                text = "".join(parts)
+            else:
+                reply = await client.chat.completions.create(
+                    model="policy",
+                    messages=messages,  # type: ignore[arg-type]
+                    max_tokens=MAX_TOKENS,
+                )
+                text = reply.choices[0].message.content or ""
+            await client.close()
+            await http.post(f"/sessions/{session['session_id']}/finish")
+            return text
+
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            agents = [asyncio.create_task(agent(i, http)) for i in range(AGENTS)]
+            # wait until the lent engine holds answers that have started streaming
+            async with asyncio.timeout(60):
+                while not any(  # noqa: ASYNC110 (the gateway's own bookkeeping)
+                    gateway.gateway._engine_calls.get("engine-l", {})
+                ):
+                    await asyncio.sleep(0.01)
+            on_lent_engine = set(gateway.gateway._engine_calls["engine-l"])
+            # a batch is ready: the trainer claims its slot back
+            granted: SlotsGranted = await bus.request(
+                bus.subjects.sched_claim(),
+                SlotsClaim(trainer_id="trainer-t", batch_index=0),
+                SlotsGranted,
+                timeout=30,
+            )
+            # the slot is free when the claim returns: nothing runs on the lent engine
+            assert granted.reclaimed == ["engine-l"] and granted.missed == []
+            assert lendable._generate_sub is None and not lendable._in_flight
+            assert lendable.handed_back >= 1
+            async with asyncio.timeout(120):
+                texts = await asyncio.gather(*agents)
+    finally:
+        await mesh.stop()
+
+    assert on_lent_engine
+    s = bus.subjects
+    turns = [
+        e
+        for e in (
+            decode(m.data, TrajectoryEvent)
+            for m in await bus.read_all(s.stream_trajectory(), s.trajectory_events_all())
+        )
+        if isinstance(e, TurnRecorded)
+    ]
+    # every agent got one complete answer, recorded once, exactly as it read it
+    assert len(turns) == AGENTS
+    assert sorted(t.completion_text for t in turns) == sorted(texts)
+    for turn in turns:
+        assert len(turn.completion_ids) == len(turn.logprobs) == len(turn.versions)
+        assert turn.finish_reason in ("stop", "length")
+        if turn.finish_reason == "length":
+            assert len(turn.completion_ids) == MAX_TOKENS  # no token lost in the handover
+    # the handed-back answers finished on the dedicated engine
+    assert any(t.engine_id == "engine-d" for t in turns)
+    assert all(t.engine_id == "engine-d" for t in turns if t.engine_id != "engine-l")
+
+
+async def test_a_late_engine_serves_only_after_catching_up(
+    nats_url: str, run_id: str, base_model_dir: Path, bus: Bus
+) -> None:
+    """Versions 1 and 2 are published before the engine exists; its very first answer
+    must already come from version 2."""
+    from conftest import InProcessMesh
+
+    mesh = InProcessMesh(nats_url, run_id, base_model_dir)
+    try:
+        await mesh.start(TagScheduler())
+        weight_sync = await mesh.start(WeightSync())
+        base = AutoModelForCausalLM.from_pretrained(str(base_model_dir)).state_dict()
+        for version in (1, 2):
+            state = {k: v + 0.01 * torch.randn_like(v) for k, v in base.items()}
+            name, digest, size = await weights.put_weights(bus, version, state)
+            await bus.js_publish(
+                bus.subjects.weights_published(),
+                WeightsPublished(
+                    version=version, object_name=name, sha256=digest, num_bytes=size, step=version
+                ),
+                msg_id=f"weights-v{version}",
+            )
+        async with asyncio.timeout(30):
+            while weight_sync.current.version < 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+
+        late = await mesh.start(EngineWorker(EngineSettings(engine_id="engine-late")))
+        async with asyncio.timeout(60):
+            await late.ready.wait()
+        assert late.engine.version == 2
+        reply: GenerateReply = await bus.request(
+            bus.subjects.engine_generate(),
+            GenerateRequest(request_id="first", session_id="s", prompt_ids=[1, 2, 3], max_tokens=4),
+            GenerateReply,
+            timeout=30,
+        )
+        assert reply.engine_id == "engine-late"
+        assert reply.versions and set(reply.versions) == {2}
+    finally:
+        await mesh.stop()
