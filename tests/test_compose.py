@@ -37,6 +37,8 @@ INFRA_SERVICES = ("nats", "jaeger")
 BUILD_MODEL = "build-model"
 # GPU variant -> the service it runs.
 GPU_SERVICES = {"engine-gpu": "engine", "trainer-gpu": "trainer"}
+# Optional services per deployment profile: the service they run.
+MODE_SERVICES = {"engine-lend": "engine"}
 SCHEDULER_MODES = {"colocated", "disaggregated", "multiplexed"}
 RUN_ID_RE = re.compile(r"^[a-z0-9-]+$")
 
@@ -275,7 +277,7 @@ def test_commands(services: dict[str, dict[str, Any]]) -> None:
         cmd = command_of(name, svc)
         assert len(cmd) == 2 and cmd[0] == "serve", f"{name}: {cmd}"
         assert cmd[1] in known, f"{name}: unknown service {cmd[1]!r} (known: {sorted(known)})"
-        expected = GPU_SERVICES.get(name, name)
+        expected = GPU_SERVICES.get(name) or MODE_SERVICES.get(name, name)
         assert cmd[1] == expected, f"{name} runs `serve {cmd[1]}`, expected `serve {expected}`"
     cmd = command_of(BUILD_MODEL, services[BUILD_MODEL])
     assert cmd[0] == "build-model" and "--out" in cmd, cmd
@@ -393,6 +395,8 @@ def test_gpu_profile(services: dict[str, dict[str, Any]]) -> None:
             assert any(
                 d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices
             ), f"{name}: no NVIDIA GPU reservation"
+        elif name in MODE_SERVICES:
+            assert profiles == ["multiplexed"], f"{name}: only in the multiplexed profile"
         else:
             assert not profiles, f"{name}: must start by default (profiles {profiles})"
             reservations = ((svc.get("deploy") or {}).get("resources") or {}).get(
@@ -401,6 +405,15 @@ def test_gpu_profile(services: dict[str, dict[str, Any]]) -> None:
             assert not reservations.get("devices"), f"{name}: GPU reservation outside gpu"
     assert env_of(services["engine-gpu"]).get("SF_ENGINE_BACKEND") == "vllm"
     assert "train" in env_of(services["trainer-gpu"])["SF_RESOURCE_TAGS"].split(",")
+
+
+def test_the_multiplexed_profile_lends_the_trainers_slot(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    lend, trainer = env_of(services["engine-lend"]), env_of(services["trainer"])
+    assert set(lend["SF_RESOURCE_TAGS"].split(",")) == {"train", "rollout"}
+    # the lendable engine computes on the trainer's slot: one timeline lane, lent in time
+    assert lend["SF_RESOURCE_SLOTS"] == trainer["SF_RESOURCE_SLOTS"]
 
 
 # --------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 CHILD = """
 import sys
 from seamlessflow import telemetry
-telemetry.setup("otlp-probe", jsonl_path=None, otlp_endpoint=sys.argv[1])
+telemetry.setup("otlp-probe", jsonl_path=None, otlp_endpoint=sys.argv[1], run_id="probe-run")
 tracer = telemetry.tracer("probe")
 with tracer.start_as_current_span("parent"):
     headers = telemetry.inject_headers()
@@ -60,6 +60,7 @@ def test_spans_are_exported_over_otlp_http_with_context_propagated(receiver) -> 
         for resource_spans in request.resource_spans:
             service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
             assert service["service.name"] == "otlp-probe"
+            assert service["sf.run_id"] == "probe-run"  # what finds a run in Jaeger
             for scope in resource_spans.scope_spans:
                 for span in scope.spans:
                     spans[span.name] = span

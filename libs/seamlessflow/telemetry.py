@@ -60,12 +60,18 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
     }
 
 
-def setup(service_name: str, *, jsonl_path: Path | None, otlp_endpoint: str = "") -> None:
-    """Install the global tracer provider for this process (once)."""
+def setup(
+    service_name: str, *, jsonl_path: Path | None, otlp_endpoint: str = "", run_id: str = ""
+) -> None:
+    """Install the global tracer provider for this process (once). Every span carries
+    the resource attribute ``sf.run_id``: in Jaeger, the tag that finds a run."""
     global _provider
     if _provider is not None:
         return
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    attributes = {"service.name": service_name}
+    if run_id:
+        attributes["sf.run_id"] = run_id
+    provider = TracerProvider(resource=Resource.create(attributes))
     if jsonl_path is not None:
         provider.add_span_processor(BatchSpanProcessor(JsonlSpanExporter(jsonl_path)))
     if otlp_endpoint:
