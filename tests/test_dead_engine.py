@@ -117,3 +117,72 @@ async def test_requests_on_a_killed_engine_finish_on_another(
         assert turn.completion_text in texts
         assert len(turn.completion_ids) == len(turn.logprobs) == len(turn.versions)
     assert any(t.engine_id == "engine-b" for t in turns)
+
+
+async def test_a_request_no_engine_confirms_is_resubmitted(
+    nats_url: str, run_id: str, chatty_model_dir: Path, bus: Bus, tmp_path: Path
+) -> None:
+    """A frozen engine (SIGSTOP: its socket still takes requests, it never answers) is
+    not yet declared dead; requests NATS hands it are never confirmed and are
+    re-submitted after ``first_chunk_timeout_s`` instead of waiting for the reply
+    time-out. Nothing waits on an engine that does not work."""
+    from conftest import InProcessMesh
+
+    mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
+    env = {
+        **os.environ,
+        "SF_NATS_URL": nats_url,
+        "SF_RUN_ID": run_id,
+        "SF_MODEL_DIR": str(chatty_model_dir),
+        "SF_ENGINE_ENGINE_ID": "engine-frozen",
+    }
+    with (tmp_path / "engine-frozen.log").open("wb") as log:
+        frozen = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sf_gateway", "engine", env=env, stdout=log, stderr=log
+        )
+    try:
+        # liveness far longer than the test: only the first-chunk time-out can help
+        scheduler = await mesh.start(TagScheduler(TagSchedulerSettings(dead_after_s=600)))
+        await mesh.start(WeightSync())
+        live = await mesh.start(EngineWorker(EngineSettings(engine_id="engine-live")))
+        gateway = await mesh.start(
+            GatewayService(
+                GatewaySettings(
+                    port=0, max_context=512, first_chunk_timeout_s=1.0, generate_timeout_s=300
+                )
+            )
+        )
+        async with asyncio.timeout(90):
+            await live.ready.wait()
+            await gateway.ready.wait()
+            while scheduler.resources.get("engine-frozen") is None or (  # noqa: ASYNC110
+                scheduler.resources["engine-frozen"].phase != "idle"
+            ):
+                await asyncio.sleep(0.1)  # registered, caught up, in the queue
+        frozen.send_signal(signal.SIGSTOP)
+        url = f"http://127.0.0.1:{gateway.bound_port}"
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+
+            async def ask(index: int) -> str:
+                session = (await http.post("/sessions", json={})).json()
+                client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+                reply = await client.chat.completions.create(
+                    model="policy",
+                    messages=[{"role": "user", "content": f"Count to {index}"}],
+                    max_tokens=8,
+                )
+                await client.close()
+                return reply.choices[0].message.content or ""
+
+            async with asyncio.timeout(60):  # far below the 300 s reply time-out
+                await asyncio.gather(*(ask(i) for i in range(16)))
+        # the queue group sent some of the 16 (each with odds 1/2) to the frozen engine;
+        # all of them were re-submitted
+        assert gateway.gateway.reroutes >= 1
+        assert scheduler.resources["engine-frozen"].alive  # never declared dead
+    finally:
+        if frozen.returncode is None:
+            frozen.send_signal(signal.SIGCONT)
+            frozen.kill()
+            await frozen.wait()
+        await mesh.stop()
