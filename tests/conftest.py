@@ -13,6 +13,18 @@ from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import Subjects
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` need CUDA; without one they are skipped, not failed."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with EmbeddedNats(tmp_path_factory.mktemp("nats")) as server:

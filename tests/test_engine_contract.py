@@ -191,6 +191,25 @@ async def test_many_long_seeded_prompts_at_once(engine: InferenceEngine) -> None
     assert [r.finish_reason for r in results] == ["length"] * 16
 
 
+async def test_release_and_rejoin_for_a_lent_slot(engine: InferenceEngine) -> None:
+    """What an engine on a training slot goes through when reclaimed and lent again:
+    pause("abort") ends requests with their tokens, sleep frees memory, wake + resume
+    serve again with the same weights (a seeded answer is unchanged)."""
+    prompt, params = [5, 6, 7], SamplingParams(max_tokens=12, seed=21)
+    before = await engine.generate("lend-before", prompt, params)
+    running = engine.stream("lend-running", list(range(10, 30)), SamplingParams(max_tokens=200))
+    await running.__anext__()  # decoding has started
+    await engine.pause("abort")
+    cut = await running.result()
+    assert cut.finish_reason == "abort" and 1 <= len(cut.token_ids) < 200
+    await engine.sleep()
+    await engine.sleep()  # idempotent
+    await engine.wake()
+    await engine.resume()
+    after = await engine.generate("lend-after", prompt, params)
+    assert after.token_ids == before.token_ids and after.versions == before.versions
+
+
 async def test_stop_token_and_length(engine: InferenceEngine) -> None:
     prompt = [3, 1, 4, 1, 5]
     params = SamplingParams(max_tokens=12, seed=21)
@@ -378,3 +397,26 @@ async def test_bad_input_raises_value_error_and_changes_nothing(
     assert engine.version == v0
     after = await engine.generate("bi-after", [1, 2], ok)
     assert after.versions == [v0] * 4 and after.token_ids == before.token_ids
+
+
+@pytest.mark.gpu
+async def test_vllm_sleep_mode_frees_and_restores_the_gpu(model_dir: Path) -> None:
+    """GPU only: with sleep mode a lent vLLM engine gives its device memory back while
+    its slot trains, and serves the same answers after waking."""
+    _import_vllm_or_skip()
+    from sf_gateway.engine.vllm_engine import VllmEngine
+
+    prompt, params = [5, 6, 7], SamplingParams(max_tokens=12, temperature=0)
+    async with VllmEngine(
+        model_dir, max_context=MAX_CONTEXT, engine_kwargs={"enable_sleep_mode": True}
+    ) as eng:
+        before = await eng.generate("gpu-before", prompt, params)
+        await eng.pause("abort")
+        free_awake = torch.cuda.mem_get_info()[0]
+        await eng.sleep()
+        free_asleep = torch.cuda.mem_get_info()[0]
+        await eng.wake()
+        await eng.resume()
+        after = await eng.generate("gpu-after", prompt, params)
+    assert free_asleep > free_awake  # weights offloaded, KV cache freed
+    assert after.token_ids == before.token_ids
