@@ -502,6 +502,9 @@ class RoleAssignment(Message, tag="sched.assignment"):
     resource_id: str
     role: Role
     reason: str
+    min_version: int = 0
+    """``rollout``: serve no older weight version than this (the version the trainer
+    just published), even if weight-sync has not announced it yet."""
 
 
 class RoleAck(Message, tag="sched.role_ack"):

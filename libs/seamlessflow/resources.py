@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
 
-RoleHandler = Callable[[Role], Awaitable[int]]
+RoleHandler = Callable[[RoleAssignment], Awaitable[int]]
 """Puts a role into effect before it is acked; returns how many requests in flight it
 handed back for re-submission (an engine leaving rollout)."""
 
@@ -115,7 +115,7 @@ class ResourceMembership:
         async with self._applying:
             handed_back = 0
             if self.on_role is not None:
-                handed_back = await self.on_role(assignment.role)
+                handed_back = await self.on_role(assignment)
             async with self._role_changed:
                 if assignment.role != self.role:
                     log.info(

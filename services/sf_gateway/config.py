@@ -85,5 +85,9 @@ class EngineSettings(BaseSettings):
     """GPU + vLLM: put the engine to sleep (weights to host, KV cache freed) while its
     slot is lent to training (``enable_sleep_mode``). No effect on CPU."""
 
+    min_version_wait_s: float = 10.0
+    """An engine lent back to rollout waits up to this long for weight-sync to announce
+    the version the trainer just published before it serves."""
+
     version_poll_s: float = 5.0
     """How often to ask weight-sync for the current version (catches missed broadcasts)."""

@@ -46,7 +46,7 @@ from seamlessflow.protocol import (
     GenerateReply,
     GenerateRequest,
     LoadWeights,
-    Role,
+    RoleAssignment,
     TopLogprob,
     WeightsLoaded,
 )
@@ -106,6 +106,7 @@ class EngineWorker:
         self._in_flight: set[str] = set()
         self._none_in_flight = asyncio.Event()
         self._none_in_flight.set()
+        self._min_version = 0
         self._asleep = False
         """Lent out of rollout: weight broadcasts are skipped until it serves again."""
 
@@ -152,11 +153,12 @@ class EngineWorker:
                 self.membership.set_phase("idle")
                 log.info("%s waits for the rollout role (%s)", self.engine_id, self.membership.role)
 
-    async def _on_role(self, role: Role) -> int:
+    async def _on_role(self, assignment: RoleAssignment) -> int:
         """Put a role from the tag-scheduler into effect (before it is acked)."""
+        self._min_version = max(self._min_version, assignment.min_version)
         if not self._joined:
             return 0  # the join applies the role once the engine has caught up
-        if role == "rollout":
+        if assignment.role == "rollout":
             await self._start_serving()
             return 0
         return await self._stop_serving()
@@ -170,7 +172,7 @@ class EngineWorker:
             await self.engine.wake()
             await self.engine.resume()
             self._asleep = False
-            await self._catch_up()
+            await self._catch_up(self._min_version)
             self._generate_sub = await self.ctx.bus.serve(
                 self.ctx.subjects.engine_generate(),
                 GenerateRequest,
@@ -357,9 +359,15 @@ class EngineWorker:
                     await self.engine.resume()
         self.membership.set_phase("rollout" if self.membership.in_flight else "idle")
 
-    async def _catch_up(self) -> None:
-        """Ask weight-sync for the current version until it answers, then load it."""
+    async def _catch_up(self, min_version: int = 0) -> None:
+        """Ask weight-sync for the current version until it answers, then load it.
+
+        With ``min_version`` (an engine lent back right after a train step), also wait
+        until weight-sync announces at least that version, for up to
+        ``SF_ENGINE_MIN_VERSION_WAIT_S``: the trainer stored it before releasing its
+        slots, so only weight-sync's announcement can lag."""
         delay = 0.1
+        deadline = asyncio.get_running_loop().time() + self.settings.min_version_wait_s
         while True:
             try:
                 current = await self.ctx.bus.request(
@@ -371,6 +379,9 @@ class EngineWorker:
             except NoResponder:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 2.0)
+                continue
+            if current.version < min_version and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.02)
                 continue
             if current.version > self.engine.version:
                 await self._load(current.version, current.object_name, current.sha256)

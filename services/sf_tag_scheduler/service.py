@@ -72,6 +72,9 @@ class TagScheduler:
         self.ready = asyncio.Event()
         self._lends: asyncio.Queue[LendPlan] = asyncio.Queue()
         self._reassign: asyncio.Queue[str] = asyncio.Queue()
+        self.trainer_version = 0
+        """The newest version the trainer released its slots with: lent engines serve
+        no older weights."""
 
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
@@ -115,7 +118,10 @@ class TagScheduler:
             decision.role,
         )
         return RoleAssignment(
-            resource_id=request.resource_id, role=decision.role, reason=decision.reason
+            resource_id=request.resource_id,
+            role=decision.role,
+            reason=decision.reason,
+            min_version=self.trainer_version if decision.role == "rollout" else 0,
         )
 
     # ------------------------------------------------------------------ the trainer's demand
@@ -150,6 +156,7 @@ class TagScheduler:
 
     async def on_release(self, release: SlotsReleased) -> LendReport:
         """The trainer waits: decide now, lend in the background (the trainer goes on)."""
+        self.trainer_version = max(self.trainer_version, release.version)
         plan = self.policy.trainer_waiting(time.monotonic())
         if plan.lend:
             self._lends.put_nowait(plan)
@@ -205,7 +212,12 @@ class TagScheduler:
         try:
             ack: RoleAck = await self.ctx.bus.request(
                 self.ctx.subjects.sched_assignment(resource_id),
-                RoleAssignment(resource_id=resource_id, role=role, reason=reason),
+                RoleAssignment(
+                    resource_id=resource_id,
+                    role=role,
+                    reason=reason,
+                    min_version=self.trainer_version if role == "rollout" else 0,
+                ),
                 RoleAck,
                 timeout=timeout,
             )
