@@ -191,3 +191,40 @@ def test_a_group_left_empty_by_staleness_does_not_fill_a_batch() -> None:
         grouper.apply(SessionFinished(session_id=session))
     assert grouper.take_batch(2, batch_index=9, max_staleness=2) is None
     assert [g.group_id for g in grouper.ready] == ["g1"]
+    assert grouper.groups_lost == 1  # the dispatcher replaces it
+
+
+def test_lost_groups_are_replaced_so_the_last_batch_still_fills() -> None:
+    """A run with a step budget: a group lost to staleness (or to failed sessions)
+    gets a replacement, else the last batch could never fill and the run would hang."""
+    grouper = Grouper(lookup)
+    grouper.apply(opened("a", "g0", 0, 1))
+    grouper.apply(SessionFinished(session_id="a"))  # no turns: the whole group fails
+    assert grouper.groups_lost == 1 and grouper.take_batch(1) is None
+    dispatcher = Dispatcher(
+        items(3),
+        reward_fn="exact",
+        group_size=1,
+        groups_per_batch=1,
+        total_batches=2,
+        max_batches_ahead=5,
+        seed=0,
+    )
+    handed = [dispatcher.claim(0, groups_lost=grouper.groups_lost) for _ in range(4)]
+    assert [type(c).__name__ for c in handed] == [
+        "TaskAssignment",
+        "TaskAssignment",
+        "TaskAssignment",  # the replacement of the lost group
+        "NoTask",
+    ]
+    # without the loss the budget is two groups
+    plain = Dispatcher(
+        items(3),
+        reward_fn="exact",
+        group_size=1,
+        groups_per_batch=1,
+        total_batches=2,
+        max_batches_ahead=5,
+        seed=0,
+    )
+    assert isinstance([plain.claim(0) for _ in range(3)][-1], NoTask)

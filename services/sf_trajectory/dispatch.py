@@ -50,10 +50,14 @@ class Dispatcher:
             self._epoch_orders = {epoch: order}  # only the current epoch is needed
         return self.items[order[index]]
 
-    def claim(self, trained_batches: int) -> TaskAssignment | NoTask:
-        if self.total_groups is not None and self.next_group >= self.total_groups:
+    def claim(self, trained_batches: int, groups_lost: int = 0) -> TaskAssignment | NoTask:
+        """``groups_lost``: groups that will never reach a batch (every sample failed or
+        was dropped as stale). Each is replaced by one more group, so a run with a step
+        budget still fills its last batch instead of waiting forever."""
+        useful = max(self.next_group - groups_lost, 0)
+        if self.total_groups is not None and useful >= self.total_groups:
             return NoTask(reason="exhausted")
-        batch_of_group = self.next_group // self.groups_per_batch
+        batch_of_group = useful // self.groups_per_batch
         if batch_of_group > trained_batches + self.max_batches_ahead:
             return NoTask(reason="backpressure", retry_after_s=0.2)
         item = self.item_for_group(self.next_group)

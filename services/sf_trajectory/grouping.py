@@ -165,6 +165,8 @@ class Grouper:
         self.dropped: dict[str, int] = {}
         self.stale_sessions: list[str] = []
         """Sessions dropped for staleness (accounted for: never trained, never lost)."""
+        self.groups_lost = 0
+        """Groups that will never be in a batch: all samples failed or went stale."""
 
     def apply(self, event: TrajectoryEvent) -> None:
         if isinstance(event, SessionOpened):
@@ -200,7 +202,9 @@ class Grouper:
         del self.sessions[opened.session_id]
         if group.complete:
             del self.groups[group.group_id]
-            if group.samples:
+            if not group.samples:
+                self.groups_lost += 1
+            else:
                 self.ready.append(
                     SampleGroup(
                         group_id=group.group_id, task_id=group.task_id, samples=group.samples
@@ -247,5 +251,6 @@ class Grouper:
             else:
                 kept.append(sample)
         if not kept:
+            self.groups_lost += 1
             return None
         return SampleGroup(group_id=group.group_id, task_id=group.task_id, samples=kept)

@@ -105,7 +105,7 @@ class TrajectoryService:
         await supervise(ctx.stopping, self._event_loop(events))
 
     async def on_claim(self, claim: TaskClaim) -> TaskAssignment | NoTask:
-        return self.dispatcher.claim(self.trained_batches)
+        return self.dispatcher.claim(self.trained_batches, self.grouper.groups_lost)
 
     async def on_export(self, query: SessionExportQuery) -> SessionExport:
         subjects = self.ctx.subjects
