@@ -137,3 +137,27 @@ def test_a_dead_lent_engine_is_not_reclaimed() -> None:
     p.trainer_waiting(0.0)
     p.remove("a")
     assert p.trainer_claims(1.0).reclaim == ("b",)
+
+
+def test_a_lent_engine_that_gets_no_work_stops_being_lent_and_is_probed_again() -> None:
+    """The trainer waits long (W is large), but the measured yield of lending is ~0:
+    the next batch's requests were all taken by dedicated engines before the lent one
+    woke. The policy trusts the measurement, then re-measures after a few declines."""
+    p = policy("multiplexed", ewma_alpha=1.0, reprobe_after=3)
+    p.add(engine("dedicated", "rollout"))
+    p.add(engine("lend", "train", "rollout"))
+    p.trainer_waiting(0.0)
+    p.trainer_claims(20.0)  # a 20 s wait with one lent engine: W = 40 s
+    p.observe_reclaim(0.5)
+    p.observe_yield(0.0)  # ... during which the lent engine served nothing
+    for start in (30.0, 60.0):
+        plan = p.trainer_waiting(start)
+        assert plan.lend == () and "measured yield" in plan.reason
+        p.trainer_claims(start + 20.0)
+    assert p.stats.declined == 2
+    probe = p.trainer_waiting(100.0)
+    assert probe.lend == ("lend",) and "re-measure" in probe.reason
+    p.trainer_claims(110.0)
+    p.observe_yield(8.0)  # this time it was busy for 8 s: worth the 0.5 s reclaim
+    plan = p.trainer_waiting(120.0)
+    assert plan.lend == ("lend",) and plan.gain_s == pytest.approx(8.0)

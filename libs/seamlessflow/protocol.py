@@ -520,6 +520,9 @@ class RoleAck(Message, tag="sched.role_ack"):
     """How long the transition took on the resource."""
     handed_back: int = 0
     """Requests in flight that were interrupted for re-submission elsewhere."""
+    busy_s: float = 0.0
+    """``idle`` after serving: seconds it had requests in flight since it last joined
+    the generate queue (what lending it yielded)."""
 
 
 class SlotsClaim(Message, tag="sched.claim"):

@@ -37,9 +37,10 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
 
-RoleHandler = Callable[[RoleAssignment], Awaitable[int]]
+RoleHandler = Callable[[RoleAssignment], Awaitable[tuple[int, float]]]
 """Puts a role into effect before it is acked; returns how many requests in flight it
-handed back for re-submission (an engine leaving rollout)."""
+handed back for re-submission and how long it was busy while serving (an engine
+leaving rollout), else (0, 0.0)."""
 
 
 class ResourceMembership:
@@ -102,20 +103,21 @@ class ResourceMembership:
 
     async def _on_assignment(self, assignment: RoleAssignment) -> RoleAck:
         started = time.monotonic()
-        handed_back = await self._apply(assignment)
+        handed_back, busy_s = await self._apply(assignment)
         return RoleAck(
             resource_id=self.resource_id,
             role=assignment.role,
             seconds=time.monotonic() - started,
             handed_back=handed_back,
+            busy_s=busy_s,
         )
 
-    async def _apply(self, assignment: RoleAssignment) -> int:
+    async def _apply(self, assignment: RoleAssignment) -> tuple[int, float]:
         """Put the role into effect, one change at a time, then publish it."""
         async with self._applying:
-            handed_back = 0
+            outcome = (0, 0.0)
             if self.on_role is not None:
-                handed_back = await self.on_role(assignment)
+                outcome = await self.on_role(assignment)
             async with self._role_changed:
                 if assignment.role != self.role:
                     log.info(
@@ -123,7 +125,7 @@ class ResourceMembership:
                     )
                 self.role = assignment.role
                 self._role_changed.notify_all()
-            return handed_back
+            return outcome
 
     async def wait_for_role(self, *roles: Role) -> Role:
         async with self._role_changed:

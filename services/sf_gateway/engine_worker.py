@@ -31,6 +31,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 
 import torch
 from nats.aio.subscription import Subscription
@@ -90,6 +91,27 @@ def build_engine(settings: EngineSettings, model_dir: str) -> InferenceEngine:
     raise ValueError(f"unknown engine backend {settings.backend!r} (known: hf, vllm)")
 
 
+class BusyClock:
+    """Seconds with at least one request in flight (the yield of a lent engine)."""
+
+    def __init__(self) -> None:
+        self._total = 0.0
+        self._since: float | None = None
+
+    def start(self) -> None:
+        if self._since is None:
+            self._since = time.monotonic()
+
+    def stop(self) -> None:
+        if self._since is not None:
+            self._total += time.monotonic() - self._since
+            self._since = None
+
+    def total(self) -> float:
+        running = time.monotonic() - self._since if self._since is not None else 0.0
+        return self._total + running
+
+
 class EngineWorker:
     name = "engine"
 
@@ -107,6 +129,7 @@ class EngineWorker:
         self._none_in_flight = asyncio.Event()
         self._none_in_flight.set()
         self._min_version = 0
+        self._busy = BusyClock()
         self._asleep = False
         """Lent out of rollout: weight broadcasts are skipped until it serves again."""
 
@@ -153,14 +176,14 @@ class EngineWorker:
                 self.membership.set_phase("idle")
                 log.info("%s waits for the rollout role (%s)", self.engine_id, self.membership.role)
 
-    async def _on_role(self, assignment: RoleAssignment) -> int:
+    async def _on_role(self, assignment: RoleAssignment) -> tuple[int, float]:
         """Put a role from the tag-scheduler into effect (before it is acked)."""
         self._min_version = max(self._min_version, assignment.min_version)
         if not self._joined:
-            return 0  # the join applies the role once the engine has caught up
+            return 0, 0.0  # the join applies the role once the engine has caught up
         if assignment.role == "rollout":
             await self._start_serving()
-            return 0
+            return 0, 0.0
         return await self._stop_serving()
 
     async def _start_serving(self) -> None:
@@ -173,6 +196,7 @@ class EngineWorker:
             await self.engine.resume()
             self._asleep = False
             await self._catch_up(self._min_version)
+            self._busy = BusyClock()
             self._generate_sub = await self.ctx.bus.serve(
                 self.ctx.subjects.engine_generate(),
                 GenerateRequest,
@@ -183,12 +207,14 @@ class EngineWorker:
         log.info("%s serving version %d", self.engine_id, self.engine.version)
         self.ready.set()
 
-    async def _stop_serving(self) -> int:
+    async def _stop_serving(self) -> tuple[int, float]:
         """Leave the queue; hand requests in flight back (partial tokens) for re-submission
-        elsewhere; release memory. Returns how many requests were handed back."""
+        elsewhere; release memory. Returns how many requests were handed back and how
+        long the engine had requests in flight since it joined the queue."""
         sub, self._generate_sub = self._generate_sub, None
         if sub is None:
-            return 0
+            return 0, 0.0
+        busy_s = self._busy.total()
         with tracer.start_as_current_span(
             "engine.release", attributes={"engine.id": self.engine_id}
         ) as span:
@@ -204,8 +230,13 @@ class EngineWorker:
             span.set_attribute("handed_back", handed_back)
         self.handed_back += handed_back
         self.membership.set_phase("idle")
-        log.info("%s released its slot (%d requests handed back)", self.engine_id, handed_back)
-        return handed_back
+        log.info(
+            "%s released its slot (%d requests handed back, busy %.2fs while serving)",
+            self.engine_id,
+            handed_back,
+            busy_s,
+        )
+        return handed_back, busy_s
 
     async def on_generate(self, request: GenerateRequest) -> GenerateReply:
         try:
@@ -231,6 +262,7 @@ class EngineWorker:
                 finish_reason="abort",
             )
         self.membership.in_flight += 1
+        self._busy.start()
         self._in_flight.add(request.request_id)
         self._none_in_flight.clear()
         self.membership.set_phase("rollout")
@@ -252,6 +284,7 @@ class EngineWorker:
             self._in_flight.discard(request.request_id)
             if not self._in_flight:
                 self._none_in_flight.set()
+                self._busy.stop()
             if self.membership.in_flight == 0 and self._generate_sub is not None:
                 self.membership.set_phase("idle")
         self.requests_served += 1

@@ -20,18 +20,27 @@ ones on the trainer's slots. The mode only sets how lending is decided
 
 When lending pays (``when_pays``): at the moment the trainer starts waiting, lend iff
 
-    expected rollout gain  = W - s_lend   >   margin x s_reclaim  = switch cost
+    expected rollout gain   >   margin x s_reclaim  = switch cost
 
+- the *gain* is the rollout time a lent engine delivers per lend: once lends have been
+  measured, the EWMA of the time each lent engine actually had requests in flight
+  (``observe_yield``); before that, the estimate ``W - s_lend``;
 - ``W``: how long the trainer would wait with dedicated engines alone. Each observed
   wait ``w`` with ``D`` dedicated and ``L`` lent engines serving is scaled to
   ``w x (D + L) / D`` (engines count as equal capacity), then averaged (EWMA). With
-  no dedicated engine ``W`` is unbounded; before the first observation lending is
-  tried once, so there is something to measure.
+  no dedicated engine ``W`` is unbounded (always lend); before the first observation
+  lending is tried once, so there is something to measure;
 - ``s_lend``: measured time from lending an engine until it serves (wake, catch up to
   the current weight version, join the queue); ``s_reclaim``: measured time from the
   trainer's claim until every lent engine released its slot (in-flight requests
-  handed back for transparent resume, memory freed). Both EWMAs start from
-  ``switch_cost_prior_s``.
+  handed back for transparent resume, memory freed): the trainer's loss. Both EWMAs
+  start from ``switch_cost_prior_s``.
+
+The measured yield is what keeps the rule honest: ``W`` says the trainer waits, not
+that a lent engine would get work in that time (when the next batch's requests are all
+on dedicated engines before a lent one wakes, it idles, and ``W`` does not shrink).
+After ``reprobe_after`` declines in a row the policy lends once more to re-measure,
+because the workload changes over a run.
 """
 
 from __future__ import annotations
@@ -125,6 +134,8 @@ class PolicyConfig:
     """Lend-in and reclaim time assumed before any has been measured."""
     ewma_alpha: float = 0.3
     """Weight of the newest measurement in the running estimates."""
+    reprobe_after: int = 10
+    """After this many declined lends in a row, lend once to measure the yield again."""
 
     @property
     def lending(self) -> Lending:
@@ -165,6 +176,9 @@ class TagPolicy:
         self.no_lend_wait = Ewma(self.config.ewma_alpha)
         self.lend_cost = Ewma(self.config.ewma_alpha, self.config.switch_cost_prior_s)
         self.reclaim_cost = Ewma(self.config.ewma_alpha, self.config.switch_cost_prior_s)
+        self.lend_yield = Ewma(self.config.ewma_alpha)
+        """Seconds a lent engine had requests in flight, per lend (measured)."""
+        self._declined_in_row = 0
         self.stats = PolicyStats()
 
     @property
@@ -247,22 +261,32 @@ class TagPolicy:
         dedicated = len(self.dedicated)
         wait = self.expected_wait(dedicated)
         cost = self.reclaim_cost.value or 0.0
-        gain = wait - (self.lend_cost.value or 0.0)
+        if self.lend_yield.value is not None and dedicated > 0:
+            gain, basis = self.lend_yield.value, "measured yield"
+        else:
+            gain, basis = wait - (self.lend_cost.value or 0.0), "expected wait"
         lending = self.config.lending
+        lend: tuple[str, ...] = ()
         if not candidates:
-            lend, reason = (), "nothing lendable"
+            reason = "nothing lendable"
         elif lending == "never":
-            lend, reason = (), "mode never lends"
+            reason = "mode never lends"
         elif lending == "always":
             lend, reason = candidates, "mode always lends"
         elif self.no_lend_wait.samples == 0 and dedicated > 0:
             lend, reason = candidates, "no wait measured yet: lend to measure"
         elif gain > self.config.lend_margin * cost:
-            lend, reason = candidates, f"gain {gain:.3f}s > cost {cost:.3f}s"
+            lend, reason = candidates, f"gain {gain:.3f}s ({basis}) > cost {cost:.3f}s"
+        elif count_declined and self._declined_in_row + 1 >= self.config.reprobe_after:
+            lend = candidates
+            reason = f"{self._declined_in_row + 1} declines in a row: lend to re-measure"
         else:
-            lend, reason = (), f"gain {gain:.3f}s <= cost {cost:.3f}s"
+            reason = f"gain {gain:.3f}s ({basis}) <= cost {cost:.3f}s"
             if count_declined:
                 self.stats.declined += 1
+                self._declined_in_row += 1
+        if lend:
+            self._declined_in_row = 0
         self.lent.update(lend)
         self.stats.lends += len(lend)
         self.trainer.lent_at_wait = len(self.lent)
@@ -297,6 +321,10 @@ class TagPolicy:
     def observe_lend(self, seconds: float) -> None:
         """An engine took ``seconds`` from being lent until it served."""
         self.lend_cost.add(seconds)
+
+    def observe_yield(self, busy_seconds: float) -> None:
+        """A reclaimed engine had requests in flight for ``busy_seconds`` while lent."""
+        self.lend_yield.add(busy_seconds)
 
     def observe_reclaim(self, seconds: float) -> None:
         """Reclaiming the lent engines delayed the trainer by ``seconds``."""

@@ -148,9 +148,13 @@ class TagScheduler:
             missed = [rid for rid, ack in zip(plan.reclaim, acks, strict=True) if ack is None]
             span.set_attribute("seconds", seconds)
             span.set_attribute("handed_back", sum(a.handed_back for a in acks if a))
+            span.set_attribute("lent_busy_s", sum(a.busy_s for a in acks if a))
             span.set_attribute("missed", missed)
         if plan.reclaim:
             self.policy.observe_reclaim(seconds)
+            for ack in acks:
+                if ack is not None:
+                    self.policy.observe_yield(ack.busy_s)
             log.info("reclaimed %s in %.3fs (missed %s)", list(plan.reclaim), seconds, missed)
         return SlotsGranted(reclaimed=list(plan.reclaim), seconds=seconds, missed=missed)
 
