@@ -25,10 +25,13 @@ check:
     {{bin}}/ruff format --check .
     {{bin}}/mypy libs/seamlessflow
 
-# benchmarks: built-in task throughput, then the cost of one partial-rollout interruption
-bench STEPS="20":
-    {{bin}}/seamlessflow bench --steps {{STEPS}}
+# benchmarks: throughput and bubbles of each deployment mode on the built-in task (same
+# steps, slots pinned to cores), the cost of one partial-rollout interruption, and the
+# simulator at 8-1024 GPUs
+bench STEPS="60":
+    {{bin}}/seamlessflow bench --steps {{STEPS}} --modes colocated,disaggregated,multiplexed --pin-slots
     {{bin}}/python loadtests/interruption.py
+    {{bin}}/seamlessflow simulate
 
 # gateway load test against a live mesh (prints requests/s and latency percentiles)
 load *ARGS:

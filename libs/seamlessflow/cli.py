@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -54,6 +54,12 @@ def up(
         int | None, typer.Option(help="Completion budget per call (default: the task's).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed.")] = 0,
+    mode: Annotated[
+        str, typer.Option(help="Deployment: colocated | disaggregated | multiplexed.")
+    ] = "disaggregated",
+    pin_slots: Annotated[
+        bool, typer.Option(help="Pin engines and the trainer to their slot's core.")
+    ] = False,
     live: Annotated[bool, typer.Option(help="Live progress table.")] = True,
 ) -> None:
     """Embedded local run: NATS, every service as a process, agents, training."""
@@ -73,6 +79,8 @@ def up(
         engines=engines,
         agent=agent,
         seed=seed,
+        mode=mode,  # type: ignore[arg-type]
+        pin_slots=pin_slots,
         live=live,
     )
     summary = run_embedded(config)
@@ -167,24 +175,142 @@ def build_model(
 @app.command()
 def bench(
     steps: Annotated[int, typer.Option(help="Optimizer steps to measure.")] = 20,
-    runs_dir: Annotated[Path, typer.Option(help="Where the bench run is written.")] = Path("runs"),
+    runs_dir: Annotated[Path, typer.Option(help="Where the bench runs are written.")] = Path(
+        "runs"
+    ),
+    modes: Annotated[
+        str, typer.Option(help="Comma-separated deployments to run one after the other.")
+    ] = "disaggregated",
+    max_tokens: Annotated[
+        int | None, typer.Option(help="Completion budget per call (default: the task's).")
+    ] = None,
+    pin_slots: Annotated[
+        bool, typer.Option(help="Pin engines and the trainer to their slot's core.")
+    ] = False,
 ) -> None:
-    """Run the built-in task for a fixed number of steps and print throughput figures."""
+    """Run the built-in task for a fixed number of steps in each mode; print figures and,
+    for several modes, each one's throughput relative to the first (same run)."""
     from seamlessflow.embedded import RunConfig, run_embedded
 
-    config = RunConfig(steps=steps, runs_dir=runs_dir, run_id="", live=False)
-    summary = run_embedded(config)
-    figures = {
-        "steps": summary.steps,
-        "status": summary.status,
-        "generated_tokens_per_s": round(summary.generated_tokens_per_s, 1),
-        "trained_tokens_per_s": round(summary.trained_tokens_per_s, 1),
-        "mean_train_step_s": round(summary.mean_step_s, 3),
-        "mean_trainer_wait_for_batch_s": round(summary.mean_wait_s, 3),
-        "mean_weight_publish_s": round(summary.mean_publish_s, 3),
-        "wall_s": summary.wall_s,
-    }
-    typer.echo(json.dumps(figures, indent=2))
+    results: list[dict[str, Any]] = []
+    for mode in [m.strip() for m in modes.split(",") if m.strip()]:
+        config = RunConfig(
+            steps=steps,
+            runs_dir=runs_dir,
+            run_id="",
+            live=False,
+            mode=mode,  # type: ignore[arg-type]
+            pin_slots=pin_slots,
+            **({"max_tokens": max_tokens} if max_tokens is not None else {}),  # type: ignore[arg-type]
+        )
+        summary = run_embedded(config)
+        results.append(
+            {
+                "mode": mode,
+                "run_id": summary.run_id,
+                "steps": summary.steps,
+                "status": summary.status,
+                "steady_generated_tokens_per_s": round(summary.steady_generated_tokens_per_s, 1),
+                "generated_tokens_per_s": round(summary.generated_tokens_per_s, 1),
+                "trained_tokens_per_s": round(summary.trained_tokens_per_s, 1),
+                "bubble_ratio": summary.bubble_ratio,
+                "mean_train_step_s": round(summary.mean_step_s, 3),
+                "mean_trainer_wait_for_batch_s": round(summary.mean_wait_s, 3),
+                "mean_weight_publish_s": round(summary.mean_publish_s, 3),
+                "lends": summary.lends,
+                "reclaims": summary.reclaims,
+                "requests_handed_back": summary.requests_handed_back,
+                "wall_s": summary.wall_s,
+            }
+        )
+    baseline = results[0]["steady_generated_tokens_per_s"] if results else 0
+    for figures in results:
+        ratio = figures["steady_generated_tokens_per_s"] / baseline if baseline else 0.0
+        figures[f"throughput_vs_{results[0]['mode']}"] = round(ratio, 3)
+    typer.echo(json.dumps(results[0] if len(results) == 1 else results, indent=2))
+
+
+@app.command()
+def simulate(
+    gpus: Annotated[str, typer.Option(help="Cluster sizes, comma-separated.")] = "8,64,512,1024",
+    steps: Annotated[int, typer.Option(help="Optimizer steps per simulated run.")] = 20,
+    task: Annotated[str, typer.Option(help="Workload: single-turn or agentic.")] = "single-turn",
+    from_run: Annotated[
+        Path | None,
+        typer.Option(help="Calibrate rates from a run directory (runs/<id>/summary.json)."),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed (same seed, same figures).")] = 0,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write every figure to this file.")
+    ] = None,
+    train_fractions: Annotated[
+        str, typer.Option(help="Training-slot shares tried for the two split deployments.")
+    ] = "0.25,0.5,0.75",
+    max_staleness: Annotated[
+        int, typer.Option(help="Drop samples more than this many versions old (-1: never).")
+    ] = 4,
+    rebalance_on_lend: Annotated[
+        bool, typer.Option(help="What-if: move in-flight requests onto a lent engine.")
+    ] = False,
+) -> None:
+    """Simulate colocated-sync, disaggregated-async and multiplexed on 8-1024 GPUs with
+    the production scheduling policy on virtual time; print throughput, bubble ratio and
+    speedup over colocated-sync. Durations are modeled (or calibrated with --from-run)."""
+    from sf_tag_scheduler.simulator import (
+        TABLE_HEADER,
+        WORKLOADS,
+        SimConfig,
+        calibrate_from_run,
+        compare,
+        format_row,
+        rows_as_json,
+    )
+
+    if task not in WORKLOADS:
+        raise typer.BadParameter(f"--task must be one of: {', '.join(WORKLOADS)}")
+    try:
+        sizes = [int(g) for g in gpus.split(",") if g.strip()]
+        fractions = [float(f) for f in train_fractions.split(",") if f.strip()]
+    except ValueError as exc:
+        raise typer.BadParameter(f"expected comma-separated numbers: {exc}") from None
+    if not sizes or min(sizes) < 2 or not fractions or not all(0 < f < 1 for f in fractions):
+        raise typer.BadParameter("need --gpus >= 2 and --train-fractions in (0, 1)")
+    base = SimConfig(
+        steps=steps,
+        seed=seed,
+        workload=WORKLOADS[task],
+        max_staleness=None if max_staleness < 0 else max_staleness,
+        rebalance_on_lend=rebalance_on_lend,
+    )
+    if from_run is not None:
+        calibration = calibrate_from_run(from_run, base)
+        base = calibration.config
+        for note in calibration.notes:
+            typer.echo(f"# {note}")
+    engine, trainer, switch = base.engine, base.trainer, base.switch
+    typer.echo(
+        f"# {task}, {steps} steps, seed {seed}; modeled: {base.workload.samples_per_gpu} "
+        f"samples/GPU/step, decode {engine.decode_tokens_per_s_alone:g}-"
+        f"{engine.decode_tokens_per_s_full:g} tok/s/engine, train "
+        f"{trainer.train_tokens_per_s_per_gpu:g} tok/s/GPU, sync {trainer.sync_s:.2f}s, "
+        f"lend-in {switch.lend_in_s:g}s, reclaim {switch.reclaim_s:g}s"
+    )
+    typer.echo(
+        "# disaggregated-async and multiplexed: best training share of "
+        f"{', '.join(f'{f:g}' for f in fractions)} (by trained tokens/s)"
+        + ("; what-if: rebalance on lend" if rebalance_on_lend else "")
+    )
+    typer.echo(TABLE_HEADER)
+    rows = []
+    for size in sizes:  # one cluster size at a time: large ones take a while
+        for row in compare([size], base, fractions):
+            typer.echo(format_row(row))
+            rows.append(row)
+    if json_out is not None:
+        report = rows_as_json(rows, base)
+        report["command"] = {"gpus": sizes, "task": task, "from_run": str(from_run or "")}
+        json_out.write_text(json.dumps(report, indent=2) + "\n")
+        typer.echo(f"wrote {json_out}")
 
 
 SETTINGS: dict[str, str] = {
