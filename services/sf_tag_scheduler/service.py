@@ -13,7 +13,8 @@ Produces:
 - ``sf.<run>.sched.phase`` (PhaseChanged: phase transitions and deaths)
 - KV bucket ``sf_<run>_resources``: one entry per resource (tags, slots, role, phase,
   status)
-- spans ``sched.reclaim`` and ``sched.lend`` (the multiplexing decisions and their cost)
+- spans ``sched.decide`` (each lending decision and its estimates), ``sched.lend`` and
+  ``sched.reclaim`` (the switches and their cost)
 
 The decisions themselves are made by :class:`sf_tag_scheduler.policy.TagPolicy`, the
 same object the simulator drives; this module only does the I/O around it.
@@ -162,8 +163,20 @@ class TagScheduler:
         """The trainer waits: decide now, lend in the background (the trainer goes on)."""
         self.trainer_version = max(self.trainer_version, release.version)
         plan = self.policy.trainer_waiting(time.monotonic())
-        if plan.lend:
-            self._lends.put_nowait(plan)
+        with tracer.start_as_current_span(
+            "sched.decide",
+            attributes={
+                "trainer.id": release.trainer_id,
+                "version": release.version,
+                "lent": list(plan.lend),
+                "reason": plan.reason,
+                "expected_wait_s": _finite(plan.expected_wait_s) or -1.0,
+                "gain_s": _finite(plan.gain_s) or -1.0,
+                "cost_s": plan.cost_s,
+            },
+        ):
+            if plan.lend:
+                self._lends.put_nowait(plan)
         log.info("trainer waits (v%d): lend %s: %s", release.version, list(plan.lend), plan.reason)
         return LendReport(
             lent=list(plan.lend),
