@@ -187,6 +187,10 @@ def bench(
     pin_slots: Annotated[
         bool, typer.Option(help="Pin engines and the trainer to their slot's core.")
     ] = False,
+    task: Annotated[str, typer.Option(help="Task source (e.g. arithmetic, lookup).")] = (
+        "arithmetic"
+    ),
+    agent: Annotated[str, typer.Option(help="Agent name or dotted path.")] = "single_turn",
 ) -> None:
     """Run the built-in task for a fixed number of steps in each mode; print figures and,
     for several modes, each one's throughput relative to the first (same run)."""
@@ -201,6 +205,8 @@ def bench(
             live=False,
             mode=mode,  # type: ignore[arg-type]
             pin_slots=pin_slots,
+            task=task,
+            agent=agent,
             **({"max_tokens": max_tokens} if max_tokens is not None else {}),  # type: ignore[arg-type]
         )
         summary = run_embedded(config)

@@ -89,9 +89,11 @@ class RunConfig(BaseModel):
     live: bool = True
     """Show live progress in the terminal."""
     pin_slots: bool = False
-    """Pin each engine and the trainer to the CPU core of its slot (slot i -> core
-    i mod cores), so a slot's core really idles when its process waits, as a GPU would;
-    the other services float. Used by the mode benchmark."""
+    """Emulate slots as accelerators: pin each engine and the trainer to the CPU core of
+    its slot (slot i -> core i mod cores), and the data plane (NATS, gateway, agents,
+    trajectory, weight-sync, tag-scheduler) to slot 0's core, so a trainer's slot is
+    really idle while it waits, as a GPU would be, instead of being filled by the
+    operating system with other work. Used by the mode benchmark."""
 
     @model_validator(mode="after")
     def _colocated_is_synchronous(self) -> RunConfig:
@@ -268,11 +270,14 @@ class EmbeddedRun:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches the runner, which stops us in order
             )
-        if slots and self.config.pin_slots and hasattr(os, "sched_setaffinity"):
-            cores = os.cpu_count() or 1
-            os.sched_setaffinity(
-                process.pid, {int(slot.rsplit("-", 1)[1]) % cores for slot in slots}
-            )
+        self.pin(process.pid, slots or ["slot-0"])
+
+    def pin(self, pid: int, slots: list[str]) -> None:
+        """``pin_slots``: run ``pid`` on the cores of ``slots`` (``slot-<i>``)."""
+        if not self.config.pin_slots or not hasattr(os, "sched_setaffinity"):
+            return
+        cores = os.cpu_count() or 1
+        os.sched_setaffinity(pid, {int(slot.rsplit("-", 1)[1]) % cores for slot in slots})
 
     def stop_processes(self, timeout: float = 30.0) -> None:
         """Stop in dependency order, each stage draining before the next one stops:
@@ -325,6 +330,8 @@ class EmbeddedRun:
             model_dir = await asyncio.to_thread(ensure_base_model, model_dir, task=c.task)
         nats_server = EmbeddedNats(self.run_dir / "nats")
         url = c.nats_url or nats_server.start()
+        if nats_server.process is not None:
+            self.pin(nats_server.process.pid, ["slot-0"])
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, stop.set)
