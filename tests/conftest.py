@@ -114,3 +114,22 @@ async def mesh(nats_url: str, run_id: str, base_model_dir: Path) -> AsyncIterato
     in_process = InProcessMesh(nats_url, run_id, base_model_dir)
     yield in_process
     await in_process.stop()
+
+
+async def publish_perturbed_version(bus: Bus, version: int, base: dict) -> None:  # type: ignore[type-arg]
+    """Play the trainer: store a slightly perturbed copy of ``base`` as ``version`` in
+    the object store, then announce it (as ``sf_trainer`` does after a step)."""
+    import torch
+
+    from seamlessflow import weights
+    from seamlessflow.protocol import WeightsPublished
+
+    state = {k: v + 0.01 * torch.randn_like(v) for k, v in base.items()}
+    name, digest, size = await weights.put_weights(bus, version, state)
+    await bus.js_publish(
+        bus.subjects.weights_published(),
+        WeightsPublished(
+            version=version, object_name=name, sha256=digest, num_bytes=size, step=version
+        ),
+        msg_id=f"weights-v{version}",
+    )

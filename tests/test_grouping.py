@@ -201,15 +201,19 @@ def test_lost_groups_are_replaced_so_the_last_batch_still_fills() -> None:
     grouper.apply(opened("a", "g0", 0, 1))
     grouper.apply(SessionFinished(session_id="a"))  # no turns: the whole group fails
     assert grouper.groups_lost == 1 and grouper.take_batch(1) is None
-    dispatcher = Dispatcher(
-        items(3),
-        reward_fn="exact",
-        group_size=1,
-        groups_per_batch=1,
-        total_batches=2,
-        max_batches_ahead=5,
-        seed=0,
-    )
+
+    def two_batches_of_one_group() -> Dispatcher:
+        return Dispatcher(
+            items(3),
+            reward_fn="exact",
+            group_size=1,
+            groups_per_batch=1,
+            total_batches=2,
+            max_batches_ahead=5,
+            seed=0,
+        )
+
+    dispatcher = two_batches_of_one_group()
     handed = [dispatcher.claim(0, groups_lost=grouper.groups_lost) for _ in range(4)]
     assert [type(c).__name__ for c in handed] == [
         "TaskAssignment",
@@ -218,13 +222,5 @@ def test_lost_groups_are_replaced_so_the_last_batch_still_fills() -> None:
         "NoTask",
     ]
     # without the loss the budget is two groups
-    plain = Dispatcher(
-        items(3),
-        reward_fn="exact",
-        group_size=1,
-        groups_per_batch=1,
-        total_batches=2,
-        max_batches_ahead=5,
-        seed=0,
-    )
+    plain = two_batches_of_one_group()
     assert isinstance([plain.claim(0) for _ in range(3)][-1], NoTask)

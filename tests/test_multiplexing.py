@@ -13,11 +13,9 @@ import asyncio
 from pathlib import Path
 
 import httpx
-import torch
 from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM
 
-from seamlessflow import weights
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import (
     GenerateReply,
@@ -28,7 +26,6 @@ from seamlessflow.protocol import (
     SlotsReleased,
     TrajectoryEvent,
     TurnRecorded,
-    WeightsPublished,
     decode,
 )
 from seamlessflow.settings import MeshSettings
@@ -173,7 +170,7 @@ async def test_a_late_engine_serves_only_after_catching_up(
 ) -> None:
     """Versions 1 and 2 are published before the engine exists; its very first answer
     must already come from version 2."""
-    from conftest import InProcessMesh
+    from conftest import InProcessMesh, publish_perturbed_version
 
     mesh = InProcessMesh(nats_url, run_id, base_model_dir)
     try:
@@ -181,15 +178,7 @@ async def test_a_late_engine_serves_only_after_catching_up(
         weight_sync = await mesh.start(WeightSync())
         base = AutoModelForCausalLM.from_pretrained(str(base_model_dir)).state_dict()
         for version in (1, 2):
-            state = {k: v + 0.01 * torch.randn_like(v) for k, v in base.items()}
-            name, digest, size = await weights.put_weights(bus, version, state)
-            await bus.js_publish(
-                bus.subjects.weights_published(),
-                WeightsPublished(
-                    version=version, object_name=name, sha256=digest, num_bytes=size, step=version
-                ),
-                msg_id=f"weights-v{version}",
-            )
+            await publish_perturbed_version(bus, version, base)
         async with asyncio.timeout(30):
             while weight_sync.current.version < 2:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)

@@ -12,13 +12,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM
 
-from seamlessflow import weights
 from seamlessflow.bus import Bus
-from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, WeightsPublished, decode
+from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
 from sf_gateway.config import EngineSettings, GatewaySettings
 from sf_gateway.engine_worker import EngineWorker
 from sf_gateway.gateway import GatewayService
@@ -32,16 +30,10 @@ MAX_TOKENS = 48
 
 async def publish_versions(bus: Bus, engine: EngineWorker, base: dict, done: asyncio.Event) -> None:  # type: ignore[type-arg]
     """Publish VERSIONS versions, each as soon as the engine serves the previous one."""
+    from conftest import publish_perturbed_version
+
     for version in range(1, VERSIONS + 1):
-        state = {k: v + 0.01 * torch.randn_like(v) for k, v in base.items()}
-        name, digest, size = await weights.put_weights(bus, version, state)
-        await bus.js_publish(
-            bus.subjects.weights_published(),
-            WeightsPublished(
-                version=version, object_name=name, sha256=digest, num_bytes=size, step=version
-            ),
-            msg_id=f"weights-v{version}",
-        )
+        await publish_perturbed_version(bus, version, base)
         async with asyncio.timeout(30):
             while engine.engine.version < version:  # noqa: ASYNC110 (polling another service)
                 await asyncio.sleep(0.01)

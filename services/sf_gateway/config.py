@@ -85,6 +85,10 @@ class EngineSettings(BaseSettings):
     """GPU + vLLM: put the engine to sleep (weights to host, KV cache freed) while its
     slot is lent to training (``enable_sleep_mode``). No effect on CPU."""
 
+    release_timeout_s: float = 10.0
+    """Reclaimed: longest wait for the replies of the requests it handed back before it
+    frees its slot anyway (the gateway's first-chunk and reply time-outs cover them)."""
+
     min_version_wait_s: float = 10.0
     """An engine lent back to rollout waits up to this long for weight-sync to announce
     the version the trainer just published before it serves."""

@@ -224,7 +224,16 @@ class EngineWorker:
             async with self._load_lock:  # never in the middle of a weight swap
                 handed_back = len(self._in_flight)
                 await self.engine.pause("abort")
-                await self._none_in_flight.wait()  # their "abort" replies are on the way
+                try:  # their "abort" replies are on the way
+                    await asyncio.wait_for(
+                        self._none_in_flight.wait(), self.settings.release_timeout_s
+                    )
+                except TimeoutError:
+                    log.error(
+                        "%s: %d requests still in flight after the release time-out",
+                        self.engine_id,
+                        len(self._in_flight),
+                    )
                 await self.engine.sleep()
                 self._asleep = True
             span.set_attribute("handed_back", handed_back)
