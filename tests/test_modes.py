@@ -68,10 +68,8 @@ async def test_a_run_lends_and_reclaims_training_slots(
         assert all(d["reason"] in ("mode always lends", "nothing lendable") for d in decisions)
     else:  # the policy weighed gain against cost at every wait (or had nothing to lend)
         assert summary.reclaims <= steps
-        assert all(
-            "gain" in d["reason"] or "measure" in d["reason"] or d["reason"] == "nothing lendable"
-            for d in decisions
-        ), decisions
+        known = ("gain", "measure", "nothing lendable", "no dedicated engine")
+        assert all(any(k in d["reason"] for k in known) for d in decisions), decisions
     reclaims = [s for s in spans if s["name"] == "sched.reclaim"]
     assert len(reclaims) == steps and all(not s["attributes"]["missed"] for s in reclaims)
     # training never overlapped a lent engine's generation on the same slot

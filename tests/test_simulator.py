@@ -60,20 +60,21 @@ def test_the_simulators_policy_is_the_production_object(monkeypatch: pytest.Monk
 
 
 def test_lending_decisions_come_from_the_policy() -> None:
-    """A margin no gain can beat: after the one lend made to measure, the policy
-    declines every time, and the simulation follows it. With the default margin the
-    policy lends to measure, reads the lend's yield from the simulation
-    (``observe_yield``) and keeps lending only while that beats the reclaim cost."""
+    """The policy measures the trainer's wait with and without lending on the
+    simulated run, then decides by gain against the reclaim cost; a margin no gain can
+    beat makes it decline after the two measuring waits, and the simulation follows."""
     eager_sim = Simulation(replace(SMALL, deployment=multiplexed(0.5)))
     eager = eager_sim.run()
-    assert eager.lends == 4 * (SMALL.steps - eager.declined)
-    assert eager_sim.policy.lend_yield.samples >= 1  # the yield was measured
-    waits = [d for d in eager_sim.policy.stats.decisions if d.startswith("wait:")]
-    assert "lend to measure" in waits[0]
-    assert all("measured yield" in d for d in waits[1:])  # the measurement decides
+    policy = eager_sim.policy
+    waits = [d for d in policy.stats.decisions if d.startswith("wait:")]
+    assert "lend to measure" in waits[0] and "keep the slots to measure" in waits[1]
+    assert all("gain" in d for d in waits[2:])  # the measurements decide
+    assert policy.wait_lent.samples >= 1 and policy.wait_alone.samples >= 1
+    lend_decisions = sum(1 for d in waits if not d.startswith("wait: lend 0 "))
+    assert eager.lends == 4 * lend_decisions
     reluctant = simulate(replace(SMALL, deployment=multiplexed(0.5), lend_margin=1e9))
-    assert reluctant.lends == 4  # "no wait measured yet: lend to measure"
-    assert reluctant.declined == SMALL.steps - 1
+    assert reluctant.lends == 4  # the one lend made to measure
+    assert reluctant.declined == SMALL.steps - 2  # the keep made to measure is not a decline
     assert reluctant.reclaims == 4
 
 

@@ -121,6 +121,9 @@ class Bus:
             task.add_done_callback(self._handlers.discard)
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_message)
+        # A round trip: when serve returns, the server routes requests here (an engine
+        # that says it serves must already be in the queue group).
+        await self.nc.flush()
         self._subscriptions.append(sub)
         return sub
 

@@ -18,29 +18,27 @@ ones on the trainer's slots. The mode only sets how lending is decided
 (:data:`LENDING_BY_MODE`): ``always`` (colocated: there is no other rollout capacity),
 ``never`` (disaggregated), ``when_pays`` (multiplexed).
 
-When lending pays (``when_pays``): at the moment the trainer starts waiting, lend iff
+When lending pays (``when_pays``): lending is worth it when it shortens the trainer's
+wait for a batch by more than taking the engines back costs the trainer. Both sides
+are measured on the run, on the trainer's critical path:
 
-    expected rollout gain   >   margin x s_reclaim  = switch cost
+    gain = W_alone - W_lent    >    margin x s_reclaim = switch cost
 
-- the *gain* is the rollout time a lent engine delivers per lend: once lends have been
-  measured, the EWMA of the time each lent engine actually had requests in flight
-  (``observe_yield``); before that, the estimate ``W - s_lend``;
-- ``W``: how long the trainer would wait with dedicated engines alone. Each observed
-  wait ``w`` with ``D`` dedicated and ``L`` lent engines serving is scaled to
-  ``w x (D + L) / D`` (engines count as equal capacity), then averaged (EWMA). With
-  no dedicated engine ``W`` is unbounded (always lend); before the first observation
-  lending is tried once, so there is something to measure;
-- ``s_lend``: measured time from lending an engine until it serves (wake, catch up to
-  the current weight version, join the queue); ``s_reclaim``: measured time from the
-  trainer's claim until every lent engine released its slot (in-flight requests
-  handed back for transparent resume, memory freed): the trainer's loss. Both EWMAs
-  start from ``switch_cost_prior_s``.
+- ``W_alone`` / ``W_lent``: the trainer's observed waits for a batch (EWMAs) when
+  nothing was lent and when engines were lent during the wait. Their difference is
+  what lending really bought: it is ~0 when the lent engines get no work (the next
+  batch's requests already sit on dedicated engines) or when rollout is limited by
+  something else (a slow data plane, the long tail of a group), even if the lent
+  engines look busy;
+- ``s_reclaim``: how long the trainer waited for its slots at the claim (in-flight
+  requests handed back for transparent resume, memory freed); EWMA from
+  ``switch_cost_prior_s``.
 
-The measured yield is what keeps the rule honest: ``W`` says the trainer waits, not
-that a lent engine would get work in that time (when the next batch's requests are all
-on dedicated engines before a lent one wakes, it idles, and ``W`` does not shrink).
-After ``reprobe_after`` declines in a row the policy lends once more to re-measure,
-because the workload changes over a run.
+Exploration: the first wait lends (to measure ``W_lent``), the second does not (to
+measure ``W_alone``); after that the rule decides, and after ``reprobe_after``
+decisions in a row the other choice is taken once to refresh its measurement, because
+the workload changes over a run. With no dedicated engine alive lending is the only
+rollout capacity: always lend.
 """
 
 from __future__ import annotations
@@ -135,7 +133,8 @@ class PolicyConfig:
     ewma_alpha: float = 0.3
     """Weight of the newest measurement in the running estimates."""
     reprobe_after: int = 10
-    """After this many declined lends in a row, lend once to measure the yield again."""
+    """After this many identical decisions in a row, take the other one once to refresh
+    its measurement."""
 
     @property
     def lending(self) -> Lending:
@@ -173,12 +172,14 @@ class TagPolicy:
         self.members: dict[str, _Member] = {}
         self.lent: set[str] = set()
         self.trainer = _Trainer()
-        self.no_lend_wait = Ewma(self.config.ewma_alpha)
+        self.wait_alone = Ewma(self.config.ewma_alpha)
+        """The trainer's wait for a batch when nothing was lent (measured)."""
+        self.wait_lent = Ewma(self.config.ewma_alpha)
+        """The trainer's wait for a batch when engines were lent during it (measured)."""
         self.lend_cost = Ewma(self.config.ewma_alpha, self.config.switch_cost_prior_s)
         self.reclaim_cost = Ewma(self.config.ewma_alpha, self.config.switch_cost_prior_s)
-        self.lend_yield = Ewma(self.config.ewma_alpha)
-        """Seconds a lent engine had requests in flight, per lend (measured)."""
-        self._declined_in_row = 0
+        self._same_in_row = 0
+        self._last_lent: bool | None = None
         self.stats = PolicyStats()
 
     @property
@@ -259,12 +260,8 @@ class TagPolicy:
     def _lend_rule(self, *, count_declined: bool) -> LendPlan:
         candidates = tuple(r for r in self.lendable if r not in self.lent)
         dedicated = len(self.dedicated)
-        wait = self.expected_wait(dedicated)
         cost = self.reclaim_cost.value or 0.0
-        if self.lend_yield.value is not None and dedicated > 0:
-            gain, basis = self.lend_yield.value, "measured yield"
-        else:
-            gain, basis = wait - (self.lend_cost.value or 0.0), "expected wait"
+        gain = self.expected_gain()
         lending = self.config.lending
         lend: tuple[str, ...] = ()
         if not candidates:
@@ -273,32 +270,47 @@ class TagPolicy:
             reason = "mode never lends"
         elif lending == "always":
             lend, reason = candidates, "mode always lends"
-        elif self.no_lend_wait.samples == 0 and dedicated > 0:
-            lend, reason = candidates, "no wait measured yet: lend to measure"
-        elif gain > self.config.lend_margin * cost:
-            lend, reason = candidates, f"gain {gain:.3f}s ({basis}) > cost {cost:.3f}s"
-        elif count_declined and self._declined_in_row + 1 >= self.config.reprobe_after:
-            lend = candidates
-            reason = f"{self._declined_in_row + 1} declines in a row: lend to re-measure"
+        elif dedicated == 0:
+            lend, reason = candidates, "no dedicated engine: lending is all the rollout there is"
+        elif self.wait_lent.samples == 0:
+            lend, reason = candidates, "wait with lending not measured yet: lend to measure"
+        elif self.wait_alone.samples == 0:
+            reason = "wait without lending not measured yet: keep the slots to measure"
         else:
-            reason = f"gain {gain:.3f}s ({basis}) <= cost {cost:.3f}s"
-            if count_declined:
+            pays = gain > self.config.lend_margin * cost
+            if count_declined and self._same_in_row + 1 >= self.config.reprobe_after:
+                pays = not pays
+                verdict = f"{self._same_in_row + 1} alike in a row: the other way, to re-measure"
+            else:
+                verdict = f"gain {gain:.3f}s {'>' if pays else '<='} cost {cost:.3f}s"
+            reason = f"{verdict} (waits alone {self.wait_alone.value:.3f}s, "
+            reason += f"lent {self.wait_lent.value:.3f}s)"
+            if pays:
+                lend = candidates
+            elif count_declined:
                 self.stats.declined += 1
-                self._declined_in_row += 1
-        if lend:
-            self._declined_in_row = 0
+        if count_declined and candidates and lending == "when_pays":
+            lent_now = bool(lend)
+            self._same_in_row = self._same_in_row + 1 if lent_now == self._last_lent else 1
+            self._last_lent = lent_now
         self.lent.update(lend)
         self.stats.lends += len(lend)
         self.trainer.lent_at_wait = len(self.lent)
-        return LendPlan(lend, reason, wait, gain, cost)
+        return LendPlan(lend, reason, self.expected_wait(dedicated), gain, cost)
+
+    def expected_gain(self) -> float:
+        """W_alone - W_lent once both are measured; unbounded before (explore)."""
+        if self.wait_alone.value is None or self.wait_lent.value is None:
+            return math.inf
+        return self.wait_alone.value - self.wait_lent.value
 
     def trainer_claims(self, now: float) -> ReclaimPlan:
         """A full batch is ready: the trainer needs its slots back now."""
         if self.trainer.waiting_since is not None:
             waited = max(now - self.trainer.waiting_since, 0.0)
-            dedicated, lent = self.trainer.dedicated_at_wait, self.trainer.lent_at_wait
-            if dedicated > 0:
-                self.no_lend_wait.add(waited * (dedicated + lent) / dedicated)
+            if self.trainer.dedicated_at_wait > 0:  # else there is no "alone" to compare
+                lent = self.trainer.lent_at_wait > 0
+                (self.wait_lent if lent else self.wait_alone).add(waited)
         self.trainer.waiting_since = None
         self.trainer.training = True
         reclaim = tuple(sorted(self.lent))
@@ -309,22 +321,19 @@ class TagPolicy:
         return ReclaimPlan(reclaim, reason)
 
     def expected_wait(self, dedicated: int | None = None) -> float:
-        """W: the trainer's expected wait for a batch with dedicated engines alone."""
+        """W_alone: the trainer's expected wait with dedicated engines only (inf if
+        there are none or it was not measured yet)."""
         if dedicated is None:
             dedicated = len(self.dedicated)
-        if dedicated == 0 or self.no_lend_wait.value is None:
+        if dedicated == 0 or self.wait_alone.value is None:
             return math.inf
-        return self.no_lend_wait.value
+        return self.wait_alone.value
 
     # ------------------------------------------------------------------ measurements
 
     def observe_lend(self, seconds: float) -> None:
         """An engine took ``seconds`` from being lent until it served."""
         self.lend_cost.add(seconds)
-
-    def observe_yield(self, busy_seconds: float) -> None:
-        """A reclaimed engine had requests in flight for ``busy_seconds`` while lent."""
-        self.lend_yield.add(busy_seconds)
 
     def observe_reclaim(self, seconds: float) -> None:
         """Reclaiming the lent engines delayed the trainer by ``seconds``."""

@@ -153,9 +153,6 @@ class TagScheduler:
             span.set_attribute("missed", missed)
         if plan.reclaim:
             self.policy.observe_reclaim(seconds)
-            for ack in acks:
-                if ack is not None:
-                    self.policy.observe_yield(ack.busy_s)
             log.info("reclaimed %s in %.3fs (missed %s)", list(plan.reclaim), seconds, missed)
         return SlotsGranted(reclaimed=list(plan.reclaim), seconds=seconds, missed=missed)
 

@@ -413,7 +413,6 @@ class _Engine:
         "lend_stamp",
         "lend_started",
         "lending_in",
-        "lent_at",
         "resource_id",
         "room_at",
         "running",
@@ -432,8 +431,6 @@ class _Engine:
         self.serving = False
         self.lending_in = False
         self.lend_started = 0.0
-        self.lent_at: float | None = None
-        """When the current lend started serving (None: not serving as a lent engine)."""
         self.lend_stamp = 0
         """Bumped on every lend and reclaim; an older lend-in event is stale."""
         self.version = 0
@@ -737,17 +734,6 @@ class Simulation:
             self._stop_decoding(engine)
         self._touch(engine)
 
-    @staticmethod
-    def _busy_since(engine: _Engine, start: float) -> float:
-        """Seconds the engine had sequences since ``start`` (busy intervals are in
-        time order, so only the tail is read)."""
-        total = 0.0
-        for begin, end in reversed(engine.busy):
-            if end <= start:
-                break
-            total += end - max(begin, start)
-        return total
-
     def _stop_decoding(self, engine: _Engine) -> None:
         if engine.decoding_since is not None:
             engine.busy.append((engine.decoding_since, self.now))
@@ -788,7 +774,6 @@ class Simulation:
         engine.clock = self.now
         engine.stall_until = self.now
         self.policy.observe_lend(self.now - engine.lend_started)
-        engine.lent_at = self.now
         self._touch(engine)
         if self.config.rebalance_on_lend and engine.serving:
             self._rebalance_onto(engine)
@@ -845,9 +830,6 @@ class Simulation:
             self.interrupted += len(engine.running)
             engine.running.clear()
             self._stop_decoding(engine)
-            if engine.lent_at is not None:  # what the lend yielded, as the engine reports
-                self.policy.observe_yield(self._busy_since(engine, engine.lent_at))
-                engine.lent_at = None
             engine.busy.append((self.now, self.now + reclaim_s))
             engine.serving = self.policy.role_of(resource_id).role == "rollout"
             engine.stall_until = self.now
