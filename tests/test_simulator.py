@@ -67,15 +67,16 @@ def test_lending_decisions_come_from_the_policy() -> None:
     eager = eager_sim.run()
     policy = eager_sim.policy
     waits = [d for d in policy.stats.decisions if d.startswith("wait:")]
-    assert "lend to measure" in waits[0] and "keep the slots to measure" in waits[1]
-    assert all("gain" in d for d in waits[2:])  # the measurements decide
+    assert "fills the pipeline" in waits[0]
+    assert "lend to measure" in waits[1] and "keep the slots to measure" in waits[2]
+    assert all("gain" in d for d in waits[3:])  # the measurements decide
     assert policy.wait_lent.samples >= 1 and policy.wait_alone.samples >= 1
     lend_decisions = sum(1 for d in waits if not d.startswith("wait: lend 0 "))
     assert eager.lends == 4 * lend_decisions
     reluctant = simulate(replace(SMALL, deployment=multiplexed(0.5), lend_margin=1e9))
-    assert reluctant.lends == 4  # the one lend made to measure
-    assert reluctant.declined == SMALL.steps - 2  # the keep made to measure is not a decline
-    assert reluctant.reclaims == 4
+    assert reluctant.lends == 2 * 4  # while the pipeline fills, and to measure
+    assert reluctant.declined == SMALL.steps - 3  # the keep made to measure is not a decline
+    assert reluctant.reclaims == 2 * 4
 
 
 def test_disaggregated_never_lends_and_colocated_always_does() -> None:

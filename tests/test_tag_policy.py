@@ -81,7 +81,11 @@ def multiplexed_pair(**config: float) -> TagPolicy:
 
 
 def explore(p: TagPolicy, wait_lent: float, wait_alone: float, reclaim: float) -> float:
-    """The first two waits measure both choices; returns the time after them."""
+    """The first wait fills the pipeline (not measured), the next two measure both
+    choices; returns the time after them."""
+    filling = p.trainer_waiting(-100.0)
+    assert filling.lend == ("lend",) and "not measured" in filling.reason
+    p.trainer_claims(-100.0 + 60.0)  # a long first wait: it must not count
     first = p.trainer_waiting(0.0)
     assert first.lend == ("lend",) and "lend to measure" in first.reason
     p.trainer_claims(wait_lent)

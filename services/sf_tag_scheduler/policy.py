@@ -34,8 +34,9 @@ are measured on the run, on the trainer's critical path:
   requests handed back for transparent resume, memory freed); EWMA from
   ``switch_cost_prior_s``.
 
-Exploration: the first wait lends (to measure ``W_lent``), the second does not (to
-measure ``W_alone``); after that the rule decides, and after ``reprobe_after``
+Exploration: the first wait of a run is not measured (the pipeline fills: no batch is
+under way yet) and lends; the next one lends to measure ``W_lent``, the one after does
+not, to measure ``W_alone``; after that the rule decides, and after ``reprobe_after``
 decisions in a row the other choice is taken once to refresh its measurement, because
 the workload changes over a run. With no dedicated engine alive lending is the only
 rollout capacity: always lend.
@@ -180,6 +181,8 @@ class TagPolicy:
         self.reclaim_cost = Ewma(self.config.ewma_alpha, self.config.switch_cost_prior_s)
         self._same_in_row = 0
         self._last_lent: bool | None = None
+        self.claims = 0
+        """Batches the trainer claimed its slots for (steps begun)."""
         self.stats = PolicyStats()
 
     @property
@@ -272,6 +275,8 @@ class TagPolicy:
             lend, reason = candidates, "mode always lends"
         elif dedicated == 0:
             lend, reason = candidates, "no dedicated engine: lending is all the rollout there is"
+        elif self.claims == 0:
+            lend, reason = candidates, "the first batch fills the pipeline: lend, not measured"
         elif self.wait_lent.samples == 0:
             lend, reason = candidates, "wait with lending not measured yet: lend to measure"
         elif self.wait_alone.samples == 0:
@@ -308,11 +313,14 @@ class TagPolicy:
         """A full batch is ready: the trainer needs its slots back now."""
         if self.trainer.waiting_since is not None:
             waited = max(now - self.trainer.waiting_since, 0.0)
-            if self.trainer.dedicated_at_wait > 0:  # else there is no "alone" to compare
+            # the first wait fills the pipeline; without dedicated engines there is no
+            # "alone" to compare with
+            if self.claims > 0 and self.trainer.dedicated_at_wait > 0:
                 lent = self.trainer.lent_at_wait > 0
                 (self.wait_lent if lent else self.wait_alone).add(waited)
         self.trainer.waiting_since = None
         self.trainer.training = True
+        self.claims += 1
         reclaim = tuple(sorted(self.lent))
         self.lent.clear()
         self.stats.reclaims += len(reclaim)
