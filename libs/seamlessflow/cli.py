@@ -217,6 +217,7 @@ def bench(
                 "steps": summary.steps,
                 "status": summary.status,
                 "steady_generated_tokens_per_s": round(summary.steady_generated_tokens_per_s, 1),
+                "steady_seconds_per_step": round(summary.steady_seconds_per_step, 3),
                 "generated_tokens_per_s": round(summary.generated_tokens_per_s, 1),
                 "trained_tokens_per_s": round(summary.trained_tokens_per_s, 1),
                 "bubble_ratio": summary.bubble_ratio,
@@ -229,10 +230,13 @@ def bench(
                 "wall_s": summary.wall_s,
             }
         )
-    baseline = results[0]["steady_generated_tokens_per_s"] if results else 0
+    # Steps/s is the ratio to compare: tokens per step vary with what the policy learned.
+    baseline = results[0]["steady_seconds_per_step"] if results else 0
     for figures in results:
-        ratio = figures["steady_generated_tokens_per_s"] / baseline if baseline else 0.0
-        figures[f"throughput_vs_{results[0]['mode']}"] = round(ratio, 3)
+        per_step = figures["steady_seconds_per_step"]
+        figures[f"steps_per_s_vs_{results[0]['mode']}"] = (
+            round(baseline / per_step, 3) if per_step else 0.0
+        )
     typer.echo(json.dumps(results[0] if len(results) == 1 else results, indent=2))
 
 

@@ -183,6 +183,9 @@ class Summary:
     steady_generated_tokens_per_s: float = 0.0
     """Generated tokens/s between the first and the last step (start-up excluded): the
     figure to compare modes by."""
+    steady_seconds_per_step: float = 0.0
+    """Mean time between consecutive steps (start-up excluded): with a fixed number of
+    steps, the figure that does not depend on how long the answers were."""
     lends: int = 0
     """Engines lent to rollout from training slots (``sched.lend`` spans)."""
     reclaims: int = 0
@@ -474,6 +477,9 @@ class EmbeddedRun:
             checkpoint=str(checkpoint) if (checkpoint / "config.json").exists() else None,
             bubble_ratio=bubble_ratio,
             steady_generated_tokens_per_s=steady_tokens / steady_window if steady_window > 0 else 0,
+            steady_seconds_per_step=steady_window / (len(self.metrics) - 1)
+            if len(self.metrics) > 1
+            else 0.0,
             lends=scheduling["lends"],
             reclaims=scheduling["reclaims"],
             requests_handed_back=scheduling["handed_back"],
