@@ -427,3 +427,29 @@ async def test_top_logprobs_shape_and_consistency(gateway_url: str, bus: Bus) ->
     assert logprobs is not None and logprobs.top_logprobs is not None
     assert len(logprobs.tokens or []) == len(logprobs.top_logprobs)
     assert all(len(top) <= 3 for top in logprobs.top_logprobs)
+
+
+async def test_a_client_that_leaves_before_its_body_arrives_is_not_an_error(
+    gateway_url: str, bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent stopped mid-request (Ctrl-C of a run): the gateway drops the request
+    quietly (no stack trace in its log, nothing stored) and keeps serving."""
+    async with httpx.AsyncClient(base_url=gateway_url) as http:
+        session = await new_session(http)
+    before = len(await stored_events(bus))
+    host, port = gateway_url.removeprefix("http://").split(":")
+    _reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"POST /s/{session['session_id']}/v1/chat/completions HTTP/1.1\r\n"
+        f"Host: {host}\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n"
+        '{"model": "policy", "messages": ['.encode()
+    )
+    await writer.drain()
+    await asyncio.sleep(0.2)  # the handler is waiting for the rest of the body
+    writer.close()
+    await writer.wait_closed()
+    await asyncio.sleep(0.3)
+    assert not [r for r in caplog.records if r.exc_info], "a stack trace was logged"
+    assert len(await stored_events(bus)) == before
+    async with httpx.AsyncClient(base_url=gateway_url) as http:
+        assert (await http.get("/v1/models")).status_code == 200

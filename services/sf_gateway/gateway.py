@@ -40,7 +40,7 @@ import orjson
 import uvicorn
 from nats.aio.msg import Msg
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -124,6 +124,7 @@ class Gateway:
         ]
         app = Starlette(routes=routes)
         app.add_exception_handler(ApiError, self._api_error)
+        app.add_exception_handler(ClientDisconnect, self._client_left)
         app.add_exception_handler(404, self._not_found)
         app.add_exception_handler(405, self._method_not_allowed)
         return app
@@ -131,6 +132,12 @@ class Gateway:
     async def _api_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         return exc.response()
+
+    async def _client_left(self, request: Request, exc: Exception) -> Response:
+        """The client went away before its request was read (an agent stopped): nothing
+        was stored and nobody reads the answer; 499 as in nginx's logs."""
+        log.debug("client left before %s %s was read", request.method, request.url.path)
+        return Response(status_code=499)
 
     async def _not_found(self, request: Request, exc: Exception) -> Response:
         return ApiError(404, f"no route {request.url.path}", code="not_found").response()
