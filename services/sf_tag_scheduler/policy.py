@@ -40,6 +40,11 @@ not, to measure ``W_alone``; after that the rule decides, and after ``reprobe_af
 decisions in a row the other choice is taken once to refresh its measurement, because
 the workload changes over a run. With no dedicated engine alive lending is the only
 rollout capacity: always lend.
+
+Known limit: single waits carry over effects of the steps before them (a pipelined run)
+and miss costs that land away from the trainer; on the 2-core benchmark this rule kept
+lending while steps/s fell. Deciding on throughput over blocks of steps is the next
+step (docs/design.md, "Known limits").
 """
 
 from __future__ import annotations
