@@ -29,24 +29,43 @@ AGENTS = 8
 MAX_TOKENS = 200
 
 
+async def start_engine_process(
+    engine_id: str, nats_url: str, run_id: str, model_dir: Path, logs: Path, **env: str
+) -> asyncio.subprocess.Process:
+    """An engine worker as its own OS process (``python -m sf_gateway engine``)."""
+    settings = {
+        "SF_NATS_URL": nats_url,
+        "SF_RUN_ID": run_id,
+        "SF_MODEL_DIR": str(model_dir),
+        "SF_ENGINE_ENGINE_ID": engine_id,
+        **env,
+    }
+    with (logs / f"{engine_id}.log").open("wb") as log:
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "sf_gateway",
+            "engine",
+            env={**os.environ, **settings},
+            stdout=log,
+            stderr=log,
+        )
+
+
 async def test_requests_on_a_killed_engine_finish_on_another(
     nats_url: str, run_id: str, chatty_model_dir: Path, bus: Bus, tmp_path: Path
 ) -> None:
     from conftest import InProcessMesh
 
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
-    env = {
-        **os.environ,
-        "SF_NATS_URL": nats_url,
-        "SF_RUN_ID": run_id,
-        "SF_MODEL_DIR": str(chatty_model_dir),
-        "SF_ENGINE_ENGINE_ID": "engine-a",
-        "SF_ENGINE_MAX_BATCH_SIZE": str(AGENTS),
-    }
-    with (tmp_path / "engine-a.log").open("wb") as log:
-        engine_a = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "sf_gateway", "engine", env=env, stdout=log, stderr=log
-        )
+    engine_a = await start_engine_process(
+        "engine-a",
+        nats_url,
+        run_id,
+        chatty_model_dir,
+        tmp_path,
+        SF_ENGINE_MAX_BATCH_SIZE=str(AGENTS),
+    )
     try:
         scheduler = await mesh.start(
             TagScheduler(TagSchedulerSettings(dead_after_s=1.5, check_interval_s=0.2))
@@ -129,17 +148,9 @@ async def test_a_request_no_engine_confirms_is_resubmitted(
     from conftest import InProcessMesh
 
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
-    env = {
-        **os.environ,
-        "SF_NATS_URL": nats_url,
-        "SF_RUN_ID": run_id,
-        "SF_MODEL_DIR": str(chatty_model_dir),
-        "SF_ENGINE_ENGINE_ID": "engine-frozen",
-    }
-    with (tmp_path / "engine-frozen.log").open("wb") as log:
-        frozen = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "sf_gateway", "engine", env=env, stdout=log, stderr=log
-        )
+    frozen = await start_engine_process(
+        "engine-frozen", nats_url, run_id, chatty_model_dir, tmp_path
+    )
     try:
         # liveness far longer than the test: only the first-chunk time-out can help
         scheduler = await mesh.start(TagScheduler(TagSchedulerSettings(dead_after_s=600)))

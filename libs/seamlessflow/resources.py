@@ -19,6 +19,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import NamedTuple
 
 from opentelemetry import trace
 
@@ -37,10 +38,18 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
 
-RoleHandler = Callable[[RoleAssignment], Awaitable[tuple[int, float]]]
-"""Puts a role into effect before it is acked; returns how many requests in flight it
-handed back for re-submission and how long it was busy while serving (an engine
-leaving rollout), else (0, 0.0)."""
+
+class RoleOutcome(NamedTuple):
+    """What putting a role into effect did (reported in the RoleAck)."""
+
+    handed_back: int = 0
+    """Requests in flight interrupted for re-submission elsewhere (leaving rollout)."""
+    busy_s: float = 0.0
+    """Seconds with requests in flight since it last joined rollout (leaving rollout)."""
+
+
+RoleHandler = Callable[[RoleAssignment], Awaitable[RoleOutcome]]
+"""Puts a role into effect before it is acked."""
 
 
 class ResourceMembership:
@@ -103,19 +112,19 @@ class ResourceMembership:
 
     async def _on_assignment(self, assignment: RoleAssignment) -> RoleAck:
         started = time.monotonic()
-        handed_back, busy_s = await self._apply(assignment)
+        outcome = await self._apply(assignment)
         return RoleAck(
             resource_id=self.resource_id,
             role=assignment.role,
             seconds=time.monotonic() - started,
-            handed_back=handed_back,
-            busy_s=busy_s,
+            handed_back=outcome.handed_back,
+            busy_s=outcome.busy_s,
         )
 
-    async def _apply(self, assignment: RoleAssignment) -> tuple[int, float]:
+    async def _apply(self, assignment: RoleAssignment) -> RoleOutcome:
         """Put the role into effect, one change at a time, then publish it."""
         async with self._applying:
-            outcome = (0, 0.0)
+            outcome = RoleOutcome()
             if self.on_role is not None:
                 outcome = await self.on_role(assignment)
             async with self._role_changed:

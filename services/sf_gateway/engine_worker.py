@@ -51,7 +51,7 @@ from seamlessflow.protocol import (
     TopLogprob,
     WeightsLoaded,
 )
-from seamlessflow.resources import ResourceMembership
+from seamlessflow.resources import ResourceMembership, RoleOutcome
 from seamlessflow.service import ServiceContext, supervise
 from sf_gateway.config import EngineSettings
 from sf_gateway.engine import (
@@ -91,25 +91,41 @@ def build_engine(settings: EngineSettings, model_dir: str) -> InferenceEngine:
     raise ValueError(f"unknown engine backend {settings.backend!r} (known: hf, vllm)")
 
 
-class BusyClock:
-    """Seconds with at least one request in flight (the yield of a lent engine)."""
+class InFlight:
+    """The requests this engine is generating: which, whether none, and how long there
+    has been at least one since ``reset`` (the yield of a lent engine)."""
 
     def __init__(self) -> None:
-        self._total = 0.0
-        self._since: float | None = None
+        self.ids: set[str] = set()
+        self.empty = asyncio.Event()
+        self.empty.set()
+        self._busy_total = 0.0
+        self._busy_since: float | None = None
 
-    def start(self) -> None:
-        if self._since is None:
-            self._since = time.monotonic()
+    def __len__(self) -> int:
+        return len(self.ids)
 
-    def stop(self) -> None:
-        if self._since is not None:
-            self._total += time.monotonic() - self._since
-            self._since = None
+    def add(self, request_id: str) -> None:
+        if not self.ids:
+            self._busy_since = time.monotonic()
+            self.empty.clear()
+        self.ids.add(request_id)
 
-    def total(self) -> float:
-        running = time.monotonic() - self._since if self._since is not None else 0.0
-        return self._total + running
+    def discard(self, request_id: str) -> None:
+        self.ids.discard(request_id)
+        if not self.ids:
+            if self._busy_since is not None:
+                self._busy_total += time.monotonic() - self._busy_since
+                self._busy_since = None
+            self.empty.set()
+
+    def reset_busy(self) -> None:
+        self._busy_total = 0.0
+        self._busy_since = time.monotonic() if self.ids else None
+
+    def busy_seconds(self) -> float:
+        running = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
+        return self._busy_total + running
 
 
 class EngineWorker:
@@ -125,11 +141,8 @@ class EngineWorker:
         """Set once the worker first serves (joined the generate queue)."""
         self._joined = False
         self._generate_sub: Subscription | None = None
-        self._in_flight: set[str] = set()
-        self._none_in_flight = asyncio.Event()
-        self._none_in_flight.set()
+        self._in_flight = InFlight()
         self._min_version = 0
-        self._busy = BusyClock()
         self._asleep = False
         """Lent out of rollout: weight broadcasts are skipped until it serves again."""
 
@@ -176,14 +189,14 @@ class EngineWorker:
                 self.membership.set_phase("idle")
                 log.info("%s waits for the rollout role (%s)", self.engine_id, self.membership.role)
 
-    async def _on_role(self, assignment: RoleAssignment) -> tuple[int, float]:
+    async def _on_role(self, assignment: RoleAssignment) -> RoleOutcome:
         """Put a role from the tag-scheduler into effect (before it is acked)."""
         self._min_version = max(self._min_version, assignment.min_version)
         if not self._joined:
-            return 0, 0.0  # the join applies the role once the engine has caught up
+            return RoleOutcome()  # the join applies the role once the engine caught up
         if assignment.role == "rollout":
             await self._start_serving()
-            return 0, 0.0
+            return RoleOutcome()
         return await self._stop_serving()
 
     async def _start_serving(self) -> None:
@@ -196,7 +209,7 @@ class EngineWorker:
             await self.engine.resume()
             self._asleep = False
             await self._catch_up(self._min_version)
-            self._busy = BusyClock()
+            self._in_flight.reset_busy()
             self._generate_sub = await self.ctx.bus.serve(
                 self.ctx.subjects.engine_generate(),
                 GenerateRequest,
@@ -207,14 +220,14 @@ class EngineWorker:
         log.info("%s serving version %d", self.engine_id, self.engine.version)
         self.ready.set()
 
-    async def _stop_serving(self) -> tuple[int, float]:
+    async def _stop_serving(self) -> RoleOutcome:
         """Leave the queue; hand requests in flight back (partial tokens) for re-submission
         elsewhere; release memory. Returns how many requests were handed back and how
         long the engine had requests in flight since it joined the queue."""
         sub, self._generate_sub = self._generate_sub, None
         if sub is None:
-            return 0, 0.0
-        busy_s = self._busy.total()
+            return RoleOutcome()
+        busy_s = self._in_flight.busy_seconds()
         with tracer.start_as_current_span(
             "engine.release", attributes={"engine.id": self.engine_id}
         ) as span:
@@ -226,7 +239,7 @@ class EngineWorker:
                 await self.engine.pause("abort")
                 try:  # their "abort" replies are on the way
                     await asyncio.wait_for(
-                        self._none_in_flight.wait(), self.settings.release_timeout_s
+                        self._in_flight.empty.wait(), self.settings.release_timeout_s
                     )
                 except TimeoutError:
                     log.error(
@@ -245,7 +258,7 @@ class EngineWorker:
             handed_back,
             busy_s,
         )
-        return handed_back, busy_s
+        return RoleOutcome(handed_back, busy_s)
 
     async def on_generate(self, request: GenerateRequest) -> GenerateReply:
         try:
@@ -270,10 +283,8 @@ class EngineWorker:
                 versions=[],
                 finish_reason="abort",
             )
-        self.membership.in_flight += 1
-        self._busy.start()
         self._in_flight.add(request.request_id)
-        self._none_in_flight.clear()
+        self.membership.in_flight = len(self._in_flight)
         self.membership.set_phase("rollout")
         try:
             with tracer.start_as_current_span(
@@ -289,12 +300,9 @@ class EngineWorker:
                     span.set_attribute("versions", result.versions)
                 span.set_attribute("finish_reason", result.finish_reason)
         finally:
-            self.membership.in_flight -= 1
             self._in_flight.discard(request.request_id)
-            if not self._in_flight:
-                self._none_in_flight.set()
-                self._busy.stop()
-            if self.membership.in_flight == 0 and self._generate_sub is not None:
+            self.membership.in_flight = len(self._in_flight)
+            if not self._in_flight and self._generate_sub is not None:
                 self.membership.set_phase("idle")
         self.requests_served += 1
         return GenerateReply(
@@ -388,7 +396,7 @@ class EngineWorker:
                 "engine.id": self.engine_id,
                 "version": version,
                 "mode": mode,
-                "in_flight": self.membership.in_flight,
+                "in_flight": len(self._in_flight),
             },
         ):
             if mode == "wait":
@@ -399,7 +407,7 @@ class EngineWorker:
                     await self.engine.load_weights(state_dict, version)
                 finally:
                     await self.engine.resume()
-        self.membership.set_phase("rollout" if self.membership.in_flight else "idle")
+        self.membership.set_phase("rollout" if self._in_flight else "idle")
 
     async def _catch_up(self, min_version: int = 0) -> None:
         """Ask weight-sync for the current version until it answers, then load it.

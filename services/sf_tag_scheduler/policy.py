@@ -123,7 +123,7 @@ class Ewma:
 
     def add(self, sample: float) -> None:
         self.samples += 1
-        if self.value is None or math.isinf(self.value):
+        if self.value is None:
             self.value = sample
         else:
             self.value = self.alpha * sample + (1 - self.alpha) * self.value
@@ -345,7 +345,9 @@ class TagPolicy:
     # ------------------------------------------------------------------ measurements
 
     def observe_lend(self, seconds: float) -> None:
-        """An engine took ``seconds`` from being lent until it served."""
+        """An engine took ``seconds`` from being lent until it served. Reported with each
+        decision; the decision itself needs no separate term for it, since the lend-in
+        time is already inside the measured ``W_lent``."""
         self.lend_cost.add(seconds)
 
     def observe_reclaim(self, seconds: float) -> None:

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, replace
 
 import orjson
+from nats.aio.msg import Msg
 
 from seamlessflow import telemetry
 from seamlessflow.bus import NoResponder, RemoteError
@@ -118,12 +119,7 @@ class TagScheduler:
             list(view.slots),
             decision.role,
         )
-        return RoleAssignment(
-            resource_id=request.resource_id,
-            role=decision.role,
-            reason=decision.reason,
-            min_version=self.trainer_version if decision.role == "rollout" else 0,
-        )
+        return self._assignment(request.resource_id, decision.role, decision.reason)
 
     # ------------------------------------------------------------------ the trainer's demand
 
@@ -139,11 +135,8 @@ class TagScheduler:
                 "reclaimed": list(plan.reclaim),
             },
         ) as span:
-            acks = await asyncio.gather(
-                *(
-                    self._assign(rid, "idle", plan.reason, self.settings.reclaim_timeout_s)
-                    for rid in plan.reclaim
-                )
+            acks = await self._assign_all(
+                plan.reclaim, "idle", plan.reason, self.settings.reclaim_timeout_s
             )
             seconds = time.monotonic() - started
             missed = [rid for rid, ack in zip(plan.reclaim, acks, strict=True) if ack is None]
@@ -167,9 +160,10 @@ class TagScheduler:
                 "version": release.version,
                 "lent": list(plan.lend),
                 "reason": plan.reason,
-                "expected_wait_s": _finite(plan.expected_wait_s) or -1.0,
-                "gain_s": _finite(plan.gain_s) or -1.0,
+                "expected_wait_s": _span_seconds(plan.expected_wait_s),
+                "gain_s": _span_seconds(plan.gain_s),
                 "cost_s": plan.cost_s,
+                "lend_in_s": self.policy.lend_cost.value or 0.0,
             },
         ):
             if plan.lend:
@@ -192,15 +186,12 @@ class TagScheduler:
                 attributes={
                     "lent": list(plan.lend),
                     "reason": plan.reason,
-                    "expected_wait_s": _finite(plan.expected_wait_s) or -1.0,
+                    "expected_wait_s": _span_seconds(plan.expected_wait_s),
                     "cost_s": plan.cost_s,
                 },
             ) as span:
-                acks = await asyncio.gather(
-                    *(
-                        self._assign(rid, "rollout", plan.reason, self.settings.lend_timeout_s)
-                        for rid in plan.lend
-                    )
+                acks = await self._assign_all(
+                    plan.lend, "rollout", plan.reason, self.settings.lend_timeout_s
                 )
                 span.set_attribute("seconds", time.monotonic() - started)
             for ack in acks:
@@ -218,7 +209,23 @@ class TagScheduler:
                     resource_id, decision.role, decision.reason, self.settings.reclaim_timeout_s
                 )
 
-    async def _assign(self, resource_id: str, role: Role, reason: str, timeout: float):  # type: ignore[no-untyped-def]
+    def _assignment(self, resource_id: str, role: Role, reason: str) -> RoleAssignment:
+        # a lent engine serves no older weights than the trainer just published
+        min_version = self.trainer_version if role == "rollout" else 0
+        return RoleAssignment(
+            resource_id=resource_id, role=role, reason=reason, min_version=min_version
+        )
+
+    async def _assign_all(
+        self, resource_ids: tuple[str, ...], role: Role, reason: str, timeout: float
+    ) -> list[RoleAck | None]:
+        return await asyncio.gather(
+            *(self._assign(rid, role, reason, timeout) for rid in resource_ids)
+        )
+
+    async def _assign(
+        self, resource_id: str, role: Role, reason: str, timeout: float
+    ) -> RoleAck | None:
         """Ask a resource to take ``role``; None if it did not ack in time (or refused)."""
         state = self.resources.get(resource_id)
         if state is not None:
@@ -226,12 +233,7 @@ class TagScheduler:
         try:
             ack: RoleAck = await self.ctx.bus.request(
                 self.ctx.subjects.sched_assignment(resource_id),
-                RoleAssignment(
-                    resource_id=resource_id,
-                    role=role,
-                    reason=reason,
-                    min_version=self.trainer_version if role == "rollout" else 0,
-                ),
+                self._assignment(resource_id, role, reason),
                 RoleAck,
                 timeout=timeout,
             )
@@ -244,7 +246,7 @@ class TagScheduler:
 
     # ------------------------------------------------------------------ liveness
 
-    async def _on_heartbeat_msg(self, msg) -> None:  # type: ignore[no-untyped-def]
+    async def _on_heartbeat_msg(self, msg: Msg) -> None:
         try:
             beat = decode(msg.data, Heartbeat)
         except ValueError:
@@ -307,3 +309,8 @@ class TagScheduler:
 
 def _finite(value: float) -> float | None:
     return None if math.isinf(value) else value
+
+
+def _span_seconds(value: float) -> float:
+    """Span attributes cannot be None: -1 stands for unbounded / not measured yet."""
+    return -1.0 if math.isinf(value) else value

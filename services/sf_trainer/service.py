@@ -27,6 +27,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import TypeVar
 
 import nats.errors
 import torch
@@ -37,6 +38,7 @@ from seamlessflow.bus import NoResponder, RemoteError
 from seamlessflow.protocol import (
     TRAINER_DURABLE,
     LendReport,
+    Message,
     SlotsClaim,
     SlotsGranted,
     SlotsReleased,
@@ -53,6 +55,7 @@ from sf_trainer.step import StepResult, train_step
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
+R = TypeVar("R", bound=Message)
 
 
 class Trainer:
@@ -156,35 +159,29 @@ class Trainer:
             stop.cancel()
 
     async def _claim_slots(self, batch_index: int) -> None:
-        """Take back the slots lent to rollout; train only once they are free. A
-        scheduler that does not answer never blocks training (it is logged)."""
-        try:
-            granted: SlotsGranted = await self.ctx.bus.request(
-                self.ctx.subjects.sched_claim(),
-                SlotsClaim(trainer_id=self.trainer_id, batch_index=batch_index),
-                SlotsGranted,
-                timeout=self.settings.claim_timeout_s,
-            )
-        except (NoResponder, RemoteError) as exc:
-            log.warning("claiming training slots failed (%s); training anyway", exc)
-            return
-        if granted.missed:
+        """Take back the slots lent to rollout; train only once they are free."""
+        claim = SlotsClaim(trainer_id=self.trainer_id, batch_index=batch_index)
+        granted = await self._ask_scheduler(self.ctx.subjects.sched_claim(), claim, SlotsGranted)
+        if granted is not None and granted.missed:
             log.warning("engines %s did not release their slots in time", granted.missed)
 
     async def _release_slots(self) -> None:
         """Waiting for a batch: the scheduler may lend my slots to rollout meanwhile."""
+        release = SlotsReleased(trainer_id=self.trainer_id, version=self.version)
+        report = await self._ask_scheduler(self.ctx.subjects.sched_release(), release, LendReport)
+        if report is not None and report.lent:
+            log.debug("slots lent to %s: %s", report.lent, report.reason)
+
+    async def _ask_scheduler(self, subject: str, request: Message, reply_type: type[R]) -> R | None:
+        """A scheduler that does not answer never blocks training: logged, then None."""
         try:
-            report: LendReport = await self.ctx.bus.request(
-                self.ctx.subjects.sched_release(),
-                SlotsReleased(trainer_id=self.trainer_id, version=self.version),
-                LendReport,
-                timeout=self.settings.claim_timeout_s,
+            reply: R = await self.ctx.bus.request(
+                subject, request, reply_type, timeout=self.settings.claim_timeout_s
             )
         except (NoResponder, RemoteError) as exc:
-            log.warning("releasing training slots failed: %s", exc)
-            return
-        if report.lent:
-            log.debug("slots lent to %s: %s", report.lent, report.reason)
+            log.warning("tag-scheduler did not answer on %s (%s); training goes on", subject, exc)
+            return None
+        return reply
 
     async def _step(self, batch: TrainBatch, wait_seconds: float) -> None:
         self.membership.set_phase("train")
