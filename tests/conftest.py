@@ -133,3 +133,15 @@ async def publish_perturbed_version(bus: Bus, version: int, base: dict) -> None:
         ),
         msg_id=f"weights-v{version}",
     )
+
+
+async def recorded_turns(bus: Bus) -> list:  # type: ignore[type-arg]
+    """Every TurnRecorded in the run's durable trajectory stream, in order."""
+    from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
+
+    s = bus.subjects
+    events = (
+        decode(m.data, TrajectoryEvent)
+        for m in await bus.read_all(s.stream_trajectory(), s.trajectory_events_all())
+    )
+    return [e for e in events if isinstance(e, TurnRecorded)]

@@ -17,7 +17,6 @@ import httpx
 from openai import AsyncOpenAI
 
 from seamlessflow.bus import Bus
-from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
 from sf_gateway.config import EngineSettings, GatewaySettings
 from sf_gateway.engine_worker import EngineWorker
 from sf_gateway.gateway import GatewayService
@@ -121,15 +120,9 @@ async def test_requests_on_a_killed_engine_finish_on_another(
             await engine_a.wait()
         await mesh.stop()
 
-    s = bus.subjects
-    turns = [
-        e
-        for e in (
-            decode(m.data, TrajectoryEvent)
-            for m in await bus.read_all(s.stream_trajectory(), s.trajectory_events_all())
-        )
-        if isinstance(e, TurnRecorded)
-    ]
+    from conftest import recorded_turns
+
+    turns = await recorded_turns(bus)
     assert len(turns) == AGENTS and all(isinstance(t, str) for t in texts)
     for turn in turns:
         # one answer per agent, made by both engines, exactly as recorded

@@ -24,9 +24,6 @@ from seamlessflow.protocol import (
     SlotsClaim,
     SlotsGranted,
     SlotsReleased,
-    TrajectoryEvent,
-    TurnRecorded,
-    decode,
 )
 from seamlessflow.settings import MeshSettings
 from sf_gateway.config import EngineSettings, GatewaySettings
@@ -143,15 +140,9 @@ async def test_reclaim_during_generation_loses_no_request_and_no_token(
         await mesh.stop()
 
     assert on_lent_engine
-    s = bus.subjects
-    turns = [
-        e
-        for e in (
-            decode(m.data, TrajectoryEvent)
-            for m in await bus.read_all(s.stream_trajectory(), s.trajectory_events_all())
-        )
-        if isinstance(e, TurnRecorded)
-    ]
+    from conftest import recorded_turns
+
+    turns = await recorded_turns(bus)
     # every agent got one complete answer, recorded once, exactly as it read it
     assert len(turns) == AGENTS
     assert sorted(t.completion_text for t in turns) == sorted(texts)
