@@ -117,20 +117,19 @@ async def mesh(nats_url: str, run_id: str, base_model_dir: Path) -> AsyncIterato
 
 
 async def publish_perturbed_version(bus: Bus, version: int, base: dict) -> None:  # type: ignore[type-arg]
-    """Play the trainer: store a slightly perturbed copy of ``base`` as ``version`` in
-    the object store, then announce it (as ``sf_trainer`` does after a step)."""
+    """Play the trainer: store a slightly perturbed copy of ``base`` as a full payload of
+    ``version`` in the object store, then announce it (as ``sf_trainer`` does)."""
     import torch
 
-    from seamlessflow import weights
     from seamlessflow.protocol import WeightsPublished
+    from seamlessflow.weights import ObjectStorePayloads, WeightEncoder, WeightPublisher
 
     state = {k: v + 0.01 * torch.randn_like(v) for k, v in base.items()}
-    name, digest, size = await weights.put_weights(bus, version, state)
+    publisher = WeightPublisher(ObjectStorePayloads(bus), WeightEncoder(bucket_bytes=1 << 20))
+    manifest = await publisher.publish(version, state)
     await bus.js_publish(
         bus.subjects.weights_published(),
-        WeightsPublished(
-            version=version, object_name=name, sha256=digest, num_bytes=size, step=version
-        ),
+        WeightsPublished(manifest=manifest, step=version),
         msg_id=f"weights-v{version}",
     )
 

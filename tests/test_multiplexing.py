@@ -171,7 +171,7 @@ async def test_a_late_engine_serves_only_after_catching_up(
         for version in (1, 2):
             await publish_perturbed_version(bus, version, base)
         async with asyncio.timeout(30):
-            while weight_sync.current.version < 2:  # noqa: ASYNC110
+            while weight_sync.chain.version < 2:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
 
         late = await mesh.start(EngineWorker(EngineSettings(engine_id="engine-late")))

@@ -3,6 +3,21 @@ import pytest
 
 from seamlessflow import protocol as p
 
+MANIFEST = p.WeightManifest(
+    version=2,
+    kind="delta",
+    base_version=1,
+    transport="object",
+    location="weights-v00000002-delta",
+    payload_bytes=12,
+    bucket_bytes=1024,
+    bucket_sha256=["ab"],
+    state_bytes=64,
+    state_sha256="cd",
+    layout=[p.TensorSpec(name="w", dtype="bfloat16", shape=[4, 8], offset=0)],
+    delta=p.DeltaEncoding(word_bytes=2, changed_words=2, positions="indices"),
+)
+
 
 def examples() -> list[p.Message]:
     sample = p.TrainSample(
@@ -40,7 +55,7 @@ def examples() -> list[p.Message]:
             top_logprobs=[[p.TopLogprob(token_id=5, logprob=-0.1)]],
         ),
         p.AbortGeneration(request_id="r", reason="weights"),
-        p.LoadWeights(version=2, object_name="w", sha256="ab"),
+        p.LoadWeights(manifest=MANIFEST),
         p.WeightsLoaded(engine_id="e", version=2),
         p.SessionOpened(session_id="s", task_id="t", group_id="g", sample_index=0, group_size=2),
         p.TurnRecorded(
@@ -88,9 +103,9 @@ def examples() -> list[p.Message]:
                 )
             ],
         ),
-        p.WeightsPublished(version=1, object_name="w", sha256="ab", num_bytes=10, step=1),
+        p.WeightsPublished(manifest=MANIFEST, step=1),
         p.CurrentVersionQuery(engine_id="e"),
-        p.CurrentVersion(version=1, object_name="w", sha256="ab"),
+        p.CurrentVersion(version=1, chain=[MANIFEST]),
         p.TrainStepMetrics(
             step=1,
             version=1,

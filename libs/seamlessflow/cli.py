@@ -24,6 +24,10 @@ SERVICES: dict[str, str] = {
     "agents": "seamlessflow.agents.runner:AgentRunner",
 }
 SERVICE_NAMES = tuple(SERVICES)
+# Processes that do not start as one service: the trainer runs one process per
+# torch.distributed rank (``torchrun ... seamlessflow serve trainer``), and only rank 0
+# joins the mesh.
+PROCESS_ENTRIES: dict[str, str] = {"trainer": "sf_trainer.launch:main"}
 
 app = typer.Typer(
     help="SeamlessFlow: server-based RL post-training for LLM agents, over NATS.",
@@ -97,6 +101,10 @@ def serve(
     """Run one service alone against SF_NATS_URL (settings from the environment)."""
     if service not in SERVICES:
         raise typer.BadParameter(f"unknown service {service!r}; known: {', '.join(SERVICE_NAMES)}")
+    if service in PROCESS_ENTRIES:
+        module_name, _, attr = PROCESS_ENTRIES[service].partition(":")
+        getattr(importlib.import_module(module_name), attr)()
+        return
     module_name, _, attr = SERVICES[service].partition(":")
     service_class = getattr(importlib.import_module(module_name), attr)
     from seamlessflow.service import main
@@ -327,6 +335,7 @@ SETTINGS: dict[str, str] = {
     "every service": "seamlessflow.settings:MeshSettings",
     "tag-scheduler": "sf_tag_scheduler.config:TagSchedulerSettings",
     "weight-sync": "sf_weight_sync.config:WeightSyncSettings",
+    "weight transfer": "seamlessflow.weights.settings:WeightTransferSettings",
     "trajectory": "sf_trajectory.config:TrajectorySettings",
     "trainer": "sf_trainer.config:TrainerSettings",
     "gateway": "sf_gateway.config:GatewaySettings",

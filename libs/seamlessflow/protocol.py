@@ -251,11 +251,11 @@ class AbortGeneration(Message, tag="engine.abort"):
 
 
 class LoadWeights(Message, tag="engine.load"):
-    """weight-sync -> engine workers (broadcast request): load this version, then reply."""
+    """weight-sync -> engine workers (broadcast): load this payload. An engine whose
+    weights are not ``manifest.base_version`` (a delta after a gap) asks
+    ``weights.current`` for the whole chain instead."""
 
-    version: int
-    object_name: str
-    sha256: str
+    manifest: WeightManifest
 
 
 class WeightsLoaded(Message, tag="engine.loaded"):
@@ -415,14 +415,61 @@ class TrainBatch(Message, tag="batch"):
 # weights ----------------------------------------------------------------------------
 
 
-class WeightsPublished(Message, tag="weights.published"):
-    """trainer -> weight-sync (JetStream): version ``version`` is complete in the object store."""
+class TensorSpec(msgspec.Struct, array_like=True):
+    """One tensor of a weight set, at ``offset`` bytes into the flat state buffer."""
+
+    name: str
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix: ``bfloat16``, ``float32``..."""
+    shape: list[int]
+    offset: int
+
+
+class DeltaEncoding(msgspec.Struct, kw_only=True):
+    """How a delta payload is laid out: changed words, then their new values."""
+
+    word_bytes: int
+    """Comparison unit: the smallest element size of the weight set (2 for bf16)."""
+    changed_words: int
+    positions: Literal["indices", "bitmap"]
+    """``indices``: uint32/uint64 word indices; ``bitmap``: one bit per word."""
+    index_bytes: int = 4
+
+
+class WeightManifest(msgspec.Struct, kw_only=True):
+    """One weight payload: where it is, how to check it, what it turns into.
+
+    ``full`` payloads are the flat state itself; a ``delta`` applies on top of exactly
+    ``base_version``. Payloads move in buckets of ``bucket_bytes`` with one sha256 each;
+    ``state_sha256`` is the digest of the resulting flat state (the sha256 of its bucket
+    digests), checked after a delta is applied.
+    """
 
     version: int
-    object_name: str
-    sha256: str
-    num_bytes: int
+    kind: Literal["full", "delta"]
+    base_version: int = 0
+    transport: str
+    """Pull store holding the payload: ``object`` (NATS Object Store) or ``shm``."""
+    location: str
+    payload_bytes: int
+    bucket_bytes: int
+    bucket_sha256: list[str]
+    state_bytes: int
+    state_sha256: str
+    layout: list[TensorSpec]
+    delta: DeltaEncoding | None = None
+
+
+class WeightsPublished(Message, tag="weights.published"):
+    """trainer -> weight-sync (JetStream): the payload of ``manifest.version`` is complete
+    in its store (written before this message exists)."""
+
+    manifest: WeightManifest
     step: int
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
 
 
 class CurrentVersionQuery(Message, tag="weights.query"):
@@ -432,11 +479,11 @@ class CurrentVersionQuery(Message, tag="weights.query"):
 
 
 class CurrentVersion(Message, tag="weights.current"):
-    """weight-sync -> engine worker: the newest complete version (0 = the base model)."""
+    """weight-sync -> engine worker: the newest complete version (0 = the base model) and
+    the chain that builds it: the latest full payload, then every delta after it."""
 
     version: int
-    object_name: str = ""
-    sha256: str = ""
+    chain: list[WeightManifest] = msgspec.field(default_factory=list)
 
 
 # trainer progress ---------------------------------------------------------------------
@@ -464,6 +511,12 @@ class TrainStepMetrics(Message, tag="train.metrics"):
     """Mean |trainer - behaviour| logprob over trained tokens."""
     truncated_fraction: float = 0.0
     """Fraction of trained tokens whose importance weight was truncated."""
+    weights_kind: str = ""
+    """``full`` or ``delta``: how this step's weights were sent."""
+    weights_payload_bytes: int = 0
+    """Bytes this version put on the wire (per receiver); the full state is
+    ``weights_state_bytes``."""
+    weights_state_bytes: int = 0
     timestamp: float = msgspec.field(default_factory=time.time)
 
 

@@ -16,7 +16,9 @@ Produces:
 Invariants: the worker joins the generate queue only after it serves the current
 weight version and the scheduler gave it the ``rollout`` role (a late joiner and an
 engine lent back to rollout take the same path); weights are loaded between decode
-steps only after the full set arrived and its checksum matched.
+steps only after every payload of the version arrived, each bucket's checksum matched
+and, after a delta, the digest of the whole resulting set matched
+(``seamlessflow.weights.WeightReceiver``).
 
 Lending (an engine tagged ``train`` and ``rollout`` shares a training slot): on
 ``idle`` the worker leaves the generate queue, ends its requests in flight at a token
@@ -49,10 +51,13 @@ from seamlessflow.protocol import (
     LoadWeights,
     RoleAssignment,
     TopLogprob,
+    WeightManifest,
     WeightsLoaded,
 )
 from seamlessflow.resources import ResourceMembership, RoleOutcome
 from seamlessflow.service import ServiceContext, supervise
+from seamlessflow.weights import VersionGap
+from seamlessflow.weights.settings import WeightTransferSettings, payload_stores
 from sf_gateway.config import EngineSettings
 from sf_gateway.engine import (
     GenerationResult,
@@ -145,12 +150,14 @@ class EngineWorker:
         self._min_version = 0
         self._asleep = False
         """Lent out of rollout: weight broadcasts are skipped until it serves again."""
+        self.receiver: weights.WeightReceiver
 
     async def run(self, ctx: ServiceContext) -> None:
         if ctx.mesh.model_dir is None:
             raise RuntimeError("the engine needs SF_MODEL_DIR")
         torch.set_num_threads(self.settings.torch_threads)
         self.ctx = ctx
+        self.receiver = weights.WeightReceiver(payload_stores(ctx.bus, WeightTransferSettings()))
         self.engine = build_engine(self.settings, str(ctx.mesh.model_dir))
         await self.engine.start()
         self.membership = ResourceMembership(
@@ -363,28 +370,39 @@ class EngineWorker:
         await self.engine.abort(message.request_id)
 
     async def on_load(self, message: LoadWeights) -> None:
-        await self._load(message.version, message.object_name, message.sha256)
+        try:
+            await self._load([message.manifest])
+        except VersionGap as exc:
+            # a delta on a version this engine does not hold: build from the whole chain
+            log.info("%s: %s; catching up from the chain", self.engine_id, exc)
+            await self._catch_up()
 
-    async def _load(self, version: int, object_name: str, sha256: str) -> None:
+    async def _load(self, chain: list[WeightManifest]) -> None:
+        """Bring the engine to the chain's last version; payloads are fetched and
+        checked while the engine still serves, requests pause only for the swap."""
+        if not chain:
+            return
+        target = chain[-1].version
         async with self._load_lock:
-            if version <= self.engine.version:
+            if target <= self.engine.version:
                 return  # already serving it (or newer): loads are idempotent
             if self._asleep:
                 return  # lent out of rollout: it catches up when lent back
-            # Fetch while still serving: requests pause only for the swap itself.
             try:
-                state_dict = await weights.get_weights(self.ctx.bus, object_name, sha256)
-            except weights.WeightsCorrupted as exc:
-                # never load it; the version poll fetches the current version again
-                log.warning("refused version %d: %s", version, exc)
+                held = await self.receiver.follow(chain)
+            except (weights.WeightsCorrupted, weights.PayloadMissing) as exc:
+                # nothing of it is loaded; the version poll tries the current chain again
+                log.warning("%s: version %d not loaded: %s", self.engine_id, target, exc)
                 return
-            await self._swap(state_dict, version)
-            self.membership.version = version
+            if held != target:
+                return
+            await self._swap(self.receiver.mirror.tensors(), target)
+            self.membership.version = target
             await self.ctx.bus.publish(
                 self.ctx.subjects.weights_loaded(),
-                WeightsLoaded(engine_id=self.engine_id, version=version),
+                WeightsLoaded(engine_id=self.engine_id, version=target),
             )
-            log.info("%s loaded version %d", self.engine_id, version)
+            log.info("%s loaded version %d (%s)", self.engine_id, target, chain[-1].kind)
 
     async def _swap(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Partial rollout: interrupt requests in flight as configured, load, resume."""
@@ -434,7 +452,7 @@ class EngineWorker:
                 await asyncio.sleep(0.02)
                 continue
             if current.version > self.engine.version:
-                await self._load(current.version, current.object_name, current.sha256)
+                await self._load(current.chain)
             return
 
     async def _version_poll_loop(self) -> None:

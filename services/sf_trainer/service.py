@@ -5,35 +5,44 @@ Consumes:
   TrainBatch; acked only after the step's weights are published)
 - ``sf.<run>.sched.assign.<trainer>`` (RoleAssignment)
 Produces:
-- object store ``sf_<run>_weights``: ``weights-v<version>`` (complete before announced)
+- weight payloads (``seamlessflow.weights``: full or delta, in the NATS Object Store or
+  shared memory, complete before announced; the trainer deletes chains it no longer keeps)
 - ``sf.<run>.weights.published`` (JetStream: WeightsPublished)
 - ``sf.<run>.train.metrics`` / ``sf.<run>.train.finished`` (JetStream)
 - ``sf.<run>.sched.register`` / ``sf.<run>.sched.heartbeat.<trainer>``
 - ``sf.<run>.sched.claim`` (SlotsClaim: a batch is here, reclaim engines lent from my
   slots) before each step; ``sf.<run>.sched.release`` (SlotsReleased: I wait, my
   slots may be lent) after each publish and at start
-- ``<run_dir>/checkpoints/final`` (HF layout: safetensors + tokenizer) and
-  ``<run_dir>/checkpoints/step-<n>``
+- ``<run_dir>/checkpoints/final`` and ``<run_dir>/checkpoints/step-<n>``
+  (``sf_trainer.checkpoint``: HF layout, optimizer state, step / version / data position)
 
-Version v is the policy after v optimizer steps; version 0 is the base model.
+Version 0 is the base model and each optimizer step publishes the next version.
+Versions only go up: at start the trainer numbers its versions after the newest one in
+the weights stream (a restart, with or without ``SF_TRAINER_RESUME``, never reuses a
+version number that engines may already serve).
+
+Several ranks (``sf_trainer.launch``): this service runs on rank 0 only and drives the
+other ranks through ``sf_trainer.learner``; every step, weight gather and checkpoint
+involves all ranks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import nats.errors
+import nats.js.errors
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from seamlessflow import telemetry, weights
+from seamlessflow import telemetry
 from seamlessflow.bus import NoResponder, RemoteError
 from seamlessflow.protocol import (
     TRAINER_DURABLE,
@@ -50,65 +59,114 @@ from seamlessflow.protocol import (
 )
 from seamlessflow.resources import ResourceMembership
 from seamlessflow.service import ServiceContext
+from seamlessflow.weights.settings import WeightTransferSettings, publisher
+from sf_trainer import checkpoint
+from sf_trainer.checkpoint import TrainerState
 from sf_trainer.config import TrainerSettings
-from sf_trainer.step import StepResult, train_step
+from sf_trainer.distributed import TrainGroup
+from sf_trainer.learner import Learner
+from sf_trainer.step import StepResult
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
 R = TypeVar("R", bound=Message)
+T = TypeVar("T")
 
 
 class Trainer:
     name = "trainer"
 
-    def __init__(self, settings: TrainerSettings | None = None) -> None:
+    def __init__(
+        self, settings: TrainerSettings | None = None, group: TrainGroup | None = None
+    ) -> None:
         self.settings = settings or TrainerSettings()
+        self.group = group or TrainGroup(device=torch.device(self.settings.device))
         self.trainer_id = f"trainer-{socket.gethostname()}-{os.getpid()}"
         self.step = 0
         self.version = 0
+        self.data_position = -1
+        """``batch_index`` of the last trained batch: a batch at or before it is not trained."""
 
     async def run(self, ctx: ServiceContext) -> None:
         if ctx.mesh.model_dir is None:
             raise RuntimeError("the trainer needs SF_MODEL_DIR")
-        torch.set_num_threads(self.settings.torch_threads)
-        torch.manual_seed(self.settings.seed)
         self.ctx = ctx
         self.model_dir = ctx.mesh.model_dir
-        self.model = await asyncio.to_thread(
-            AutoModelForCausalLM.from_pretrained, str(self.model_dir), dtype=torch.float32
-        )
-        self.model.to(self.settings.device)
-        self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=self.settings.lr,
-            betas=self.settings.betas,
-            weight_decay=self.settings.weight_decay,
-        )
-        self.membership = ResourceMembership(
-            ctx.bus, self.trainer_id, "trainer", ctx.mesh.tags(["train"]), slots=ctx.mesh.slots()
-        )
-        await self.membership.register()
-        heartbeat = asyncio.create_task(self.membership.heartbeat_loop())
+        # Every Learner call runs on this one thread, in call order: the collectives are
+        # issued in the order the other ranks replay them, even when a stop comes while
+        # a step is still running.
+        self._learner_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
+        self.learner = await self._on_learner(Learner, self.settings, self.group, self.model_dir)
         try:
-            await self.membership.wait_for_role("train")
-            await self._release_slots()
-            batches = await ctx.bus.js.pull_subscribe(
-                ctx.subjects.batch_ready(),
-                durable=TRAINER_DURABLE,
-                stream=ctx.subjects.stream_batches(),
+            await self._resume()
+            self.publisher = publisher(ctx.bus, WeightTransferSettings())
+            self.membership = ResourceMembership(
+                ctx.bus,
+                self.trainer_id,
+                "trainer",
+                ctx.mesh.tags(["train"]),
+                slots=ctx.mesh.slots(),
             )
+            self.membership.version = self.version
+            await self.membership.register()
+            heartbeat = asyncio.create_task(self.membership.heartbeat_loop())
             try:
-                await self._train_loop(batches)
+                await self.membership.wait_for_role("train")
+                await self._release_slots()
+                batches = await ctx.bus.js.pull_subscribe(
+                    ctx.subjects.batch_ready(),
+                    durable=TRAINER_DURABLE,
+                    stream=ctx.subjects.stream_batches(),
+                )
+                try:
+                    await self._train_loop(batches)
+                finally:
+                    # a pull subscription left open makes the connection's drain wait forever
+                    await batches.unsubscribe()
             finally:
-                # a pull subscription left open makes the connection's drain wait forever
-                await batches.unsubscribe()
+                heartbeat.cancel()
+                self.membership.end_phase()
+                await self.publisher.close()
         finally:
-            heartbeat.cancel()
-            self.membership.end_phase()
             # Ctrl-C or SIGTERM still leaves a loadable checkpoint of the latest policy.
-            if ctx.mesh.run_dir is not None:
-                await asyncio.to_thread(self.save_checkpoint, "final")
+            # One job: the other ranks are stopped even if this await is cancelled.
+            await self._on_learner(self._final_checkpoint_and_stop)
+            self._learner_thread.shutdown(wait=False)
+
+    async def _on_learner(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._learner_thread, fn, *args)
+
+    async def _resume(self) -> None:
+        """Start from ``SF_TRAINER_RESUME`` if set, and number versions after every
+        version already announced (engines never go back; JetStream would also drop a
+        reused ``weights-v<n>`` message id as a duplicate)."""
+        path = checkpoint.resolve_resume(self.settings.resume, self.ctx.mesh.run_dir)
+        if path is not None:
+            state = await self._on_learner(self.learner.restore, path)
+            self.step, self.version = state.step, state.version
+            self.data_position = state.data_position
+        elif self.settings.resume:
+            log.info("no checkpoint to resume from (%s): starting from the base model",
+                     self.settings.resume)  # fmt: skip
+        announced = await self._announced_version()
+        if announced > self.version:
+            log.info("version %d is already announced: the next version is %d",
+                     announced, announced + 1)  # fmt: skip
+            self.version = announced
+
+    async def _announced_version(self) -> int:
+        """The newest version in the weights stream (0: none). The stream, not
+        weight-sync's ``weights.current``: it holds every announcement, also those
+        weight-sync has not processed (or when it is down)."""
+        subjects = self.ctx.subjects
+        try:
+            last = await self.ctx.bus.js.get_last_msg(
+                subjects.stream_weights(), subjects.weights_published()
+            )
+        except nats.js.errors.NotFoundError:
+            return 0
+        assert last.data is not None
+        return decode(last.data, WeightsPublished).version
 
     async def _train_loop(self, batches) -> None:  # type: ignore[no-untyped-def]
         while self.step < self.settings.steps and not self.ctx.stopping.is_set():
@@ -124,6 +182,12 @@ class Trainer:
                 log.error("terminating malformed batch: %s", exc)
                 await msg.term()
                 continue
+            if batch.batch_index <= self.data_position:
+                # trained before the checkpoint this trainer resumed from
+                log.info("batch %d is at or before data position %d: acked, not trained",
+                         batch.batch_index, self.data_position)  # fmt: skip
+                await msg.ack_sync()
+                continue
             with telemetry.extracted_context(msg.headers):
                 await self._claim_slots(batch.batch_index)
                 await self._step(batch, wait_seconds)
@@ -131,13 +195,14 @@ class Trainer:
             if self.step < self.settings.steps:
                 await self._release_slots()
         if self.step >= self.settings.steps:
-            checkpoint = await asyncio.to_thread(self.save_checkpoint, "final")
+            final = await self._on_learner(self.save_checkpoint, "final")
             await self.ctx.bus.js_publish(
                 self.ctx.subjects.train_finished(),
                 TrainingFinished(
-                    steps=self.step, final_version=self.version, checkpoint_dir=str(checkpoint)
+                    steps=self.step, final_version=self.version, checkpoint_dir=str(final)
                 ),
-                msg_id=f"finished-{self.step}",
+                # by version: after a resume, step numbers repeat, versions never do
+                msg_id=f"finished-v{self.version}",
             )
             log.info("training finished after %d steps (version %d)", self.step, self.version)
 
@@ -189,30 +254,21 @@ class Trainer:
             "trainer.step", attributes={"step": self.step + 1, "batch.index": batch.batch_index}
         ) as span:
             started = time.monotonic()
-            result: StepResult = await asyncio.to_thread(
-                train_step, self.model, self.optimizer, batch, self.settings, self.version
-            )
+            result = await self._on_learner(self._train, batch)
             step_seconds = time.monotonic() - started
             span.set_attribute("loss", result.loss)
             span.set_attribute("tokens", result.tokens_trained)
-        self.step += 1
-        self.version += 1
+            span.set_attribute("grad_norm", result.grad_norm)
         self.membership.set_phase("sync")
         started = time.monotonic()
         with tracer.start_as_current_span(
             "trainer.publish_weights", attributes={"version": self.version}
         ):
-            state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-            name, digest, size = await weights.put_weights(self.ctx.bus, self.version, state)
+            state = await self._on_learner(self.learner.full_weights)
+            manifest = await self.publisher.publish(self.version, state)
             await self.ctx.bus.js_publish(
                 self.ctx.subjects.weights_published(),
-                WeightsPublished(
-                    version=self.version,
-                    object_name=name,
-                    sha256=digest,
-                    num_bytes=size,
-                    step=self.step,
-                ),
+                WeightsPublished(manifest=manifest, step=self.step),
                 msg_id=f"weights-v{self.version}",
             )
         publish_seconds = time.monotonic() - started
@@ -234,22 +290,36 @@ class Trainer:
             step_seconds=step_seconds,
             wait_seconds=wait_seconds,
             publish_seconds=publish_seconds,
+            weights_kind=manifest.kind,
+            weights_payload_bytes=manifest.payload_bytes,
+            weights_state_bytes=manifest.state_bytes,
         )
         await self.ctx.bus.js_publish(
-            self.ctx.subjects.train_metrics(), metrics, msg_id=f"metrics-{self.step}"
+            self.ctx.subjects.train_metrics(), metrics, msg_id=f"metrics-v{self.version}"
         )
         every = self.settings.checkpoint_every
         if every and self.step % every == 0 and self.ctx.mesh.run_dir is not None:
-            await asyncio.to_thread(self.save_checkpoint, f"step-{self.step}")
+            await self._on_learner(self.save_checkpoint, f"step-{self.step}")
+
+    def _train(self, batch: TrainBatch) -> StepResult:
+        """One step, on the learner thread. The counters move with the weights: a
+        checkpoint queued behind a step that outlived a stop describes what it saves
+        (the batch, never acked, is redelivered and then skipped, not trained twice)."""
+        result = self.learner.step(batch, self.version)
+        self.step += 1
+        self.version += 1
+        self.data_position = batch.batch_index
+        return result
 
     def save_checkpoint(self, name: str) -> Path:
-        """HF layout (safetensors + tokenizer), loadable with ``from_pretrained``."""
+        """``<run_dir>/checkpoints/<name>`` (``sf_trainer.checkpoint``); learner thread."""
         assert self.ctx.mesh.run_dir is not None
-        out = self.ctx.mesh.run_dir / "checkpoints" / name
-        out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out, safe_serialization=True)
-        AutoTokenizer.from_pretrained(str(self.model_dir)).save_pretrained(out)
-        (out / "trainer_state.json").write_text(
-            json.dumps({"step": self.step, "version": self.version}, indent=2)
-        )
-        return out
+        state = TrainerState(step=self.step, version=self.version, data_position=self.data_position)
+        return self.learner.save(self.ctx.mesh.run_dir / "checkpoints" / name, state)
+
+    def _final_checkpoint_and_stop(self) -> None:
+        try:
+            if self.ctx.mesh.run_dir is not None:
+                self.save_checkpoint("final")
+        finally:
+            self.learner.stop()

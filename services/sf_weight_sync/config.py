@@ -8,9 +8,5 @@ class WeightSyncSettings(BaseSettings):
         env_prefix="SF_WEIGHT_SYNC_", extra="ignore", use_attribute_docstrings=True
     )
 
-    keep_versions: int = 3
-    """Versions kept in the object store (older ones are deleted; engines still
-    loading an old version then catch up to the current one)."""
-
     sync_timeout_s: float = 60.0
     """How long a sync span waits for every known engine to report the new version."""

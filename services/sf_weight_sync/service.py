@@ -6,12 +6,13 @@ Consumes:
 - ``sf.<run>.weights.current`` (request CurrentVersionQuery -> reply CurrentVersion)
 - ``sf.<run>.weights.loaded`` (WeightsLoaded from engines)
 Produces:
-- ``sf.<run>.engine.load`` (LoadWeights broadcast to engines)
-- object store ``sf_<run>_weights``: deletes versions older than ``keep_versions``
+- ``sf.<run>.engine.load`` (LoadWeights broadcast to engines: the new version's manifest)
 
-The current version is the newest WeightsPublished processed; it survives a restart
-because it is re-read from the stream. An engine that missed a broadcast asks
-``weights.current`` (catch-up), so no engine is left behind for long.
+weight-sync moves no weight bytes: the trainer stores payloads (``seamlessflow.weights``)
+and engines fetch them. It keeps the chain that builds the current version (the latest
+full payload and the deltas after it); the chain survives a restart because it is
+re-read from the stream. An engine that missed a broadcast, or cannot apply a delta
+because it holds another version, asks ``weights.current`` and gets the whole chain.
 """
 
 from __future__ import annotations
@@ -23,17 +24,19 @@ import time
 import nats.errors
 import nats.js.errors
 
-from seamlessflow import telemetry, weights
+from seamlessflow import telemetry
 from seamlessflow.protocol import (
     WEIGHT_SYNC_DURABLE,
     CurrentVersion,
     CurrentVersionQuery,
     LoadWeights,
+    WeightManifest,
     WeightsLoaded,
     WeightsPublished,
     decode,
 )
 from seamlessflow.service import ServiceContext, supervise
+from seamlessflow.weights import VersionChain
 from sf_weight_sync.config import WeightSyncSettings
 
 log = logging.getLogger(__name__)
@@ -45,7 +48,7 @@ class WeightSync:
 
     def __init__(self, settings: WeightSyncSettings | None = None) -> None:
         self.settings = settings or WeightSyncSettings()
-        self.current = CurrentVersion(version=0)
+        self.chain = VersionChain()
         self.engine_versions: dict[str, int] = {}
         self._loaded = asyncio.Condition()
         self._watchers: set[asyncio.Task[None]] = set()
@@ -54,14 +57,7 @@ class WeightSync:
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
         subjects = ctx.subjects
-        try:
-            last = await ctx.bus.js.get_last_msg(
-                subjects.stream_weights(), subjects.weights_published()
-            )
-            assert last.data is not None
-            self._set_current(decode(last.data, WeightsPublished))
-        except nats.js.errors.NotFoundError:
-            pass
+        await self._reload_chain()
         await ctx.bus.nc.subscribe(subjects.weights_loaded(), cb=self._on_loaded)
         await ctx.bus.serve(subjects.weights_current(), CurrentVersionQuery, self.on_query)
         self.published = await ctx.bus.js.pull_subscribe(
@@ -69,7 +65,7 @@ class WeightSync:
             durable=WEIGHT_SYNC_DURABLE,
             stream=subjects.stream_weights(),
         )
-        log.info("weight-sync up at version %d", self.current.version)
+        log.info("weight-sync up at version %d", self.chain.version)
         self.ready.set()
         try:
             await supervise(ctx.stopping, self._published_loop())
@@ -81,15 +77,33 @@ class WeightSync:
 
     async def on_query(self, query: CurrentVersionQuery) -> CurrentVersion:
         self.engine_versions.setdefault(query.engine_id, 0)
-        return self.current
+        return CurrentVersion(version=self.chain.version, chain=list(self.chain.manifests))
 
-    def _set_current(self, published: WeightsPublished) -> None:
-        if published.version > self.current.version:
-            self.current = CurrentVersion(
-                version=published.version,
-                object_name=published.object_name,
-                sha256=published.sha256,
-            )
+    async def _reload_chain(self) -> None:
+        """After a restart: walk the stream back from its last message to the latest
+        full payload, then replay forward."""
+        subjects = self.ctx.subjects
+        js = self.ctx.bus.js
+        try:
+            last = await js.get_last_msg(subjects.stream_weights(), subjects.weights_published())
+        except nats.js.errors.NotFoundError:
+            return
+        found: list[WeightManifest] = []
+        sequence = last.seq
+        while sequence is not None and sequence > 0:
+            try:
+                raw = await js.get_msg(subjects.stream_weights(), sequence)
+            except nats.js.errors.NotFoundError:
+                break
+            sequence -= 1
+            if raw.subject != subjects.weights_published() or raw.data is None:
+                continue
+            manifest = decode(raw.data, WeightsPublished).manifest
+            found.append(manifest)
+            if manifest.kind == "full":
+                break
+        for manifest in reversed(found):
+            self.chain.extend(manifest)
 
     async def _published_loop(self) -> None:
         while True:
@@ -109,26 +123,31 @@ class WeightSync:
                 await msg.ack_sync()
 
     async def _sync(self, published: WeightsPublished) -> None:
-        if published.version <= self.current.version and self.current.object_name:
+        manifest = published.manifest
+        if manifest.version <= self.chain.version:
             return  # a redelivery after a restart: already the current version
-        self._set_current(published)
+        if not self.chain.extend(manifest):
+            # a delta on a version this chain does not end with: engines could never
+            # build it, so it is not announced; the trainer's next full payload is
+            log.error("version %d: a delta on %d, but the chain ends at %d; skipped",
+                      manifest.version, manifest.base_version, self.chain.version)  # fmt: skip
+            return
         started = time.monotonic()
-        with tracer.start_as_current_span(
-            "weights.sync", attributes={"version": published.version, "bytes": published.num_bytes}
-        ) as span:
+        attributes = {
+            "version": manifest.version,
+            "kind": manifest.kind,
+            "bytes": manifest.payload_bytes,
+            "state.bytes": manifest.state_bytes,
+            "transport": manifest.transport,
+        }
+        with tracer.start_as_current_span("weights.sync", attributes=attributes) as span:
             await self.ctx.bus.publish(
-                self.ctx.subjects.engine_load(),
-                LoadWeights(
-                    version=published.version,
-                    object_name=published.object_name,
-                    sha256=published.sha256,
-                ),
+                self.ctx.subjects.engine_load(), LoadWeights(manifest=manifest)
             )
             span.set_attribute("engines.known", len(self.engine_versions))
-        watcher = asyncio.create_task(self._await_engines(published.version, started))
+        watcher = asyncio.create_task(self._await_engines(manifest.version, started))
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)
-        await self._prune(published.version)
 
     async def _await_engines(self, version: int, started: float) -> None:
         """Log how long every known engine took to serve ``version`` (or who lagged)."""
@@ -155,8 +174,3 @@ class WeightSync:
             previous = self.engine_versions.get(loaded.engine_id, 0)
             self.engine_versions[loaded.engine_id] = max(previous, loaded.version)
             self._loaded.notify_all()
-
-    async def _prune(self, version: int) -> None:
-        oldest_kept = version - self.settings.keep_versions + 1
-        for old in range(max(1, oldest_kept - 3), oldest_kept):
-            await weights.delete_weights(self.ctx.bus, weights.object_name(old))

@@ -1,0 +1,204 @@
+"""Sender and receiver state of weight versions, independent of any transport.
+
+``WeightEncoder`` (trainer side) turns each new state dict into a payload: the flat
+state (``full``) or a sparse delta against the previous version. It sends a full state
+for the first version, after a layout change, every ``full_every`` versions, after a
+version gap, and whenever the delta would not be smaller than ``max_delta_ratio`` of
+the state.
+
+``WeightMirror`` (engine side) holds the flat state of the version an engine serves. It
+checks every payload bucket against its sha256 before touching anything, applies a
+delta only on top of exactly its base version, and after a delta checks the digest of
+the whole resulting state, so an engine is never handed a partial or wrong set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from seamlessflow.protocol import WeightManifest
+from seamlessflow.weights import delta
+from seamlessflow.weights.layout import (
+    as_bytes,
+    bucket_digests,
+    flatten_into,
+    layout_bytes,
+    plan_layout,
+    state_digest,
+    tensor_views,
+    word_bytes,
+)
+
+
+class WeightsCorrupted(Exception):
+    """A payload that does not match its manifest (size, bucket digests, state digest)."""
+
+
+class VersionGap(Exception):
+    """The payloads at hand cannot build the target from the version this mirror holds."""
+
+
+@dataclass
+class EncodedWeights:
+    """A payload and its manifest; the store fills ``transport`` and ``location``."""
+
+    manifest: WeightManifest
+    payload: memoryview
+
+
+class WeightEncoder:
+    def __init__(
+        self,
+        bucket_bytes: int,
+        deltas: bool = False,
+        full_every: int = 10,
+        max_delta_ratio: float = 0.5,
+    ) -> None:
+        if bucket_bytes <= 0 or full_every <= 0:
+            raise ValueError("bucket_bytes and full_every must be positive")
+        self.bucket_bytes = bucket_bytes
+        self.deltas = deltas
+        self.full_every = full_every
+        self.max_delta_ratio = max_delta_ratio
+        self._previous: torch.Tensor | None = None
+        self._previous_version = -1
+        self._previous_layout: list | None = None
+        self._deltas_since_full = 0
+
+    def encode(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> EncodedWeights:
+        """Flatten ``state_dict`` and encode it; blocking (call it in a worker thread)."""
+        layout = plan_layout(state_dict)
+        flat = torch.zeros(layout_bytes(layout), dtype=torch.uint8)
+        flatten_into(flat, state_dict, layout)
+        state_digests = bucket_digests(as_bytes(flat), self.bucket_bytes)
+        manifest = WeightManifest(
+            version=version,
+            kind="full",
+            transport="",
+            location="",
+            payload_bytes=flat.numel(),
+            bucket_bytes=self.bucket_bytes,
+            bucket_sha256=state_digests,
+            state_bytes=flat.numel(),
+            state_sha256=state_digest(state_digests),
+            layout=layout,
+        )
+        payload = as_bytes(flat)
+        encoded = self._delta(manifest, flat) if self._delta_allowed(version, layout) else None
+        if encoded is not None:
+            manifest, payload = encoded
+            self._deltas_since_full += 1
+        else:
+            self._deltas_since_full = 0
+        self._previous, self._previous_version, self._previous_layout = flat, version, layout
+        return EncodedWeights(manifest=manifest, payload=payload)
+
+    def _delta_allowed(self, version: int, layout: list) -> bool:
+        return (
+            self.deltas
+            and self._previous is not None
+            and self._previous_version == version - 1
+            and self._previous_layout == layout
+            and self._deltas_since_full + 1 < self.full_every
+        )
+
+    def _delta(
+        self, full: WeightManifest, flat: torch.Tensor
+    ) -> tuple[WeightManifest, memoryview] | None:
+        assert self._previous is not None
+        found = delta.encode(
+            self._previous.numpy(), flat.numpy(), word_bytes(full.layout), self.max_delta_ratio
+        )
+        if found is None:
+            return None
+        encoding, data = found
+        manifest = WeightManifest(
+            version=full.version,
+            kind="delta",
+            base_version=self._previous_version,
+            transport="",
+            location="",
+            payload_bytes=len(data),
+            bucket_bytes=self.bucket_bytes,
+            bucket_sha256=bucket_digests(data, self.bucket_bytes),
+            state_bytes=full.state_bytes,
+            state_sha256=full.state_sha256,
+            layout=full.layout,
+            delta=encoding,
+        )
+        return manifest, memoryview(data)
+
+
+class WeightMirror:
+    """The flat state of one version on the receiving side (version 0: nothing held)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.flat: torch.Tensor | None = None
+        self.manifest: WeightManifest | None = None
+
+    def plan(self, chain: list[WeightManifest]) -> list[WeightManifest]:
+        """Which payloads of ``chain`` (a full, then consecutive deltas; or a single
+        payload) to apply, in order, to reach its last version from this one."""
+        if not chain or chain[-1].version <= self.version:
+            return []
+        held = [i for i, m in enumerate(chain) if m.version == self.version]
+        if self.flat is not None and held:
+            return chain[held[0] + 1 :]
+        if (
+            chain[0].kind == "delta"
+            and chain[0].base_version == self.version
+            and self.flat is not None
+        ):
+            return chain
+        if chain[0].kind == "full":
+            return chain
+        raise VersionGap(
+            f"holding version {self.version}; the payloads start with a delta on "
+            f"{chain[0].base_version}"
+        )
+
+    def apply(self, manifest: WeightManifest, payload: memoryview | bytes) -> None:
+        """Check then apply one payload; blocking (call it in a worker thread)."""
+        view = memoryview(payload).cast("B")
+        if len(view) != manifest.payload_bytes:
+            raise WeightsCorrupted(
+                f"version {manifest.version}: {len(view)} bytes, announced {manifest.payload_bytes}"
+            )
+        if bucket_digests(view, manifest.bucket_bytes) != manifest.bucket_sha256:
+            raise WeightsCorrupted(f"version {manifest.version}: a bucket's sha256 does not match")
+        if manifest.kind == "full":
+            if state_digest(manifest.bucket_sha256) != manifest.state_sha256:
+                raise WeightsCorrupted(f"version {manifest.version}: inconsistent manifest")
+            if self.flat is None or self.flat.numel() != manifest.state_bytes:
+                self.flat = torch.empty(manifest.state_bytes, dtype=torch.uint8)
+            self.flat.numpy()[:] = np.frombuffer(view, dtype=np.uint8)
+        else:
+            self._apply_delta(manifest, view)
+        self.version, self.manifest = manifest.version, manifest
+
+    def _apply_delta(self, manifest: WeightManifest, view: memoryview) -> None:
+        if self.flat is None or manifest.base_version != self.version or manifest.delta is None:
+            raise VersionGap(f"a delta on {manifest.base_version}; holding {self.version}")
+        assert self.manifest is not None
+        if self.manifest.layout != manifest.layout:
+            raise VersionGap(f"version {manifest.version} changes the layout")
+        try:
+            delta.apply(self.flat.numpy(), manifest.delta, view)
+        except delta.DeltaCorrupted as exc:
+            raise WeightsCorrupted(f"version {manifest.version}: {exc}") from exc
+        digests = bucket_digests(as_bytes(self.flat), manifest.bucket_bytes)
+        if state_digest(digests) != manifest.state_sha256:
+            # patched in place: what is held is no known version any more
+            self.version, self.flat, self.manifest = 0, None, None
+            raise WeightsCorrupted(f"version {manifest.version}: wrong state after the delta")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The held version as views (no copy): valid until the next ``apply``."""
+        if self.flat is None or self.manifest is None:
+            return {}
+        return tensor_views(self.flat, self.manifest.layout)

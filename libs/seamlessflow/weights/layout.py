@@ -1,0 +1,137 @@
+"""A weight set as one flat byte buffer: layout, buckets and digests.
+
+Every transport moves the same thing, a flat ``uint8`` buffer in which each tensor sits
+at an aligned offset, cut into buckets of a fixed size. A tensor larger than a bucket
+simply spans several; a model larger than any transfer budget moves bucket by bucket.
+Offsets are aligned to ``ALIGNMENT`` so every tensor can be viewed in place in its own
+dtype and every element size divides every offset (the delta codec relies on it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from seamlessflow.protocol import TensorSpec
+
+ALIGNMENT = 64
+
+
+class LayoutMismatch(ValueError):
+    """A state dict that does not have the names, dtypes or shapes of the layout."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise LayoutMismatch(f"unknown dtype {name!r}")
+    return dtype
+
+
+def spec_bytes(spec: TensorSpec) -> int:
+    numel = 1
+    for size in spec.shape:
+        numel *= size
+    return numel * torch_dtype(spec.dtype).itemsize
+
+
+def plan_layout(state_dict: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
+    """Tensors in the state dict's order, each at an ALIGNMENT-aligned offset."""
+    layout: list[TensorSpec] = []
+    offset = 0
+    for name, tensor in state_dict.items():
+        spec = TensorSpec(
+            name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), offset=offset
+        )
+        layout.append(spec)
+        offset = _aligned(offset + spec_bytes(spec))
+    return layout
+
+
+def layout_bytes(layout: list[TensorSpec]) -> int:
+    """Size of the flat buffer (a multiple of ALIGNMENT)."""
+    if not layout:
+        return 0
+    last = layout[-1]
+    return _aligned(last.offset + spec_bytes(last))
+
+
+def word_bytes(layout: list[TensorSpec]) -> int:
+    """The smallest element size: the unit in which two versions are compared."""
+    return min((torch_dtype(spec.dtype).itemsize for spec in layout), default=1)
+
+
+def flatten_into(
+    flat: torch.Tensor, state_dict: Mapping[str, torch.Tensor], layout: list[TensorSpec]
+) -> None:
+    """Copy every tensor of ``state_dict`` to its place in ``flat`` (gaps stay zero)."""
+    if len(state_dict) != len(layout):
+        raise LayoutMismatch(f"{len(state_dict)} tensors for a layout of {len(layout)}")
+    for spec in layout:
+        tensor = state_dict.get(spec.name)
+        if tensor is None:
+            raise LayoutMismatch(f"missing tensor {spec.name!r}")
+        if dtype_name(tensor.dtype) != spec.dtype or list(tensor.shape) != spec.shape:
+            raise LayoutMismatch(
+                f"{spec.name}: {dtype_name(tensor.dtype)}{list(tensor.shape)} "
+                f"!= {spec.dtype}{spec.shape}"
+            )
+        size = spec_bytes(spec)
+        raw = tensor.detach().reshape(-1).view(torch.uint8)
+        flat[spec.offset : spec.offset + size].copy_(raw)
+
+
+def flatten(state_dict: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, list[TensorSpec]]:
+    layout = plan_layout(state_dict)
+    flat = torch.zeros(layout_bytes(layout), dtype=torch.uint8)
+    flatten_into(flat, state_dict, layout)
+    return flat, layout
+
+
+def tensor_views(flat: torch.Tensor, layout: list[TensorSpec]) -> dict[str, torch.Tensor]:
+    """Each tensor as a view into ``flat``: no copy; valid while ``flat`` is unchanged."""
+    views: dict[str, torch.Tensor] = {}
+    for spec in layout:
+        size = spec_bytes(spec)
+        raw = flat[spec.offset : spec.offset + size]
+        views[spec.name] = raw.view(torch_dtype(spec.dtype)).view(spec.shape)
+    return views
+
+
+def bucket_ranges(total: int, bucket_bytes: int) -> Iterator[tuple[int, int]]:
+    """[start, end) of each bucket; the last one may be short."""
+    if bucket_bytes <= 0:
+        raise ValueError("bucket_bytes must be positive")
+    for start in range(0, total, bucket_bytes):
+        yield start, min(start + bucket_bytes, total)
+
+
+def bucket_digests(data: memoryview | bytes, bucket_bytes: int) -> list[str]:
+    view = memoryview(data)
+    return [
+        hashlib.sha256(view[start:end]).hexdigest()
+        for start, end in bucket_ranges(len(view), bucket_bytes)
+    ]
+
+
+def state_digest(digests: list[str]) -> str:
+    """Digest of a whole flat state from its bucket digests (cheap for a full payload,
+    whose bucket digests are exactly these)."""
+    return hashlib.sha256("".join(digests).encode()).hexdigest()
+
+
+def as_bytes(flat: torch.Tensor) -> memoryview:
+    """The buffer of a contiguous CPU uint8 tensor, without a copy."""
+    array: Any = flat.numpy()
+    return memoryview(array).cast("B")
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGNMENT) * ALIGNMENT

@@ -1,0 +1,75 @@
+"""How weights travel (env prefix ``SF_WEIGHTS_``): read by the trainer, which publishes,
+and by the engines, which fetch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from seamlessflow.bus import Bus
+from seamlessflow.weights.codec import WeightEncoder
+from seamlessflow.weights.layout import torch_dtype
+from seamlessflow.weights.stores import ObjectStorePayloads, PayloadStore, SharedMemoryPayloads
+from seamlessflow.weights.sync import WeightPublisher
+
+
+class WeightTransferSettings(BaseSettings):
+    """Weight transfer from trainer to engines."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SF_WEIGHTS_", extra="ignore", use_attribute_docstrings=True
+    )
+
+    transport: Literal["object", "shm"] = "object"
+    """Where the trainer puts each version for engines to pull: ``object`` (NATS Object
+    Store, any host) or ``shm`` (files in ``shm_dir``; trainer and engines on one host).
+    GPU engines in a collective group also get a push broadcast (``collective``)."""
+
+    dtype: str = ""
+    """dtype the weights travel and are served in (``bfloat16``); empty = the trainer's.
+    Low-precision transfer is where deltas pay: most bf16 words survive a step."""
+
+    deltas: bool = True
+    """Send sparse deltas between consecutive versions when they are smaller."""
+
+    full_every: int = 10
+    """A full payload at least every N versions (chains stay short for late joiners)."""
+
+    max_delta_ratio: float = 0.5
+    """Send in full when a delta would exceed this fraction of the full state."""
+
+    bucket_mb: float = 64.0
+    """Transfer bucket: payloads move and are checked (sha256) in pieces of this size."""
+
+    keep_chains: int = 2
+    """Payload chains (a full version and its deltas) the trainer keeps for engines
+    still catching up; older payloads are deleted."""
+
+    shm_dir: Path = Path("/dev/shm")
+    """Directory of shared-memory payloads (``shm`` transport)."""
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 1024 * 1024))
+
+
+def payload_stores(bus: Bus, settings: WeightTransferSettings) -> dict[str, PayloadStore]:
+    """Every store an engine can fetch from; the manifest names the one to use."""
+    return {
+        ObjectStorePayloads.name: ObjectStorePayloads(bus),
+        SharedMemoryPayloads.name: SharedMemoryPayloads(bus.subjects.run_id, settings.shm_dir),
+    }
+
+
+def publisher(bus: Bus, settings: WeightTransferSettings) -> WeightPublisher:
+    encoder = WeightEncoder(
+        bucket_bytes=settings.bucket_bytes,
+        deltas=settings.deltas,
+        full_every=settings.full_every,
+        max_delta_ratio=settings.max_delta_ratio,
+    )
+    store = payload_stores(bus, settings)[settings.transport]
+    dtype = torch_dtype(settings.dtype) if settings.dtype else None
+    return WeightPublisher(store, encoder, keep_chains=settings.keep_chains, dtype=dtype)

@@ -1,0 +1,162 @@
+"""Pull stores for weight payloads: where a version waits until each engine fetches it.
+
+Both stores keep a payload as buckets of ``manifest.bucket_bytes``, write it completely
+before ``put`` returns (so before any message names it), and let readers fetch at their
+own pace: a late joiner or a lagging engine never stalls the trainer.
+
+- ``ObjectStorePayloads`` (``object``): one NATS Object Store object per bucket; works
+  across hosts; the default.
+- ``SharedMemoryPayloads`` (``shm``): one file per payload in a shared-memory directory
+  (``/dev/shm``), written under a temporary name and renamed, so a reader never maps a
+  partial file. Readers map it and verify and apply straight from the mapping (no
+  intermediate copy). Trainer and engines must share the host.
+
+The publisher owns its payloads and deletes them (``delete``); a fetch of a deleted
+payload raises ``PayloadMissing`` and the engine catches up from a newer chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+from pathlib import Path
+from typing import Protocol
+
+import nats.js.errors
+from nats.js.api import ObjectMeta, ObjectMetaOptions
+from nats.js.object_store import ObjectStore
+
+from seamlessflow.bus import Bus
+from seamlessflow.protocol import WeightManifest
+from seamlessflow.weights.codec import EncodedWeights
+from seamlessflow.weights.layout import bucket_ranges
+
+# NATS caps a message at 1 MiB by default; a chunk leaves room for the headers.
+OBJECT_CHUNK_BYTES = 1024 * 1024 - 4096
+
+
+class PayloadMissing(Exception):
+    """The payload a manifest names is gone (pruned, or another host's shared memory)."""
+
+
+class PayloadStore(Protocol):
+    name: str
+    ephemeral: bool
+    """Payloads live in RAM: the publisher deletes them all when it stops."""
+
+    async def put(self, encoded: EncodedWeights) -> WeightManifest:
+        """Store the payload completely; returns the manifest with its location."""
+        ...
+
+    async def fetch(self, manifest: WeightManifest) -> memoryview:
+        """The payload's bytes (not yet verified: ``WeightMirror.apply`` checks them)."""
+        ...
+
+    async def delete(self, manifest: WeightManifest) -> None: ...
+
+
+def payload_name(manifest: WeightManifest) -> str:
+    return f"weights-v{manifest.version:08d}-{manifest.kind}"
+
+
+class ObjectStorePayloads:
+    name = "object"
+    ephemeral = False
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self._store: ObjectStore | None = None
+
+    async def _objects(self) -> ObjectStore:
+        if self._store is None:
+            bucket = self.bus.subjects.object_store_weights()
+            try:
+                self._store = await self.bus.js.object_store(bucket)
+            except nats.js.errors.BucketNotFoundError:
+                self._store = await self.bus.js.create_object_store(bucket)
+        return self._store
+
+    async def put(self, encoded: EncodedWeights) -> WeightManifest:
+        store = await self._objects()
+        location = payload_name(encoded.manifest)
+        meta_options = ObjectMetaOptions(max_chunk_size=OBJECT_CHUNK_BYTES)
+        for index, (start, end) in enumerate(
+            bucket_ranges(len(encoded.payload), encoded.manifest.bucket_bytes)
+        ):
+            name = _bucket_object(location, index)
+            meta = ObjectMeta(name=name, options=meta_options)
+            await store.put(name, bytes(encoded.payload[start:end]), meta=meta)
+        return _located(encoded.manifest, self.name, location)
+
+    async def fetch(self, manifest: WeightManifest) -> memoryview:
+        store = await self._objects()
+        payload = bytearray(manifest.payload_bytes)
+        for index, (start, end) in enumerate(
+            bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes)
+        ):
+            try:
+                result = await store.get(_bucket_object(manifest.location, index))
+            except nats.js.errors.ObjectNotFoundError as exc:
+                raise PayloadMissing(f"{manifest.location} bucket {index}") from exc
+            data = result.data or b""
+            if len(data) != end - start:
+                raise PayloadMissing(f"{manifest.location} bucket {index}: {len(data)} bytes")
+            payload[start:end] = data
+        return memoryview(payload)
+
+    async def delete(self, manifest: WeightManifest) -> None:
+        store = await self._objects()
+        buckets = len(manifest.bucket_sha256)
+        for index in range(buckets):
+            try:
+                await store.delete(_bucket_object(manifest.location, index))
+            except nats.js.errors.ObjectNotFoundError:
+                pass
+
+
+class SharedMemoryPayloads:
+    name = "shm"
+    ephemeral = True
+
+    def __init__(self, run_id: str, directory: Path = Path("/dev/shm")) -> None:
+        self.directory = directory
+        self.prefix = f"seamlessflow-{run_id}-"
+
+    async def put(self, encoded: EncodedWeights) -> WeightManifest:
+        location = self.prefix + payload_name(encoded.manifest)
+        await asyncio.to_thread(self._write, location, encoded.payload)
+        return _located(encoded.manifest, self.name, location)
+
+    def _write(self, location: str, payload: memoryview) -> None:
+        final = self.directory / location
+        partial = final.with_name(final.name + ".partial")
+        with partial.open("wb") as out:
+            out.write(payload)
+        os.replace(partial, final)  # atomic: readers see all of it or nothing
+
+    async def fetch(self, manifest: WeightManifest) -> memoryview:
+        if not manifest.location.startswith(self.prefix):
+            raise PayloadMissing(f"{manifest.location} is not a payload of this run")
+        try:
+            with (self.directory / manifest.location).open("rb") as source:
+                if manifest.payload_bytes == 0:
+                    return memoryview(b"")
+                mapping = mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_READ)
+        except FileNotFoundError as exc:
+            raise PayloadMissing(f"{manifest.location} (another host, or pruned)") from exc
+        # the mapping stays valid after an unlink, until the view is released
+        return memoryview(mapping)
+
+    async def delete(self, manifest: WeightManifest) -> None:
+        (self.directory / manifest.location).unlink(missing_ok=True)
+
+
+def _bucket_object(location: str, index: int) -> str:
+    return f"{location}.b{index:05d}"
+
+
+def _located(manifest: WeightManifest, transport: str, location: str) -> WeightManifest:
+    import msgspec
+
+    return msgspec.structs.replace(manifest, transport=transport, location=location)

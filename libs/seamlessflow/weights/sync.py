@@ -1,0 +1,112 @@
+"""The version handshake, written once for every store and engine.
+
+- ``WeightPublisher`` (trainer): encode -> store completely -> return the manifest that
+  the trainer then announces; keeps the latest ``keep_chains`` chains (a full payload
+  and the deltas after it) and deletes older payloads.
+- ``VersionChain`` (weight-sync): the manifests that build the current version; a late
+  joiner or an engine after a gap gets the whole chain.
+- ``WeightReceiver`` (engine): follows a chain or a single broadcast payload from the
+  version it holds, fetching at its own pace; raises ``VersionGap`` when it needs the
+  chain, and never returns a partially built set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import torch
+
+from seamlessflow.protocol import WeightManifest
+from seamlessflow.weights.codec import EncodedWeights, WeightEncoder, WeightMirror
+from seamlessflow.weights.stores import PayloadMissing, PayloadStore
+
+
+class WeightPublisher:
+    def __init__(
+        self,
+        store: PayloadStore,
+        encoder: WeightEncoder,
+        keep_chains: int = 2,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if keep_chains < 1:
+            raise ValueError("keep_chains must be at least 1")
+        self.store = store
+        self.encoder = encoder
+        self.keep_chains = keep_chains
+        self.dtype = dtype
+        self._chains: list[list[WeightManifest]] = []
+
+    async def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightManifest:
+        """Store ``version`` completely (cast to ``dtype`` if set); its manifest."""
+        encoded = await asyncio.to_thread(self._encode, version, state_dict)
+        manifest = await self.store.put(encoded)
+        if manifest.kind == "full" or not self._chains:
+            self._chains.append([])
+        self._chains[-1].append(manifest)
+        while len(self._chains) > self.keep_chains:
+            for old in self._chains.pop(0):
+                await self.store.delete(old)
+        return manifest
+
+    async def close(self) -> None:
+        """Delete the payloads of an ephemeral store (shared memory is RAM); payloads in
+        the object store stay for engines still catching up."""
+        if self.store.ephemeral:
+            for chain in self._chains:
+                for manifest in chain:
+                    await self.store.delete(manifest)
+            self._chains.clear()
+
+    def _encode(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> EncodedWeights:
+        if self.dtype is not None:
+            state_dict = {
+                name: t.to(self.dtype) if t.is_floating_point() else t
+                for name, t in state_dict.items()
+            }
+        return self.encoder.encode(version, state_dict)
+
+
+class VersionChain:
+    """A full manifest and the consecutive deltas after it, up to the current version."""
+
+    def __init__(self) -> None:
+        self.manifests: list[WeightManifest] = []
+
+    @property
+    def version(self) -> int:
+        return self.manifests[-1].version if self.manifests else 0
+
+    def extend(self, manifest: WeightManifest) -> bool:
+        """Add the next version; False if it does not continue this chain (a delta on
+        a base this chain does not end with), which leaves the chain unchanged."""
+        if manifest.kind == "full":
+            if manifest.version > self.version or not self.manifests:
+                self.manifests = [manifest]
+                return True
+            return False
+        if self.manifests and manifest.base_version == self.version:
+            self.manifests.append(manifest)
+            return True
+        return False
+
+
+class WeightReceiver:
+    def __init__(self, stores: Mapping[str, PayloadStore]) -> None:
+        self.stores = dict(stores)
+        self.mirror = WeightMirror()
+
+    async def follow(self, chain: list[WeightManifest]) -> int:
+        """Bring the mirror to the chain's last version (unless it holds it or a newer
+        one); returns the version held, whose tensors are ``mirror.tensors()``.
+
+        Raises VersionGap (ask for the whole chain), PayloadMissing (pruned or
+        unreachable: catch up later) or WeightsCorrupted (refused: nothing applied)."""
+        for manifest in self.mirror.plan(chain):
+            store = self.stores.get(manifest.transport)
+            if store is None:
+                raise PayloadMissing(f"no {manifest.transport!r} store on this engine")
+            payload = await store.fetch(manifest)
+            await asyncio.to_thread(self.mirror.apply, manifest, payload)
+        return self.mirror.version

@@ -1,0 +1,204 @@
+"""The shared weight-transfer logic: layout, buckets, deltas, encoder schedule and the
+receiver's refusal of anything partial or wrong (invariant 5), on real torch tensors."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from seamlessflow.weights import (
+    VersionChain,
+    VersionGap,
+    WeightEncoder,
+    WeightMirror,
+    WeightsCorrupted,
+)
+from seamlessflow.weights import delta as delta_codec
+from seamlessflow.weights.layout import ALIGNMENT, LayoutMismatch, flatten, tensor_views
+
+
+def model_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(300, 64, generator=generator).bfloat16(),
+        "norm.weight": torch.randn(64, generator=generator),  # float32 among bf16
+        "scale": torch.tensor(0.5),  # 0-dim
+        "head.weight": torch.randn(7, 9, generator=generator).bfloat16(),
+    }
+
+
+def one_step(state: dict[str, torch.Tensor], fraction: float, seed: int) -> dict[str, torch.Tensor]:
+    """Change about ``fraction`` of the elements, like an optimizer step in bf16."""
+    generator = torch.Generator().manual_seed(seed)
+    stepped = {}
+    for name, tensor in state.items():
+        flat = tensor.clone().reshape(-1)
+        chosen = torch.rand(flat.numel(), generator=generator) < fraction
+        flat[chosen] += 1.0
+        stepped[name] = flat.reshape(tensor.shape)
+    return stepped
+
+
+def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], tensor), name
+
+
+def test_flat_layout_round_trips_mixed_dtypes_and_aligns_every_tensor() -> None:
+    state = model_state()
+    flat, layout = flatten(state)
+    assert all(spec.offset % ALIGNMENT == 0 for spec in layout)
+    assert flat.numel() % ALIGNMENT == 0
+    assert_same_state(tensor_views(flat, layout), state)
+    with pytest.raises(LayoutMismatch):
+        flatten_state = dict(state)
+        flatten_state["norm.weight"] = flatten_state["norm.weight"].bfloat16()
+        from seamlessflow.weights.layout import flatten_into
+
+        flatten_into(flat.clone(), flatten_state, layout)
+
+
+@pytest.mark.parametrize("fraction", [0.001, 0.2])
+def test_a_delta_rebuilds_the_new_state_exactly(fraction: float) -> None:
+    """Sparse changes travel as indices, denser ones as a bitmap; both rebuild the state."""
+    old_flat, _ = flatten(model_state())
+    new_flat, _ = flatten(one_step(model_state(), fraction, seed=1))
+    found = delta_codec.encode(old_flat.numpy(), new_flat.numpy(), word=2)
+    assert found is not None
+    encoding, payload = found
+    assert encoding.positions == ("indices" if fraction < 0.01 else "bitmap")
+    changed = int((old_flat.numpy().view(np.uint16) != new_flat.numpy().view(np.uint16)).sum())
+    assert encoding.changed_words == changed
+    assert len(payload) < new_flat.numel()
+    patched = old_flat.clone()
+    delta_codec.apply(patched.numpy(), encoding, payload)
+    assert torch.equal(patched, new_flat)
+
+
+def test_a_delta_that_would_not_save_enough_is_not_made() -> None:
+    old_flat, _ = flatten(model_state())
+    new_flat, _ = flatten(one_step(model_state(), 0.9, seed=1))
+    assert delta_codec.encode(old_flat.numpy(), new_flat.numpy(), word=2, max_ratio=0.5) is None
+
+
+def test_a_delta_with_an_index_outside_the_state_changes_nothing() -> None:
+    old_flat, _ = flatten(model_state())
+    new_flat, _ = flatten(one_step(model_state(), 0.001, seed=2))
+    found = delta_codec.encode(old_flat.numpy(), new_flat.numpy(), word=2)
+    assert found is not None
+    encoding, payload = found
+    forged = bytearray(payload)
+    forged[0:4] = np.array([old_flat.numel()], dtype=np.uint32).tobytes()  # past the end
+    target = old_flat.clone()
+    with pytest.raises(delta_codec.DeltaCorrupted):
+        delta_codec.apply(target.numpy(), encoding, bytes(forged))
+    assert torch.equal(target, old_flat)
+
+
+def test_encoder_sends_full_first_then_deltas_then_full_every_n_and_after_a_gap() -> None:
+    encoder = WeightEncoder(bucket_bytes=4096, deltas=True, full_every=3)
+    state = model_state()
+    kinds = []
+    for version in (1, 2, 3, 4, 5, 7, 8):  # 6 is skipped: a gap
+        state = one_step(state, 0.001, seed=version)
+        encoded = encoder.encode(version, state)
+        kinds.append(encoded.manifest.kind)
+        if encoded.manifest.kind == "delta":
+            assert encoded.manifest.base_version == version - 1
+            assert encoded.manifest.payload_bytes < encoded.manifest.state_bytes / 10
+    assert kinds == ["full", "delta", "delta", "full", "delta", "full", "delta"]
+
+
+def test_encoder_without_deltas_and_after_a_layout_change_sends_full() -> None:
+    plain = WeightEncoder(bucket_bytes=4096, deltas=False)
+    assert [plain.encode(v, model_state()).manifest.kind for v in (1, 2)] == ["full", "full"]
+    encoder = WeightEncoder(bucket_bytes=4096, deltas=True)
+    encoder.encode(1, model_state())
+    grown = dict(model_state())
+    grown["extra"] = torch.zeros(3)
+    assert encoder.encode(2, grown).manifest.kind == "full"
+
+
+def test_mirror_follows_full_and_deltas_across_buckets_smaller_than_a_tensor() -> None:
+    """Buckets of 1000 bytes: the 38 KB embedding spans many of them."""
+    encoder = WeightEncoder(bucket_bytes=1000, deltas=True, full_every=100)
+    mirror = WeightMirror()
+    state = model_state()
+    for version in range(1, 6):
+        state = one_step(state, 0.01, seed=version)
+        encoded = encoder.encode(version, state)
+        assert len(encoded.manifest.bucket_sha256) == -(-encoded.manifest.payload_bytes // 1000)
+        mirror.apply(encoded.manifest, encoded.payload)
+        assert mirror.version == version
+        assert_same_state(mirror.tensors(), state)
+
+
+def test_mirror_refuses_a_corrupted_bucket_and_keeps_what_it_served() -> None:
+    encoder = WeightEncoder(bucket_bytes=1000, deltas=True)
+    mirror = WeightMirror()
+    first = encoder.encode(1, model_state())
+    mirror.apply(first.manifest, first.payload)
+    second = encoder.encode(2, one_step(model_state(), 0.01, seed=3))
+    corrupted = bytearray(second.payload)
+    corrupted[len(corrupted) // 2] ^= 0xFF
+    with pytest.raises(WeightsCorrupted):
+        mirror.apply(second.manifest, bytes(corrupted))
+    with pytest.raises(WeightsCorrupted):
+        mirror.apply(second.manifest, bytes(second.payload)[:-1])  # truncated
+    assert mirror.version == 1
+    assert_same_state(mirror.tensors(), model_state())
+
+
+def test_mirror_refuses_a_delta_whose_result_does_not_match_the_announced_state() -> None:
+    """A sender bug (a delta computed against the wrong base) is caught after applying;
+    the mirror then holds nothing rather than an unknown state."""
+    encoder = WeightEncoder(bucket_bytes=1000, deltas=True)
+    mirror = WeightMirror()
+    first = encoder.encode(1, model_state())
+    mirror.apply(first.manifest, first.payload)
+    second = encoder.encode(2, one_step(model_state(), 0.01, seed=4))
+    lying = msgspec.structs.replace(second.manifest, state_sha256="0" * 64)
+    with pytest.raises(WeightsCorrupted):
+        mirror.apply(lying, second.payload)
+    assert mirror.version == 0 and mirror.tensors() == {}
+
+
+def test_a_delta_on_another_version_is_a_gap_and_the_chain_closes_it() -> None:
+    encoder = WeightEncoder(bucket_bytes=4096, deltas=True, full_every=100)
+    chain = VersionChain()
+    state = model_state()
+    payloads = {}
+    for version in (1, 2, 3):
+        state = one_step(state, 0.001, seed=version)
+        encoded = encoder.encode(version, state)
+        assert chain.extend(encoded.manifest)
+        payloads[version] = encoded.payload
+    late = WeightMirror()
+    with pytest.raises(VersionGap):
+        late.plan([chain.manifests[-1]])  # holds nothing: a lone delta cannot help
+    steps = late.plan(chain.manifests)
+    assert [m.version for m in steps] == [1, 2, 3]
+    for manifest in steps:
+        late.apply(manifest, payloads[manifest.version])
+    assert_same_state(late.tensors(), state)
+
+    halfway = WeightMirror()
+    halfway.apply(chain.manifests[0], payloads[1])
+    assert [m.version for m in halfway.plan(chain.manifests)] == [2, 3]
+    assert halfway.plan(chain.manifests[:1]) == []  # already there
+
+
+def test_version_chain_accepts_only_what_continues_it() -> None:
+    encoder = WeightEncoder(bucket_bytes=4096, deltas=True, full_every=100)
+    manifests = [encoder.encode(v, one_step(model_state(), 0.001, seed=v)).manifest for v in (1, 2)]
+    chain = VersionChain()
+    assert not chain.extend(manifests[1])  # a delta with nothing under it
+    assert chain.extend(manifests[0]) and chain.extend(manifests[1])
+    assert not chain.extend(manifests[1])  # the same delta again
+    assert chain.version == 2
+    fresh = WeightEncoder(bucket_bytes=4096).encode(5, model_state()).manifest
+    assert chain.extend(fresh) and [m.version for m in chain.manifests] == [5]
