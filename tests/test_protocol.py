@@ -106,6 +106,8 @@ def examples() -> list[p.Message]:
         p.WeightsPublished(manifest=MANIFEST, step=1),
         p.CurrentVersionQuery(engine_id="e"),
         p.CurrentVersion(version=1, chain=[MANIFEST]),
+        p.WeightsGroupQuery(rank=1),
+        p.WeightsGroupOffer(unique_id=[1, 2, 3], size=2),
         p.TrainStepMetrics(
             step=1,
             version=1,

@@ -342,9 +342,11 @@ class EmbeddedRun:
         try:
             env = self.service_env(url, model_dir, free_port())
             layout = deployment(c.mode, c.engines)
+            # with SF_WEIGHTS_GROUP_BACKEND set, every engine joins the trainer's push group
+            env["SF_WEIGHTS_GROUP_SIZE"] = str(1 + len(layout.engines))
             for service in SERVICE_ORDER:
                 if service == "engine":
-                    for engine in layout.engines:
+                    for rank, engine in enumerate(layout.engines, start=1):
                         self.spawn(
                             engine.engine_id,
                             "engine",
@@ -353,6 +355,7 @@ class EmbeddedRun:
                                 "SF_ENGINE_ENGINE_ID": engine.engine_id,
                                 "SF_RESOURCE_TAGS": engine.tags,
                                 "SF_RESOURCE_SLOTS": engine.slot,
+                                "SF_WEIGHTS_GROUP_RANK": str(rank),  # the trainer is 0
                             },
                             [engine.slot],
                         )

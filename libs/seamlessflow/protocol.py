@@ -92,6 +92,10 @@ class Subjects:
         """Request/reply to weight-sync: which version should an engine serve now?"""
         return f"{self._root}.weights.current"
 
+    def weights_group(self) -> str:
+        """Request/reply to the trainer: WeightsGroupQuery -> WeightsGroupOffer (NCCL id)."""
+        return f"{self._root}.weights.group"
+
     def weights_loaded(self) -> str:
         """Engines announce the version they now serve (core, informational)."""
         return f"{self._root}.weights.loaded"
@@ -486,6 +490,19 @@ class CurrentVersion(Message, tag="weights.current"):
     chain: list[WeightManifest] = msgspec.field(default_factory=list)
 
 
+class WeightsGroupQuery(Message, tag="weights.group.query"):
+    """engine worker -> trainer: how do I join the push group?"""
+
+    rank: int
+
+
+class WeightsGroupOffer(Message, tag="weights.group.offer"):
+    """trainer -> engine worker: the push group's NCCL unique id and size."""
+
+    unique_id: list[int]
+    size: int
+
+
 # trainer progress ---------------------------------------------------------------------
 
 
@@ -651,6 +668,8 @@ AnyMessage = (
     | WeightsPublished
     | CurrentVersionQuery
     | CurrentVersion
+    | WeightsGroupQuery
+    | WeightsGroupOffer
     | TrainStepMetrics
     | TrainingFinished
     | ResourceRegister

@@ -11,6 +11,8 @@ Produces:
   generating, when the request asks for streaming
 - ``sf.<run>.weights.loaded`` (WeightsLoaded: the version now served)
 - ``sf.<run>.weights.current`` requests (CurrentVersionQuery, to catch up)
+- ``sf.<run>.weights.group`` requests (WeightsGroupQuery, to join the trainer's NCCL
+  push group when ``SF_WEIGHTS_GROUP_BACKEND=nccl``; payloads then also arrive by push)
 - ``sf.<run>.sched.register`` / ``sf.<run>.sched.heartbeat.<engine>``
 
 Invariants: the worker joins the generate queue only after it serves the current
@@ -57,6 +59,7 @@ from seamlessflow.protocol import (
 from seamlessflow.resources import ResourceMembership, RoleOutcome
 from seamlessflow.service import ServiceContext, supervise
 from seamlessflow.weights import VersionGap
+from seamlessflow.weights.group import PushListener, join_as_engine
 from seamlessflow.weights.settings import WeightTransferSettings, payload_stores
 from sf_gateway.config import EngineSettings
 from sf_gateway.engine import (
@@ -170,9 +173,10 @@ class EngineWorker:
         )
         try:
             await self._join(ctx)
-            await supervise(
-                ctx.stopping, self.membership.heartbeat_loop(), self._version_poll_loop()
-            )
+            loops = [self.membership.heartbeat_loop(), self._version_poll_loop()]
+            if WeightTransferSettings().group_backend:
+                loops.append(self._join_push_group())
+            await supervise(ctx.stopping, *loops)
         finally:
             # Stop taking requests and answer those in flight before the engine goes away.
             await ctx.bus.drain(timeout=ctx.mesh.drain_timeout_s)
@@ -394,15 +398,44 @@ class EngineWorker:
                 # nothing of it is loaded; the version poll tries the current chain again
                 log.warning("%s: version %d not loaded: %s", self.engine_id, target, exc)
                 return
-            if held != target:
+            if held == target:
+                await self._serve_held(chain[-1].kind)
+
+    async def _pushed(self, manifest: WeightManifest, payload: memoryview) -> None:
+        """A payload broadcast by the trainer's push group (``SF_WEIGHTS_GROUP_*``)."""
+        async with self._load_lock:
+            try:
+                held = await self.receiver.accept(manifest, payload)
+            except (VersionGap, weights.WeightsCorrupted) as exc:
+                log.warning("%s: pushed version %d refused (%s); it will be pulled",
+                            self.engine_id, manifest.version, exc)  # fmt: skip
                 return
-            await self._swap(self.receiver.mirror.tensors(), target)
-            self.membership.version = target
-            await self.ctx.bus.publish(
-                self.ctx.subjects.weights_loaded(),
-                WeightsLoaded(engine_id=self.engine_id, version=target),
-            )
-            log.info("%s loaded version %d (%s)", self.engine_id, target, chain[-1].kind)
+            if not self._asleep and held > self.engine.version:
+                await self._serve_held(f"{manifest.kind}, pushed")
+
+    async def _serve_held(self, how: str) -> None:
+        """Swap the engine to the version the receiver holds and announce it (the caller
+        holds the load lock)."""
+        version = self.receiver.mirror.version
+        await self._swap(self.receiver.mirror.tensors(), version)
+        self.membership.version = version
+        await self.ctx.bus.publish(
+            self.ctx.subjects.weights_loaded(),
+            WeightsLoaded(engine_id=self.engine_id, version=version),
+        )
+        log.info("%s loaded version %d (%s)", self.engine_id, version, how)
+
+    async def _join_push_group(self) -> None:
+        settings = WeightTransferSettings()
+        try:
+            group = await join_as_engine(self.ctx.bus, settings)
+        except Exception as exc:  # the store still serves every version
+            log.warning("%s could not join the push group: %r", self.engine_id, exc)
+            return
+        listener = PushListener(group, self._pushed, asyncio.get_running_loop())
+        listener.start()
+        log.info("%s joined the %s push group as rank %d", self.engine_id,
+                 settings.group_backend, settings.group_rank)  # fmt: skip
 
     async def _swap(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Partial rollout: interrupt requests in flight as configured, load, resume."""

@@ -1,4 +1,3 @@
-from seamlessflow.service import main
-from sf_trainer.service import Trainer
+from sf_trainer.launch import main
 
-main(Trainer())
+main()

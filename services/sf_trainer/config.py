@@ -38,17 +38,30 @@ class TrainerSettings(BaseSettings):
     so they match the engine's behaviour logprobs."""
 
     micro_batch_tokens: int = 16384
-    """Gradient accumulation: sequences are packed into micro-batches of at most this
-    many (padded) tokens."""
+    """Gradient accumulation: each rank's sequences are packed into micro-batches of at
+    most this many (padded) tokens: rows x the longest row."""
 
     checkpoint_every: int = 0
-    """Also checkpoint every N steps (0 = only at the end and on stop)."""
+    """Also checkpoint every N steps (0 = only at the end and on stop). A resume loses
+    the steps after the checkpoint it starts from."""
+
+    resume: str = ""
+    """Start from a checkpoint (model, optimizer, step, version, data position): empty =
+    the base model; ``latest`` = the checkpoint with the most steps under
+    ``<run_dir>/checkpoints``, or the base model if there is none; otherwise the path of
+    a checkpoint directory."""
 
     claim_timeout_s: float = 30.0
     """Longest wait for the tag-scheduler to free the training slots (then train anyway)."""
 
     device: str = "cpu"
-    """torch device of the policy (``cpu``, ``cuda``, ``cuda:1``)."""
+    """torch device of the policy (``cpu``, ``cuda``, ``cuda:1``). Under torchrun (several
+    ranks) only the type counts: rank r uses ``cuda:<LOCAL_RANK>`` with nccl, or the CPU
+    with gloo."""
+
+    collective_timeout_s: float = 21600.0
+    """Several ranks: the longest any collective may wait, including the other ranks'
+    wait for rank 0's next command while it waits for a batch."""
 
     seed: int = 0
     """torch seed."""

@@ -8,6 +8,8 @@ Produces:
 - weight payloads (``seamlessflow.weights``: full or delta, in the NATS Object Store or
   shared memory, complete before announced; the trainer deletes chains it no longer keeps)
 - ``sf.<run>.weights.published`` (JetStream: WeightsPublished)
+- with a push group (``SF_WEIGHTS_GROUP_*``): each payload broadcast to the group's
+  engines; with ``nccl`` it answers ``sf.<run>.weights.group`` (the NCCL unique id)
 - ``sf.<run>.train.metrics`` / ``sf.<run>.train.finished`` (JetStream)
 - ``sf.<run>.sched.register`` / ``sf.<run>.sched.heartbeat.<trainer>``
 - ``sf.<run>.sched.claim`` (SlotsClaim: a batch is here, reclaim engines lent from my
@@ -59,6 +61,7 @@ from seamlessflow.protocol import (
 )
 from seamlessflow.resources import ResourceMembership
 from seamlessflow.service import ServiceContext
+from seamlessflow.weights.group import form_as_trainer
 from seamlessflow.weights.settings import WeightTransferSettings, publisher
 from sf_trainer import checkpoint
 from sf_trainer.checkpoint import TrainerState
@@ -86,6 +89,9 @@ class Trainer:
         self.version = 0
         self.data_position = -1
         """``batch_index`` of the last trained batch: a batch at or before it is not trained."""
+        self.unsaved_steps = 0
+        """Steps since ``checkpoints/final`` was written: a trainer that trained nothing
+        (e.g. a bad ``SF_TRAINER_RESUME``) never overwrites it on the way out."""
 
     async def run(self, ctx: ServiceContext) -> None:
         if ctx.mesh.model_dir is None:
@@ -99,7 +105,11 @@ class Trainer:
         self.learner = await self._on_learner(Learner, self.settings, self.group, self.model_dir)
         try:
             await self._resume()
-            self.publisher = publisher(ctx.bus, WeightTransferSettings())
+            transfer = WeightTransferSettings()
+            self.publisher = publisher(ctx.bus, transfer)
+            if transfer.group_backend:
+                # blocks until every engine of the group joined (SF_WEIGHTS_GROUP_TIMEOUT_S)
+                self.publisher.push = await form_as_trainer(ctx.bus, transfer)
             self.membership = ResourceMembership(
                 ctx.bus,
                 self.trainer_id,
@@ -195,7 +205,7 @@ class Trainer:
             if self.step < self.settings.steps:
                 await self._release_slots()
         if self.step >= self.settings.steps:
-            final = await self._on_learner(self.save_checkpoint, "final")
+            final = await self._on_learner(self._save_final)
             await self.ctx.bus.js_publish(
                 self.ctx.subjects.train_finished(),
                 TrainingFinished(
@@ -309,6 +319,7 @@ class Trainer:
         self.step += 1
         self.version += 1
         self.data_position = batch.batch_index
+        self.unsaved_steps += 1
         return result
 
     def save_checkpoint(self, name: str) -> Path:
@@ -317,9 +328,14 @@ class Trainer:
         state = TrainerState(step=self.step, version=self.version, data_position=self.data_position)
         return self.learner.save(self.ctx.mesh.run_dir / "checkpoints" / name, state)
 
+    def _save_final(self) -> Path:
+        final = self.save_checkpoint("final")
+        self.unsaved_steps = 0
+        return final
+
     def _final_checkpoint_and_stop(self) -> None:
         try:
-            if self.ctx.mesh.run_dir is not None:
-                self.save_checkpoint("final")
+            if self.ctx.mesh.run_dir is not None and self.unsaved_steps:
+                self._save_final()
         finally:
             self.learner.stop()

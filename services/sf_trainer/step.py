@@ -1,4 +1,11 @@
-"""One optimizer step on a TrainBatch (runs in a worker thread; pure torch)."""
+"""One optimizer step on a TrainBatch (runs in a worker thread; pure torch).
+
+With several ranks (``sf_trainer.distributed``) every rank runs :func:`train_step` on
+the same batch: each trains its share of the samples, in the same number of
+forward/backward passes, and the ranks' gradients are summed. The loss is normalised
+by the whole batch's trained-token count on every rank, so the step is the one a
+single process would take on the whole batch (up to float summation order).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import torch
 
 from seamlessflow.protocol import TrainBatch, TrainSample
 from sf_trainer.config import TrainerSettings
+from sf_trainer.distributed import TrainGroup, as_float, partition_by_tokens
 from sf_trainer.grpo import group_advantages, token_logprobs
 from sf_trainer.losses import get_loss
 
@@ -27,6 +35,8 @@ class StepResult:
     logprob_abs_diff: float
     """Mean |trainer - engine| logprob over trained tokens (mismatch + staleness)."""
     truncated_fraction: float
+    grad_norm: float
+    """Global gradient norm before clipping."""
 
 
 @dataclass
@@ -40,9 +50,7 @@ class PackedSamples:
     old_logprobs: torch.Tensor  # [B, T-1]
     advantages: torch.Tensor  # [B, 1]
 
-    def to(self, device: str) -> PackedSamples:
-        if device == "cpu":
-            return self
+    def to(self, device: torch.device) -> PackedSamples:
         return PackedSamples(**{name: value.to(device) for name, value in vars(self).items()})
 
 
@@ -88,29 +96,77 @@ def micro_batches(samples: list[TrainSample], token_budget: int) -> list[list[in
     return groups
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """The samples of one forward/backward pass."""
+
+    indices: list[int]
+    trained: bool = True
+    """False for a padding pass: its loss mask is zeroed (zero loss, zero gradient)."""
+
+
+def trained_token_count(samples: list[TrainSample]) -> int:
+    """Tokens the loss is taken over (loss mask 1): the step's loss normalizer."""
+    return sum(sum(s.loss_mask) for s in samples)
+
+
+def plan_micro_batches(
+    samples: list[TrainSample], world_size: int, token_budget: int
+) -> list[list[MicroBatch]]:
+    """Each rank's forward/backward passes for one step (index = rank).
+
+    The samples are split across ranks by token count (``partition_by_tokens``), then
+    each rank's share is grouped into micro-batches within the token budget. Every rank
+    gets the same number of passes: FSDP all-gathers in each forward and reduce-scatters
+    in each backward, so a rank that stopped early would leave the others waiting
+    forever. Shorter plans are padded with untrained passes over the batch's shortest
+    sample.
+    """
+    lengths = [len(s.token_ids) for s in samples]
+    plans: list[list[MicroBatch]] = []
+    for part in partition_by_tokens(lengths, world_size):
+        share = [samples[i] for i in part]
+        plans.append(
+            [MicroBatch([part[i] for i in group]) for group in micro_batches(share, token_budget)]
+        )
+    passes = max(len(plan) for plan in plans)
+    if passes == 0:
+        return plans
+    shortest = min(range(len(samples)), key=lambda i: (lengths[i], i))
+    padding = MicroBatch([shortest], trained=False)
+    return [plan + [padding] * (passes - len(plan)) for plan in plans]
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: TrainBatch,
     settings: TrainerSettings,
     current_version: int,
+    group: TrainGroup | None = None,
 ) -> StepResult:
+    """One optimizer step on ``batch``; every rank of ``group`` calls it with the same
+    batch. The metrics are the whole batch's (summed over ranks)."""
+    group = group or TrainGroup(device=torch.device(settings.device))
     samples: list[TrainSample] = []
     advantages: list[float] = []
-    for group in batch.groups:
-        rewards = torch.tensor([[s.reward for s in group.samples]], dtype=torch.float32)
+    for sample_group in batch.groups:
+        rewards = torch.tensor([[s.reward for s in sample_group.samples]], dtype=torch.float32)
         advantages.extend(group_advantages(rewards)[0].tolist())
-        samples.extend(group.samples)
-    total_tokens = float(sum(sum(s.loss_mask) for s in samples))
-    normalizer = max(total_tokens, 1.0)
+        samples.extend(sample_group.samples)
+    # every rank holds the whole batch, so this is the global count without a collective
+    total_tokens = trained_token_count(samples)
+    normalizer = float(max(total_tokens, 1))
 
     optimizer.zero_grad(set_to_none=True)
     loss_fn = get_loss(settings.loss)
-    loss_sum = 0.0
-    clipped = truncated = abs_diff = 0.0
-    for indices in micro_batches(samples, settings.micro_batch_tokens):
-        packed = pack([samples[i] for i in indices], [advantages[i] for i in indices])
-        packed = packed.to(settings.device)
+    loss_sum = clipped = truncated = abs_diff = 0.0
+    plan = plan_micro_batches(samples, group.world_size, settings.micro_batch_tokens)
+    for micro in plan[group.rank]:
+        packed = pack([samples[i] for i in micro.indices], [advantages[i] for i in micro.indices])
+        packed = packed.to(group.device)
+        if not micro.trained:
+            packed.loss_mask.zero_()
         logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
         logprobs = token_logprobs(logits[:, :-1], packed.targets, settings.temperature)
         output = loss_fn(
@@ -123,7 +179,10 @@ def train_step(
         abs_diff += float(
             ((logprobs.detach() - packed.old_logprobs).abs() * packed.loss_mask).sum()
         )
-    torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+    loss_sum, clipped, truncated, abs_diff = group.all_reduce_sum(
+        [loss_sum, clipped, truncated, abs_diff]
+    )
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
     optimizer.step()
 
     versions = [v for s in samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
@@ -133,10 +192,11 @@ def train_step(
         mean_reward=sum(s.reward for s in samples) / max(len(samples), 1),
         clip_fraction=clipped / normalizer,
         samples=len(samples),
-        tokens_generated=int(total_tokens),
-        tokens_trained=int(total_tokens),
+        tokens_generated=total_tokens,
+        tokens_trained=total_tokens,
         max_staleness=current_version - min(versions) if versions else 0,
         staleness_histogram=dict(sorted(histogram.items())),
         logprob_abs_diff=abs_diff / normalizer,
         truncated_fraction=truncated / normalizer,
+        grad_norm=as_float(grad_norm),
     )

@@ -50,6 +50,24 @@ class WeightTransferSettings(BaseSettings):
     shm_dir: Path = Path("/dev/shm")
     """Directory of shared-memory payloads (``shm`` transport)."""
 
+    group_backend: Literal["", "gloo", "nccl"] = ""
+    """Push group: besides the pull store, the trainer broadcasts each payload to a fixed
+    group of engines. ``nccl``: NCCL through CuPy on GPUs (the NCCL id travels over NATS);
+    ``gloo``: torch.distributed on CPU (needs a single-process trainer); empty = pull only.
+    Engines that join later, or refuse a broadcast, pull from the store."""
+
+    group_size: int = 0
+    """Members of the push group: the trainer (rank 0) and every engine in it."""
+
+    group_rank: int = 0
+    """This process's rank in the push group (the trainer is 0; engines 1..size-1)."""
+
+    group_address: str = "127.0.0.1:29650"
+    """``gloo`` rendezvous (host:port of the trainer's TCP store)."""
+
+    group_timeout_s: float = 600.0
+    """How long forming the group and each broadcast may wait for the other members."""
+
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_mb * 1024 * 1024))

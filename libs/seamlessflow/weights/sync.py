@@ -1,8 +1,8 @@
 """The version handshake, written once for every store and engine.
 
-- ``WeightPublisher`` (trainer): encode -> store completely -> return the manifest that
-  the trainer then announces; keeps the latest ``keep_chains`` chains (a full payload
-  and the deltas after it) and deletes older payloads.
+- ``WeightPublisher`` (trainer): encode -> store completely -> (push to the group, if
+  any) -> return the manifest that the trainer then announces; keeps the latest
+  ``keep_chains`` chains (a full payload and the deltas after it), deletes older ones.
 - ``VersionChain`` (weight-sync): the manifests that build the current version; a late
   joiner or an engine after a gap gets the whole chain.
 - ``WeightReceiver`` (engine): follows a chain or a single broadcast payload from the
@@ -13,13 +13,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import Mapping
 
 import torch
 
 from seamlessflow.protocol import WeightManifest
+from seamlessflow.weights import collective
 from seamlessflow.weights.codec import EncodedWeights, WeightEncoder, WeightMirror
+from seamlessflow.weights.collective import Collective
 from seamlessflow.weights.stores import PayloadMissing, PayloadStore
+
+log = logging.getLogger(__name__)
 
 
 class WeightPublisher:
@@ -36,12 +42,16 @@ class WeightPublisher:
         self.encoder = encoder
         self.keep_chains = keep_chains
         self.dtype = dtype
+        self.push: Collective | None = None
+        """A push group (``weights.group``): each payload is also broadcast to it."""
         self._chains: list[list[WeightManifest]] = []
 
     async def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightManifest:
         """Store ``version`` completely (cast to ``dtype`` if set); its manifest."""
         encoded = await asyncio.to_thread(self._encode, version, state_dict)
         manifest = await self.store.put(encoded)
+        if self.push is not None:
+            await self._broadcast(self.push, EncodedWeights(manifest, encoded.payload))
         if manifest.kind == "full" or not self._chains:
             self._chains.append([])
         self._chains[-1].append(manifest)
@@ -50,9 +60,21 @@ class WeightPublisher:
                 await self.store.delete(old)
         return manifest
 
+    async def _broadcast(self, group: Collective, encoded: EncodedWeights) -> None:
+        try:
+            await asyncio.to_thread(collective.send, group, encoded)
+        except Exception as exc:  # a member died: the store still has every payload
+            log.warning("push group broken (%r); engines pull from the store", exc)
+            self.push = None
+
     async def close(self) -> None:
-        """Delete the payloads of an ephemeral store (shared memory is RAM); payloads in
-        the object store stay for engines still catching up."""
+        """Stop the push group's listeners; delete the payloads of an ephemeral store
+        (shared memory is RAM); payloads in the object store stay for engines still
+        catching up."""
+        if self.push is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(collective.send_stop, self.push)
+            self.push = None
         if self.store.ephemeral:
             for chain in self._chains:
                 for manifest in chain:
@@ -96,6 +118,13 @@ class WeightReceiver:
     def __init__(self, stores: Mapping[str, PayloadStore]) -> None:
         self.stores = dict(stores)
         self.mirror = WeightMirror()
+
+    async def accept(self, manifest: WeightManifest, payload: memoryview) -> int:
+        """A pushed payload: apply it if it continues what the mirror holds; returns the
+        version held. Raises VersionGap or WeightsCorrupted (nothing applied)."""
+        if self.mirror.plan([manifest]):
+            await asyncio.to_thread(self.mirror.apply, manifest, payload)
+        return self.mirror.version
 
     async def follow(self, chain: list[WeightManifest]) -> int:
         """Bring the mirror to the chain's last version (unless it holds it or a newer

@@ -1,0 +1,145 @@
+"""Forming the push group and running its two ends in the mesh.
+
+- The trainer (rank 0) forms the group (``form_as_trainer``): with ``nccl`` it serves
+  the NCCL unique id on ``weights.group`` so engines can build their communicators;
+  with ``gloo`` it hosts the TCP rendezvous. Forming blocks until every member joined
+  (``group_timeout_s``), so the trainer forms it before its first step.
+- Each engine in the group (``join_as_engine``) gets the id over NATS, joins, and runs
+  ``PushListener`` in a thread: every payload received is handed to the engine's event
+  loop and applied through the same ``WeightReceiver`` as pulled payloads.
+
+A broken group (a member died) never stops training: the trainer logs it, stops pushing
+and engines keep pulling from the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from seamlessflow.bus import Bus, NoResponder
+from seamlessflow.protocol import WeightManifest, WeightsGroupOffer, WeightsGroupQuery
+from seamlessflow.weights import collective
+from seamlessflow.weights.collective import Collective
+from seamlessflow.weights.settings import WeightTransferSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _gloo(settings: WeightTransferSettings) -> Collective:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "the gloo push group needs a process without another torch.distributed group "
+            "(a single-process trainer); use SF_WEIGHTS_GROUP_BACKEND=nccl with trainer ranks"
+        )
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{settings.group_address}",
+        rank=settings.group_rank,
+        world_size=settings.group_size,
+        timeout=timedelta(seconds=settings.group_timeout_s),
+    )
+    return collective.TorchCollective()
+
+
+async def form_as_trainer(bus: Bus, settings: WeightTransferSettings) -> Collective:
+    if settings.group_backend == "gloo":
+        return await in_daemon_thread(lambda: _gloo(settings))
+    unique_id = collective.CupyNcclCollective.new_unique_id()
+
+    async def offer(query: WeightsGroupQuery) -> WeightsGroupOffer:
+        return WeightsGroupOffer(unique_id=list(unique_id), size=settings.group_size)
+
+    subscription = await bus.serve(bus.subjects.weights_group(), WeightsGroupQuery, offer)
+    try:
+        return await in_daemon_thread(
+            lambda: collective.CupyNcclCollective(settings.group_size, 0, unique_id)
+        )
+    finally:
+        await bus.unserve(subscription)
+
+
+async def join_as_engine(bus: Bus, settings: WeightTransferSettings) -> Collective:
+    if settings.group_backend == "gloo":
+        return await in_daemon_thread(lambda: _gloo(settings))
+    while True:
+        try:
+            offer = await bus.request(
+                bus.subjects.weights_group(),
+                WeightsGroupQuery(rank=settings.group_rank),
+                WeightsGroupOffer,
+                timeout=5.0,
+            )
+            break
+        except NoResponder:
+            await asyncio.sleep(1.0)  # the trainer is not up yet
+    rank, unique_id = settings.group_rank, tuple(offer.unique_id)
+    return await in_daemon_thread(
+        lambda: collective.CupyNcclCollective(offer.size, rank, unique_id)
+    )
+
+
+Apply = Callable[[WeightManifest, memoryview], Coroutine[Any, Any, None]]
+
+
+class PushListener:
+    """Receives broadcasts in a thread (collectives block) until the trainer stops them."""
+
+    def __init__(self, group: Collective, apply: Apply, loop: asyncio.AbstractEventLoop) -> None:
+        self.group = group
+        self.apply = apply
+        self.loop = loop
+        self.received = 0
+        self.thread = threading.Thread(target=self._run, name="weights-push", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        pending: concurrent.futures.Future[None] | None = None
+        try:
+            while (received := collective.receive(self.group)) is not None:
+                manifest, payload = received
+                self.received += 1
+                if pending is not None:
+                    # at most one payload waits to be applied: memory stays bounded, and
+                    # the trainer's broadcast never waits for an engine's swap
+                    pending.result()
+                pending = asyncio.run_coroutine_threadsafe(self.apply(manifest, payload), self.loop)
+        except Exception as exc:  # a broken group: keep pulling from the store
+            log.warning("push group ended: %r; pulling from the store only", exc)
+
+
+async def in_daemon_thread(function: Callable[[], T]) -> T:
+    """``asyncio.to_thread`` for calls that may block until a timeout (forming a group):
+    a daemon thread never holds up the process's exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = function()
+        except BaseException as exc:
+            loop.call_soon_threadsafe(_settle, future, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, future, result, None)
+
+    threading.Thread(target=run, name="weights-group", daemon=True).start()
+    return await future
+
+
+def _settle(future: asyncio.Future[T], result: T | None, error: BaseException | None) -> None:
+    if future.done():
+        return  # the waiter was cancelled (the process is stopping)
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)  # type: ignore[arg-type]

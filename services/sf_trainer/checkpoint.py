@@ -1,0 +1,135 @@
+"""Trainer checkpoints: the policy in HF layout, the optimizer, and where training stood.
+
+A checkpoint is one directory (``<run_dir>/checkpoints/step-<n>`` or ``final``):
+- ``config.json``, ``generation_config.json``, ``model*.safetensors`` and the tokenizer:
+  HF layout, loadable with ``from_pretrained``;
+- ``optimizer.pt``: the full optimizer state in torch.distributed.checkpoint's
+  ``full_state_dict`` form, gathered on rank 0. It is keyed by parameter *name*, so a
+  checkpoint saved by N ranks resumes on any number of ranks (1 included). The price:
+  rank 0 holds the whole optimizer state (AdamW: twice the fp32 weights) in CPU memory
+  while saving and loading; past one host's memory, sharded torch.distributed.checkpoint
+  files (each rank writes its shard) are the way on;
+- ``trainer_state.json`` (:class:`TrainerState`): step, version and data position.
+
+Files are written into a hidden sibling directory that is then renamed into place, with
+``trainer_state.json`` written last: a crash while saving never leaves a half-written
+checkpoint under a checkpoint's name.
+
+What a resume loses: the optimizer steps taken after the checkpoint it starts from.
+Their batches were acked (the batch consumer does not deliver them again) and the
+resumed policy never learns from them; their weight versions stay announced, so the
+resumed trainer numbers its versions after the newest announced one. Nothing is trained
+twice: a redelivered batch at or before the data position is acked untrained.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from huggingface_hub import save_torch_state_dict
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, PreTrainedModel
+
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+LATEST = "latest"
+log = logging.getLogger(__name__)
+
+
+class TrainerState(msgspec.Struct, frozen=True, kw_only=True):
+    """Where training stood when a checkpoint was taken."""
+
+    step: int
+    """Optimizer steps in this policy's lineage."""
+    version: int
+    """The weight version this policy was published as."""
+    data_position: int
+    """``batch_index`` of the last trained TrainBatch (-1: none yet)."""
+
+
+def save(
+    out: Path,
+    model: PreTrainedModel,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    state: TrainerState,
+    tokenizer_dir: Path,
+) -> Path:
+    """Write a checkpoint of full (gathered) states to ``out``, replacing any there.
+
+    ``model`` gives the config to write next to the weights (its own tensors may be
+    shards; ``model_state`` is what is saved).
+    """
+    staging = out.parent / f".{out.name}.saving"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    model.config.save_pretrained(staging)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(staging)
+    save_torch_state_dict(model_state, staging)
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(staging)
+    torch.save(optimizer_state, staging / OPTIMIZER_FILE)
+    (staging / STATE_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(state)))
+    _replace(out, staging)
+    log.info("checkpoint %s: step %d, version %d, data position %d",
+             out, state.step, state.version, state.data_position)  # fmt: skip
+    return out
+
+
+def _replace(out: Path, staging: Path) -> None:
+    previous = out.parent / f".{out.name}.previous"
+    shutil.rmtree(previous, ignore_errors=True)
+    if out.exists():
+        out.rename(previous)
+    staging.rename(out)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def read_state(path: Path) -> TrainerState:
+    return msgspec.json.decode((path / STATE_FILE).read_bytes(), type=TrainerState)
+
+
+def load_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors files (one file or shards)."""
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        state.update(load_file(file))
+    return state
+
+
+def load_optimizer_state(path: Path) -> dict[str, Any]:
+    state: dict[str, Any] = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    return state
+
+
+def latest(root: Path) -> Path | None:
+    """The checkpoint under ``root`` with the most steps (the newest among equals)."""
+    candidates = [
+        state_file.parent
+        for state_file in root.glob(f"*/{STATE_FILE}")
+        if not state_file.parent.name.startswith(".")
+        and (state_file.parent / OPTIMIZER_FILE).is_file()
+    ]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda p: (read_state(p).step, (p / STATE_FILE).stat().st_mtime))
+
+
+def resolve_resume(resume: str, run_dir: Path | None) -> Path | None:
+    """The checkpoint ``SF_TRAINER_RESUME`` names; None = start from the base model."""
+    if not resume:
+        return None
+    if resume == LATEST:
+        if run_dir is None:
+            raise ValueError(f"SF_TRAINER_RESUME={LATEST} needs SF_RUN_DIR")
+        return latest(run_dir / "checkpoints")
+    path = Path(resume)
+    for name in (STATE_FILE, OPTIMIZER_FILE):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"SF_TRAINER_RESUME={resume}: no {name} in {path}")
+    return path

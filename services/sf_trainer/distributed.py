@@ -1,0 +1,198 @@
+"""The trainer's torch.distributed group: one rank per process, FSDP2 over a 1-D mesh.
+
+A :class:`TrainGroup` is made from the environment torchrun sets (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``). Without them (world
+size 1) there is no process group at all: the model is not sharded and every helper is
+the identity, so a single process trains exactly as it did before ranks existed.
+
+With several ranks:
+- the backend is gloo when the trainer's device is the CPU and nccl on CUDA; rank r
+  computes on ``cuda:<LOCAL_RANK>``;
+- the model is sharded with FSDP2 (``fully_shard`` on each decoder layer, then the
+  root). Gradients are **summed** across ranks, not averaged (FSDP2's default): the
+  loss of every rank is already divided by the whole batch's trained-token count, so
+  the sum of the ranks' gradients is the gradient of the full-batch loss, exactly as
+  in a single process;
+- every rank holds the whole batch (rank 0 broadcasts it) and trains the part that
+  :func:`partition_by_tokens` gives it;
+- full (unsharded) CPU state dicts are gathered on rank 0; other ranks take part in
+  the gather and get an empty dict.
+
+Partitioning is a plain function, tested in-process; the process-group helpers are
+tested with two gloo processes (``tests/test_trainer_distributed.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+# gathers: the full tensors, copied to the CPU, on rank 0 only
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+Model = TypeVar("Model", bound=torch.nn.Module)
+
+
+def partition_by_tokens(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices of ``lengths`` split into ``parts`` lists with near-equal token totals.
+
+    Greedy longest first: each sequence goes to the part with the fewest tokens so far,
+    ties to the lowest part, so every rank computes the same partition from the same
+    batch. No part exceeds another by more than the longest sequence. Indices within a
+    part are increasing; a part may be empty (fewer sequences than parts).
+    """
+    loads = [0] * parts
+    assigned: list[list[int]] = [[] for _ in range(parts)]
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        part = min(range(parts), key=lambda p: (loads[p], p))
+        loads[part] += lengths[index]
+        assigned[part].append(index)
+    return [sorted(indices) for indices in assigned]
+
+
+@dataclass
+class TrainGroup:
+    """This process's place among the trainer's ranks (world size 1: no group at all)."""
+
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    mesh: DeviceMesh | None = None
+
+    @classmethod
+    def from_env(cls, device: str, timeout_s: float) -> TrainGroup:
+        """Join the process group torchrun describes in the environment, if any.
+
+        ``device`` is the trainer's device setting; with several ranks only its type
+        counts (``cuda`` -> ``cuda:<LOCAL_RANK>`` and nccl, ``cpu`` -> gloo).
+        ``timeout_s`` bounds every collective, including a follower's wait for the next
+        command while rank 0 waits for a batch.
+        """
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size == 1:
+            return cls(device=torch.device(device))
+        rank = int(os.environ["RANK"])
+        device_type = torch.device(device).type
+        if device_type == "cuda":
+            local_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local_device)
+        else:
+            local_device = torch.device(device_type)
+        dist.init_process_group(
+            "nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s)
+        )
+        mesh = init_device_mesh(device_type, (world_size,))
+        return cls(device=local_device, rank=rank, world_size=world_size, mesh=mesh)
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0: the only rank that talks to NATS and writes files."""
+        return self.rank == 0
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def shard(self, model: Model) -> Model:
+        """Move ``model`` to this rank's device; with several ranks, shard it with FSDP2.
+
+        Each module class the model names as unsplittable (HF's ``_no_split_modules``:
+        the decoder layers) becomes one FSDP unit, then the root holds the rest
+        (embeddings, final norm, head). Every rank loaded the same weights, so sharding
+        needs no broadcast.
+        """
+        model.to(self.device)
+        if self.mesh is None:
+            return model
+        unsplittable = set(getattr(model, "_no_split_modules", None) or ())
+        for module in list(model.modules()):
+            if module is not model and type(module).__name__ in unsplittable:
+                fully_shard(module, mesh=self.mesh)
+        fully_shard(model, mesh=self.mesh)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # sum, don't average: the loss is normalised by the global token count
+                module.set_gradient_divide_factor(1.0)
+                # a plain SUM collective (gloo has no PREMUL_SUM); dividing by 1.0 is free
+                module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    def broadcast_bytes(self, payload: bytes) -> bytes:
+        """Rank 0's ``payload`` on every rank (others pass anything, e.g. ``b""``)."""
+        if not self.distributed:
+            return payload
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, src=0)
+        if self.is_leader:
+            data = _byte_tensor(payload).to(self.device)
+        else:
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.broadcast(data, src=0)
+        return payload if self.is_leader else data.cpu().numpy().tobytes()
+
+    def all_reduce_sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum of ``values`` over the ranks (float64, so counts stay exact)."""
+        if not self.distributed:
+            return list(values)
+        summed = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        return summed.tolist()
+
+    def full_model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The unsharded weights as CPU tensors on rank 0 (a copy, never the live
+        parameters); ``{}`` on the other ranks. Every rank must call it."""
+        if not self.distributed:
+            return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=_GATHER))
+
+    def full_optimizer_state(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """The optimizer state keyed by parameter name (independent of the world size),
+        full CPU tensors on rank 0; ``{}`` on the other ranks. Every rank must call it."""
+        return get_optimizer_state_dict(model, optimizer, options=_GATHER)
+
+    def load_full_state(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model_state: dict[str, Any],
+        optimizer_state: dict[str, Any],
+    ) -> None:
+        """Load full states that only rank 0 has read (others pass ``{}``): rank 0
+        broadcasts them and each rank keeps its shard. The dicts are consumed."""
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.distributed)
+        set_model_state_dict(model, model_state, options=options)
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
+
+def _byte_tensor(payload: bytes) -> torch.Tensor:
+    if not payload:  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+
+def as_float(value: torch.Tensor) -> float:
+    """A scalar tensor as a float; a DTensor (e.g. FSDP2's grad norm) is made whole first."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return float(value)

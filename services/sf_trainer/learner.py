@@ -1,0 +1,151 @@
+"""The policy as every rank holds it (model shard, optimizer) and the work done on it.
+
+Rank 0 (the mesh member, ``sf_trainer.service``) drives; the other ranks follow. Every
+operation in which all ranks take part is a :data:`Command`: rank 0 broadcasts it,
+then runs it; a follower receives it, then runs it. So every rank issues the same
+collectives in the same order, which is what keeps them from deadlocking. Rank 0 must
+call the Learner from one thread at a time (the service uses one worker thread).
+
+Commands cross only the trainer's own process group (torch.distributed), never NATS.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from transformers import AutoModelForCausalLM
+
+from seamlessflow.protocol import TrainBatch
+from sf_trainer import checkpoint
+from sf_trainer.checkpoint import TrainerState
+from sf_trainer.config import TrainerSettings
+from sf_trainer.distributed import TrainGroup
+from sf_trainer.step import StepResult, train_step
+
+log = logging.getLogger(__name__)
+
+
+class Step(msgspec.Struct, tag="step"):
+    """Take one optimizer step on ``batch``; the policy was published as ``version``."""
+
+    batch: TrainBatch
+    version: int
+
+
+class GatherWeights(msgspec.Struct, tag="gather_weights"):
+    """Gather the full weights on rank 0 (to publish them)."""
+
+
+class GatherCheckpoint(msgspec.Struct, tag="gather_checkpoint"):
+    """Gather the full weights and optimizer state on rank 0 (to write a checkpoint)."""
+
+
+class Restore(msgspec.Struct, tag="restore"):
+    """Load the weights and optimizer state rank 0 read from a checkpoint."""
+
+
+class Stop(msgspec.Struct, tag="stop"):
+    """Rank 0 is done: followers return."""
+
+
+Command = Step | GatherWeights | GatherCheckpoint | Restore | Stop
+
+
+class Learner:
+    """Model and optimizer of one rank, built the same way on every rank."""
+
+    def __init__(self, settings: TrainerSettings, group: TrainGroup, model_dir: Path) -> None:
+        torch.set_num_threads(settings.torch_threads)
+        torch.manual_seed(settings.seed)
+        self.settings = settings
+        self.group = group
+        self.model_dir = model_dir
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model.train()
+        self.model = group.shard(model)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=settings.lr,
+            betas=settings.betas,
+            weight_decay=settings.weight_decay,
+        )
+
+    # rank 0 ------------------------------------------------------------------------
+
+    def step(self, batch: TrainBatch, version: int) -> StepResult:
+        self._announce(Step(batch=batch, version=version))
+        return self._step(batch, version)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The unsharded weights, a CPU copy (the state published as a version)."""
+        self._announce(GatherWeights())
+        return self.group.full_model_state(self.model)
+
+    def save(self, out: Path, state: TrainerState) -> Path:
+        self._announce(GatherCheckpoint())
+        model_state, optimizer_state = self._gather_checkpoint()
+        return checkpoint.save(
+            out, self.model, model_state, optimizer_state, state, tokenizer_dir=self.model_dir
+        )
+
+    def restore(self, path: Path) -> TrainerState:
+        """Weights and optimizer state from ``path``; the hyperparameters stay the
+        settings' (a restart may change the learning rate)."""
+        # read before announcing: a bad checkpoint fails here, not with the others waiting
+        state = checkpoint.read_state(path)
+        model_state = checkpoint.load_model_state(path)
+        optimizer_state = checkpoint.load_optimizer_state(path)
+        self._announce(Restore())
+        self._load(model_state, optimizer_state)
+        log.info("resumed from %s: step %d, version %d, data position %d",
+                 path, state.step, state.version, state.data_position)  # fmt: skip
+        return state
+
+    def stop(self) -> None:
+        self._announce(Stop())
+
+    def _announce(self, command: Command) -> None:
+        if self.group.distributed:
+            self.group.broadcast_bytes(msgspec.msgpack.encode(command))
+
+    # ranks > 0 ---------------------------------------------------------------------
+
+    def follow(self) -> None:
+        """Run rank 0's commands, in its order, until it says stop."""
+        decoder = msgspec.msgpack.Decoder(Command)
+        while True:
+            match decoder.decode(self.group.broadcast_bytes(b"")):
+                case Step(batch=batch, version=version):
+                    self._step(batch, version)
+                case GatherWeights():
+                    self.group.full_model_state(self.model)
+                case GatherCheckpoint():
+                    self._gather_checkpoint()
+                case Restore():
+                    self._load({}, {})
+                case Stop():
+                    return
+
+    # every rank --------------------------------------------------------------------
+
+    def _step(self, batch: TrainBatch, version: int) -> StepResult:
+        return train_step(self.model, self.optimizer, batch, self.settings, version, self.group)
+
+    def _gather_checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return (
+            self.group.full_model_state(self.model),
+            self.group.full_optimizer_state(self.model, self.optimizer),
+        )
+
+    def _load(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
+        self.group.load_full_state(self.model, self.optimizer, model_state, optimizer_state)
+        for param_group in self.optimizer.param_groups:
+            param_group.update(
+                lr=self.settings.lr,
+                betas=self.settings.betas,
+                weight_decay=self.settings.weight_decay,
+            )

@@ -1,0 +1,358 @@
+"""The trainer on several ranks: FSDP2 over gloo, in real processes.
+
+The reference for every multi-rank result is one process taking the same steps on the
+same batches: two ranks must produce the same weights, optimizer state and metrics (up
+to float summation order). The plain planning functions are tested in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+from conftest import InProcessMesh
+from trainer_batches import make_batch
+from trainer_rank import lead
+
+from seamlessflow.bus import Bus
+from seamlessflow.protocol import (
+    TrainBatch,
+    TrainingFinished,
+    TrainSample,
+    TrainStepMetrics,
+    WeightsPublished,
+    decode,
+)
+from sf_trainer.checkpoint import (
+    load_model_state,
+    load_optimizer_state,
+    read_state,
+)
+from sf_trainer.config import TrainerSettings
+from sf_trainer.distributed import TrainGroup, partition_by_tokens
+from sf_trainer.learner import Learner
+from sf_trainer.step import micro_batches, plan_micro_batches, trained_token_count
+
+WORKER = Path(__file__).with_name("trainer_rank.py")
+# lr 1e-3 moves the weights enough that a wrong split or normaliser shows; a budget of
+# 48 tokens makes every rank accumulate over several micro-batches
+SETTINGS = {"lr": 1e-3, "micro_batch_tokens": 48, "torch_threads": 1}
+BATCHES = [
+    make_batch(0, [[6, 9, 14, 20], [8, 11, 5, 17]], seed=1),
+    make_batch(1, [[12, 7, 19, 10], [9, 15, 6, 13]], seed=2),
+]
+
+
+def sample(length: int, trained: int) -> TrainSample:
+    return TrainSample(
+        session_id=f"s{length}-{trained}",
+        token_ids=[1] * length,
+        loss_mask=[0] * (length - trained) + [1] * trained,
+        behaviour_logprobs=[0.0] * length,
+        versions=[0] * length,
+        reward=0.0,
+    )
+
+
+# plain functions ---------------------------------------------------------------------
+
+
+def test_partition_balances_tokens_covers_every_sample_and_is_deterministic() -> None:
+    lengths = [40, 4, 4, 4, 4, 4, 4, 4, 4, 30, 12, 9]
+    parts = partition_by_tokens(lengths, 3)
+    assert sorted(i for part in parts for i in part) == list(range(len(lengths)))
+    loads = [sum(lengths[i] for i in part) for part in parts]
+    assert max(loads) - min(loads) <= max(lengths)
+    assert loads == [40, 42, 41]  # longest first, each to the lightest part (by hand)
+    assert parts == partition_by_tokens(lengths, 3)
+    assert partition_by_tokens([5, 5], 1) == [[0, 1]]
+    assert partition_by_tokens([5], 2) == [[0], []]
+
+
+def test_every_rank_gets_the_same_number_of_passes_padded_with_untrained_ones() -> None:
+    samples = [sample(40, 20)] + [sample(4, 2) for _ in range(8)]
+    plans = plan_micro_batches(samples, world_size=2, token_budget=8)
+    trained = [[m for m in plan if m.trained] for plan in plans]
+    # the long sample alone on one rank (1 pass), the 8 short ones on the other (4 passes)
+    assert [len(t) for t in trained] == [1, 4]
+    assert [len(plan) for plan in plans] == [4, 4]
+    padding = [m for m in plans[0] if not m.trained]
+    assert all(m.indices == [1] for m in padding)  # the shortest sample
+    covered = sorted(i for t in trained for m in t for i in m.indices)
+    assert covered == list(range(9))
+
+
+def test_one_rank_plans_exactly_the_budgeted_micro_batches() -> None:
+    samples = [sample(n, 1) for n in (3, 9, 4, 7, 2)]
+    (plan,) = plan_micro_batches(samples, world_size=1, token_budget=12)
+    assert [m.indices for m in plan] == micro_batches(samples, token_budget=12)
+    assert all(m.trained for m in plan)
+    assert plan_micro_batches([], world_size=2, token_budget=12) == [[], []]
+
+
+def test_the_normalizer_counts_trained_tokens_of_the_whole_batch() -> None:
+    assert trained_token_count([sample(10, 4), sample(6, 6), sample(3, 0)]) == 10
+
+
+# two gloo ranks ----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def spec(
+    model_dir: Path,
+    batches: list[TrainBatch],
+    out: Path,
+    resume: Path | None = None,
+    settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "model_dir": str(model_dir),
+        "settings": settings or SETTINGS,
+        "batches": [msgspec.json.encode(b).decode() for b in batches],
+        "resume": str(resume) if resume else None,
+        "out": str(out),
+    }
+
+
+def run_ranks(world_size: int, job: dict[str, Any], timeout: float = 60.0) -> list[dict[str, Any]]:
+    """Start one process per rank with torchrun's environment; rank 0's results."""
+    out = Path(job["out"])
+    out.mkdir(parents=True)
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps(job))
+    port = free_port()
+    ranks = []
+    for rank in range(world_size):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        with (out / f"rank{rank}.log").open("wb") as log:
+            ranks.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), str(spec_path)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    try:
+        codes = [process.wait(timeout=timeout) for process in ranks]
+    except subprocess.TimeoutExpired:
+        codes = None
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(world_size))
+    assert codes == [0] * world_size, f"ranks ended with {codes}:\n{logs}"
+    results: list[dict[str, Any]] = json.loads((out / "results.json").read_text())
+    return results
+
+
+def run_one_process(job: dict[str, Any]) -> list[dict[str, Any]]:
+    out = Path(job["out"])
+    out.mkdir(parents=True)
+    settings = TrainerSettings(**job["settings"])
+    lead(Learner(settings, TrainGroup(device=torch.device("cpu")), Path(job["model_dir"])), job)
+    results: list[dict[str, Any]] = json.loads((out / "results.json").read_text())
+    return results
+
+
+def assert_same_results(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        for key in ("samples", "tokens_trained", "max_staleness"):
+            assert a[key] == b[key], key
+        for key in ("loss", "clip_fraction", "logprob_abs_diff", "mean_reward"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+        # a gradient is a sum of per-token terms of both signs (advantages sum to zero):
+        # its float rounding shows more in the norm than in the loss
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), "grad_norm"
+
+
+def assert_same_checkpoint(got: Path, expected: Path) -> None:
+    """Same weights and AdamW moments, up to float summation order (an update here is
+    ~1e-3 per weight: the weight tolerance is under 1% of one step)."""
+    weights, reference = load_model_state(got), load_model_state(expected)
+    assert weights.keys() == reference.keys()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-5, atol=5e-6, msg=name)
+    moments, reference_moments = load_optimizer_state(got), load_optimizer_state(expected)
+    assert moments["state"].keys() == reference_moments["state"].keys()
+    for name, state in moments["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                state[key], reference_moments["state"][name][key], rtol=1e-5, atol=1e-9
+            )
+    assert read_state(got) == read_state(expected)
+
+
+def assert_trained(checkpoint: Path, base_model_dir: Path) -> None:
+    """The comparison means something: the steps moved the weights."""
+    weights, base = load_model_state(checkpoint), load_model_state(base_model_dir)
+    moved = max((weights[name] - base[name]).abs().max().item() for name in base)
+    assert moved > 1e-4
+
+
+def test_two_fsdp_ranks_take_the_same_steps_as_one_process(
+    base_model_dir: Path, tmp_path: Path
+) -> None:
+    ranks = run_ranks(2, spec(base_model_dir, BATCHES, tmp_path / "ranks"))
+    alone = run_one_process(spec(base_model_dir, BATCHES, tmp_path / "alone"))
+    assert_same_results(ranks, alone)
+    assert_same_checkpoint(tmp_path / "ranks" / "checkpoint", tmp_path / "alone" / "checkpoint")
+    assert_trained(tmp_path / "alone" / "checkpoint", base_model_dir)
+
+
+def test_ranks_with_unequal_micro_batch_counts_finish_the_same_step(
+    base_model_dir: Path, tmp_path: Path
+) -> None:
+    batch = make_batch(0, [[40, 4, 4, 4, 4], [4, 4, 4, 4]], seed=3)
+    settings = {**SETTINGS, "micro_batch_tokens": 8}
+    samples = [s for g in batch.groups for s in g.samples]
+    plans = plan_micro_batches(samples, world_size=2, token_budget=8)
+    # the case under test: rank 0 trains in 1 pass, rank 1 in 4
+    assert [sum(m.trained for m in plan) for plan in plans] == [1, 4]
+
+    ranks = run_ranks(2, spec(base_model_dir, [batch], tmp_path / "ranks", settings=settings))
+    alone = run_one_process(spec(base_model_dir, [batch], tmp_path / "alone", settings=settings))
+    assert_same_results(ranks, alone)
+    assert_same_checkpoint(tmp_path / "ranks" / "checkpoint", tmp_path / "alone" / "checkpoint")
+
+
+def test_two_ranks_resume_a_one_process_checkpoint_and_continue_identically(
+    base_model_dir: Path, tmp_path: Path
+) -> None:
+    """Restore on FSDP2 (rank 0 reads, broadcasts); the checkpoint format does not
+    depend on the world size."""
+    first = run_one_process(spec(base_model_dir, BATCHES[:1], tmp_path / "first"))
+    assert len(first) == 1
+    resumed = run_ranks(
+        2, spec(base_model_dir, BATCHES[1:], tmp_path / "resumed", tmp_path / "first/checkpoint")
+    )
+    straight = run_one_process(spec(base_model_dir, BATCHES, tmp_path / "straight"))
+    assert_same_results(resumed, straight[1:])
+    assert_same_checkpoint(
+        tmp_path / "resumed" / "checkpoint", tmp_path / "straight" / "checkpoint"
+    )
+
+
+# the service, launched as documented ---------------------------------------------------
+
+
+async def start_torchrun(
+    mesh: InProcessMesh, model_dir: Path, run_dir: Path, steps: int
+) -> asyncio.subprocess.Process:
+    """``torchrun --standalone --nproc-per-node 2 -m sf_trainer``; its output goes to
+    ``<run_dir>.log``."""
+    from sf_tag_scheduler.service import TagScheduler
+
+    await mesh.start(TagScheduler())
+    env = {
+        **os.environ,
+        "SF_NATS_URL": mesh.mesh.nats_url,
+        "SF_RUN_ID": mesh.mesh.run_id,
+        "SF_RUN_DIR": str(run_dir),
+        "SF_MODEL_DIR": str(model_dir),
+        "SF_TRAINER_STEPS": str(steps),
+        "SF_TRAINER_LR": str(SETTINGS["lr"]),
+        "SF_TRAINER_MICRO_BATCH_TOKENS": str(SETTINGS["micro_batch_tokens"]),
+        "OMP_NUM_THREADS": "1",
+    }
+    torchrun = Path(sys.executable).with_name("torchrun")
+    with run_dir.with_suffix(".log").open("wb") as log:
+        return await asyncio.create_subprocess_exec(
+            *(str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "sf_trainer"),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+async def wait_for_exit(launcher: asyncio.subprocess.Process, timeout: float) -> int:
+    try:
+        return await asyncio.wait_for(launcher.wait(), timeout)
+    finally:
+        if launcher.returncode is None:
+            launcher.kill()
+            await launcher.wait()
+
+
+async def test_the_trainer_service_on_two_ranks_trains_and_publishes_versions(
+    mesh: InProcessMesh, bus: Bus, base_model_dir: Path, tmp_path: Path
+) -> None:
+    subjects = bus.subjects
+    for batch in BATCHES:
+        await bus.js_publish(subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}")
+    run_dir = tmp_path / "run"
+    launcher = await start_torchrun(mesh, base_model_dir, run_dir, steps=len(BATCHES))
+    code = await wait_for_exit(launcher, 120)
+    assert code == 0, run_dir.with_suffix(".log").read_text()[-5000:]
+
+    metrics = [
+        decode(m.data, TrainStepMetrics)
+        for m in await bus.read_subject(subjects.stream_metrics(), subjects.train_metrics())
+    ]
+    assert [(m.version, m.batch_index) for m in metrics] == [(1, 0), (2, 1)]
+    published = [
+        decode(m.data, WeightsPublished)
+        for m in await bus.read_subject(subjects.stream_weights(), subjects.weights_published())
+    ]
+    assert [p.version for p in published] == [1, 2]
+    (finished,) = [
+        decode(m.data, TrainingFinished)
+        for m in await bus.read_subject(subjects.stream_metrics(), subjects.train_finished())
+    ]
+    assert (finished.steps, finished.final_version) == (2, 2)
+
+    final = run_dir / "checkpoints" / "final"
+    assert read_state(final).data_position == 1
+    alone = run_one_process(spec(base_model_dir, BATCHES, tmp_path / "alone"))
+    assert [m.loss for m in metrics] == pytest.approx([r["loss"] for r in alone], rel=1e-5)
+    weights, reference = load_model_state(final), load_model_state(tmp_path / "alone/checkpoint")
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-5, atol=5e-6, msg=name)
+
+
+async def test_sigterm_to_torchrun_still_leaves_a_final_checkpoint_of_both_ranks(
+    mesh: InProcessMesh, bus: Bus, base_model_dir: Path, tmp_path: Path
+) -> None:
+    """torchrun forwards SIGTERM to every rank: rank 0 drains and gathers its final
+    checkpoint, which needs rank 1, which ignores the signal and stops on rank 0's word."""
+    subjects = bus.subjects
+    stepped = await bus.nc.subscribe(subjects.train_metrics())
+    await bus.js_publish(subjects.batch_ready(), BATCHES[0], msg_id="batch-0")
+    run_dir = tmp_path / "run"
+    launcher = await start_torchrun(mesh, base_model_dir, run_dir, steps=5)
+    try:
+        await stepped.next_msg(timeout=90)
+    finally:
+        launcher.terminate()
+        await stepped.unsubscribe()
+    await wait_for_exit(launcher, 60)  # torchrun itself exits 1 after a signal
+    log = run_dir.with_suffix(".log").read_text()
+    # torchrun's own SignalException is the one traceback: no rank failed
+    assert log.count("Traceback") == 1, log[-5000:]
+    assert read_state(run_dir / "checkpoints" / "final").data_position == 0, log[-5000:]

@@ -1,0 +1,58 @@
+"""One rank of a trainer process group, without NATS: run by the distributed tests.
+
+Started once per rank with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT). Every rank builds the Learner exactly as ``sf_trainer.launch`` does; rank
+0 drives it through its commands (restore, steps, checkpoint, stop) and the others
+follow. Usage: ``python trainer_rank.py SPEC.json``, where the spec names the model,
+the trainer settings, the batches, an optional checkpoint to resume from and the
+output directory (rank 0 writes ``results.json`` and ``checkpoint/`` there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from seamlessflow.protocol import TrainBatch
+from sf_trainer.checkpoint import TrainerState
+from sf_trainer.config import TrainerSettings
+from sf_trainer.distributed import TrainGroup
+from sf_trainer.learner import Learner
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    settings = TrainerSettings(**spec["settings"])
+    group = TrainGroup.from_env(settings.device, timeout_s=120)
+    try:
+        learner = Learner(settings, group, Path(spec["model_dir"]))
+        if group.is_leader:
+            lead(learner, spec)
+        else:
+            learner.follow()
+    finally:
+        group.close()
+
+
+def lead(learner: Learner, spec: dict[str, Any]) -> None:
+    out = Path(spec["out"])
+    version = 0
+    if spec.get("resume"):
+        version = learner.restore(Path(spec["resume"])).version
+    results = []
+    for encoded in spec["batches"]:
+        batch = msgspec.json.decode(encoded.encode(), type=TrainBatch)
+        results.append(dataclasses.asdict(learner.step(batch, version)))
+        version += 1
+    learner.save(out / "checkpoint", TrainerState(step=version, version=version, data_position=0))
+    learner.stop()
+    (out / "results.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
