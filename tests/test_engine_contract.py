@@ -309,6 +309,30 @@ async def test_load_weights_changes_outputs_and_versions(
     assert again.logprobs == pytest.approx(before.logprobs, abs=1e-4)
 
 
+async def test_weights_sent_in_bf16_are_served_as_their_rounded_values(
+    engine: InferenceEngine,
+    base_model: PreTrainedModel,
+    base_weights: dict[str, torch.Tensor],
+    other_weights: dict[str, torch.Tensor],
+) -> None:
+    """``SF_WEIGHTS_DTYPE=bfloat16`` hands engines bf16 tensors: each engine converts
+    them to its own dtype, and serves exactly the rounded weights."""
+    rounded = {k: v.bfloat16() for k, v in other_weights.items()}
+    reference: PreTrainedModel = AutoModelForCausalLM.from_config(base_model.config)
+    reference.load_state_dict({k: v.float() for k, v in rounded.items()})
+    reference.eval()
+    v0 = engine.version
+    prompt = [5, 6, 7]
+    params = SamplingParams(max_tokens=12, seed=4)
+    await engine.load_weights(rounded, version=v0 + 1)
+    try:
+        after = await engine.generate("bf16-a", prompt, params)
+        ref = _reference_logprobs(reference, prompt, after, params)
+        assert after.logprobs == pytest.approx(ref, abs=1e-4)
+    finally:
+        await engine.load_weights(base_weights, version=v0 + 2)
+
+
 async def test_load_during_generation_is_never_partial(
     engine: InferenceEngine,
     base_weights: dict[str, torch.Tensor],
