@@ -74,4 +74,7 @@ async def test_engines_get_each_version_by_push_and_shared_memory_is_cleaned_up(
     for step in metrics[1:]:
         assert step["weights_kind"] == "delta"
         assert step["weights_payload_bytes"] < step["weights_state_bytes"] / 10
+    written = json.loads((run_dir / "summary.json").read_text())
+    assert written["weights_bytes_sent"] == sum(m["weights_payload_bytes"] for m in metrics)
+    assert written["weights_bytes_sent"] < written["weights_bytes_full"]
     assert os.listdir(shm_dir) == []  # shared memory is RAM: the trainer removed its payloads

@@ -192,6 +192,10 @@ class Summary:
     """Engines taken back for training (``sched.reclaim`` spans)."""
     requests_handed_back: int = 0
     """Requests in flight on reclaimed engines, resumed elsewhere (partial rollout)."""
+    weights_bytes_sent: int = 0
+    """Weight payload bytes over the run (per engine): fulls plus deltas."""
+    weights_bytes_full: int = 0
+    """What sending every version in full would have cost (``SF_WEIGHTS_DELTAS``)."""
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -477,6 +481,8 @@ class EmbeddedRun:
             mean_step_s=sum(m.step_seconds for m in self.metrics) / n,
             mean_wait_s=sum(m.wait_seconds for m in self.metrics) / n,
             mean_publish_s=sum(m.publish_seconds for m in self.metrics) / n,
+            weights_bytes_sent=sum(m.weights_payload_bytes for m in self.metrics),
+            weights_bytes_full=sum(m.weights_state_bytes for m in self.metrics),
             checkpoint=str(checkpoint) if (checkpoint / "config.json").exists() else None,
             bubble_ratio=bubble_ratio,
             steady_generated_tokens_per_s=steady_tokens / steady_window if steady_window > 0 else 0,
