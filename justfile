@@ -26,11 +26,13 @@ check:
     {{bin}}/mypy libs/seamlessflow
 
 # benchmarks: throughput and bubbles of each deployment mode on the built-in task (same
-# steps, slots pinned to cores), the cost of one partial-rollout interruption, and the
-# simulator at 8-1024 GPUs
+# steps, slots pinned to cores), the cost of one partial-rollout interruption, weight sync
+# per transport against its bound (and deltas on real steps), and the simulator at
+# 8-1024 GPUs
 bench STEPS="60":
     {{bin}}/seamlessflow bench --steps {{STEPS}} --modes colocated,disaggregated,multiplexed --pin-slots
     {{bin}}/python loadtests/interruption.py
+    {{bin}}/python loadtests/weight_sync.py
     {{bin}}/seamlessflow simulate
 
 # gateway load test against a live mesh (prints requests/s and latency percentiles)

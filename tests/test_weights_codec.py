@@ -176,7 +176,7 @@ def test_a_delta_on_another_version_is_a_gap_and_the_chain_closes_it() -> None:
         state = one_step(state, 0.001, seed=version)
         encoded = encoder.encode(version, state)
         assert chain.extend(encoded.manifest)
-        payloads[version] = encoded.payload
+        payloads[version] = bytes(encoded.payload)  # the encoder recycles its buffers
     late = WeightMirror()
     with pytest.raises(VersionGap):
         late.plan([chain.manifests[-1]])  # holds nothing: a lone delta cannot help
@@ -202,3 +202,23 @@ def test_version_chain_accepts_only_what_continues_it() -> None:
     assert chain.version == 2
     fresh = WeightEncoder(bucket_bytes=4096).encode(5, model_state()).manifest
     assert chain.extend(fresh) and [m.version for m in chain.manifests] == [5]
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        {"state_bytes": 512},  # a full payload that does not fill the state
+        {"layout": []},  # a layout the payload does not match
+        {"kind": "delta", "base_version": 1, "delta": None},  # a delta without an encoding
+    ],
+    ids=["state_bytes", "layout", "no_encoding"],
+)
+def test_a_manifest_that_contradicts_itself_is_refused_and_changes_nothing(lie: dict) -> None:  # type: ignore[type-arg]
+    good = WeightEncoder(bucket_bytes=1 << 20).encode(1, model_state())
+    mirror = WeightMirror()
+    mirror.apply(good.manifest, good.payload)
+    liar = msgspec.structs.replace(good.manifest, version=2, **lie)
+    with pytest.raises((WeightsCorrupted, VersionGap)):
+        mirror.apply(liar, good.payload)
+    assert mirror.version == 1
+    assert_same_state(mirror.tensors(), model_state())

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from seamlessflow.protocol import WeightManifest
+from seamlessflow.protocol import TensorSpec, WeightManifest
 from seamlessflow.weights import delta
 from seamlessflow.weights.layout import (
+    LayoutMismatch,
     as_bytes,
     bucket_digests,
     flatten_into,
@@ -66,13 +67,19 @@ class WeightEncoder:
         self.max_delta_ratio = max_delta_ratio
         self._previous: torch.Tensor | None = None
         self._previous_version = -1
-        self._previous_layout: list | None = None
+        self._previous_layout: list[TensorSpec] | None = None
         self._deltas_since_full = 0
+        self._spare: torch.Tensor | None = None
+        """The buffer of two versions ago, reused: allocating (and zeroing) a new one per
+        version costs about half a second per GB."""
 
     def encode(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> EncodedWeights:
-        """Flatten ``state_dict`` and encode it; blocking (call it in a worker thread)."""
+        """Flatten ``state_dict`` and encode it; blocking (call it in a worker thread).
+
+        The payload may be a view of the encoder's own buffer: store or send it before
+        the next call (which may recycle that buffer)."""
         layout = plan_layout(state_dict)
-        flat = torch.zeros(layout_bytes(layout), dtype=torch.uint8)
+        flat = self._buffer(layout)
         flatten_into(flat, state_dict, layout)
         state_digests = bucket_digests(as_bytes(flat), self.bucket_bytes)
         manifest = WeightManifest(
@@ -94,10 +101,20 @@ class WeightEncoder:
             self._deltas_since_full += 1
         else:
             self._deltas_since_full = 0
+        self._spare = self._previous
         self._previous, self._previous_version, self._previous_layout = flat, version, layout
         return EncodedWeights(manifest=manifest, payload=payload)
 
-    def _delta_allowed(self, version: int, layout: list) -> bool:
+    def _buffer(self, layout: list[TensorSpec]) -> torch.Tensor:
+        """A buffer for ``layout``. The spare one (its payload was stored and pushed
+        before this call, so nobody reads it) only if the layout is the same: then the
+        alignment gaps, which no tensor overwrites, are still zero."""
+        spare, self._spare = self._spare, None
+        if spare is not None and layout == self._previous_layout:
+            return spare
+        return torch.zeros(layout_bytes(layout), dtype=torch.uint8)
+
+    def _delta_allowed(self, version: int, layout: list[TensorSpec]) -> bool:
         return (
             self.deltas
             and self._previous is not None
@@ -171,8 +188,19 @@ class WeightMirror:
             )
         if bucket_digests(view, manifest.bucket_bytes) != manifest.bucket_sha256:
             raise WeightsCorrupted(f"version {manifest.version}: a bucket's sha256 does not match")
+        try:
+            state_bytes = layout_bytes(manifest.layout)
+        except LayoutMismatch as exc:
+            raise WeightsCorrupted(f"version {manifest.version}: {exc}") from exc
+        if manifest.state_bytes != state_bytes:
+            raise WeightsCorrupted(
+                f"version {manifest.version}: the layout needs {state_bytes} bytes"
+            )
         if manifest.kind == "full":
-            if state_digest(manifest.bucket_sha256) != manifest.state_sha256:
+            if (
+                manifest.payload_bytes != manifest.state_bytes
+                or state_digest(manifest.bucket_sha256) != manifest.state_sha256
+            ):
                 raise WeightsCorrupted(f"version {manifest.version}: inconsistent manifest")
             if self.flat is None or self.flat.numel() != manifest.state_bytes:
                 self.flat = torch.empty(manifest.state_bytes, dtype=torch.uint8)

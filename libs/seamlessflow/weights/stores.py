@@ -18,6 +18,7 @@ payload raises ``PayloadMissing`` and the engine catches up from a newer chain.
 from __future__ import annotations
 
 import asyncio
+import io
 import mmap
 import os
 from pathlib import Path
@@ -34,6 +35,7 @@ from seamlessflow.weights.layout import bucket_ranges
 
 # NATS caps a message at 1 MiB by default; a chunk leaves room for the headers.
 OBJECT_CHUNK_BYTES = 1024 * 1024 - 4096
+OBJECT_FETCH_PARALLEL = 4
 
 
 class PayloadMissing(Exception):
@@ -91,19 +93,32 @@ class ObjectStorePayloads:
 
     async def fetch(self, manifest: WeightManifest) -> memoryview:
         store = await self._objects()
-        payload = bytearray(manifest.payload_bytes)
-        for index, (start, end) in enumerate(
-            bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes)
-        ):
-            try:
-                result = await store.get(_bucket_object(manifest.location, index))
-            except nats.js.errors.ObjectNotFoundError as exc:
-                raise PayloadMissing(f"{manifest.location} bucket {index}") from exc
-            data = result.data or b""
-            if len(data) != end - start:
-                raise PayloadMissing(f"{manifest.location} bucket {index}: {len(data)} bytes")
-            payload[start:end] = data
-        return memoryview(payload)
+        payload = memoryview(bytearray(manifest.payload_bytes))
+        # several buckets at once: each get waits on nats-py's flow-control replies,
+        # which it sends only every 250 ms, so overlapping gets overlaps those waits
+        parallel = asyncio.Semaphore(OBJECT_FETCH_PARALLEL)
+
+        async def fetch_bucket(index: int, start: int, end: int) -> None:
+            # chunks are written straight into place: nats-py would otherwise build each
+            # object by ``bytes +=``, quadratic in the chunks per bucket
+            into = _SliceWriter(payload[start:end])
+            async with parallel:
+                try:
+                    await store.get(_bucket_object(manifest.location, index), writeinto=into)
+                except nats.js.errors.ObjectNotFoundError as exc:
+                    raise PayloadMissing(f"{manifest.location} bucket {index}") from exc
+            if into.written != end - start:
+                raise PayloadMissing(f"{manifest.location} bucket {index}: {into.written} bytes")
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for index, (start, end) in enumerate(
+                    bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes)
+                ):
+                    group.create_task(fetch_bucket(index, start, end))
+        except* PayloadMissing as missing:
+            raise missing.exceptions[0] from None
+        return payload
 
     async def delete(self, manifest: WeightManifest) -> None:
         store = await self._objects()
@@ -150,6 +165,25 @@ class SharedMemoryPayloads:
 
     async def delete(self, manifest: WeightManifest) -> None:
         (self.directory / manifest.location).unlink(missing_ok=True)
+
+
+class _SliceWriter(io.BufferedIOBase):
+    """A file-like ``write`` into a fixed slice; what does not fit is counted, not kept."""
+
+    def __init__(self, target: memoryview) -> None:
+        super().__init__()
+        self.target = target
+        self.written = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        end = self.written + len(data)
+        if end <= len(self.target):
+            self.target[self.written : end] = data
+        self.written = end
+        return len(data)
 
 
 def _bucket_object(location: str, index: int) -> str:
