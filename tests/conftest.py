@@ -116,22 +116,27 @@ async def mesh(nats_url: str, run_id: str, base_model_dir: Path) -> AsyncIterato
     await in_process.stop()
 
 
+async def announce_weights(bus: Bus, manifest) -> None:  # type: ignore[no-untyped-def]
+    """Announce a stored payload as ``sf_trainer`` does after a step."""
+    from seamlessflow.protocol import WeightsPublished
+
+    await bus.js_publish(
+        bus.subjects.weights_published(),
+        WeightsPublished(manifest=manifest, step=manifest.version),
+        msg_id=f"weights-v{manifest.version}",
+    )
+
+
 async def publish_perturbed_version(bus: Bus, version: int, base: dict) -> None:  # type: ignore[type-arg]
     """Play the trainer: store a slightly perturbed copy of ``base`` as a full payload of
-    ``version`` in the object store, then announce it (as ``sf_trainer`` does)."""
+    ``version`` in the object store, then announce it."""
     import torch
 
-    from seamlessflow.protocol import WeightsPublished
     from seamlessflow.weights import ObjectStorePayloads, WeightEncoder, WeightPublisher
 
     state = {k: v + 0.01 * torch.randn_like(v) for k, v in base.items()}
     publisher = WeightPublisher(ObjectStorePayloads(bus), WeightEncoder(bucket_bytes=1 << 20))
-    manifest = await publisher.publish(version, state)
-    await bus.js_publish(
-        bus.subjects.weights_published(),
-        WeightsPublished(manifest=manifest, step=version),
-        msg_id=f"weights-v{version}",
-    )
+    await announce_weights(bus, await publisher.publish(version, state))
 
 
 async def recorded_turns(bus: Bus) -> list:  # type: ignore[type-arg]

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from seamlessflow.bus import Bus
-from seamlessflow.protocol import CurrentVersion, CurrentVersionQuery, WeightsPublished
+from seamlessflow.protocol import CurrentVersion, CurrentVersionQuery
 from seamlessflow.weights import (
     EncodedWeights,
     ObjectStorePayloads,
@@ -115,7 +115,7 @@ def stepped(state: dict[str, torch.Tensor], version: int) -> dict[str, torch.Ten
 async def test_engines_follow_deltas_join_late_and_refuse_corrupted_payloads(
     nats_url: str, run_id: str, base_model_dir: Path, bus: Bus
 ) -> None:
-    from conftest import InProcessMesh
+    from conftest import InProcessMesh, announce_weights
 
     base = AutoModelForCausalLM.from_pretrained(str(base_model_dir)).state_dict()
     publisher = WeightPublisher(
@@ -125,12 +125,7 @@ async def test_engines_follow_deltas_join_late_and_refuse_corrupted_payloads(
     )
 
     async def publish(version: int, state: dict[str, torch.Tensor]) -> None:
-        manifest = await publisher.publish(version, state)
-        await bus.js_publish(
-            bus.subjects.weights_published(),
-            WeightsPublished(manifest=manifest, step=version),
-            msg_id=f"weights-v{version}",
-        )
+        await announce_weights(bus, await publisher.publish(version, state))
 
     mesh = InProcessMesh(nats_url, run_id, base_model_dir)
     try:
@@ -163,11 +158,8 @@ async def test_engines_follow_deltas_join_late_and_refuse_corrupted_payloads(
         honest = publisher.encoder.encode(4, {k: v.bfloat16() for k, v in states[4].items()})
         damaged = bytearray(honest.payload)
         damaged[-1] ^= 0xFF
-        manifest = await publisher.store.put(EncodedWeights(honest.manifest, memoryview(damaged)))
-        await bus.js_publish(
-            bus.subjects.weights_published(),
-            WeightsPublished(manifest=manifest, step=4),
-            msg_id="weights-v4",
+        await announce_weights(
+            bus, await publisher.store.put(EncodedWeights(honest.manifest, memoryview(damaged)))
         )
         async with asyncio.timeout(30):
             while weight_sync.chain.version < 4:  # noqa: ASYNC110
@@ -190,7 +182,7 @@ async def test_engines_follow_deltas_join_late_and_refuse_corrupted_payloads(
 async def test_weight_sync_rebuilds_the_chain_after_a_restart(
     nats_url: str, run_id: str, bus: Bus
 ) -> None:
-    from conftest import InProcessMesh
+    from conftest import InProcessMesh, announce_weights
 
     publisher = WeightPublisher(
         ObjectStorePayloads(bus), WeightEncoder(bucket_bytes=1 << 20, deltas=True, full_every=3)
@@ -198,12 +190,7 @@ async def test_weight_sync_rebuilds_the_chain_after_a_restart(
     state = small_state(3)
     for version in range(1, 6):  # full 1, deltas 2-3, full 4, delta 5
         state = {"a": state["a"], "b": state["b"] + 1.0}
-        manifest = await publisher.publish(version, state)
-        await bus.js_publish(
-            bus.subjects.weights_published(),
-            WeightsPublished(manifest=manifest, step=version),
-            msg_id=f"weights-v{version}",
-        )
+        await announce_weights(bus, await publisher.publish(version, state))
     mesh = InProcessMesh(nats_url, run_id, None)
     try:
         first = await mesh.start(WeightSync())
