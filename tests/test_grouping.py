@@ -7,8 +7,10 @@ from seamlessflow.protocol import (
     TurnRecorded,
 )
 from seamlessflow.tasks import TaskItem
+from sf_trajectory.data_filters import DataFilters, Staleness
 from sf_trajectory.dispatch import Dispatcher
 from sf_trajectory.grouping import Grouper
+from sf_trajectory.schedule import Stage
 
 
 def exact_match(completion: str, reference: str) -> float:
@@ -76,6 +78,36 @@ def test_a_reported_reward_wins_over_the_verifier() -> None:
     assert batch is not None and batch[0].samples[0].reward == 0.25
 
 
+def test_the_verifier_runs_once_before_the_finish_and_a_failing_one_costs_one_sample() -> None:
+    """The service runs ``pending_verification`` in a worker thread (a sandboxed verifier
+    takes seconds); ``apply`` then uses its score and never calls the verifier itself."""
+    calls: list[str] = []
+
+    def counting(completion: str, reference: str) -> float:
+        calls.append(completion)
+        if completion == "boom":
+            raise ValueError("malformed reference")
+        return exact_match(completion, reference)
+
+    grouper = Grouper(lambda name: counting)
+    for i, text in enumerate(["4", "boom"]):
+        grouper.apply(opened(f"s{i}", "g", i, 2))
+        grouper.apply(turn(f"s{i}", 0, [1], [2], text))
+        finish = SessionFinished(session_id=f"s{i}")
+        verify = grouper.pending_verification(finish)
+        assert verify is not None
+        verify()  # never raises, even when the verifier does
+        grouper.apply(finish)
+    assert calls == ["4", "boom"]
+    batch = grouper.take_batch(1)
+    assert batch is not None and [s.reward for s in batch[0].samples] == [1.0]
+    assert grouper.dropped == {"no_reward": 1}
+    reported = Grouper(lambda name: counting)
+    reported.apply(opened("r", "h", 0, 1))
+    reported.apply(RewardReported(session_id="r", reward=0.5))
+    assert reported.pending_verification(SessionFinished(session_id="r")) is None
+
+
 def test_multi_turn_masks_every_engine_turn_and_skips_abandoned_branches() -> None:
     grouper = Grouper(lookup)
     grouper.apply(opened("s", "g", 0, 1))
@@ -126,10 +158,13 @@ def items(n: int) -> list[TaskItem]:
     ]
 
 
+def one_stage(n: int) -> list[Stage]:
+    return [Stage(name="t", items=items(n), reward_fn="exact", first_batch=0)]
+
+
 def test_dispatcher_hands_out_groups_and_applies_backpressure_and_the_budget() -> None:
     dispatcher = Dispatcher(
-        items(5),
-        reward_fn="exact",
+        one_stage(5),
         group_size=2,
         groups_per_batch=2,
         total_batches=3,
@@ -155,8 +190,7 @@ def test_dispatcher_hands_out_groups_and_applies_backpressure_and_the_budget() -
 def test_dispatcher_epochs_are_permutations_and_reproducible() -> None:
     def order(seed: int) -> list[str]:
         d = Dispatcher(
-            items(6),
-            reward_fn="exact",
+            one_stage(6),
             group_size=1,
             groups_per_batch=1,
             total_batches=0,
@@ -171,25 +205,25 @@ def test_dispatcher_epochs_are_permutations_and_reproducible() -> None:
 
 
 def test_stale_samples_are_dropped_with_a_reason_and_the_batch_refilled() -> None:
-    grouper = Grouper(lookup)
+    grouper = Grouper(lookup, filters=DataFilters([Staleness(max_staleness=4)]))
     # group g0: one sample made by version 0, one by version 5; group g1: version 5
     for session, group, version in (("a", "g0", 0), ("b", "g0", 5), ("c", "g1", 5)):
         grouper.apply(opened(session, group, 0 if session != "b" else 1, 2 if group == "g0" else 1))
         grouper.apply(turn(session, version, [1], [2], "4"))
         grouper.apply(SessionFinished(session_id=session))
-    batch = grouper.take_batch(2, batch_index=6, max_staleness=4)
+    batch = grouper.take_batch(2, batch_index=6)
     assert batch is not None
     assert [[s.session_id for s in g.samples] for g in batch] == [["b"], ["c"]]
-    assert grouper.dropped == {"stale": 1} and grouper.stale_sessions == ["a"]
+    assert grouper.dropped == {"stale": 1}
 
 
 def test_a_group_left_empty_by_staleness_does_not_fill_a_batch() -> None:
-    grouper = Grouper(lookup)
+    grouper = Grouper(lookup, filters=DataFilters([Staleness(max_staleness=2)]))
     for session, group, version in (("a", "g0", 0), ("c", "g1", 9)):
         grouper.apply(opened(session, group, 0, 1))
         grouper.apply(turn(session, version, [1], [2], "4"))
         grouper.apply(SessionFinished(session_id=session))
-    assert grouper.take_batch(2, batch_index=9, max_staleness=2) is None
+    assert grouper.take_batch(2, batch_index=9) is None
     assert [g.group_id for g in grouper.ready] == ["g1"]
     assert grouper.groups_lost == 1  # the dispatcher replaces it
 
@@ -204,8 +238,7 @@ def test_lost_groups_are_replaced_so_the_last_batch_still_fills() -> None:
 
     def two_batches_of_one_group() -> Dispatcher:
         return Dispatcher(
-            items(3),
-            reward_fn="exact",
+            one_stage(3),
             group_size=1,
             groups_per_batch=1,
             total_batches=2,

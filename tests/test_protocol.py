@@ -86,6 +86,25 @@ def examples() -> list[p.Message]:
         p.TrainBatch(
             batch_index=0, groups=[p.SampleGroup(group_id="g", task_id="t", samples=[sample])]
         ),
+        p.BatchFilterReport(
+            batch_index=3,
+            stage="arithmetic",
+            groups_kept=8,
+            samples_kept=60,
+            groups_dropped={"zero_variance": 2},
+            samples_dropped={"zero_variance": 16, "stale": 4},
+            groups_waived={"zero_variance": 1},
+        ),
+        p.EpochFilterReport(
+            stage="arithmetic",
+            stage_index=0,
+            epoch=1,
+            first_group=320,
+            prompts=300,
+            kept={"mixed": 200, "all_wrong": 100},
+            dropped={"all_correct": 20},
+            dropped_task_ids=["add-1-2"],
+        ),
         p.SessionExportQuery(session_id="s"),
         p.SessionExport(
             session_id="s",

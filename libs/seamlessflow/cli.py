@@ -341,6 +341,7 @@ SETTINGS: dict[str, str] = {
     "gateway": "sf_gateway.config:GatewaySettings",
     "engine": "sf_gateway.config:EngineSettings",
     "agents": "seamlessflow.agents.runner:AgentRunnerSettings",
+    "code sandbox (reward code_tests)": "seamlessflow.rewards.sandbox:SandboxSettings",
 }
 
 

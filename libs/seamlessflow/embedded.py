@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import Subjects, TrainingFinished, TrainStepMetrics, decode
+from seamlessflow.tasks import task_names
 
 log = logging.getLogger(__name__)
 
@@ -333,8 +334,20 @@ class EmbeddedRun:
         if c.model_dir is not None and (c.model_dir / "config.json").exists():
             model_dir = c.model_dir  # the user's model, used as it is
         else:
-            model_dir = c.model_dir or (c.cache_dir.expanduser() / "models" / f"base-{c.task}")
-            model_dir = await asyncio.to_thread(ensure_base_model, model_dir, task=c.task)
+            # The built-in model is warmed up on a built-in task; a data file (or any other
+            # task without a teacher) gets the arithmetic one: bring a real model for it.
+            warmup_task = c.task if c.task in task_names() else "arithmetic"
+            if warmup_task != c.task and c.model_dir is None:
+                log.warning(
+                    "task %s has no built-in warm-up: using the %s base model; pass "
+                    "--model-dir for a model that can solve it",
+                    c.task,
+                    warmup_task,
+                )
+            cached = c.cache_dir.expanduser() / "models" / f"base-{warmup_task}"
+            model_dir = await asyncio.to_thread(
+                ensure_base_model, c.model_dir or cached, task=warmup_task
+            )
         nats_server = EmbeddedNats(self.run_dir / "nats")
         url = c.nats_url or nats_server.start()
         if nats_server.process is not None:

@@ -107,6 +107,14 @@ class Subjects:
     def train_finished(self) -> str:
         return f"{self._root}.train.finished"
 
+    # data filters (trajectory -> observers, durable; the epoch records are also read
+    # back by the trajectory service on start-up)
+    def data_batch_report(self) -> str:
+        return f"{self._root}.data.batch"
+
+    def data_epoch_report(self) -> str:
+        return f"{self._root}.data.epoch"
+
     # tag scheduler
     def sched_register(self) -> str:
         return f"{self._root}.sched.register"
@@ -164,7 +172,12 @@ class Subjects:
             self.stream_trajectory(): [self.trajectory_events_all()],
             self.stream_batches(): [self.batch_ready()],
             self.stream_weights(): [self.weights_published()],
-            self.stream_metrics(): [self.train_metrics(), self.train_finished()],
+            self.stream_metrics(): [
+                self.train_metrics(),
+                self.train_finished(),
+                self.data_batch_report(),
+                self.data_epoch_report(),
+            ],
         }
 
 
@@ -416,6 +429,48 @@ class TrainBatch(Message, tag="batch"):
     created_at: float = msgspec.field(default_factory=time.time)
 
 
+class BatchFilterReport(Message, tag="data.batch"):
+    """trajectory -> observers (JetStream): what the data filters did while batch
+    ``batch_index`` was formed, counted from the previous batch on."""
+
+    batch_index: int
+    stage: str
+    """The task source of the schedule stage this batch belongs to."""
+    groups_kept: int
+    samples_kept: int
+    groups_dropped: dict[str, int] = msgspec.field(default_factory=dict)
+    """Groups that never reach a batch, by reason (``zero_variance``, ``stale``,
+    ``no_samples``); the dispatcher hands out one more group for each (a refill)."""
+    samples_dropped: dict[str, int] = msgspec.field(default_factory=dict)
+    """Samples left out, by reason (``stale``, ``zero_variance``, ``no_turns``...)."""
+    groups_waived: dict[str, int] = msgspec.field(default_factory=dict)
+    """Groups a filter would have dropped but let through, by reason
+    (``zero_variance``: the refill cap of the batch was reached)."""
+
+
+class EpochFilterReport(Message, tag="data.epoch"):
+    """trajectory -> observers, and itself after a restart (JetStream): the prompt set an
+    epoch dispatches. Recorded before the epoch's first group is handed out; a restarted
+    trajectory service rebuilds every epoch's prompt order from these records."""
+
+    stage: str
+    stage_index: int
+    epoch: int
+    """Epoch number within the stage, from 0."""
+    first_group: int
+    """Dispatch index of the epoch's first group."""
+    prompts: int
+    """Prompts this epoch dispatches (one group each)."""
+    kept: dict[str, int] = msgspec.field(default_factory=dict)
+    """Prompts of the previous epoch that stay, by why (``mixed``, ``all_wrong``,
+    ``unseen``: no complete group yet); empty for epoch 0."""
+    dropped: dict[str, int] = msgspec.field(default_factory=dict)
+    """Prompts of the previous epoch left out from now on, by reason (``all_correct``)."""
+    dropped_task_ids: list[str] = msgspec.field(default_factory=list)
+    kept_all: bool = False
+    """Every prompt would have been dropped: the previous epoch's set was kept instead."""
+
+
 # weights ----------------------------------------------------------------------------
 
 
@@ -528,6 +583,8 @@ class TrainStepMetrics(Message, tag="train.metrics"):
     """Mean |trainer - behaviour| logprob over trained tokens."""
     truncated_fraction: float = 0.0
     """Fraction of trained tokens whose importance weight was truncated."""
+    kl_mean: float = 0.0
+    """Mean k3 KL to the reference model over trained tokens (0 without ``KL_COEF``)."""
     weights_kind: str = ""
     """``full`` or ``delta``: how this step's weights were sent."""
     weights_payload_bytes: int = 0
@@ -663,6 +720,8 @@ AnyMessage = (
     | TaskAssignment
     | NoTask
     | TrainBatch
+    | BatchFilterReport
+    | EpochFilterReport
     | SessionExportQuery
     | SessionExport
     | WeightsPublished

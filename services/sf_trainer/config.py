@@ -1,3 +1,8 @@
+"""The trainer's settings (``SF_TRAINER_*``)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -23,15 +28,55 @@ class TrainerSettings(BaseSettings):
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm."""
 
+    advantage: str = "grpo"
+    """Advantage estimator plug-in (``sf_trainer.advantages``): ``grpo`` ((r - mean) /
+    (std + 1e-6) within each group), ``dr_grpo`` (r - group mean), ``rloo`` (r - mean of
+    the group's other samples), ``reinforce_pp`` ((r - mean) / std over the whole
+    batch), ``reinforce_pp_baseline`` (r - group mean, divided by the batch's std of
+    those)."""
+
     loss: str = "grpo_decoupled"
-    """Policy loss plug-in (``sf_trainer.losses``): ``grpo`` (PPO-clip against the
-    behaviour logprobs) or ``grpo_decoupled`` (decoupled PPO + truncated IS)."""
+    """Policy loss plug-in (``sf_trainer.losses``): ``grpo_decoupled`` (decoupled PPO +
+    truncated IS), ``grpo`` (PPO-clip against the behaviour logprobs), ``dapo``
+    (clip-higher), all three a mean over the batch's tokens; ``dr_grpo`` (``grpo``'s
+    terms, token sum / (sequences x ``DR_GRPO_TOKENS``)); ``gspo`` (sequence-level ratio
+    and clip, mean over sequences)."""
 
     is_cap: float = 2.0
     """Truncation of the behaviour importance weight in ``grpo_decoupled``."""
 
     clip_eps: float = 0.2
-    """PPO ratio clip: the ratio is kept within [1 - eps, 1 + eps]."""
+    """PPO ratio clip of ``grpo``, ``grpo_decoupled`` and ``dr_grpo``: the ratio is kept
+    within [1 - eps, 1 + eps]."""
+
+    clip_eps_low: float = 0.2
+    """``dapo``: lower ratio clip, 1 - eps."""
+
+    clip_eps_high: float = 0.28
+    """``dapo`` (clip-higher): upper ratio clip, 1 + eps."""
+
+    gspo_clip_eps_low: float = 3e-4
+    """``gspo``: lower clip of the sequence ratio, 1 - eps (GSPO paper)."""
+
+    gspo_clip_eps_high: float = 4e-4
+    """``gspo``: upper clip of the sequence ratio, 1 + eps (GSPO paper)."""
+
+    dr_grpo_tokens: int = Field(default=0, ge=0)
+    """``dr_grpo``: the constant each sequence's token sum is divided by (then by the
+    number of sequences); the paper uses the generation budget (max tokens). 0 = the
+    batch's longest response in trained tokens."""
+
+    kl_coef: float = Field(default=0.0, ge=0.0)
+    """Weight of the k3 KL to the reference model (the base model of ``SF_MODEL_DIR``,
+    frozen), added to the loss per token. 0 = no KL term and no reference model loaded."""
+
+    overlong_max_tokens: int = Field(default=0, ge=0)
+    """DAPO soft overlong punishment, L_max: a response (its trained tokens) longer than
+    this gets -1 added to its reward; 0 = off."""
+
+    overlong_cache_tokens: int = Field(default=0, ge=0)
+    """DAPO soft overlong punishment, L_cache: over the last this many tokens up to
+    L_max the added reward falls linearly from 0 to -1 (reached at L_max)."""
 
     temperature: float = 1.0
     """Sampling temperature the agents use; logprobs are computed at this temperature
@@ -68,3 +113,9 @@ class TrainerSettings(BaseSettings):
 
     torch_threads: int = 1
     """torch intra-op threads."""
+
+    @model_validator(mode="after")
+    def _overlong_window_fits(self) -> TrainerSettings:
+        if self.overlong_cache_tokens > self.overlong_max_tokens:
+            raise ValueError("overlong_cache_tokens must not exceed overlong_max_tokens")
+        return self

@@ -136,6 +136,10 @@ class TrainGroup:
                 module.set_force_sum_reduction_for_comms(True)
         return model
 
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
     def broadcast_bytes(self, payload: bytes) -> bytes:
         """Rank 0's ``payload`` on every rank (others pass anything, e.g. ``b""``)."""
         if not self.distributed:

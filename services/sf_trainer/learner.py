@@ -21,9 +21,11 @@ from transformers import AutoModelForCausalLM
 
 from seamlessflow.protocol import TrainBatch
 from sf_trainer import checkpoint
+from sf_trainer.advantages import get_advantage_estimator
 from sf_trainer.checkpoint import TrainerState
 from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
+from sf_trainer.losses import get_loss
 from sf_trainer.step import StepResult, train_step
 
 log = logging.getLogger(__name__)
@@ -56,9 +58,14 @@ Command = Step | GatherWeights | GatherCheckpoint | Restore | Stop
 
 
 class Learner:
-    """Model and optimizer of one rank, built the same way on every rank."""
+    """Model and optimizer of one rank, built the same way on every rank; with a KL
+    term (``SF_TRAINER_KL_COEF`` > 0) also the frozen reference model, sharded the same
+    way."""
 
     def __init__(self, settings: TrainerSettings, group: TrainGroup, model_dir: Path) -> None:
+        # a misspelt plug-in name fails here, at start, not at the first batch
+        get_advantage_estimator(settings.advantage)
+        get_loss(settings.loss)
         torch.set_num_threads(settings.torch_threads)
         torch.manual_seed(settings.seed)
         self.settings = settings
@@ -67,6 +74,7 @@ class Learner:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         model.train()
         self.model = group.shard(model)
+        self.reference = load_reference(model_dir, group) if settings.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=settings.lr,
@@ -78,7 +86,12 @@ class Learner:
 
     def step(self, batch: TrainBatch, version: int) -> StepResult:
         self._announce(Step(batch=batch, version=version))
-        return self._step(batch, version)
+        result = self._step(batch, version)
+        if self.reference is not None:
+            # TrainStepMetrics has no KL field yet: the log is where it shows
+            log.info("step on version %d: KL to the reference %.6f (coef %g)",
+                     version, result.kl_mean, self.settings.kl_coef)  # fmt: skip
+        return result
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The unsharded weights, a CPU copy (the state published as a version)."""
@@ -107,6 +120,9 @@ class Learner:
 
     def stop(self) -> None:
         self._announce(Stop())
+        # every rank tears its process group down together: a follower whose peers (and
+        # rank 0's TCP store) vanish mid-teardown can abort in gloo's threads at exit
+        self.group.barrier()
 
     def _announce(self, command: Command) -> None:
         if self.group.distributed:
@@ -128,12 +144,15 @@ class Learner:
                 case Restore():
                     self._load({}, {})
                 case Stop():
+                    self.group.barrier()
                     return
 
     # every rank --------------------------------------------------------------------
 
     def _step(self, batch: TrainBatch, version: int) -> StepResult:
-        return train_step(self.model, self.optimizer, batch, self.settings, version, self.group)
+        return train_step(
+            self.model, self.optimizer, batch, self.settings, version, self.group, self.reference
+        )
 
     def _gather_checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return (
@@ -149,3 +168,13 @@ class Learner:
                 betas=self.settings.betas,
                 weight_decay=self.settings.weight_decay,
             )
+
+
+def load_reference(model_dir: Path, group: TrainGroup) -> torch.nn.Module:
+    """The base model as the KL term's reference: frozen (no grad, never in a checkpoint
+    or an optimizer), in eval mode, sharded like the policy (its forward all-gathers on
+    every rank, in the same passes as the policy's)."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    model.requires_grad_(False)
+    return group.shard(model)

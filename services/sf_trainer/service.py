@@ -300,6 +300,7 @@ class Trainer:
             step_seconds=step_seconds,
             wait_seconds=wait_seconds,
             publish_seconds=publish_seconds,
+            kl_mean=result.kl_mean,
             weights_kind=manifest.kind,
             weights_payload_bytes=manifest.payload_bytes,
             weights_state_bytes=manifest.state_bytes,

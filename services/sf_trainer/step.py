@@ -3,8 +3,13 @@
 With several ranks (``sf_trainer.distributed``) every rank runs :func:`train_step` on
 the same batch: each trains its share of the samples, in the same number of
 forward/backward passes, and the ranks' gradients are summed. The loss is normalised
-by the whole batch's trained-token count on every rank, so the step is the one a
-single process would take on the whole batch (up to float summation order).
+by whole-batch quantities on every rank (``sf_trainer.losses.BatchTotals``), so the
+step is the one a single process would take on the whole batch (up to float summation
+order).
+
+A step: shaped rewards -> advantages (``SF_TRAINER_ADVANTAGE``) -> for each
+micro-batch, policy (and, with ``SF_TRAINER_KL_COEF`` > 0, reference) logprobs -> loss
+(``SF_TRAINER_LOSS``) -> backward; then one clipped optimizer step.
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from seamlessflow.protocol import TrainBatch, TrainSample
+from sf_trainer.advantages import batch_advantages
 from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup, as_float, partition_by_tokens
-from sf_trainer.grpo import group_advantages, token_logprobs
-from sf_trainer.losses import get_loss
+from sf_trainer.grpo import token_logprobs
+from sf_trainer.losses import BatchTotals, LossInputs, get_loss
 
 
 @dataclass
@@ -37,6 +43,8 @@ class StepResult:
     truncated_fraction: float
     grad_norm: float
     """Global gradient norm before clipping."""
+    kl_mean: float
+    """Mean k3 KL to the reference model over trained tokens (0: no KL term)."""
 
 
 @dataclass
@@ -106,7 +114,7 @@ class MicroBatch:
 
 
 def trained_token_count(samples: list[TrainSample]) -> int:
-    """Tokens the loss is taken over (loss mask 1): the step's loss normalizer."""
+    """Tokens the loss is taken over (loss mask 1)."""
     return sum(sum(s.loss_mask) for s in samples)
 
 
@@ -144,23 +152,23 @@ def train_step(
     settings: TrainerSettings,
     current_version: int,
     group: TrainGroup | None = None,
+    reference: torch.nn.Module | None = None,
 ) -> StepResult:
     """One optimizer step on ``batch``; every rank of ``group`` calls it with the same
-    batch. The metrics are the whole batch's (summed over ranks)."""
+    batch. The metrics are the whole batch's (summed over ranks). ``reference`` is the
+    frozen reference model (sharded like ``model``), required when ``kl_coef`` > 0."""
+    if settings.kl_coef > 0 and reference is None:
+        raise ValueError("SF_TRAINER_KL_COEF > 0 needs the reference model")
     group = group or TrainGroup(device=torch.device(settings.device))
-    samples: list[TrainSample] = []
-    advantages: list[float] = []
-    for sample_group in batch.groups:
-        rewards = torch.tensor([[s.reward for s in sample_group.samples]], dtype=torch.float32)
-        advantages.extend(group_advantages(rewards)[0].tolist())
-        samples.extend(sample_group.samples)
-    # every rank holds the whole batch, so this is the global count without a collective
+    samples = [s for sample_group in batch.groups for s in sample_group.samples]
+    advantages = batch_advantages(batch.groups, settings)
+    # every rank holds the whole batch, so these are global counts without a collective
     total_tokens = trained_token_count(samples)
-    normalizer = float(max(total_tokens, 1))
+    totals = BatchTotals.of(s.loss_mask for s in samples)
 
     optimizer.zero_grad(set_to_none=True)
     loss_fn = get_loss(settings.loss)
-    loss_sum = clipped = truncated = abs_diff = 0.0
+    loss_sum = clipped = truncated = abs_diff = kl_sum = 0.0
     plan = plan_micro_batches(samples, group.world_size, settings.micro_batch_tokens)
     for micro in plan[group.rank]:
         packed = pack([samples[i] for i in micro.indices], [advantages[i] for i in micro.indices])
@@ -169,18 +177,26 @@ def train_step(
             packed.loss_mask.zero_()
         logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
         logprobs = token_logprobs(logits[:, :-1], packed.targets, settings.temperature)
-        output = loss_fn(
-            logprobs, packed.old_logprobs, packed.advantages, packed.loss_mask, settings, normalizer
+        inputs = LossInputs(
+            logprobs=logprobs,
+            behaviour_logprobs=packed.old_logprobs,
+            advantages=packed.advantages,
+            mask=packed.loss_mask,
+            reference_logprobs=(
+                None if reference is None else _reference_logprobs(reference, packed, settings)
+            ),
         )
+        output = loss_fn(inputs, settings, totals)
         output.loss.backward()
         loss_sum += float(output.loss.detach())
         clipped += output.clipped_tokens
         truncated += output.truncated_tokens
+        kl_sum += output.kl_sum
         abs_diff += float(
             ((logprobs.detach() - packed.old_logprobs).abs() * packed.loss_mask).sum()
         )
-    loss_sum, clipped, truncated, abs_diff = group.all_reduce_sum(
-        [loss_sum, clipped, truncated, abs_diff]
+    loss_sum, clipped, truncated, abs_diff, kl_sum = group.all_reduce_sum(
+        [loss_sum, clipped, truncated, abs_diff, kl_sum]
     )
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
     optimizer.step()
@@ -190,13 +206,24 @@ def train_step(
     return StepResult(
         loss=loss_sum,
         mean_reward=sum(s.reward for s in samples) / max(len(samples), 1),
-        clip_fraction=clipped / normalizer,
+        clip_fraction=clipped / totals.tokens,
         samples=len(samples),
         tokens_generated=total_tokens,
         tokens_trained=total_tokens,
         max_staleness=current_version - min(versions) if versions else 0,
         staleness_histogram=dict(sorted(histogram.items())),
-        logprob_abs_diff=abs_diff / normalizer,
-        truncated_fraction=truncated / normalizer,
+        logprob_abs_diff=abs_diff / totals.tokens,
+        truncated_fraction=truncated / totals.tokens,
         grad_norm=as_float(grad_norm),
+        kl_mean=kl_sum / totals.tokens,
     )
+
+
+def _reference_logprobs(
+    reference: torch.nn.Module, packed: PackedSamples, settings: TrainerSettings
+) -> torch.Tensor:
+    """The targets' logprobs under the frozen reference model. Every pass runs it, the
+    padding passes too: a sharded reference all-gathers in its forward like the policy."""
+    with torch.no_grad():
+        logits = reference(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
+        return token_logprobs(logits[:, :-1], packed.targets, settings.temperature)

@@ -1,4 +1,8 @@
+from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from sf_trajectory.data_filters import parse_filter_names
+from sf_trajectory.schedule import StageSpec, parse_stages
 
 
 class TrajectorySettings(BaseSettings):
@@ -9,7 +13,15 @@ class TrajectorySettings(BaseSettings):
     )
 
     task: str = "arithmetic"
-    """Name of the task source (``seamlessflow.tasks``) the agents roll out."""
+    """Name of the task source (``seamlessflow.tasks``) the agents roll out (when no
+    ``stages`` are set)."""
+
+    stages: str = ""
+    """SRPO's multi-stage schedule: comma-separated ``task:batches`` entries, the last one
+    without a count, e.g. ``lookup:100,arithmetic`` = the task source ``lookup`` for
+    batches 0-99 (the first 100 trainer steps), then ``arithmetic`` to the end of the run.
+    The switch happens at a batch boundary; each stage scores with its source's reward
+    function. Empty = one stage, ``task``."""
 
     seed: int = 0
     """Seed for the task order (each epoch is a fresh permutation)."""
@@ -23,11 +35,45 @@ class TrajectorySettings(BaseSettings):
     total_batches: int = 0
     """Stop dispatching after this many batches' worth of groups (0 = never stop)."""
 
+    data_filters: str = "staleness"
+    """Data algorithms, comma-separated, in order (``sf_trajectory.data_filters``):
+    ``staleness`` (drop samples older than ``max_staleness``), ``dynamic_sampling`` (drop
+    groups whose rewards are all equal and dispatch a refill), ``history_resampling``
+    (SRPO: at each epoch boundary drop the prompts whose rollouts were all correct).
+    Group filters judge a group in this order; empty = none."""
+
     max_staleness: int = 4
-    """Staleness bound: a sample with a token generated more than this many versions
-    before the version that will train it is dropped (reason ``stale``)."""
+    """Staleness bound (``staleness`` filter): a sample with a token generated more than
+    this many versions before the version that will train it is dropped (reason
+    ``stale``)."""
+
+    dynamic_sampling_max_refills: int = 32
+    """``dynamic_sampling``: at most this many zero-variance groups are dropped (and
+    refilled) per batch; later ones are kept (``groups_waived``), so a run whose groups
+    all agree still makes progress. 0 = count zero-variance groups but keep them."""
+
+    history_correct_reward: float = 1.0
+    """``history_resampling``: a rollout whose reward is at least this counts as correct."""
 
     max_batches_ahead: int = 1
     """Rollout rhythm: how many batches may be dispatched beyond what the trainer has
     consumed. 0 = synchronous (on-policy); larger values overlap rollout and training
     at the cost of staleness (a sample is at most ``max_batches_ahead + 1`` versions old)."""
+
+    @field_validator("stages")
+    @classmethod
+    def _valid_stages(cls, value: str) -> str:
+        parse_stages(value)
+        return value
+
+    @field_validator("data_filters")
+    @classmethod
+    def _valid_data_filters(cls, value: str) -> str:
+        parse_filter_names(value)
+        return value
+
+    def stage_specs(self) -> list[StageSpec]:
+        return parse_stages(self.stages) or [StageSpec(task=self.task, batches=None)]
+
+    def data_filter_names(self) -> list[str]:
+        return parse_filter_names(self.data_filters)

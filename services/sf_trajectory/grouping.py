@@ -7,6 +7,7 @@ trajectory stream after a restart.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from seamlessflow.protocol import (
     TrajectoryEvent,
     TurnRecorded,
 )
+from sf_trajectory.data_filters import DataFilters
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,10 @@ class Session:
     turns: list[TurnRecorded] = field(default_factory=list)
     reported_reward: float | None = None
     finished: bool = False
+    verified_reward: float | None = None
+    """The verifier's score, computed off the event loop before the finish is applied
+    (``Grouper.pending_verification``)."""
+    verification_failed: bool = False
 
 
 def branch(turns: list[TurnRecorded], leaf: TurnRecorded) -> tuple[TrainSample, list[int]]:
@@ -92,7 +98,9 @@ def session_reward(session: Session, reward_lookup: RewardLookup) -> float | Non
     """A reward the agent reported wins; else the task's verifier on the last answer."""
     if session.reported_reward is not None:
         return session.reported_reward
-    if not session.turns or not session.opened.reward_fn:
+    if session.verified_reward is not None:
+        return session.verified_reward
+    if session.verification_failed or not session.turns or not session.opened.reward_fn:
         return None
     reward_fn = reward_lookup(session.opened.reward_fn)
     return float(reward_fn(session.turns[-1].completion_text, session.opened.reference))
@@ -148,25 +156,52 @@ class Group:
         return len(self.samples) + self.failed >= self.size
 
 
+@dataclass
+class BatchTally:
+    """What happened to groups and samples while one batch was formed (see
+    ``BatchFilterReport``)."""
+
+    groups_dropped: Counter[str] = field(default_factory=Counter)
+    samples_dropped: Counter[str] = field(default_factory=Counter)
+    groups_waived: Counter[str] = field(default_factory=Counter)
+
+
 class Grouper:
-    """Folds trajectory events into complete groups, in completion order.
+    """Folds trajectory events into complete groups, and groups into batches.
 
     ``already_batched`` holds the session ids that are in a published batch already:
     replaying the event stream after a restart skips them, so no trajectory is batched
     twice (invariant 4).
+
+    Every complete group is shown to the prompt-set filters (``filters.observe``), then
+    judged once by the group filters against the batch it will join (``take_batch``).
     """
 
-    def __init__(self, reward_lookup: RewardLookup, already_batched: set[str] | None = None):
+    def __init__(
+        self,
+        reward_lookup: RewardLookup,
+        already_batched: set[str] | None = None,
+        *,
+        filters: DataFilters | None = None,
+    ):
         self.reward_lookup = reward_lookup
         self.already_batched = already_batched or set()
+        self.filters = filters or DataFilters()
         self.sessions: dict[str, Session] = {}
         self.groups: dict[str, Group] = {}
         self.ready: list[SampleGroup] = []
+        """Complete groups waiting for a batch, in completion order. The first
+        ``judged`` passed the group filters for the next batch; the rest are not judged
+        yet."""
+        self.judged = 0
         self.dropped: dict[str, int] = {}
-        self.stale_sessions: list[str] = []
-        """Sessions dropped for staleness (accounted for: never trained, never lost)."""
+        """Samples that will never be trained, by reason (since start-up)."""
         self.groups_lost = 0
-        """Groups that will never be in a batch: all samples failed or went stale."""
+        """Groups that will never be in a batch: dropped by a filter, or every sample
+        failed."""
+        self.tally = BatchTally()
+        """Drops while the next batch forms; ``last_tally`` is the batch just taken's."""
+        self.last_tally = BatchTally()
 
     def apply(self, event: TrajectoryEvent) -> None:
         if isinstance(event, SessionOpened):
@@ -188,6 +223,27 @@ class Grouper:
             session.finished = True
             self._finish(session)
 
+    def pending_verification(self, event: TrajectoryEvent) -> Callable[[], None] | None:
+        """For a finish whose session needs the task's verifier: the call that scores it,
+        to run in a worker thread before ``apply`` (a sandboxed code verifier takes
+        seconds; the event loop must not wait on it). None when nothing is to verify.
+        A verifier that raises is logged and leaves the session without a reward."""
+        if not isinstance(event, SessionFinished):
+            return None
+        session = self.sessions.get(event.session_id)
+        if session is None or session.finished or session.reported_reward is not None:
+            return None
+
+        def verify() -> None:
+            try:
+                session.verified_reward = session_reward(session, self.reward_lookup)
+            except Exception:
+                log.exception("reward %r failed on session %s: no reward",
+                              session.opened.reward_fn, session.opened.session_id)  # fmt: skip
+                session.verification_failed = True
+
+        return verify
+
     def _finish(self, session: Session) -> None:
         opened = session.opened
         group = self.groups[opened.group_id]
@@ -195,62 +251,68 @@ class Grouper:
         sample = build_sample(session, reward) if reward is not None else None
         if sample is None:
             group.failed += 1
-            reason = "no_turns" if not session.turns else "no_reward"
-            self.dropped[reason] = self.dropped.get(reason, 0) + 1
+            self._count_dropped_samples("no_turns" if not session.turns else "no_reward", 1)
         else:
             group.samples.append(sample)
         del self.sessions[opened.session_id]
         if group.complete:
             del self.groups[group.group_id]
             if not group.samples:
-                self.groups_lost += 1
+                self._lose_group("no_samples")
             else:
-                self.ready.append(
-                    SampleGroup(
-                        group_id=group.group_id, task_id=group.task_id, samples=group.samples
-                    )
+                complete = SampleGroup(
+                    group_id=group.group_id, task_id=group.task_id, samples=group.samples
                 )
+                self.filters.observe(complete)
+                self.ready.append(complete)
 
     def _reward(self, session: Session) -> float | None:
         return session_reward(session, self.reward_lookup)
 
     def take_batch(
-        self, groups_per_batch: int, *, batch_index: int = 0, max_staleness: int | None = None
+        self, groups_per_batch: int, *, batch_index: int = 0
     ) -> list[SampleGroup] | None:
-        """The next batch, or None until enough groups are ready.
+        """The next batch, or None until enough groups passed the group filters.
 
-        Batch ``batch_index`` is trained by policy version ``batch_index``; a sample with a
-        token generated more than ``max_staleness`` versions earlier is dropped (reason
-        ``stale``), and a group left empty is dropped with it. Stale groups do not count
-        towards the batch, so the batch is refilled from later groups.
+        Batch ``batch_index`` is trained by policy version ``batch_index``; the caller
+        passes the index of the next batch, which changes only once a batch is taken.
+        Each group is judged once, in completion order, and only while the batch still
+        needs groups: every group that passes is in this batch, so the judgement (e.g.
+        staleness) is the one for the version that will train it. A dropped group does
+        not count towards the batch, so the batch is refilled from later groups.
         """
-        while len(self.ready) >= groups_per_batch:
-            candidate, rest = self.ready[:groups_per_batch], self.ready[groups_per_batch:]
-            fresh = [
-                g
-                for g in (self._drop_stale(g, batch_index, max_staleness) for g in candidate)
-                if g is not None
-            ]
-            if len(fresh) == groups_per_batch:
-                self.ready = rest
-                return fresh
-            self.ready = fresh + rest
-        return None
-
-    def _drop_stale(
-        self, group: SampleGroup, batch_index: int, max_staleness: int | None
-    ) -> SampleGroup | None:
-        if max_staleness is None:
-            return group
-        kept = []
-        for sample in group.samples:
-            produced = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m]
-            if produced and batch_index - min(produced) > max_staleness:
-                self.dropped["stale"] = self.dropped.get("stale", 0) + 1
-                self.stale_sessions.append(sample.session_id)
+        while self.judged < min(groups_per_batch, len(self.ready)):
+            kept = self._judge(self.ready[self.judged], batch_index)
+            if kept is None:
+                del self.ready[self.judged]
             else:
-                kept.append(sample)
-        if not kept:
-            self.groups_lost += 1
+                self.ready[self.judged] = kept
+                self.judged += 1
+        if self.judged < groups_per_batch:
             return None
-        return SampleGroup(group_id=group.group_id, task_id=group.task_id, samples=kept)
+        batch, self.ready = self.ready[:groups_per_batch], self.ready[groups_per_batch:]
+        self.judged = 0
+        self.last_tally, self.tally = self.tally, BatchTally()
+        return batch
+
+    def _judge(self, group: SampleGroup, batch_index: int) -> SampleGroup | None:
+        """The group as the group filters leave it (None: dropped), counted by reason."""
+        for verdict in self.filters.judge(group, batch_index):
+            if verdict.waived:
+                self.tally.groups_waived[verdict.reason] += 1
+                continue
+            if verdict.dropped_sessions:
+                self._count_dropped_samples(verdict.reason, len(verdict.dropped_sessions))
+            if verdict.group is None:
+                self._lose_group(verdict.reason)
+                return None
+            group = verdict.group
+        return group
+
+    def _count_dropped_samples(self, reason: str, count: int) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + count
+        self.tally.samples_dropped[reason] += count
+
+    def _lose_group(self, reason: str) -> None:
+        self.groups_lost += 1
+        self.tally.groups_dropped[reason] += 1

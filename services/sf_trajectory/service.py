@@ -8,9 +8,19 @@ Consumes:
   stream's start on every start-up, so a restart rebuilds exactly the open sessions
 - ``sf.<run>.task.claim`` (request TaskClaim -> reply TaskAssignment | NoTask)
 - ``sf.<run>.train.metrics`` (TrainStepMetrics: how far the trainer has consumed)
+- ``sf.<run>.data.epoch`` (JetStream ``SF_<RUN>_METRICS``: its own EpochFilterReports,
+  read once on start-up to rebuild every epoch's prompt order)
 Produces:
 - ``sf.<run>.batch.ready`` (JetStream ``SF_<RUN>_BATCH``: TrainBatch, message id
   ``batch-<index>`` so a re-publish after a restart lands once)
+- ``sf.<run>.data.batch`` (JetStream ``SF_<RUN>_METRICS``: BatchFilterReport after each
+  batch, message id ``data-batch-<index>``)
+- ``sf.<run>.data.epoch`` (JetStream ``SF_<RUN>_METRICS``: EpochFilterReport when an
+  epoch or stage starts, message id ``data-epoch-<stage>-<epoch>``; published before
+  the claim that opens the epoch is answered)
+
+Data algorithms (``data_filters``) and the stage schedule (``schedule``) are configured
+by ``SF_TRAJECTORY_DATA_FILTERS`` and ``SF_TRAJECTORY_STAGES``.
 
 Durability (invariant 4): a session that is in a published batch is never batched
 again (the batch stream is read at start-up); a completed session that is not yet in
@@ -28,6 +38,8 @@ import nats.js.errors
 from seamlessflow import telemetry
 from seamlessflow.bus import NotFound
 from seamlessflow.protocol import (
+    BatchFilterReport,
+    EpochFilterReport,
     NoTask,
     SessionExport,
     SessionExportQuery,
@@ -41,10 +53,11 @@ from seamlessflow.protocol import (
 )
 from seamlessflow.rewards import get_reward
 from seamlessflow.service import ServiceContext, supervise
-from seamlessflow.tasks import get_task_source
 from sf_trajectory.config import TrajectorySettings
+from sf_trajectory.data_filters import DataFilters
 from sf_trajectory.dispatch import Dispatcher, group_index
 from sf_trajectory.grouping import Grouper, export_session
+from sf_trajectory.schedule import build_stages, stage_of_batch
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -59,13 +72,18 @@ class TrajectoryService:
         self.next_batch_index = 0
         self.malformed_events = 0
         self.ready = asyncio.Event()
+        self._claims = asyncio.Lock()
+        """One claim at a time: an epoch's record is durable before its first group is
+        handed out, and no other claim slips in while it is being published."""
 
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
         subjects = ctx.subjects
+        self.stages = build_stages(self.settings.stage_specs(), self.settings.seed)
+        self.filters = DataFilters.from_settings(self.settings.data_filter_names(), self.settings)
         batched_sessions = await self._load_batched_sessions()
         self.trained_batches = await self._load_trained_batches()
-        self.grouper = Grouper(get_reward, batched_sessions)
+        self.grouper = Grouper(get_reward, batched_sessions, filters=self.filters)
 
         events, last_seq = await ctx.bus.follow(
             subjects.stream_trajectory(), subjects.trajectory_events_all()
@@ -87,16 +105,22 @@ class TrajectoryService:
             replayed, len(self.grouper.sessions), self.next_batch_index, self.trained_batches,
         )  # fmt: skip
 
-        source = get_task_source(self.settings.task, seed=self.settings.seed)
         self.dispatcher = Dispatcher(
-            source.items("train"),
-            reward_fn=source.reward_fn,
+            self.stages,
             group_size=self.settings.group_size,
             groups_per_batch=self.settings.groups_per_batch,
             total_batches=self.settings.total_batches,
             max_batches_ahead=self.settings.max_batches_ahead,
             seed=self.settings.seed,
             next_group=max_group + 1,
+            data_filters=self.filters,
+            recorded_epochs=await self._load_epoch_reports(),
+        )
+        log.info(
+            "data filters: %s; stages: %s; next group %d",
+            ",".join(self.filters.names) or "none",
+            ", ".join(f"{s.name} from batch {s.first_batch}" for s in self.stages),
+            self.dispatcher.next_group,
         )
         await ctx.bus.nc.subscribe(subjects.train_metrics(), cb=self._on_train_metrics)
         await ctx.bus.serve(subjects.task_claim(), TaskClaim, self.on_claim)
@@ -105,7 +129,41 @@ class TrajectoryService:
         await supervise(ctx.stopping, self._event_loop(events))
 
     async def on_claim(self, claim: TaskClaim) -> TaskAssignment | NoTask:
-        return self.dispatcher.claim(self.trained_batches, self.grouper.groups_lost)
+        async with self._claims:
+            await self._record_epochs()  # left over if a publish failed
+            answer = self.dispatcher.claim(
+                self.trained_batches, self.grouper.groups_lost, self.next_batch_index
+            )
+            await self._record_epochs()
+            return answer
+
+    async def _record_epochs(self) -> None:
+        while self.dispatcher.unrecorded_epochs:
+            report = self.dispatcher.unrecorded_epochs[0]
+            with tracer.start_as_current_span(
+                "trajectory.epoch",
+                attributes={
+                    "stage": report.stage,
+                    "epoch": report.epoch,
+                    "epoch.first_group": report.first_group,
+                    "epoch.prompts": report.prompts,
+                    "epoch.kept_all": report.kept_all,
+                    **_prefixed("epoch.kept", report.kept),
+                    **_prefixed("epoch.dropped", report.dropped),
+                },
+            ):
+                await self.ctx.bus.js_publish(
+                    self.ctx.subjects.data_epoch_report(),
+                    report,
+                    msg_id=f"data-epoch-{report.stage_index}-{report.epoch}",
+                )
+            self.dispatcher.unrecorded_epochs.pop(0)
+            log.info(
+                "stage %s epoch %d from group %d: %d prompts; kept %s; dropped %s%s",
+                report.stage, report.epoch, report.first_group, report.prompts,
+                report.kept or "-", report.dropped or "-",
+                " (every prompt would be dropped: all kept)" if report.kept_all else "",
+            )  # fmt: skip
 
     async def on_export(self, query: SessionExportQuery) -> SessionExport:
         subjects = self.ctx.subjects
@@ -137,33 +195,80 @@ class TrajectoryService:
             return None
 
     async def _apply(self, event: TrajectoryEvent) -> None:
+        verify = self.grouper.pending_verification(event)
+        if verify is not None:
+            await asyncio.to_thread(verify)
         self.grouper.apply(event)
         while (
             groups := self.grouper.take_batch(
-                self.settings.groups_per_batch,
-                batch_index=self.next_batch_index,
-                max_staleness=self.settings.max_staleness,
+                self.settings.groups_per_batch, batch_index=self.next_batch_index
             )
         ) is not None:
-            batch = TrainBatch(batch_index=self.next_batch_index, groups=groups)
-            with tracer.start_as_current_span(
-                "trajectory.batch", attributes={"batch.index": batch.batch_index}
-            ):
-                await self.ctx.bus.js_publish(
-                    self.ctx.subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}"
-                )
+            await self._publish_batch(TrainBatch(batch_index=self.next_batch_index, groups=groups))
             for group in groups:
                 self.grouper.already_batched.update(s.session_id for s in group.samples)
             self.next_batch_index += 1
+
+    async def _publish_batch(self, batch: TrainBatch) -> None:
+        """The batch, then what the data filters did while it formed."""
+        report = self._batch_report(batch)
+        with tracer.start_as_current_span(
+            "trajectory.batch",
+            attributes={
+                "batch.index": batch.batch_index,
+                "stage": report.stage,
+                "batch.samples": report.samples_kept,
+                **_prefixed("batch.groups_dropped", report.groups_dropped),
+                **_prefixed("batch.samples_dropped", report.samples_dropped),
+                **_prefixed("batch.groups_waived", report.groups_waived),
+            },
+        ):
+            await self.ctx.bus.js_publish(
+                self.ctx.subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}"
+            )
+            await self.ctx.bus.js_publish(
+                self.ctx.subjects.data_batch_report(),
+                report,
+                msg_id=f"data-batch-{batch.batch_index}",
+            )
+        if report.groups_dropped or report.groups_waived or report.samples_dropped:
+            log.info(
+                "batch %d (%s): %d groups; groups dropped %s, waived %s; samples dropped %s",
+                batch.batch_index, report.stage, report.groups_kept,
+                report.groups_dropped or "-", report.groups_waived or "-",
+                report.samples_dropped or "-",
+            )  # fmt: skip
+
+    def _batch_report(self, batch: TrainBatch) -> BatchFilterReport:
+        tally = self.grouper.last_tally
+        stage = self.stages[stage_of_batch(self.stages, batch.batch_index)]
+        return BatchFilterReport(
+            batch_index=batch.batch_index,
+            stage=stage.name,
+            groups_kept=len(batch.groups),
+            samples_kept=sum(len(g.samples) for g in batch.groups),
+            groups_dropped=dict(tally.groups_dropped),
+            samples_dropped=dict(tally.samples_dropped),
+            groups_waived=dict(tally.groups_waived),
+        )
 
     async def _load_batched_sessions(self) -> set[str]:
         subjects = self.ctx.subjects
         batched: set[str] = set()
         for msg in await self.ctx.bus.read_all(subjects.stream_batches(), subjects.batch_ready()):
             batch = decode(msg.data, TrainBatch)
-            batched.update(s.session_id for g in batch.groups for s in g.samples)
+            for group in batch.groups:
+                batched.update(s.session_id for s in group.samples)
+                self.filters.observe(group)  # the replay skips these sessions
             self.next_batch_index = max(self.next_batch_index, batch.batch_index + 1)
         return batched
+
+    async def _load_epoch_reports(self) -> list[EpochFilterReport]:
+        subjects = self.ctx.subjects
+        messages = await self.ctx.bus.read_subject(
+            subjects.stream_metrics(), subjects.data_epoch_report()
+        )
+        return [decode(m.data, EpochFilterReport) for m in messages]
 
     async def _load_trained_batches(self) -> int:
         subjects = self.ctx.subjects
@@ -182,3 +287,8 @@ class TrajectoryService:
         except ValueError:
             return
         self.trained_batches = max(self.trained_batches, metrics.batch_index + 1)
+
+
+def _prefixed(prefix: str, counts: dict[str, int]) -> dict[str, int]:
+    """Span attributes ``<prefix>.<reason>`` for a count by reason."""
+    return {f"{prefix}.{reason}": count for reason, count in counts.items()}

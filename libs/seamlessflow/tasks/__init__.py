@@ -3,6 +3,10 @@
 A task source is named, knows which reward function (see `seamlessflow.rewards`) scores
 its completions, and yields `TaskItem`s for a split ("train" or "eval"). Items are
 deterministic given the seed the source was built with, and the splits are disjoint.
+
+Besides the registered sources ("arithmetic", "lookup"), a task name can point to a
+local JSONL or Parquet file: ``path/to/tasks.jsonl?reward=math_answer`` (see
+`seamlessflow.tasks.files` for the columns, splits and reward selection).
 """
 
 from __future__ import annotations
@@ -76,9 +80,16 @@ def task_names() -> list[str]:
 
 
 def get_task_source(name: str, seed: int = 0) -> TaskSource:
-    """The task source registered as `name`, built with `seed`."""
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(task_names())}") from None
-    return factory(seed)
+    """The task source registered as `name`, built with `seed`, or the data file `name`
+    points to (`seamlessflow.tasks.files`; its split does not depend on the seed)."""
+    factory = _REGISTRY.get(name)
+    if factory is not None:
+        return factory(seed)
+    from seamlessflow.tasks.files import load_file_task, parse_file_task_name
+
+    if parse_file_task_name(name) is not None:
+        return load_file_task(name)
+    raise KeyError(
+        f"unknown task {name!r}; known tasks: {', '.join(task_names())}, "
+        "or a data file: [jsonl:|parquet:]PATH[?reward=NAME] (PATH ending .jsonl / .parquet)"
+    )

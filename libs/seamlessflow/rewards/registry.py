@@ -1,14 +1,14 @@
-"""Reward functions: `(completion_text, reference) -> reward in [0, 1]`.
+"""The reward registry: names and dotted paths to reward functions.
 
-Register one with `@register_reward("name")`; look one up with `get_reward`, which takes
-a registered name or a dotted path to any importable function ("pkg.mod:fn" or
+A reward function is ``(completion_text, reference) -> reward in [0, 1]``. Register one
+with ``@register_reward("name")``; look one up with ``get_reward``, which takes a
+registered name or a dotted path to any importable function ("pkg.mod:fn" or
 "pkg.mod.fn"), so a user's reward lives in its own small file and needs no registration.
 """
 
 from __future__ import annotations
 
 import importlib
-import re
 from collections.abc import Callable
 
 RewardFn = Callable[[str, str], float]
@@ -46,30 +46,3 @@ def get_reward(name_or_dotted_path: str) -> RewardFn:
     if not callable(fn):
         raise TypeError(f"{name_or_dotted_path!r} is not callable")
     return fn
-
-
-_INTEGER = re.compile(r"-?\d+")
-
-
-def first_integer(text: str) -> int | None:
-    match = _INTEGER.search(text)
-    return int(match.group()) if match else None
-
-
-@register_reward("integer_match")
-def integer_match(completion_text: str, reference: str) -> float:
-    """1.0 iff the first integer in the completion equals the reference integer."""
-    expected = first_integer(reference)
-    got = first_integer(completion_text)
-    return 1.0 if expected is not None and got == expected else 0.0
-
-
-@register_reward("code_match")
-def code_match(completion_text: str, reference: str) -> float:
-    """1.0 iff the completion contains the reference code as a whole word (case-sensitive:
-    "QZKT" counts in "The code is QZKT.", not in "QZKTA" or "qzkt")."""
-    code = reference.strip()
-    if not code:
-        return 0.0
-    pattern = rf"(?<![A-Za-z0-9_]){re.escape(code)}(?![A-Za-z0-9_])"
-    return 1.0 if re.search(pattern, completion_text) else 0.0

@@ -1,0 +1,25 @@
+"""Reward functions: `(completion_text, reference) -> reward in [0, 1]`.
+
+Registered names (``get_reward(name)``; any other importable function by dotted path):
+- ``integer_match``, ``code_match``: the built-in tasks' exact matches (``matching``);
+- ``math_answer``: final-answer equality for math (``math_verifier``);
+- ``code_tests``: the reference's tests run against the completion's code in a
+  sandboxed subprocess (``code_verifier``, ``sandbox``).
+"""
+
+from seamlessflow.rewards.code_verifier import code_tests
+from seamlessflow.rewards.matching import code_match, first_integer, integer_match
+from seamlessflow.rewards.math_verifier import math_answer
+from seamlessflow.rewards.registry import RewardFn, get_reward, register_reward, reward_names
+
+__all__ = [
+    "RewardFn",
+    "code_match",
+    "code_tests",
+    "first_integer",
+    "get_reward",
+    "integer_match",
+    "math_answer",
+    "register_reward",
+    "reward_names",
+]

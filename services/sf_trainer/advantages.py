@@ -1,0 +1,140 @@
+"""From rewards to per-sample advantages: reward shaping, then a named estimator.
+
+Estimators are plug-ins chosen by ``SF_TRAINER_ADVANTAGE``. Each takes the rewards of
+every group of the batch (one 1-D tensor per group, one entry per sample; groups may
+differ in size) and returns each sample's advantage in the same shapes. Every rank
+holds the whole batch, so a batch-wide statistic (REINFORCE++) is the same on every
+rank without a collective.
+
+Before the estimator, DAPO's soft overlong punishment (``SF_TRAINER_OVERLONG_*``) is
+added to each sample's reward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from seamlessflow.protocol import SampleGroup, TrainSample
+from sf_trainer.config import TrainerSettings
+from sf_trainer.plugins import Registry
+
+STD_EPS = 1e-6
+"""Added to a standard deviation before dividing by it: rewards without spread give 0."""
+
+AdvantageEstimator = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "SF_TRAINER_ADVANTAGE")
+
+
+def register_advantage(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    def decorate(estimator: AdvantageEstimator) -> AdvantageEstimator:
+        ESTIMATORS.add(name, estimator)
+        return estimator
+
+    return decorate
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    return ESTIMATORS.get(name)
+
+
+def _population_std(values: torch.Tensor) -> torch.Tensor:
+    # population std (unbiased=False): defined for one sample, and 0 when all are equal
+    return values.std(unbiased=False)
+
+
+@register_advantage("grpo")
+def grpo_advantages(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    """GRPO: ``(r - group mean) / (group std + 1e-6)``. A group of equal rewards gets 0
+    everywhere: it carries no learning signal."""
+    return [(r - r.mean()) / (_population_std(r) + STD_EPS) for r in groups]
+
+
+@register_advantage("dr_grpo")
+def dr_grpo_advantages(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Dr. GRPO: ``r - group mean``. No division by the group's std, which up-weights
+    groups that are nearly all right or all wrong (a difficulty bias)."""
+    return [r - r.mean() for r in groups]
+
+
+@register_advantage("rloo")
+def rloo_advantages(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    """RLOO: ``r_i - mean of the other samples of the group`` (leave-one-out baseline,
+    independent of r_i, so the estimate is unbiased). A group of one sample has no
+    baseline: its advantage is 0."""
+    advantages = []
+    for rewards in groups:
+        others = rewards.numel() - 1
+        if others == 0:
+            advantages.append(torch.zeros_like(rewards))
+        else:
+            advantages.append(rewards - (rewards.sum() - rewards) / others)
+    return advantages
+
+
+@register_advantage("reinforce_pp")
+def reinforce_pp_advantages(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    """REINFORCE++ for outcome rewards: no group baseline; the rewards are normalised
+    across the whole batch, ``(r - batch mean) / (batch std + 1e-6)``.
+
+    Each sample counts once (the paper whitens per-token returns, which for an outcome
+    reward counts a sample once per token: a long answer would move the baseline
+    more). The paper's KL penalty in the reward is not applied here; use the loss's KL
+    term (``SF_TRAINER_KL_COEF``) instead.
+    """
+    if not groups:
+        return []
+    rewards = torch.cat(groups)
+    normalised = (rewards - rewards.mean()) / (_population_std(rewards) + STD_EPS)
+    return list(normalised.split([g.numel() for g in groups]))
+
+
+@register_advantage("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+    """REINFORCE++ with baseline (the paper's variant for grouped samples):
+    ``r - group mean``, divided by the std of those differences across the whole
+    batch (+ 1e-6). Unlike GRPO, a group with little spread is not scaled up."""
+    if not groups:
+        return []
+    centred = torch.cat([r - r.mean() for r in groups])
+    normalised = centred / (_population_std(centred) + STD_EPS)
+    return list(normalised.split([g.numel() for g in groups]))
+
+
+def overlong_penalty(response_tokens: int, max_tokens: int, cache_tokens: int) -> float:
+    """DAPO's soft overlong punishment of a response of ``response_tokens`` tokens.
+
+    0 up to ``max_tokens - cache_tokens``; then falling linearly to -1 at
+    ``max_tokens``; -1 beyond. ``max_tokens`` 0 turns it off.
+    """
+    if max_tokens <= 0:
+        return 0.0
+    soft_limit = max_tokens - cache_tokens
+    if response_tokens <= soft_limit:
+        return 0.0
+    if response_tokens <= max_tokens:
+        # cache_tokens > 0 here: with 0 this interval is empty
+        return (soft_limit - response_tokens) / cache_tokens
+    return -1.0
+
+
+def shaped_reward(sample: TrainSample, settings: TrainerSettings) -> float:
+    """The sample's reward plus its overlong penalty. The response length is the
+    sample's trained tokens: every token the policy generated, over all turns of a
+    multi-turn session."""
+    response_tokens = sum(sample.loss_mask)
+    penalty = overlong_penalty(
+        response_tokens, settings.overlong_max_tokens, settings.overlong_cache_tokens
+    )
+    return sample.reward + penalty
+
+
+def batch_advantages(groups: list[SampleGroup], settings: TrainerSettings) -> list[float]:
+    """Every sample's advantage from its shaped reward, in batch order (group by group)."""
+    estimate = get_advantage_estimator(settings.advantage)
+    rewards = [
+        torch.tensor([shaped_reward(s, settings) for s in group.samples], dtype=torch.float32)
+        for group in groups
+    ]
+    return [a for advantages in estimate(rewards) for a in advantages.tolist()]

@@ -1,0 +1,280 @@
+"""Data algorithms as plug-ins: which groups reach a batch, which prompts an epoch dispatches.
+
+Two kinds of hooks (a plug-in implements one):
+
+- **group filters** (``GroupFilter.judge``) see each complete group once, against the
+  batch it would join, and keep it, trim it (drop some samples) or drop it, with a
+  reason. They run in the configured order; each sees what the previous ones kept, and
+  the first that drops a group names the reason. A dropped group is replaced: the
+  dispatcher hands out one more group for it (``Grouper.groups_lost``).
+- **prompt-set filters** (``PromptSetFilter``) ``observe`` every complete group before
+  any group filter judges it, and at an epoch boundary ``select`` which of the epoch's
+  prompts the next epoch dispatches (``Dispatcher``).
+
+Registered by name in ``DATA_FILTERS``; ``SF_TRAJECTORY_DATA_FILTERS`` lists the names in
+order. Built in:
+
+- ``staleness``: drop the samples with a token generated more than ``max_staleness``
+  versions before the batch's training version (reason ``stale``);
+- ``dynamic_sampling`` (DAPO): drop a group whose rewards are all equal (reason
+  ``zero_variance``): its GRPO advantages are all zero, it would only dilute the batch.
+  At most ``dynamic_sampling_max_refills`` per batch, then such groups are let through;
+- ``history_resampling`` (SRPO): at each epoch boundary drop the prompts whose latest
+  rollouts were all correct; keep the mixed and the all-wrong ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+from seamlessflow.protocol import SampleGroup
+from seamlessflow.tasks import TaskItem
+from sf_trajectory.dispatch import group_index
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- group filters
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one group filter decided about one group."""
+
+    group: SampleGroup | None
+    """What goes on to the next filter and the batch (maybe fewer samples); None: dropped."""
+    reason: str = ""
+    dropped_sessions: tuple[str, ...] = ()
+    """Sessions left out, for ``reason``."""
+    waived: bool = False
+    """The group met ``reason`` but was let through (a cap was reached)."""
+
+
+def keep(group: SampleGroup) -> Verdict:
+    return Verdict(group)
+
+
+def drop(group: SampleGroup, reason: str) -> Verdict:
+    return Verdict(None, reason, tuple(s.session_id for s in group.samples))
+
+
+def waive(group: SampleGroup, reason: str) -> Verdict:
+    return Verdict(group, reason, waived=True)
+
+
+@runtime_checkable
+class GroupFilter(Protocol):
+    name: str
+
+    def judge(self, group: SampleGroup, batch_index: int) -> Verdict:
+        """Judge a complete group once, for batch ``batch_index`` (trained by version
+        ``batch_index``). Called in completion order."""
+        ...
+
+
+class Staleness:
+    """Drop samples with a token made more than ``max_staleness`` versions before the
+    version that trains the batch; a group left empty is dropped."""
+
+    name = "staleness"
+
+    def __init__(self, max_staleness: int) -> None:
+        self.max_staleness = max_staleness
+
+    def judge(self, group: SampleGroup, batch_index: int) -> Verdict:
+        fresh, stale = [], []
+        for sample in group.samples:
+            produced = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m]
+            if produced and batch_index - min(produced) > self.max_staleness:
+                stale.append(sample.session_id)
+            else:
+                fresh.append(sample)
+        if not stale:
+            return keep(group)
+        if not fresh:
+            return drop(group, "stale")
+        trimmed = SampleGroup(group_id=group.group_id, task_id=group.task_id, samples=fresh)
+        return Verdict(trimmed, "stale", tuple(stale))
+
+
+class DynamicSampling:
+    """Drop groups whose rewards are all equal; at most ``max_refills`` per batch.
+
+    Each dropped group is refilled by the dispatcher. The cap bounds what a batch costs
+    when the policy solves (or fails) every prompt: past it, zero-variance groups fill
+    the batch (zero gradient, but the run goes on instead of dispatching forever).
+    """
+
+    name = "dynamic_sampling"
+
+    def __init__(self, max_refills: int) -> None:
+        self.max_refills = max_refills
+        self._batch_index = -1
+        self._refills = 0
+
+    def judge(self, group: SampleGroup, batch_index: int) -> Verdict:
+        if batch_index != self._batch_index:
+            self._batch_index, self._refills = batch_index, 0
+        if len({s.reward for s in group.samples}) > 1:
+            return keep(group)
+        if self._refills < self.max_refills:
+            self._refills += 1
+            return drop(group, "zero_variance")
+        if self._refills == self.max_refills:
+            self._refills += 1  # warn once per batch, and not when refills are off
+            if self.max_refills:
+                log.warning(
+                    "batch %d: refill cap reached (%d zero-variance groups dropped); "
+                    "zero-variance groups now fill the batch",
+                    batch_index, self.max_refills,
+                )  # fmt: skip
+        return waive(group, "zero_variance")
+
+
+# --------------------------------------------------------------------------- prompt-set filters
+
+
+Outcome = Literal["all_correct", "mixed", "all_wrong"]
+
+
+@dataclass
+class PromptSelection:
+    """Which prompts the next epoch dispatches, and why the others do not."""
+
+    kept: list[TaskItem]
+    kept_reasons: Counter[str] = field(default_factory=Counter)
+    dropped: dict[str, list[str]] = field(default_factory=dict)
+    """Reason -> task ids left out."""
+
+
+@runtime_checkable
+class PromptSetFilter(Protocol):
+    name: str
+
+    def observe(self, group: SampleGroup) -> None:
+        """A complete group of a dispatched prompt, before any group filter."""
+        ...
+
+    def select(self, prompts: Sequence[TaskItem], since_group: int) -> PromptSelection:
+        """At an epoch boundary: which of ``prompts`` (the ending epoch's) stay. Only
+        groups dispatched at ``since_group`` or later (this stage) count."""
+        ...
+
+
+class HistoryResampling:
+    """SRPO: drop a prompt whose latest complete group, in this stage, was all correct.
+
+    "Latest" is by dispatch index, so the verdict does not depend on the order groups are
+    observed in (completion order, or a replay after a restart). A prompt whose group of
+    the ending epoch is still in flight at the boundary is judged by its previous group;
+    a prompt without any complete group in the stage is kept (``unseen``).
+    """
+
+    name = "history_resampling"
+
+    def __init__(self, correct_reward: float) -> None:
+        self.correct_reward = correct_reward
+        self.latest: dict[str, tuple[int, Outcome]] = {}
+        """task id -> (dispatch index, outcome) of its latest complete group."""
+
+    def observe(self, group: SampleGroup) -> None:
+        index = group_index(group.group_id)
+        if index < 0 or not group.samples:
+            return  # not dispatched by us, or nothing to learn from
+        seen = self.latest.get(group.task_id)
+        if seen is None or seen[0] <= index:
+            self.latest[group.task_id] = (index, self.outcome(group))
+
+    def outcome(self, group: SampleGroup) -> Outcome:
+        correct = sum(s.reward >= self.correct_reward for s in group.samples)
+        if correct == len(group.samples):
+            return "all_correct"
+        return "all_wrong" if correct == 0 else "mixed"
+
+    def select(self, prompts: Sequence[TaskItem], since_group: int) -> PromptSelection:
+        selection = PromptSelection(kept=[])
+        for item in prompts:
+            index, outcome = self.latest.get(item.task_id, (-1, None))
+            reason = outcome if outcome is not None and index >= since_group else "unseen"
+            if reason == "all_correct":
+                selection.dropped.setdefault(reason, []).append(item.task_id)
+            else:
+                selection.kept.append(item)
+                selection.kept_reasons[reason] += 1
+        return selection
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+class FilterSettings(Protocol):
+    """The settings plug-ins are built from (``TrajectorySettings``)."""
+
+    max_staleness: int
+    dynamic_sampling_max_refills: int
+    history_correct_reward: float
+
+
+DataFilter = GroupFilter | PromptSetFilter
+
+DATA_FILTERS: dict[str, Callable[[FilterSettings], DataFilter]] = {
+    "staleness": lambda s: Staleness(s.max_staleness),
+    "dynamic_sampling": lambda s: DynamicSampling(s.dynamic_sampling_max_refills),
+    "history_resampling": lambda s: HistoryResampling(s.history_correct_reward),
+}
+
+
+def parse_filter_names(text: str) -> list[str]:
+    """``"staleness,dynamic_sampling"`` -> names, checked against the registry."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in DATA_FILTERS]
+    if unknown:
+        raise ValueError(
+            f"unknown data filter(s) {', '.join(unknown)}; known: {', '.join(DATA_FILTERS)}"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"a data filter is listed twice: {text!r}")
+    return names
+
+
+class DataFilters:
+    """The configured plug-ins, in order: one object the grouper and dispatcher share."""
+
+    def __init__(self, filters: Sequence[DataFilter] = ()) -> None:
+        self.names = [f.name for f in filters]
+        self.group_filters = [f for f in filters if isinstance(f, GroupFilter)]
+        self.prompt_filters = [f for f in filters if isinstance(f, PromptSetFilter)]
+
+    @classmethod
+    def from_settings(cls, names: Sequence[str], settings: FilterSettings) -> DataFilters:
+        return cls([DATA_FILTERS[name](settings) for name in names])
+
+    def judge(self, group: SampleGroup, batch_index: int) -> list[Verdict]:
+        """Every group filter's verdict, in order, up to the first that drops the group."""
+        verdicts = []
+        for group_filter in self.group_filters:
+            verdict = group_filter.judge(group, batch_index)
+            verdicts.append(verdict)
+            if verdict.group is None:
+                break
+            group = verdict.group
+        return verdicts
+
+    def observe(self, group: SampleGroup) -> None:
+        for prompt_filter in self.prompt_filters:
+            prompt_filter.observe(group)
+
+    def select(self, prompts: Sequence[TaskItem], since_group: int) -> PromptSelection:
+        """Each prompt-set filter chooses among what the previous ones kept."""
+        selection = PromptSelection(kept=list(prompts))
+        for prompt_filter in self.prompt_filters:
+            step = prompt_filter.select(selection.kept, since_group)
+            selection.kept = step.kept
+            selection.kept_reasons = step.kept_reasons  # the last filter saw exactly these
+            for reason, task_ids in step.dropped.items():
+                selection.dropped.setdefault(reason, []).extend(task_ids)
+        return selection

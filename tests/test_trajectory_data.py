@@ -1,0 +1,334 @@
+"""The trajectory service's data algorithms and stage schedule, against a real nats-server.
+
+The test plays the agents and the gateway: it claims samples on ``task.claim`` and
+writes the trajectory events a gateway would write to the durable stream. Restarts stop
+the service and start a fresh one on the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import pytest
+from conftest import InProcessMesh
+
+from seamlessflow.bus import Bus, connect
+from seamlessflow.protocol import (
+    BatchFilterReport,
+    EpochFilterReport,
+    NoTask,
+    RewardReported,
+    SessionFinished,
+    SessionOpened,
+    Subjects,
+    TaskAssignment,
+    TaskClaim,
+    TrainBatch,
+    TurnRecorded,
+    decode,
+)
+from seamlessflow.tasks import TaskItem, TaskSource, get_task_source
+from sf_trajectory import schedule
+from sf_trajectory.config import TrajectorySettings
+from sf_trajectory.service import TrajectoryService
+
+
+@dataclass
+class SixPrompts:
+    """A task source small enough to finish epochs in a test."""
+
+    name: str = "six"
+    reward_fn: str = "integer_match"
+
+    def items(self, split: str) -> list[TaskItem]:
+        return [
+            TaskItem(
+                task_id=f"p{i}", messages=({"role": "user", "content": f"{i}?"},), reference="1"
+            )
+            for i in range(6)
+        ]
+
+
+@pytest.fixture
+def six_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
+    def sources(name: str, seed: int = 0) -> TaskSource:
+        return SixPrompts() if name == "six" else get_task_source(name, seed)
+
+    monkeypatch.setattr(schedule, "get_task_source", sources)
+
+
+class Trajectory:
+    """One trajectory service of the test's run, restartable."""
+
+    def __init__(self, nats_url: str, run_id: str, settings: TrajectorySettings) -> None:
+        self.nats_url, self.run_id, self.settings = nats_url, run_id, settings
+        self.mesh: InProcessMesh | None = None
+        self.service = TrajectoryService(settings)
+
+    async def start(self) -> TrajectoryService:
+        self.mesh = InProcessMesh(self.nats_url, self.run_id, None)
+        self.service = await self.mesh.start(TrajectoryService(self.settings))
+        await asyncio.wait_for(self.service.ready.wait(), 30)
+        return self.service
+
+    async def restart(self) -> TrajectoryService:
+        await self.stop()
+        return await self.start()
+
+    async def stop(self) -> None:
+        if self.mesh is not None:
+            await self.mesh.stop()
+            self.mesh = None
+
+
+@pytest.fixture
+async def trajectory(nats_url: str, run_id: str) -> AsyncIterator[Callable[..., Trajectory]]:
+    started: list[Trajectory] = []
+
+    def make(**settings: object) -> Trajectory:
+        started.append(Trajectory(nats_url, run_id, TrajectorySettings(**settings)))  # type: ignore[arg-type]
+        return started[-1]
+
+    yield make
+    for service in started:
+        await service.stop()
+
+
+async def claim(bus: Bus) -> TaskAssignment | NoTask:
+    return await bus.request(
+        bus.subjects.task_claim(), TaskClaim(runner_id="test"), TaskAssignment | NoTask
+    )
+
+
+async def claim_group(bus: Bus, size: int) -> list[TaskAssignment]:
+    claims = [await claim(bus) for _ in range(size)]
+    assert all(isinstance(c, TaskAssignment) for c in claims), claims
+    return claims  # type: ignore[return-value]
+
+
+async def play(
+    bus: Bus, task: TaskAssignment, *, reward: float | None = None, answer: str = "x"
+) -> None:
+    """What the gateway records for one agent session: opened, one turn, finished. With
+    ``reward`` the agent reports it; else the task's verifier scores ``answer``."""
+    session = "s" + uuid.uuid4().hex[:12]
+    events: list[SessionOpened | TurnRecorded | RewardReported | SessionFinished] = [
+        SessionOpened(
+            session_id=session,
+            task_id=task.task_id,
+            group_id=task.group_id,
+            sample_index=task.sample_index,
+            group_size=task.group_size,
+            reference=task.reference,
+            reward_fn=task.reward_fn,
+        ),
+        TurnRecorded(
+            session_id=session,
+            turn_index=0,
+            request_id=session,
+            engine_id="e",
+            prompt_ids=[1, 2],
+            completion_ids=[3],
+            logprobs=[-0.5],
+            versions=[0],
+            finish_reason="stop",
+            completion_text=answer,
+        ),
+    ]
+    if reward is not None:
+        events.append(RewardReported(session_id=session, reward=reward))
+    events.append(SessionFinished(session_id=session))
+    for event in events:
+        await bus.js_publish(bus.subjects.trajectory_event(session), event)
+
+
+async def batches_published(traj: Trajectory, count: int, timeout: float = 10.0) -> None:
+    await until(lambda: traj.service.next_batch_index >= count, timeout)
+
+
+async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():  # noqa: ASYNC110 (polling the service under test)
+            await asyncio.sleep(0.02)
+
+
+async def batches(bus: Bus) -> list[TrainBatch]:
+    s = bus.subjects
+    return [
+        decode(m.data, TrainBatch) for m in await bus.read_all(s.stream_batches(), s.batch_ready())
+    ]
+
+
+async def reports(bus: Bus, subject: str, report_type: type) -> list:  # type: ignore[type-arg]
+    """Every data filter report on ``subject`` (in the run's metrics stream)."""
+    messages = await bus.read_subject(bus.subjects.stream_metrics(), subject)
+    return [decode(m.data, report_type) for m in messages]
+
+
+# --------------------------------------------------------------------------- dynamic sampling
+
+
+async def test_a_zero_variance_group_is_dropped_and_refilled_so_the_batch_stays_full(
+    bus: Bus, trajectory
+) -> None:  # type: ignore[no-untyped-def]
+    traj = trajectory(
+        group_size=2,
+        groups_per_batch=2,
+        total_batches=1,
+        max_batches_ahead=0,
+        data_filters="staleness,dynamic_sampling",
+    )
+    service = await traj.start()
+    flat, signal = await claim_group(bus, 2), await claim_group(bus, 2)
+    assert (await claim(bus)) == NoTask(reason="exhausted")  # the budget: two groups
+    for task, reward in zip(flat + signal, (1.0, 1.0, 1.0, 0.0), strict=True):
+        await play(bus, task, reward=reward)
+    await until(lambda: service.grouper.groups_lost == 1)
+
+    refill = await claim_group(bus, 2)  # the refill of the zero-variance group
+    assert refill[0].group_id == "g0000002"
+    assert (await claim(bus)) == NoTask(reason="exhausted")
+    for task, reward in zip(refill, (0.0, 1.0), strict=True):
+        await play(bus, task, reward=reward)
+    await batches_published(traj, 1)
+
+    s = bus.subjects
+    [batch] = await batches(bus)
+    assert [g.group_id for g in batch.groups] == ["g0000001", "g0000002"]
+    [report] = await reports(bus, s.data_batch_report(), BatchFilterReport)
+    assert (report.batch_index, report.groups_kept, report.samples_kept) == (0, 2, 4)
+    assert report.groups_dropped == {"zero_variance": 1}
+    assert report.samples_dropped == {"zero_variance": 2}
+    assert report.stage == "arithmetic"
+
+
+# --------------------------------------------------------------------------- history resampling
+
+
+# Epoch 0: per prompt, the rewards of its two samples.
+EPOCH_0 = {
+    "p0": (1.0, 1.0),  # all correct: dropped from epoch 1 on
+    "p1": (1.0, 1.0),
+    "p2": (1.0, 0.0),  # mixed: kept
+    "p3": (0.0, 1.0),
+    "p4": (0.0, 0.0),  # all wrong: kept
+    "p5": (0.0, 0.0),
+}
+
+
+async def test_history_resampling_drops_solved_prompts_and_survives_a_restart(
+    bus: Bus, trajectory, six_prompts
+) -> None:  # type: ignore[no-untyped-def]
+    traj = trajectory(
+        task="six",
+        group_size=2,
+        groups_per_batch=2,
+        max_batches_ahead=100,
+        data_filters="history_resampling",
+    )
+    await traj.start()
+    for _ in range(6):
+        for task in await claim_group(bus, 2):
+            await play(bus, task, reward=EPOCH_0[task.task_id][task.sample_index])
+    await batches_published(traj, 3)
+
+    # epoch 1, first half: the first group is solved this time, the second is not
+    epoch_1 = [await claim_group(bus, 2) for _ in range(2)]
+    for group, rewards in zip(epoch_1, ((1.0, 1.0), (0.0, 1.0)), strict=True):
+        for task, reward in zip(group, rewards, strict=True):
+            await play(bus, task, reward=reward)
+    await batches_published(traj, 4)
+
+    await traj.restart()
+    epoch_1 += [await claim_group(bus, 2) for _ in range(2)]
+    for group in epoch_1[2:]:
+        for task in group:
+            await play(bus, task, reward=0.0)
+    await batches_published(traj, 5)
+    epoch_2 = [(await claim_group(bus, 2))[0] for _ in range(3)]
+
+    assert sorted(g[0].task_id for g in epoch_1) == ["p2", "p3", "p4", "p5"]
+    assert [g[0].group_id for g in epoch_1] == [f"g{i:07d}" for i in range(6, 10)]
+    solved_in_epoch_1 = epoch_1[0][0].task_id  # remembered across the restart
+    assert sorted(t.task_id for t in epoch_2) == sorted(
+        {"p2", "p3", "p4", "p5"} - {solved_in_epoch_1}
+    )
+    epochs = await reports(bus, bus.subjects.data_epoch_report(), EpochFilterReport)
+    assert [(e.epoch, e.first_group, e.prompts) for e in epochs] == [
+        (0, 0, 6),
+        (1, 6, 4),
+        (2, 10, 3),
+    ]
+    assert epochs[1].dropped == {"all_correct": 2}
+    assert sorted(epochs[1].dropped_task_ids) == ["p0", "p1"]
+    assert epochs[1].kept == {"mixed": 2, "all_wrong": 2}
+    assert epochs[2].dropped_task_ids == [solved_in_epoch_1]
+
+
+# --------------------------------------------------------------------------- stages
+
+
+async def run_two_stages(bus: Bus, traj: Trajectory, *, restart: bool) -> list[TaskAssignment]:
+    """lookup for batches 0-1, then arithmetic; one group of two samples per batch."""
+    await traj.start()
+    handed: list[TaskAssignment] = []
+    for batch_index in range(3):
+        group = await claim_group(bus, 2)
+        handed += group
+        if batch_index == 1:
+            # group 2 is for batch 2, arithmetic's: it waits until batch 1 is published
+            assert (await claim(bus)) == NoTask(reason="backpressure")
+        for task in group:
+            await play(bus, task, answer=task.reference)  # right, says the stage's verifier
+        await batches_published(traj, batch_index + 1)
+    if restart:
+        await traj.restart()
+    handed += await claim_group(bus, 2)
+    return handed
+
+
+async def test_the_stage_switches_exactly_at_its_batch_and_a_restart_resumes_in_it(
+    nats_url: str, bus: Bus, trajectory
+) -> None:  # type: ignore[no-untyped-def]
+    stages = dict(
+        stages="lookup:2,arithmetic",
+        group_size=2,
+        groups_per_batch=1,
+        max_batches_ahead=5,
+        data_filters="",
+    )
+    handed = await run_two_stages(bus, trajectory(**stages), restart=True)
+
+    lookup, arithmetic = get_task_source("lookup"), get_task_source("arithmetic")
+    assert [t.reward_fn for t in handed] == [lookup.reward_fn] * 4 + [arithmetic.reward_fn] * 4
+    s = bus.subjects
+    trained = await batches(bus)
+    lookup_ids = {i.task_id for i in lookup.items("train")}
+    assert [all(g.task_id in lookup_ids for g in b.groups) for b in trained] == [True, True, False]
+    assert all(s.reward == 1.0 for b in trained for g in b.groups for s in g.samples)
+    assert [r.stage for r in await reports(bus, s.data_batch_report(), BatchFilterReport)] == [
+        "lookup",
+        "lookup",
+        "arithmetic",
+    ]
+    epochs = await reports(bus, s.data_epoch_report(), EpochFilterReport)
+    assert [(e.stage, e.epoch, e.first_group) for e in epochs] == [
+        ("lookup", 0, 0),
+        ("arithmetic", 0, 2),
+    ]
+    assert handed[-1].group_id == "g0000003"
+
+    # after the restart: the very samples an uninterrupted service hands out (another run)
+    other_run = "t" + uuid.uuid4().hex[:12]
+    control_bus = await connect(nats_url, Subjects(other_run), name="control")
+    await control_bus.ensure_streams()
+    control = Trajectory(nats_url, other_run, TrajectorySettings(**stages))  # type: ignore[arg-type]
+    try:
+        uninterrupted = await run_two_stages(control_bus, control, restart=False)
+    finally:
+        await control.stop()
+        await control_bus.drain()
+    assert [t.task_id for t in handed] == [t.task_id for t in uninterrupted]
