@@ -485,7 +485,11 @@ class EngineWorker:
                 await asyncio.sleep(0.02)
                 continue
             if current.version > self.engine.version:
-                await self._load(current.chain)
+                try:
+                    await self._load(current.chain)
+                except VersionGap as exc:  # a chain that does not start with a full payload
+                    log.warning("%s: cannot build version %d: %s", self.engine_id,
+                                current.version, exc)  # fmt: skip
             return
 
     async def _version_poll_loop(self) -> None:

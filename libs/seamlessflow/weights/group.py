@@ -112,10 +112,19 @@ class PushListener:
                 if pending is not None:
                     # at most one payload waits to be applied: memory stays bounded, and
                     # the trainer's broadcast never waits for an engine's swap
-                    pending.result()
+                    _settled(pending)
                 pending = asyncio.run_coroutine_threadsafe(self.apply(manifest, payload), self.loop)
         except Exception as exc:  # a broken group: keep pulling from the store
             log.warning("push group ended: %r; pulling from the store only", exc)
+
+
+def _settled(pending: concurrent.futures.Future[None]) -> None:
+    """Wait for the previous apply; its failure is the engine's to report (the next
+    version is pulled), not a reason to leave the group."""
+    try:
+        pending.result()
+    except Exception as exc:
+        log.warning("a pushed payload was not applied: %r", exc)
 
 
 async def in_daemon_thread(function: Callable[[], T]) -> T:
