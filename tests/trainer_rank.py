@@ -22,6 +22,7 @@ from seamlessflow.protocol import TrainBatch
 from sf_trainer.checkpoint import TrainerState
 from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
+from sf_trainer.launch import exit_now
 from sf_trainer.learner import Learner
 
 
@@ -56,3 +57,4 @@ def lead(learner: Learner, spec: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()  # as sf_trainer.launch ends a follower: no interpreter teardown
