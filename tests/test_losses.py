@@ -15,6 +15,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from seamlessflow.plugins import Registry
 from seamlessflow.protocol import SampleGroup, TrainSample
 from sf_trainer.advantages import (
     ESTIMATORS,
@@ -26,7 +27,6 @@ from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.learner import Learner
 from sf_trainer.losses import LOSSES, BatchTotals, LossInputs, LossOutput, get_loss, kl_k3
-from sf_trainer.plugins import Registry
 
 # advantages ----------------------------------------------------------------------------
 

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
+from seamlessflow.plugins import Registry
 from seamlessflow.protocol import SampleGroup, TrainSample
 from sf_trainer.config import TrainerSettings
-from sf_trainer.plugins import Registry
 
 STD_EPS = 1e-6
 """Added to a standard deviation before dividing by it: rewards without spread give 0."""

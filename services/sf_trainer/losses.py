@@ -31,9 +31,9 @@ from typing import NamedTuple
 
 import torch
 
+from seamlessflow.plugins import Registry
 from sf_trainer.config import TrainerSettings
 from sf_trainer.grpo import ppo_clip
-from sf_trainer.plugins import Registry
 
 
 @dataclass(frozen=True)

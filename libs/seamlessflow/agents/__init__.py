@@ -10,12 +10,13 @@ training side.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from openai import AsyncOpenAI
+
+from seamlessflow.plugins import import_dotted
 
 
 @dataclass(frozen=True)
@@ -51,12 +52,7 @@ def get_agent(name_or_path: str) -> AgentFn:
 
     if name_or_path in _REGISTRY:
         return _REGISTRY[name_or_path]
-    module_name, sep, attr = name_or_path.partition(":")
-    if not sep:
-        module_name, _, attr = name_or_path.rpartition(".")
-    if not module_name:
+    fn = import_dotted(name_or_path)
+    if fn is None:
         raise KeyError(f"unknown agent {name_or_path!r}; registered: {sorted(_REGISTRY)}")
-    fn = getattr(importlib.import_module(module_name), attr)
-    if not callable(fn):
-        raise TypeError(f"{name_or_path} is not callable")
     return fn

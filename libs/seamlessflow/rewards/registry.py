@@ -8,8 +8,9 @@ registered name or a dotted path to any importable function ("pkg.mod:fn" or
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
+
+from seamlessflow.plugins import import_dotted
 
 RewardFn = Callable[[str, str], float]
 
@@ -34,15 +35,10 @@ def get_reward(name_or_dotted_path: str) -> RewardFn:
     """A registered reward by name, else the function at a dotted path, imported."""
     if name_or_dotted_path in _REGISTRY:
         return _REGISTRY[name_or_dotted_path]
-    module_name, sep, attr = name_or_dotted_path.partition(":")
-    if not sep:
-        module_name, _, attr = name_or_dotted_path.rpartition(".")
-    if not module_name or not attr:
+    fn = import_dotted(name_or_dotted_path)
+    if fn is None:
         raise KeyError(
             f"unknown reward {name_or_dotted_path!r}; registered rewards: "
             f"{', '.join(reward_names())}; or give a dotted path 'package.module:function'"
         )
-    fn = getattr(importlib.import_module(module_name), attr)
-    if not callable(fn):
-        raise TypeError(f"{name_or_dotted_path!r} is not callable")
     return fn

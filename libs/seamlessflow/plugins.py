@@ -1,12 +1,15 @@
-"""A registry of named plug-ins, chosen by a setting (a loss, an advantage estimator).
+"""Named plug-ins (losses, advantage estimators, rewards, agents) and dotted paths.
 
 Plug-ins register themselves by name when their module is imported; a setting names
-one. An unknown name is a configuration error that lists every known name.
+one. An unknown name is a configuration error that lists every known name. Where a
+user's own function may stand instead, ``import_dotted`` loads it by its path.
 """
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+import importlib
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 Plugin = TypeVar("Plugin")
 
@@ -35,3 +38,18 @@ class Registry(Generic[Plugin]):
 
     def names(self) -> list[str]:
         return sorted(self._plugins)
+
+
+def import_dotted(path: str) -> Callable[..., Any] | None:
+    """The callable at ``package.module:function`` (or ``package.module.function``);
+    None when ``path`` has no module part. Raises ImportError / AttributeError for a
+    path that does not exist, TypeError for one that is not callable."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        return None
+    found = getattr(importlib.import_module(module_name), attr)
+    if not callable(found):
+        raise TypeError(f"{path!r} is not callable")
+    return found
