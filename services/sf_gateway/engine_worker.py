@@ -160,7 +160,8 @@ class EngineWorker:
             raise RuntimeError("the engine needs SF_MODEL_DIR")
         torch.set_num_threads(self.settings.torch_threads)
         self.ctx = ctx
-        self.receiver = weights.WeightReceiver(payload_stores(ctx.bus, WeightTransferSettings()))
+        self.transfer = WeightTransferSettings()
+        self.receiver = weights.WeightReceiver(payload_stores(ctx.bus, self.transfer))
         self.engine = build_engine(self.settings, str(ctx.mesh.model_dir))
         await self.engine.start()
         self.membership = ResourceMembership(
@@ -174,7 +175,7 @@ class EngineWorker:
         try:
             await self._join(ctx)
             loops = [self.membership.heartbeat_loop(), self._version_poll_loop()]
-            if WeightTransferSettings().group_backend:
+            if self.transfer.group_backend:
                 loops.append(self._join_push_group())
             await supervise(ctx.stopping, *loops)
         finally:
@@ -426,7 +427,7 @@ class EngineWorker:
         log.info("%s loaded version %d (%s)", self.engine_id, version, how)
 
     async def _join_push_group(self) -> None:
-        settings = WeightTransferSettings()
+        settings = self.transfer
         try:
             group = await join_as_engine(self.ctx.bus, settings)
         except Exception as exc:  # the store still serves every version
