@@ -68,10 +68,13 @@ async def test_full_mesh_trains_and_every_trained_token_came_from_an_engine(
 
     run_dir = tmp_path / run_id
     spans = [json.loads(line) for line in (run_dir / "spans.jsonl").read_text().splitlines()]
-    engine_io = {
-        (tuple(a["prompt_ids"]), tuple(a["completion_ids"])): a
-        for a in (s["attributes"] for s in spans if s["name"] == "engine.generate")
-    }
+    # Identical (prompt, completion) pairs can come from several engine calls, whose
+    # logprobs differ in the last bits with the batch they were computed in, so every
+    # call is kept and a trained sample must match one of them exactly.
+    engine_io: dict[tuple[tuple[int, ...], tuple[int, ...]], list[dict]] = {}
+    for attributes in (s["attributes"] for s in spans if s["name"] == "engine.generate"):
+        key = (tuple(attributes["prompt_ids"]), tuple(attributes["completion_ids"]))
+        engine_io.setdefault(key, []).append(attributes)
     trained_samples = [s for b in batches[:STEPS] for g in b.groups for s in g.samples]
     assert len(trained_samples) == STEPS * 2 * 4
     for sample in trained_samples:
@@ -79,11 +82,16 @@ async def test_full_mesh_trains_and_every_trained_token_came_from_an_engine(
         end = len(sample.loss_mask) - sample.loss_mask[::-1].index(1)
         assert all(sample.loss_mask[start:end])
         key = (tuple(sample.token_ids[:start]), tuple(sample.token_ids[start:end]))
-        engine_call = engine_io.get(key)
-        assert engine_call is not None, "a trained sample does not match any engine call"
-        assert sample.behaviour_logprobs[start:end] == pytest.approx(engine_call["logprobs"])
-        assert sample.versions[start:end] == list(engine_call["versions"])
-        assert max(engine_call["versions"]) <= STEPS
+        calls = engine_io.get(key, [])
+        assert calls, "a trained sample does not match any engine call"
+        matching = [
+            call
+            for call in calls
+            if sample.behaviour_logprobs[start:end] == pytest.approx(call["logprobs"])
+            and sample.versions[start:end] == list(call["versions"])
+        ]
+        assert matching, "a trained sample's logprobs or versions match no engine call"
+        assert max(matching[0]["versions"]) <= STEPS
 
     written = json.loads((run_dir / "summary.json").read_text())
     for key in (
