@@ -76,22 +76,28 @@ class InProcessMesh:
     """Services of one run started in this test's event loop, each with its own
     connection, exactly as ``run_service`` would start them (minus signals)."""
 
-    def __init__(self, nats_url: str, run_id: str, model_dir: Path | None) -> None:
+    def __init__(
+        self, nats_url: str, run_id: str, model_dir: Path | None, policies: str = ""
+    ) -> None:
         from seamlessflow.settings import MeshSettings
 
-        self.mesh = MeshSettings(nats_url=nats_url, run_id=run_id, model_dir=model_dir)
+        self.mesh = MeshSettings(
+            nats_url=nats_url, run_id=run_id, model_dir=model_dir, policies=policies
+        )
         self.running: list[tuple[object, object, object]] = []
 
-    async def start(self, service):  # type: ignore[no-untyped-def]
+    async def start(self, service, policy: str = ""):  # type: ignore[no-untyped-def]
+        """Start ``service``; ``policy``: the one it serves or trains (``SF_POLICY``)."""
         import asyncio
 
         from seamlessflow.service import ServiceContext
 
+        mesh = self.mesh.model_copy(update={"policy": policy}) if policy else self.mesh
         service_bus = await connect(
-            self.mesh.nats_url, Subjects(self.mesh.run_id), name=service.name
+            mesh.nats_url, Subjects(mesh.run_id, mesh.policy), name=service.name
         )
-        await service_bus.ensure_streams()
-        ctx = ServiceContext(mesh=self.mesh, bus=service_bus)
+        await service_bus.ensure_streams(mesh.policy_names())
+        ctx = ServiceContext(mesh=mesh, bus=service_bus)
         task = asyncio.create_task(service.run(ctx))
         self.running.append((service, ctx, task))
         return service

@@ -78,7 +78,7 @@ async def test_reclaim_during_generation_loses_no_request_and_no_token(
             SlotsReleased(trainer_id="trainer-t", version=0),
             LendReport,
         )
-        assert scheduler.policy.role_of("engine-l").role == "rollout", report.reason
+        assert scheduler.decisions().role_of("engine-l").role == "rollout", report.reason
         async with asyncio.timeout(60):
             await lendable.ready.wait()  # woke, caught up, joined the queue
 

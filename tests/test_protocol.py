@@ -192,11 +192,14 @@ def test_a_newer_schema_is_refused() -> None:
 
 def test_subjects_are_namespaced_by_run_and_validated() -> None:
     s = p.Subjects("run-1")
-    assert s.engine_generate() == "sf.run-1.engine.generate"
+    assert s.policy == p.DEFAULT_POLICY
+    assert s.engine_generate() == "sf.run-1.engine.policy.generate"
+    assert s.engine_abort() == "sf.run-1.engine.abort"
     assert s.trajectory_event("sabc") == "sf.run-1.traj.event.sabc"
     assert s.sched_heartbeat("engine-0") == "sf.run-1.sched.heartbeat.engine-0"
     assert s.stream_trajectory() == "SF_RUN_1_TRAJ"
-    assert s.object_store_weights() == "sf_run_1_weights"
+    assert s.stream_batches() == "SF_RUN_1_BATCH-policy"
+    assert s.object_store_weights() == "sf_run_1_weights-policy"
     with pytest.raises(p.ProtocolError):
         s.trajectory_event("a.b")  # a dot would open another subject level
     with pytest.raises(p.ProtocolError):
@@ -204,3 +207,75 @@ def test_subjects_are_namespaced_by_run_and_validated() -> None:
     # every durable subject is captured by exactly one stream
     for name, subjects in s.streams().items():
         assert name.startswith("SF_RUN_1_") and subjects
+
+
+def test_policies_share_the_run_subjects_and_own_their_version_line() -> None:
+    solver, verifier = p.Subjects("run-1", "solver"), p.Subjects("run-1").for_policy("verifier")
+    shared = (
+        "task_claim",
+        "trajectory_events_all",
+        "engine_abort",
+        "sched_claim",
+        "data_epoch_report",
+        "stream_trajectory",
+        "stream_metrics",
+        "kv_resources",
+    )
+    for name in shared:
+        assert getattr(solver, name)() == getattr(verifier, name)(), name
+    owned = (
+        "engine_generate",
+        "engine_load",
+        "weights_published",
+        "weights_current",
+        "batch_ready",
+        "train_metrics",
+        "data_batch_report",
+        "stream_batches",
+        "stream_weights",
+        "object_store_weights",
+    )
+    for name in owned:
+        assert getattr(solver, name)() != getattr(verifier, name)(), name
+        assert "solver" in getattr(solver, name)(), name
+    assert solver.for_policy("solver") is solver
+    with pytest.raises(p.ProtocolError):
+        p.Subjects("run-1", "Solver")  # a model name must be a lowercase token
+    with pytest.raises(p.ProtocolError):
+        p.Subjects("run-1", "a.b")
+
+
+def test_policy_tags_name_one_policy() -> None:
+    assert p.policy_of_tags(["rollout"]) == p.DEFAULT_POLICY
+    assert p.policy_of_tags(["rollout", p.policy_tag("solver")]) == "solver"
+    with pytest.raises(p.ProtocolError, match="one policy"):
+        p.policy_of_tags(["policy:a", "policy:b"])
+    with pytest.raises(p.ProtocolError):
+        p.policy_of_tags(["policy:Not.A.Token"])
+
+
+async def test_two_policies_streams_coexist_and_capture_only_their_own(
+    nats_url: str, run_id: str
+) -> None:
+    """NATS refuses streams with overlapping subjects: creating every stream of two
+    policies proves they are disjoint, and a batch lands in its own policy's stream."""
+    from seamlessflow.bus import connect
+
+    bus = await connect(nats_url, p.Subjects(run_id, "solver"), name="test")
+    try:
+        await bus.ensure_streams(["solver", "verifier"])
+        verifier = bus.subjects.for_policy("verifier")
+        batch = p.TrainBatch(batch_index=0, groups=[], policy="verifier")
+        await bus.js_publish(verifier.batch_ready(), batch)
+        assert (await bus.js.stream_info(verifier.stream_batches())).state.messages == 1
+        assert (await bus.js.stream_info(bus.subjects.stream_batches())).state.messages == 0
+        metrics = p.TrainStepMetrics(
+            policy="verifier", step=1, version=1, batch_index=0, mean_reward=0.0, loss=0.0,
+            clip_fraction=0.0, samples=0, tokens_generated=0, tokens_trained=0,
+            max_staleness=0, step_seconds=0.0, wait_seconds=0.0, publish_seconds=0.0,
+        )  # fmt: skip
+        await bus.js_publish(verifier.train_metrics(), metrics)
+        info = await bus.js.stream_info(bus.subjects.stream_metrics())
+        assert info.state.messages == 1  # the run's one metrics stream holds every policy's
+    finally:
+        await bus.drain()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import nats
@@ -161,9 +161,13 @@ class Bus:
 
     # ------------------------------------------------------------------ JetStream
 
-    async def ensure_streams(self) -> None:
-        """Create the run's streams if missing (idempotent; every service may call it)."""
-        for name, subjects in self.subjects.streams().items():
+    async def ensure_streams(self, policies: Sequence[str] = ()) -> None:
+        """Create the run's streams and those of ``policies`` (and of this bus's own
+        policy) if missing; idempotent, every service may call it."""
+        streams = self.subjects.streams()
+        for policy in policies:
+            streams.update(self.subjects.for_policy(policy).policy_streams())
+        for name, subjects in streams.items():
             try:
                 await self.js.stream_info(name)
             except nats.js.errors.NotFoundError:

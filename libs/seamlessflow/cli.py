@@ -13,6 +13,8 @@ from typing import Annotated, Any
 
 import typer
 
+from seamlessflow.protocol import DEFAULT_POLICY
+
 # Each deployable process and where its service object lives.
 SERVICES: dict[str, str] = {
     "tag-scheduler": "sf_tag_scheduler.service:TagScheduler",
@@ -51,6 +53,13 @@ def up(
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-4,
     engines: Annotated[int, typer.Option(help="Engine worker processes.")] = 1,
     agent: Annotated[str, typer.Option(help="Agent name or dotted path.")] = "single_turn",
+    policies: Annotated[
+        str,
+        typer.Option(
+            help="Policies trained together, comma-separated (e.g. solver,verifier with "
+            "--agent solve_and_verify); the first is the tasks' policy."
+        ),
+    ] = DEFAULT_POLICY,
     task: Annotated[str, typer.Option(help="Task source (e.g. arithmetic, lookup).")] = (
         "arithmetic"
     ),
@@ -82,6 +91,7 @@ def up(
         lr=lr,
         engines=engines,
         agent=agent,
+        policies=[name.strip() for name in policies.split(",") if name.strip()],
         seed=seed,
         mode=mode,  # type: ignore[arg-type]
         pin_slots=pin_slots,

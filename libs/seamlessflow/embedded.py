@@ -8,7 +8,8 @@ and writes the run report:
     runs/<run-id>/summary.json      the contract: see ``Summary``
     runs/<run-id>/metrics.jsonl     one TrainStepMetrics per line
     runs/<run-id>/spans.jsonl       every process's spans (also per process in spans/)
-    runs/<run-id>/checkpoints/final HF layout, loadable with from_pretrained
+    runs/<run-id>/checkpoints/final HF layout, loadable with from_pretrained (another
+                                    policy than the first: checkpoints/<policy>/final)
     runs/<run-id>/reward_curve.png
     runs/<run-id>/timeline.html|png one lane per resource, bubbles marked
     runs/<run-id>/logs/<service>.log
@@ -34,13 +35,23 @@ import nats.errors
 from pydantic import BaseModel, Field, model_validator
 
 from seamlessflow.natsserver import EmbeddedNats
-from seamlessflow.protocol import Subjects, TrainingFinished, TrainStepMetrics, decode
+from seamlessflow.protocol import (
+    DEFAULT_POLICY,
+    Subjects,
+    TrainingFinished,
+    TrainStepMetrics,
+    check_policy,
+    decode,
+)
+from seamlessflow.settings import checkpoints_dir
 from seamlessflow.tasks import task_names
 
 log = logging.getLogger(__name__)
 
 # Start order: infrastructure first so that resources find the scheduler and weight-sync.
 SERVICE_ORDER = ["tag-scheduler", "weight-sync", "trajectory", "trainer", "gateway", "engine"]
+# One of these per policy (multi-policy runs); the others serve the whole run.
+POLICY_SERVICES = {"weight-sync", "trainer", "engine"}
 
 
 class RunConfig(BaseModel):
@@ -61,6 +72,10 @@ class RunConfig(BaseModel):
     """Task source (``seamlessflow.tasks``)."""
     agent: str = "single_turn"
     """Agent run for each sample (registered name or dotted path)."""
+    policies: list[str] = Field(default_factory=lambda: [DEFAULT_POLICY])
+    """The policies trained together (multi-policy), each with its own trainer,
+    weight-sync and engines; agents ask for them by model name. The first is the tasks'
+    policy. Two policies go with a two-policy agent, e.g. ``solve_and_verify``."""
     steps: int = 300
     """Trainer optimizer steps."""
     group_size: int = 8
@@ -95,6 +110,16 @@ class RunConfig(BaseModel):
     trajectory, weight-sync, tag-scheduler) to slot 0's core, so a trainer's slot is
     really idle while it waits, as a GPU would be, instead of being filled by the
     operating system with other work. Used by the mode benchmark."""
+
+    @model_validator(mode="after")
+    def _valid_policies(self) -> RunConfig:
+        if not self.policies:
+            raise ValueError("a run trains at least one policy")
+        for name in self.policies:
+            check_policy(name)
+        if len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"a policy is listed twice: {self.policies}")
+        return self
 
     @model_validator(mode="after")
     def _colocated_is_synchronous(self) -> RunConfig:
@@ -197,6 +222,9 @@ class Summary:
     """Weight payload bytes over the run (per engine): fulls plus deltas."""
     weights_bytes_full: int = 0
     """What sending every version in full would have cost (``SF_WEIGHTS_DELTAS``)."""
+    policies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per policy: steps, reward_first, reward_last, final_version, tokens_trained,
+    checkpoint. The fields above describe the first policy (the tasks' policy)."""
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -225,11 +253,33 @@ class EmbeddedRun:
         self.run_id = config.run_id or default_run_id()
         self.run_dir = (config.runs_dir / self.run_id).resolve()
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
-        self.metrics: list[TrainStepMetrics] = []
-        self.finished: TrainingFinished | None = None
+        self.process_policy: dict[str, str] = {}
+        """Label of a per-policy process -> its policy."""
+        self.metrics_by_policy: dict[str, list[TrainStepMetrics]] = {
+            policy: [] for policy in config.policies
+        }
+        self.finished_by_policy: dict[str, TrainingFinished] = {}
         self.status = "running"
         self.started = time.monotonic()
         self.started_wall = time.time()
+
+    @property
+    def metrics(self) -> list[TrainStepMetrics]:
+        """The first policy's steps (the only policy of a single-policy run)."""
+        return self.metrics_by_policy[self.config.policies[0]]
+
+    @property
+    def finished(self) -> TrainingFinished | None:
+        return self.finished_by_policy.get(self.config.policies[0])
+
+    @property
+    def multi_policy(self) -> bool:
+        return len(self.config.policies) > 1
+
+    def label(self, policy: str, name: str) -> str:
+        """A process's (or engine's, or slot's) name: prefixed by its policy when the
+        run has several, so that every one is unique in the run."""
+        return f"{policy}-{name}" if self.multi_policy else name
 
     # ---------------------------------------------------------------- processes
 
@@ -242,6 +292,7 @@ class EmbeddedRun:
                 "SF_RUN_ID": self.run_id,
                 "SF_RUN_DIR": str(self.run_dir),
                 "SF_MODEL_DIR": str(model_dir),
+                "SF_POLICIES": ",".join(c.policies),
                 "SF_TAG_SCHEDULER_MODE": c.mode,
                 "SF_TRAJECTORY_TASK": c.task,
                 "SF_TRAJECTORY_SEED": str(c.seed),
@@ -291,15 +342,23 @@ class EmbeddedRun:
         """Stop in dependency order, each stage draining before the next one stops:
         agents, then the gateway, then engines, then the rest (the trainer saves its
         checkpoint). SIGKILL whatever misses its deadline. Idempotent."""
+
+        def service_of(label: str) -> str:
+            policy = self.process_policy.get(label)
+            name = label.removeprefix(f"{policy}-") if policy and self.multi_policy else label
+            return "engine" if name.startswith("engine-") else name
+
         stages = [
-            ["agents"],
-            ["gateway"],
-            [label for label in self.processes if label.startswith("engine-")],
-            ["trajectory", "trainer", "weight-sync"],
-            ["tag-scheduler"],
+            {"agents"},
+            {"gateway"},
+            {"engine"},
+            {"trajectory", "trainer", "weight-sync"},
+            {"tag-scheduler"},
         ]
         for stage in stages:
-            running = [(label, self.processes[label]) for label in stage if label in self.processes]
+            running = [
+                (label, p) for label, p in self.processes.items() if service_of(label) in stage
+            ]
             for _, process in running:
                 if process.poll() is None:
                     process.send_signal(signal.SIGTERM)
@@ -317,8 +376,11 @@ class EmbeddedRun:
             code = process.poll()
             if code is None:
                 continue
+            policy = self.process_policy.get(label, "")
             normal = (label == "agents" and code == 0) or (
-                label == "trainer" and code == 0 and self.finished is not None
+                label == self.label(policy, "trainer")
+                and code == 0
+                and policy in self.finished_by_policy
             )
             if not normal:
                 return f"{label} exited with code {code} (see {self.run_dir}/logs/{label}.log)"
@@ -358,38 +420,12 @@ class EmbeddedRun:
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         try:
             env = self.service_env(url, model_dir, free_port())
-            layout = deployment(c.mode, c.engines)
-            # with SF_WEIGHTS_GROUP_BACKEND set, every engine joins the trainer's push group
-            env["SF_WEIGHTS_GROUP_SIZE"] = str(1 + len(layout.engines))
             for service in SERVICE_ORDER:
-                if service == "engine":
-                    for rank, engine in enumerate(layout.engines, start=1):
-                        self.spawn(
-                            engine.engine_id,
-                            "engine",
-                            {
-                                **env,
-                                "SF_ENGINE_ENGINE_ID": engine.engine_id,
-                                "SF_RESOURCE_TAGS": engine.tags,
-                                "SF_RESOURCE_SLOTS": engine.slot,
-                                "SF_WEIGHTS_GROUP_RANK": str(rank),  # the trainer is 0
-                            },
-                            [engine.slot],
-                        )
-                elif service == "trainer":
-                    self.spawn(
-                        service,
-                        service,
-                        {
-                            **env,
-                            "SF_RESOURCE_TAGS": layout.trainer_tags,
-                            "SF_RESOURCE_SLOTS": ",".join(layout.trainer_slots),
-                            "SF_TRAINER_TORCH_THREADS": str(len(layout.trainer_slots)),
-                        },
-                        layout.trainer_slots,
-                    )
-                else:
+                if service not in POLICY_SERVICES:
                     self.spawn(service, service, env)
+                    continue
+                for policy in c.policies:
+                    self.spawn_for_policy(policy, service, env)
             self.spawn("agents", "agents", env)
             await self._follow(url, stop)
         finally:
@@ -398,6 +434,50 @@ class EmbeddedRun:
             await asyncio.to_thread(self.stop_processes)
             nats_server.stop()
         return self.write_report()
+
+    def spawn_for_policy(self, policy: str, service: str, run_env: dict[str, str]) -> None:
+        """One policy's weight-sync, trainer or engines, laid out by the mode."""
+        layout = deployment(self.config.mode, self.config.engines)
+        # with SF_WEIGHTS_GROUP_BACKEND set, every engine joins its trainer's push group
+        env = {
+            **run_env,
+            "SF_POLICY": policy,
+            "SF_WEIGHTS_GROUP_SIZE": str(1 + len(layout.engines)),
+        }
+
+        def slot(name: str) -> str:
+            return self.label(policy, name)
+
+        if service == "engine":
+            for rank, engine in enumerate(layout.engines, start=1):
+                engine_id = self.label(policy, engine.engine_id)
+                self.process_policy[engine_id] = policy
+                self.spawn(
+                    engine_id,
+                    "engine",
+                    {
+                        **env,
+                        "SF_ENGINE_ENGINE_ID": engine_id,
+                        "SF_RESOURCE_TAGS": engine.tags,
+                        "SF_RESOURCE_SLOTS": slot(engine.slot),
+                        "SF_WEIGHTS_GROUP_RANK": str(rank),  # the trainer is 0
+                    },
+                    [slot(engine.slot)],
+                )
+            return
+        label = self.label(policy, service)
+        self.process_policy[label] = policy
+        if service == "trainer":
+            trainer_slots = [slot(s) for s in layout.trainer_slots]
+            env = {
+                **env,
+                "SF_RESOURCE_TAGS": layout.trainer_tags,
+                "SF_RESOURCE_SLOTS": ",".join(trainer_slots),
+                "SF_TRAINER_TORCH_THREADS": str(len(trainer_slots)),
+            }
+            self.spawn(label, service, env, trainer_slots)
+        else:
+            self.spawn(label, service, env)
 
     async def _follow(self, url: str, stop: asyncio.Event) -> None:
         subjects = Subjects(self.run_id)
@@ -412,7 +492,7 @@ class EmbeddedRun:
                 log.error(problem)
                 return
             sub = await js.subscribe(
-                f"sf.{self.run_id}.train.>", stream=subjects.stream_metrics(), ordered_consumer=True
+                subjects.train_all(), stream=subjects.stream_metrics(), ordered_consumer=True
             )
             with progress:
                 while not stop.is_set():
@@ -427,14 +507,18 @@ class EmbeddedRun:
                         progress.tick(self)
                         continue
                     message = decode(msg.data, TrainStepMetrics | TrainingFinished)
+                    if message.policy not in self.metrics_by_policy:
+                        continue  # not a policy of this run's configuration
                     if isinstance(message, TrainingFinished):
-                        self.finished = message
-                        self.status = "finished"
-                        return
-                    self.metrics.append(message)
+                        self.finished_by_policy[message.policy] = message
+                        if len(self.finished_by_policy) == len(self.config.policies):
+                            self.status = "finished"
+                            return
+                        continue
+                    self.metrics_by_policy[message.policy].append(message)
                     metrics_file.write(json.dumps(_struct_dict(message)) + "\n")
                     metrics_file.flush()
-                    progress.update(self)
+                    progress.update(self, message.policy)
             self.status = "interrupted"
         finally:
             metrics_file.close()
@@ -476,7 +560,7 @@ class EmbeddedRun:
         train_wall = (self.metrics[-1].timestamp - self.started_wall) if self.metrics else 0.0
         generated = sum(m.tokens_generated for m in self.metrics)
         trained = sum(m.tokens_trained for m in self.metrics)
-        checkpoint = self.run_dir / "checkpoints" / "final"
+        checkpoint = self.checkpoint_of(self.config.policies[0])
         n = max(len(self.metrics), 1)
         summary = Summary(
             run_id=self.run_id,
@@ -496,7 +580,7 @@ class EmbeddedRun:
             mean_publish_s=sum(m.publish_seconds for m in self.metrics) / n,
             weights_bytes_sent=sum(m.weights_payload_bytes for m in self.metrics),
             weights_bytes_full=sum(m.weights_state_bytes for m in self.metrics),
-            checkpoint=str(checkpoint) if (checkpoint / "config.json").exists() else None,
+            checkpoint=checkpoint,
             bubble_ratio=bubble_ratio,
             steady_generated_tokens_per_s=steady_tokens / steady_window if steady_window > 0 else 0,
             steady_seconds_per_step=steady_window / (len(self.metrics) - 1)
@@ -505,12 +589,32 @@ class EmbeddedRun:
             lends=scheduling["lends"],
             reclaims=scheduling["reclaims"],
             requests_handed_back=scheduling["handed_back"],
+            policies={policy: self.policy_summary(policy) for policy in self.config.policies},
             config=json.loads(self.config.model_dump_json()),
         )
         (self.run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
-        if self.metrics:
-            plot_rewards(self.metrics, self.run_dir / "reward_curve.png", self.run_id)
+        if any(self.metrics_by_policy.values()):
+            plot_rewards(self.metrics_by_policy, self.run_dir / "reward_curve.png", self.run_id)
         return summary
+
+    def checkpoint_of(self, policy: str) -> str | None:
+        """The policy's final checkpoint, if the trainer wrote one."""
+        final = checkpoints_dir(self.run_dir, policy) / "final"
+        return str(final) if (final / "config.json").exists() else None
+
+    def policy_summary(self, policy: str) -> dict[str, Any]:
+        metrics = self.metrics_by_policy[policy]
+        rewards = [m.mean_reward for m in metrics]
+        return {
+            "steps": len(metrics),
+            "finished": policy in self.finished_by_policy,
+            "reward_first": window_mean(rewards, first=True),
+            "reward_last": window_mean(rewards, first=False),
+            "final_version": metrics[-1].version if metrics else 0,
+            "tokens_generated": sum(m.tokens_generated for m in metrics),
+            "tokens_trained": sum(m.tokens_trained for m in metrics),
+            "checkpoint": self.checkpoint_of(policy),
+        }
 
 
 def count_scheduling(spans_path: Path) -> dict[str, int]:
@@ -536,22 +640,29 @@ def _struct_dict(message: TrainStepMetrics) -> dict[str, Any]:
     return msgspec.to_builtins(message)
 
 
-def plot_rewards(metrics: list[TrainStepMetrics], path: Path, title: str) -> None:
+def plot_rewards(
+    metrics_by_policy: dict[str, list[TrainStepMetrics]], path: Path, title: str
+) -> None:
+    """One curve (per-step mean and its moving mean) per policy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [m.step for m in metrics]
-    rewards = [m.mean_reward for m in metrics]
-    window = max(1, len(rewards) // 10)
-    smooth = [
-        sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
-        for i in range(len(rewards))
-    ]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, rewards, alpha=0.4, label="mean reward per step")
-    ax.plot(steps, smooth, label=f"moving mean ({window} steps)")
+    several = len(metrics_by_policy) > 1
+    for policy, metrics in metrics_by_policy.items():
+        steps = [m.step for m in metrics]
+        rewards = [m.mean_reward for m in metrics]
+        window = max(1, len(rewards) // 10)
+        smooth = [
+            sum(rewards[max(0, i - window + 1) : i + 1])
+            / len(rewards[max(0, i - window + 1) : i + 1])
+            for i in range(len(rewards))
+        ]
+        name = f"{policy}: " if several else ""
+        ax.plot(steps, rewards, alpha=0.4, label=f"{name}mean reward per step")
+        ax.plot(steps, smooth, label=f"{name}moving mean ({window} steps)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean reward")
     ax.set_ylim(-0.02, 1.02)
@@ -587,27 +698,37 @@ class Progress:
         if self._live is not None:
             self._live.update(self._render(run))
 
-    def update(self, run: EmbeddedRun) -> None:
+    def update(self, run: EmbeddedRun, policy: str) -> None:
         self.tick(run)
-        if not self.enabled and run.metrics:
-            m = run.metrics[-1]
-            log.info("step %d reward %.3f version %d", m.step, m.mean_reward, m.version)
+        metrics = run.metrics_by_policy[policy]
+        if not self.enabled and metrics:
+            m = metrics[-1]
+            name = f"{policy} " if run.multi_policy else ""
+            log.info("%sstep %d reward %.3f version %d", name, m.step, m.mean_reward, m.version)
 
     def _render(self, run: EmbeddedRun | None) -> Any:
         from rich.table import Table
 
         table = Table(title=f"seamlessflow run {self.run_id}", show_header=True)
-        for column in ("step", "mean reward", "last-10 reward", "gen tok/s", "version", "elapsed"):
+        columns = ("step", "mean reward", "last-10 reward", "gen tok/s", "version", "elapsed")
+        several = len(self.config.policies) > 1
+        for column in ("policy", *columns) if several else columns:
             table.add_column(column, justify="right")
-        if run is None or not run.metrics:
+        for policy in self.config.policies:
+            row = self._row(run, policy)
+            table.add_row(*((policy, *row) if several else row))
+        return table
+
+    def _row(self, run: EmbeddedRun | None, policy: str) -> tuple[str, ...]:
+        metrics = run.metrics_by_policy[policy] if run is not None else []
+        if run is None or not metrics:
             waited = f"{time.monotonic() - run.started:.0f}s" if run else "0s"
-            table.add_row(f"0/{self.config.steps}", "-", "-", "-", "0", waited)
-            return table
-        m = run.metrics[-1]
-        recent = run.metrics[-10:]
+            return (f"0/{self.config.steps}", "-", "-", "-", "0", waited)
+        m = metrics[-1]
+        recent = metrics[-10:]
         elapsed = time.time() - run.started_wall
-        generated = sum(x.tokens_generated for x in run.metrics)
-        table.add_row(
+        generated = sum(x.tokens_generated for x in metrics)
+        return (
             f"{m.step}/{self.config.steps}",
             f"{m.mean_reward:.3f}",
             f"{sum(x.mean_reward for x in recent) / len(recent):.3f}",
@@ -615,7 +736,6 @@ class Progress:
             str(m.version),
             f"{elapsed:.0f}s",
         )
-        return table
 
 
 def run_embedded(config: RunConfig) -> Summary:

@@ -22,7 +22,11 @@ import msgspec
 SCHEMA_VERSION = 1
 
 _RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_POLICY = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 _TOKEN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,127}$")
+
+DEFAULT_POLICY = "policy"
+"""The policy of a single-policy run; also the model name agents ask for."""
 
 
 class ProtocolError(ValueError):
@@ -36,6 +40,14 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+def check_policy(name: str) -> str:
+    """Policy names are model names agents send, subject tokens and part of stream and
+    bucket names: lowercase letters, digits and ``-``."""
+    if not _POLICY.match(name):
+        raise ProtocolError(f"policy name {name!r} must match {_POLICY.pattern}")
+    return name
+
+
 def check_token(value: str, what: str = "identifier") -> str:
     if not _TOKEN.match(value):
         raise ProtocolError(f"{what} {value!r} must match {_TOKEN.pattern}")
@@ -46,26 +58,41 @@ def check_token(value: str, what: str = "identifier") -> str:
 
 
 class Subjects:
-    """Subject builders for one run. Services hold one instance; nothing else formats subjects."""
+    """Subject builders for one policy of one run. Services hold one instance; nothing
+    else formats subjects.
 
-    def __init__(self, run_id: str) -> None:
+    A run trains one or more policies (multi-policy: e.g. a solver and a verifier). What
+    belongs to one policy's version line carries its name as the token after the domain:
+    engines (``sf.<run>.engine.<policy>.generate``), weights, batches, trainer progress
+    and batch reports, and the policy's batch and weight streams and object store. What
+    the whole run shares has no policy token: trajectory events, task claims, epoch
+    reports, the tag-scheduler, engine aborts, and the trajectory and metrics streams
+    (the metrics stream holds every policy's). ``for_policy`` gives another policy's
+    builders on the same run.
+    """
+
+    def __init__(self, run_id: str, policy: str = DEFAULT_POLICY) -> None:
         self.run_id = check_run_id(run_id)
+        self.policy = check_policy(policy)
         self._root = f"sf.{run_id}"
 
-    # engine workers (gateway -> engines)
+    def for_policy(self, policy: str) -> Subjects:
+        return self if policy == self.policy else Subjects(self.run_id, policy)
+
+    # engine workers (gateway -> engines of one policy)
     def engine_generate(self) -> str:
-        """Request/reply, queue group ``ENGINE_QUEUE``: one engine takes each request."""
-        return f"{self._root}.engine.generate"
+        """Request/reply, queue group ``ENGINE_QUEUE``: one engine of the policy takes it."""
+        return f"{self._root}.engine.{self.policy}.generate"
 
     def engine_abort(self) -> str:
-        """Broadcast: the engine running the request aborts it (others ignore it)."""
+        """Broadcast to every engine of the run: the one running the request aborts it."""
         return f"{self._root}.engine.abort"
 
     def engine_load(self) -> str:
-        """Broadcast from weight-sync: load a weight version (request/reply per engine)."""
-        return f"{self._root}.engine.load"
+        """Broadcast from the policy's weight-sync: load a weight version."""
+        return f"{self._root}.engine.{self.policy}.load"
 
-    # trajectory (gateway -> trajectory, durable)
+    # trajectory (gateway -> trajectory, durable; run-wide)
     def trajectory_event(self, session_id: str) -> str:
         return f"{self._root}.traj.event.{check_token(session_id, 'session id')}"
 
@@ -76,46 +103,54 @@ class Subjects:
         """Request/reply: SessionExportQuery -> SessionExport."""
         return f"{self._root}.traj.export"
 
-    # tasks (agent runner <-> trajectory)
+    # tasks (agent runner <-> trajectory; run-wide)
     def task_claim(self) -> str:
         return f"{self._root}.task.claim"
 
-    # batches (trajectory -> trainer, durable)
+    # batches (trajectory -> the policy's trainer, durable)
     def batch_ready(self) -> str:
-        return f"{self._root}.batch.ready"
+        return f"{self._root}.batch.{self.policy}.ready"
 
-    # weights (trainer -> weight-sync -> engines)
+    # weights (the policy's trainer -> weight-sync -> engines)
     def weights_published(self) -> str:
-        return f"{self._root}.weights.published"
+        return f"{self._root}.weights.{self.policy}.published"
 
     def weights_current(self) -> str:
         """Request/reply to weight-sync: which version should an engine serve now?"""
-        return f"{self._root}.weights.current"
+        return f"{self._root}.weights.{self.policy}.current"
 
     def weights_group(self) -> str:
         """Request/reply to the trainer: WeightsGroupQuery -> WeightsGroupOffer (NCCL id)."""
-        return f"{self._root}.weights.group"
+        return f"{self._root}.weights.{self.policy}.group"
 
     def weights_loaded(self) -> str:
         """Engines announce the version they now serve (core, informational)."""
-        return f"{self._root}.weights.loaded"
+        return f"{self._root}.weights.{self.policy}.loaded"
 
-    # trainer progress (trainer -> observers, durable)
+    # trainer progress (the policy's trainer -> observers, durable)
     def train_metrics(self) -> str:
-        return f"{self._root}.train.metrics"
+        return f"{self._root}.train.{self.policy}.metrics"
 
     def train_finished(self) -> str:
-        return f"{self._root}.train.finished"
+        return f"{self._root}.train.{self.policy}.finished"
 
-    # data filters (trajectory -> observers, durable; the epoch records are also read
-    # back by the trajectory service on start-up)
+    def train_all(self) -> str:
+        """Every policy's trainer progress (observers of the whole run)."""
+        return f"{self._root}.train.>"
+
+    # data filters (trajectory -> observers, durable). Batch reports belong to the
+    # policy whose batch they describe; epoch records are run-wide (the prompt set) and
+    # are read back by the trajectory service on start-up.
     def data_batch_report(self) -> str:
-        return f"{self._root}.data.batch"
+        return f"{self._root}.data.{self.policy}.batch"
 
     def data_epoch_report(self) -> str:
         return f"{self._root}.data.epoch"
 
-    # tag scheduler
+    def data_reports_all(self) -> str:
+        return f"{self._root}.data.>"
+
+    # tag scheduler (run-wide: resources carry a ``policy:<name>`` tag)
     def sched_register(self) -> str:
         return f"{self._root}.sched.register"
 
@@ -139,15 +174,17 @@ class Subjects:
         """Request/reply, trainer -> tag-scheduler: step published, my slots may be lent."""
         return f"{self._root}.sched.release"
 
-    # JetStream streams, KV buckets and object stores of this run
+    # JetStream streams, KV buckets and object stores. Run-level names are
+    # ``SF_<RUN>_<KIND>``; a policy's append ``-<policy>`` (a run id has no ``-`` left
+    # once upper-cased, so the first ``-`` starts the policy name).
     def stream_trajectory(self) -> str:
         return f"SF_{self._upper}_TRAJ"
 
     def stream_batches(self) -> str:
-        return f"SF_{self._upper}_BATCH"
+        return f"SF_{self._upper}_BATCH-{self.policy}"
 
     def stream_weights(self) -> str:
-        return f"SF_{self._upper}_WEIGHTS"
+        return f"SF_{self._upper}_WEIGHTS-{self.policy}"
 
     def stream_metrics(self) -> str:
         return f"SF_{self._upper}_METRICS"
@@ -156,7 +193,7 @@ class Subjects:
         return f"sf_{self._lower}_resources"
 
     def object_store_weights(self) -> str:
-        return f"sf_{self._lower}_weights"
+        return f"sf_{self._lower}_weights-{self.policy}"
 
     @property
     def _upper(self) -> str:
@@ -166,19 +203,39 @@ class Subjects:
     def _lower(self) -> str:
         return self.run_id.replace("-", "_")
 
-    def streams(self) -> dict[str, list[str]]:
-        """Every durable stream of the run and the subjects it captures."""
+    def run_streams(self) -> dict[str, list[str]]:
+        """The run-wide durable streams and the subjects each captures."""
         return {
             self.stream_trajectory(): [self.trajectory_events_all()],
+            self.stream_metrics(): [self.train_all(), self.data_reports_all()],
+        }
+
+    def policy_streams(self) -> dict[str, list[str]]:
+        """This policy's durable streams."""
+        return {
             self.stream_batches(): [self.batch_ready()],
             self.stream_weights(): [self.weights_published()],
-            self.stream_metrics(): [
-                self.train_metrics(),
-                self.train_finished(),
-                self.data_batch_report(),
-                self.data_epoch_report(),
-            ],
         }
+
+    def streams(self) -> dict[str, list[str]]:
+        """Every durable stream this policy's services use, run-wide ones included."""
+        return {**self.run_streams(), **self.policy_streams()}
+
+
+POLICY_TAG_PREFIX = "policy:"
+
+
+def policy_tag(policy: str) -> str:
+    """The capability tag of a resource that serves or trains ``policy``."""
+    return POLICY_TAG_PREFIX + check_policy(policy)
+
+
+def policy_of_tags(tags: list[str] | frozenset[str]) -> str:
+    """The policy a resource's tags name (``DEFAULT_POLICY`` without a policy tag)."""
+    named = sorted(t[len(POLICY_TAG_PREFIX) :] for t in tags if t.startswith(POLICY_TAG_PREFIX))
+    if len(named) > 1:
+        raise ProtocolError(f"a resource belongs to one policy; its tags name {named}")
+    return check_policy(named[0]) if named else DEFAULT_POLICY
 
 
 ENGINE_QUEUE = "engines"
@@ -300,7 +357,8 @@ class SessionOpened(Message, tag="traj.session_opened"):
     group_size: int
     reference: str = ""
     reward_fn: str = ""
-    policy: str = "default"
+    policy: str = DEFAULT_POLICY
+    """The task's policy: the one whose last answer ``reward_fn`` scores."""
     opened_at: float = msgspec.field(default_factory=time.time)
 
 
@@ -317,6 +375,8 @@ class TurnRecorded(Message, tag="traj.turn"):
     versions: list[int]
     finish_reason: str
     completion_text: str
+    policy: str = DEFAULT_POLICY
+    """The policy whose engine generated it (the request's ``model``)."""
 
 
 class RewardReported(Message, tag="traj.reward"):
@@ -324,6 +384,9 @@ class RewardReported(Message, tag="traj.reward"):
 
     session_id: str
     reward: float
+    policy: str = ""
+    """The policy this reward is for; empty: every policy of the session without a
+    reward of its own."""
 
 
 class SessionFinished(Message, tag="traj.finished"):
@@ -355,7 +418,8 @@ class TaskAssignment(Message, tag="task.assignment"):
     messages: list[ChatMessage]
     reference: str
     reward_fn: str
-    policy: str = "default"
+    policy: str = DEFAULT_POLICY
+    """The task's policy (the run's first): ``reward_fn`` scores its last answer."""
 
 
 class NoTask(Message, tag="task.none"):
@@ -402,8 +466,11 @@ class ExportedSample(msgspec.Struct, kw_only=True):
     turn_indexes: list[int]
     """The turns whose completions lie on this branch (trained tokens)."""
     final: bool
-    """True for the branch ending at the session's last turn (the one that is trained)."""
+    """True for the branch ending at the policy's last turn in the session (the one that
+    is trained)."""
     reward: float | None = None
+    policy: str = DEFAULT_POLICY
+    """The policy whose turns this branch holds (one set of branches per policy used)."""
 
 
 class SessionExportQuery(Message, tag="traj.export_query"):
@@ -426,6 +493,8 @@ class TrainBatch(Message, tag="batch"):
 
     batch_index: int
     groups: list[SampleGroup]
+    policy: str = DEFAULT_POLICY
+    """The policy this batch trains (each policy has its own batch stream and indexes)."""
     created_at: float = msgspec.field(default_factory=time.time)
 
 
@@ -438,6 +507,7 @@ class BatchFilterReport(Message, tag="data.batch"):
     """The task source of the schedule stage this batch belongs to."""
     groups_kept: int
     samples_kept: int
+    policy: str = DEFAULT_POLICY
     groups_dropped: dict[str, int] = msgspec.field(default_factory=dict)
     """Groups that never reach a batch, by reason (``zero_variance``, ``stale``,
     ``no_samples``); the dispatcher hands out one more group for each (a refill)."""
@@ -591,6 +661,7 @@ class TrainStepMetrics(Message, tag="train.metrics"):
     """Bytes this version put on the wire (per receiver); the full state is
     ``weights_state_bytes``."""
     weights_state_bytes: int = 0
+    policy: str = DEFAULT_POLICY
     timestamp: float = msgspec.field(default_factory=time.time)
 
 
@@ -600,6 +671,7 @@ class TrainingFinished(Message, tag="train.finished"):
     steps: int
     final_version: int
     checkpoint_dir: str
+    policy: str = DEFAULT_POLICY
 
 
 # tag scheduler ---------------------------------------------------------------------
@@ -657,6 +729,8 @@ class SlotsClaim(Message, tag="sched.claim"):
 
     trainer_id: str
     batch_index: int = -1
+    policy: str = DEFAULT_POLICY
+    """Whose slots: the scheduler lends and reclaims only engines tagged ``policy:<name>``."""
 
 
 class SlotsGranted(Message, tag="sched.granted"):
@@ -673,6 +747,7 @@ class SlotsReleased(Message, tag="sched.released"):
 
     trainer_id: str
     version: int
+    policy: str = DEFAULT_POLICY
 
 
 class LendReport(Message, tag="sched.lend"):

@@ -26,12 +26,15 @@ from opentelemetry import trace
 from seamlessflow import telemetry
 from seamlessflow.bus import Bus, NoResponder
 from seamlessflow.protocol import (
+    POLICY_TAG_PREFIX,
     Heartbeat,
     Phase,
     ResourceRegister,
     Role,
     RoleAck,
     RoleAssignment,
+    policy_of_tags,
+    policy_tag,
 )
 
 log = logging.getLogger(__name__)
@@ -65,7 +68,16 @@ class ResourceMembership:
         self.bus = bus
         self.resource_id = resource_id
         self.kind = kind
-        self.tags = tags
+        # The tag-scheduler lends and reclaims per policy: every resource names its own.
+        if any(t.startswith(POLICY_TAG_PREFIX) for t in tags):
+            if policy_of_tags(tags) != bus.subjects.policy:
+                raise ValueError(
+                    f"tags {tags} name another policy than this process's "
+                    f"{bus.subjects.policy!r} (SF_POLICY)"
+                )
+            self.tags = list(tags)
+        else:
+            self.tags = [*tags, policy_tag(bus.subjects.policy)]
         self.slots = slots or [resource_id]
         self.on_role = on_role
         self._applying = asyncio.Lock()

@@ -82,14 +82,16 @@ async def run_service(service: Service, mesh: MeshSettings) -> None:
         service.name, jsonl_path=jsonl, otlp_endpoint=mesh.otlp_endpoint, run_id=mesh.run_id
     )
     bus = await connect(
-        mesh.nats_url, Subjects(mesh.run_id), name=f"{service.name}@{socket.gethostname()}"
+        mesh.nats_url,
+        Subjects(mesh.run_id, mesh.policy),
+        name=f"{service.name}@{socket.gethostname()}",
     )
     ctx = ServiceContext(mesh=mesh, bus=bus)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctx.stopping.set)
     try:
-        await bus.ensure_streams()
+        await bus.ensure_streams(mesh.policy_names())
         run_task = asyncio.create_task(service.run(ctx))
         stop_task = asyncio.create_task(ctx.stopping.wait())
         await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)

@@ -12,7 +12,7 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from seamlessflow.protocol import check_run_id
+from seamlessflow.protocol import DEFAULT_POLICY, check_policy, check_run_id
 
 
 class MeshSettings(BaseSettings):
@@ -27,6 +27,18 @@ class MeshSettings(BaseSettings):
 
     run_id: str = "default"
     """Run identifier; namespaces every subject, stream and bucket (``[a-z0-9-]``)."""
+
+    policy: str = DEFAULT_POLICY
+    """The policy this process serves or trains (engine workers, trainer, weight-sync):
+    its engine, weight, batch and trainer subjects, streams and object store are its
+    own, and its resources register with the tag ``policy:<name>``. Agents reach it by
+    asking for the model of that name."""
+
+    policies: str = ""
+    """Every policy of the run, comma-separated (multi-policy: ``solver,verifier``); the
+    gateway serves each as a model and the trajectory service batches for each. The
+    first is the tasks' policy: a task's reward function scores its answers, and SRPO's
+    history resampling follows its groups. Empty = ``policy`` alone."""
 
     run_dir: Path | None = None
     """Directory for this process's spans (``spans/<service>.jsonl``) and artefacts."""
@@ -61,11 +73,35 @@ class MeshSettings(BaseSettings):
     def _valid_run_id(cls, value: str) -> str:
         return check_run_id(value)
 
+    @field_validator("policy")
+    @classmethod
+    def _valid_policy(cls, value: str) -> str:
+        return check_policy(value)
+
+    @field_validator("policies")
+    @classmethod
+    def _valid_policies(cls, value: str) -> str:
+        names = [check_policy(name) for name in _split(value)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a policy is listed twice: {value!r}")
+        return value
+
+    def policy_names(self) -> list[str]:
+        """The run's policies, the tasks' policy first."""
+        return _split(self.policies) or [self.policy]
+
     def tags(self, default: list[str]) -> list[str]:
         return _split(self.resource_tags) or default
 
     def slots(self) -> list[str]:
         return _split(self.resource_slots)
+
+
+def checkpoints_dir(run_dir: Path, policy: str = DEFAULT_POLICY) -> Path:
+    """Where a policy's trainer writes its checkpoints: ``<run_dir>/checkpoints`` for the
+    default policy (every single-policy run), ``<run_dir>/checkpoints/<policy>`` else."""
+    root = run_dir / "checkpoints"
+    return root if policy == DEFAULT_POLICY else root / check_policy(policy)
 
 
 def _split(value: str) -> list[str]:

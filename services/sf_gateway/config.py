@@ -19,9 +19,6 @@ class GatewaySettings(BaseSettings):
     public_url: str = ""
     """Base URL agents reach this gateway at; default ``http://<host>:<port>``."""
 
-    served_models: str = "policy"
-    """Comma-separated model names agents may ask for (the policies this run trains)."""
-
     max_context: int = 1024
     """Prompt plus completion tokens may not exceed this (the model's context)."""
 

@@ -1,17 +1,21 @@
 """engine worker: the rollout-gateway's second process role, one inference engine each.
 
+An engine serves one policy (``SF_POLICY``, registered with the tag ``policy:<name>``);
+``<policy>`` below is its own.
+
 Consumes:
-- ``sf.<run>.engine.generate`` (queue group ``engines``; GenerateRequest -> GenerateReply)
-- ``sf.<run>.engine.abort`` (AbortGeneration broadcast)
-- ``sf.<run>.engine.load`` (LoadWeights broadcast from weight-sync)
+- ``sf.<run>.engine.<policy>.generate`` (queue group ``engines``; GenerateRequest ->
+  GenerateReply)
+- ``sf.<run>.engine.abort`` (AbortGeneration broadcast to every engine of the run)
+- ``sf.<run>.engine.<policy>.load`` (LoadWeights broadcast from weight-sync)
 - ``sf.<run>.sched.assign.<engine>`` (request RoleAssignment -> RoleAck from the
   tag-scheduler: ``rollout`` joins the generate queue, ``idle`` leaves it)
 Produces:
 - ``GenerateChunk`` on a request's ``stream_subject`` (the gateway's inbox), while
   generating, when the request asks for streaming
-- ``sf.<run>.weights.loaded`` (WeightsLoaded: the version now served)
-- ``sf.<run>.weights.current`` requests (CurrentVersionQuery, to catch up)
-- ``sf.<run>.weights.group`` requests (WeightsGroupQuery, to join the trainer's NCCL
+- ``sf.<run>.weights.<policy>.loaded`` (WeightsLoaded: the version now served)
+- ``sf.<run>.weights.<policy>.current`` requests (CurrentVersionQuery, to catch up)
+- ``sf.<run>.weights.<policy>.group`` requests (WeightsGroupQuery, to join the trainer's NCCL
   push group when ``SF_WEIGHTS_GROUP_BACKEND=nccl``; payloads then also arrive by push)
 - ``sf.<run>.sched.register`` / ``sf.<run>.sched.heartbeat.<engine>``
 

@@ -9,12 +9,17 @@ HTTP (agents):
 - ``GET /sessions/<session>/export``: every branch of the session as training samples
 - ``GET /healthz``
 
+Multi-policy: the run's policies (``SF_POLICIES``) are served as models of the same
+names; a request's ``model`` picks the policy whose engines answer it, and the turn is
+recorded for that policy. One tokenizer (``SF_MODEL_DIR``) serves every policy.
+
 Consumes:
-- ``sf.<run>.engine.generate`` replies (GenerateReply) from engine workers, and their
-  GenerateChunks on a private inbox (which engine holds a request, tokens so far)
+- ``sf.<run>.engine.<policy>.generate`` replies (GenerateReply) from engine workers, and
+  their GenerateChunks on a private inbox (which engine holds a request, tokens so far)
 - ``sf.<run>.sched.phase`` (PhaseChanged): a dead engine's requests are re-routed
 Produces:
-- ``sf.<run>.engine.generate`` requests (GenerateRequest, queue group ``engines``)
+- ``sf.<run>.engine.<policy>.generate`` requests (GenerateRequest, queue group
+  ``engines``) and ``sf.<run>.engine.abort`` broadcasts
 - ``sf.<run>.traj.event.<session>`` (JetStream: SessionOpened, TurnRecorded,
   RewardReported, SessionFinished)
 
@@ -94,12 +99,20 @@ class GatewaySession:
 
 
 class Gateway:
-    def __init__(self, settings: GatewaySettings, bus: Bus, tokenizer: ChatTokenizer) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        bus: Bus,
+        tokenizer: ChatTokenizer,
+        policies: list[str] | None = None,
+    ) -> None:
         self.settings = settings
         self.bus = bus
         self.tokenizer = tokenizer
         self.sessions: dict[str, GatewaySession] = {}
-        self.models = [m.strip() for m in settings.served_models.split(",") if m.strip()]
+        self.models = policies or [bus.subjects.policy]
+        """The run's policies, each served as the model of the same name; a request's
+        ``model`` picks the engines (and so the weight version line) that answer it."""
         self.public_url = ""
         # engine id -> {request id -> the pending engine reply}, learnt from chunks
         self._engine_calls: dict[str, dict[str, asyncio.Future[Any]]] = {}
@@ -162,6 +175,7 @@ class Gateway:
 
     async def create_session(self, request: Request) -> Response:
         body = parse(SessionCreate, await self._json(request, allow_empty=True))
+        policy = self._check_model(body.policy, param="policy") if body.policy else self.models[0]
         session_id = "s" + uuid.uuid4().hex
         opened = SessionOpened(
             session_id=session_id,
@@ -171,7 +185,7 @@ class Gateway:
             group_size=body.group_size,
             reference=body.reference,
             reward_fn=body.reward_fn,
-            policy=body.policy,
+            policy=policy,
         )
         await self.bus.js_publish(self.bus.subjects.trajectory_event(session_id), opened)
         conversation = Conversation(
@@ -188,9 +202,16 @@ class Gateway:
     async def report_reward(self, request: Request) -> Response:
         session = self._session(request, open_only=True)
         body = parse(RewardBody, await self._json(request))
-        event = RewardReported(session_id=session.opened.session_id, reward=body.reward)
+        if body.policy:
+            self._check_model(body.policy, param="policy")
+        event = RewardReported(
+            session_id=session.opened.session_id, reward=body.reward, policy=body.policy
+        )
         await self.bus.js_publish(self.bus.subjects.trajectory_event(event.session_id), event)
-        return JSONResponse({"session_id": event.session_id, "reward": body.reward})
+        answer: dict[str, Any] = {"session_id": event.session_id, "reward": body.reward}
+        if body.policy:
+            answer["policy"] = body.policy
+        return JSONResponse(answer)
 
     async def finish_session(self, request: Request) -> Response:
         session = self._session(request, open_only=True)
@@ -225,12 +246,12 @@ class Gateway:
     async def chat_completions(self, request: Request) -> Response:
         session = self._session(request, open_only=True)
         body = parse(ChatCompletionRequest, await self._json(request))
-        self._check_model(body.model)
+        policy = self._check_model(body.model)
         body.check()
         messages, tools = body.template_messages(), body.template_tools()
         prompt_ids = self._chat_prompt_ids(session, messages, tools)
         parser = self.tool_parser if body.parses_tool_calls else None
-        plan = self._plan(body, prompt_ids, hold_from=parser.start_marker if parser else "")
+        plan = self._plan(body, policy, prompt_ids, hold_from=parser.start_marker if parser else "")
         view = ChatFormat(
             model=body.model,
             token_text=self.tokenizer.token_text,
@@ -260,7 +281,7 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         session = self._session(request, open_only=True)
         body = parse(CompletionRequest, await self._json(request))
-        self._check_model(body.model)
+        policy = self._check_model(body.model)
         body.check()
         if isinstance(body.prompt, str):
             prompt_ids = self.tokenizer.encode_text(body.prompt)
@@ -271,7 +292,7 @@ class Gateway:
                 raise ApiError(
                     400, f"prompt has token ids outside the vocabulary: {bad[:5]}", param="prompt"
                 )
-        plan = self._plan(body, prompt_ids, hold_from="")
+        plan = self._plan(body, policy, prompt_ids, hold_from="")
         view = CompletionFormat(
             model=body.model,
             token_text=self.tokenizer.token_text,
@@ -297,10 +318,15 @@ class Gateway:
         return session.conversation.prompt_for(messages, tools).ids
 
     def _plan(
-        self, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], hold_from: str
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        policy: str,
+        prompt_ids: list[int],
+        hold_from: str,
     ) -> Plan:
         stop = body.stop_strings
         return Plan(
+            policy=policy,
             prompt_ids=prompt_ids,
             max_tokens=self._check_budget(
                 prompt_ids, body.token_budget(self.settings.default_max_tokens)
@@ -411,6 +437,7 @@ class Gateway:
             versions=choice.versions,
             finish_reason=choice.finish_reason,
             completion_text=choice.text,
+            policy=plan.policy,
         )
         await self.bus.js_publish(self.bus.subjects.trajectory_event(turn.session_id), turn)
         session.turns += 1
@@ -442,7 +469,7 @@ class Gateway:
                 stream_subject=self.bus.nc.new_inbox(),
             )
             try:
-                reply = await self._call_engine(request, choice, turn.on_update)
+                reply = await self._call_engine(request, plan.policy, choice, turn.on_update)
             except NoResponder as exc:
                 if time.monotonic() < engine_wait_deadline:
                     await asyncio.sleep(0.2)
@@ -485,10 +512,14 @@ class Gateway:
                 pass
 
     async def _call_engine(
-        self, request: GenerateRequest, choice: Choice, on_update: Callable[[], None]
+        self,
+        request: GenerateRequest,
+        policy: str,
+        choice: Choice,
+        on_update: Callable[[], None],
     ) -> GenerateReply:
-        """One engine request; its tokens go into ``choice`` as chunks arrive (if the
-        request streams) and from the reply, which is authoritative."""
+        """One request to an engine of ``policy``; its tokens go into ``choice`` as chunks
+        arrive (if the request streams) and from the reply, which is authoritative."""
         chunks: asyncio.Queue[bytes] = asyncio.Queue()
         subscription = None
         if request.stream_subject:  # subscribed before asking: no chunk is missed
@@ -499,7 +530,7 @@ class Gateway:
             subscription = await self.bus.nc.subscribe(request.stream_subject, cb=on_chunk)
         reply_task = asyncio.ensure_future(
             self.bus.request(
-                self.bus.subjects.engine_generate(),
+                self.bus.subjects.for_policy(policy).engine_generate(),
                 request,
                 GenerateReply,
                 timeout=self.settings.generate_timeout_s,
@@ -615,14 +646,16 @@ class Gateway:
             raise ApiError(409, f"session {session_id!r} has finished", code="session_finished")
         return session
 
-    def _check_model(self, model: str) -> None:
+    def _check_model(self, model: str, param: str = "model") -> str:
+        """The policy a model name picks (they are the same name)."""
         if model not in self.models:
             raise ApiError(
                 404,
                 f"model {model!r} does not exist; served: {self.models}",
-                param="model",
+                param=param,
                 code="model_not_found",
             )
+        return model
 
     def _check_budget(self, prompt_ids: list[int], max_tokens: int) -> int:
         if not prompt_ids:
@@ -665,6 +698,8 @@ def _sse(data: dict[str, Any]) -> bytes:
 class Plan:
     """What every choice of one request asks the engines for."""
 
+    policy: str
+    """Whose engines answer (the request's ``model``)."""
     prompt_ids: list[int]
     max_tokens: int
     n: int
@@ -745,7 +780,7 @@ class GatewayService:
         if ctx.mesh.model_dir is None:
             raise RuntimeError("the gateway needs SF_MODEL_DIR (the tokenizer lives there)")
         tokenizer = await asyncio.to_thread(ChatTokenizer, ctx.mesh.model_dir)
-        self.gateway = Gateway(self.settings, ctx.bus, tokenizer)
+        self.gateway = Gateway(self.settings, ctx.bus, tokenizer, ctx.mesh.policy_names())
         await ctx.bus.nc.subscribe(ctx.subjects.sched_phase(), cb=self.gateway.on_phase)
         config = uvicorn.Config(
             self.gateway.app(),

@@ -241,13 +241,18 @@ class SessionCreate(BaseModel):
     group_size: int = Field(default=1, ge=1)
     reference: str = ""
     reward_fn: str = ""
-    policy: str = "default"
+    policy: str = ""
+    """The task's policy (its answers are what ``reward_fn`` scores); empty = the run's
+    first policy."""
 
 
 class RewardBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reward: float = Field(allow_inf_nan=False)
+    policy: str = ""
+    """Which policy the reward is for (multi-policy agents report one per policy);
+    empty = every policy of the session without one of its own."""
 
 
 def parse(model: type[Any], body: Any) -> Any:

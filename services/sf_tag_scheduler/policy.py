@@ -208,6 +208,11 @@ class TagPolicy:
             member.alive = False
         self.lent.discard(resource_id)
 
+    def forget(self, resource_id: str) -> None:
+        """It registered again for another policy: no longer one of this pool."""
+        self.members.pop(resource_id, None)
+        self.lent.discard(resource_id)
+
     def revive(self, resource_id: str) -> None:
         member = self.members.get(resource_id)
         if member is not None:

@@ -18,6 +18,12 @@ Produces:
 
 The decisions themselves are made by :class:`sf_tag_scheduler.policy.TagPolicy`, the
 same object the simulator drives; this module only does the I/O around it.
+
+Multi-policy: every resource names its policy with a ``policy:<name>`` tag (default
+``policy``), and each policy's trainer claims and releases for that policy. The
+scheduler keeps one ``TagPolicy`` per policy: an engine is lent only while the trainer
+of its own policy waits, and reclaimed when that trainer claims. (Lending a slot to
+another policy's rollout would need the engine to swap models; not done.)
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from nats.aio.msg import Msg
 from seamlessflow import telemetry
 from seamlessflow.bus import NoResponder, RemoteError
 from seamlessflow.protocol import (
+    DEFAULT_POLICY,
     Heartbeat,
     LendReport,
     PhaseChanged,
@@ -44,8 +51,10 @@ from seamlessflow.protocol import (
     SlotsClaim,
     SlotsGranted,
     SlotsReleased,
+    check_policy,
     check_token,
     decode,
+    policy_of_tags,
 )
 from seamlessflow.service import ServiceContext, supervise
 from sf_tag_scheduler.config import TagSchedulerSettings
@@ -58,6 +67,7 @@ tracer = telemetry.tracer(__name__)
 @dataclass
 class ResourceState:
     view: ResourceView
+    policy: str
     role: str
     phase: str = "idle"
     last_seen: float = 0.0
@@ -69,14 +79,22 @@ class TagScheduler:
 
     def __init__(self, settings: TagSchedulerSettings | None = None) -> None:
         self.settings = settings or TagSchedulerSettings()
-        self.policy = TagPolicy(self.settings.policy_config())
+        self.policies: dict[str, TagPolicy] = {}
+        """Policy name -> the decisions for its resources and its trainer."""
         self.resources: dict[str, ResourceState] = {}
         self.ready = asyncio.Event()
-        self._lends: asyncio.Queue[LendPlan] = asyncio.Queue()
+        self._lends: asyncio.Queue[tuple[str, LendPlan]] = asyncio.Queue()
         self._reassign: asyncio.Queue[str] = asyncio.Queue()
-        self.trainer_version = 0
-        """The newest version the trainer released its slots with: lent engines serve
-        no older weights."""
+        self.trainer_versions: dict[str, int] = {}
+        """Per policy, the newest version its trainer released its slots with: engines
+        lent to it serve no older weights."""
+
+    def decisions(self, policy: str = DEFAULT_POLICY) -> TagPolicy:
+        """The scheduling policy object of one (RL) policy, made on first use."""
+        decisions = self.policies.get(policy)
+        if decisions is None:
+            decisions = self.policies[policy] = TagPolicy(self.settings.policy_config())
+        return decisions
 
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
@@ -97,18 +115,23 @@ class TagScheduler:
         check_token(request.resource_id, "resource id")
         for slot in request.slots:
             check_token(slot, "slot")
+        policy = policy_of_tags(request.tags)
         view = ResourceView(
             request.resource_id,
             request.kind,
             frozenset(request.tags),
             tuple(request.slots) or (request.resource_id,),
         )
-        self.policy.add(view)
-        # A lendable engine joining while the trainer waits may be lent at once.
-        self._lend_others(self.policy.rebalance(time.monotonic()), request.resource_id)
-        decision = self.policy.role_of(request.resource_id)
+        previous = self.resources.get(request.resource_id)
+        if previous is not None and previous.policy != policy:
+            self.decisions(previous.policy).forget(request.resource_id)
+        decisions = self.decisions(policy)
+        decisions.add(view)
+        # A lendable engine joining while its trainer waits may be lent at once.
+        self._lend_others(policy, decisions.rebalance(time.monotonic()), request.resource_id)
+        decision = decisions.role_of(request.resource_id)
         self.resources[request.resource_id] = ResourceState(
-            view=view, role=decision.role, last_seen=time.time()
+            view=view, policy=policy, role=decision.role, last_seen=time.time()
         )
         await self._store(request.resource_id)
         log.info(
@@ -126,11 +149,14 @@ class TagScheduler:
     async def on_claim(self, claim: SlotsClaim) -> SlotsGranted:
         """Reclaim every lent engine; reply once each released its slot (or timed out)."""
         started = time.monotonic()
-        plan = self.policy.trainer_claims(started)
+        check_policy(claim.policy)
+        decisions = self.decisions(claim.policy)
+        plan = decisions.trainer_claims(started)
         with tracer.start_as_current_span(
             "sched.reclaim",
             attributes={
                 "trainer.id": claim.trainer_id,
+                "policy": claim.policy,
                 "batch.index": claim.batch_index,
                 "reclaimed": list(plan.reclaim),
             },
@@ -145,30 +171,38 @@ class TagScheduler:
             span.set_attribute("lent_busy_s", sum(a.busy_s for a in acks if a))
             span.set_attribute("missed", missed)
         if plan.reclaim:
-            self.policy.observe_reclaim(seconds)
+            decisions.observe_reclaim(seconds)
             log.info("reclaimed %s in %.3fs (missed %s)", list(plan.reclaim), seconds, missed)
         return SlotsGranted(reclaimed=list(plan.reclaim), seconds=seconds, missed=missed)
 
     async def on_release(self, release: SlotsReleased) -> LendReport:
         """The trainer waits: decide now, lend in the background (the trainer goes on)."""
-        self.trainer_version = max(self.trainer_version, release.version)
-        plan = self.policy.trainer_waiting(time.monotonic())
+        check_policy(release.policy)
+        self.trainer_versions[release.policy] = max(
+            self.trainer_versions.get(release.policy, 0), release.version
+        )
+        decisions = self.decisions(release.policy)
+        plan = decisions.trainer_waiting(time.monotonic())
         with tracer.start_as_current_span(
             "sched.decide",
             attributes={
                 "trainer.id": release.trainer_id,
+                "policy": release.policy,
                 "version": release.version,
                 "lent": list(plan.lend),
                 "reason": plan.reason,
                 "expected_wait_s": _span_seconds(plan.expected_wait_s),
                 "gain_s": _span_seconds(plan.gain_s),
                 "cost_s": plan.cost_s,
-                "lend_in_s": self.policy.lend_cost.value or 0.0,
+                "lend_in_s": decisions.lend_cost.value or 0.0,
             },
         ):
             if plan.lend:
-                self._lends.put_nowait(plan)
-        log.info("trainer waits (v%d): lend %s: %s", release.version, list(plan.lend), plan.reason)
+                self._lends.put_nowait((release.policy, plan))
+        log.info(
+            "trainer of %s waits (v%d): lend %s: %s",
+            release.policy, release.version, list(plan.lend), plan.reason,
+        )  # fmt: skip
         return LendReport(
             lent=list(plan.lend),
             reason=plan.reason,
@@ -179,11 +213,12 @@ class TagScheduler:
 
     async def _lend_loop(self) -> None:
         while True:
-            plan = await self._lends.get()
+            policy, plan = await self._lends.get()
             started = time.monotonic()
             with tracer.start_as_current_span(
                 "sched.lend",
                 attributes={
+                    "policy": policy,
                     "lent": list(plan.lend),
                     "reason": plan.reason,
                     "expected_wait_s": _span_seconds(plan.expected_wait_s),
@@ -196,22 +231,25 @@ class TagScheduler:
                 span.set_attribute("seconds", time.monotonic() - started)
             for ack in acks:
                 if ack is not None:
-                    self.policy.observe_lend(ack.seconds)
+                    self.decisions(policy).observe_lend(ack.seconds)
 
     async def _reassign_loop(self) -> None:
         """A resource back from the dead is told the role it should play now (it may
         still believe in a lend that was cancelled when it was declared dead)."""
         while True:
             resource_id = await self._reassign.get()
-            if resource_id in self.policy.members:
-                decision = self.policy.role_of(resource_id)
+            decisions = self.decisions(self.resources[resource_id].policy)
+            if resource_id in decisions.members:
+                decision = decisions.role_of(resource_id)
                 await self._assign(
                     resource_id, decision.role, decision.reason, self.settings.reclaim_timeout_s
                 )
 
     def _assignment(self, resource_id: str, role: Role, reason: str) -> RoleAssignment:
-        # a lent engine serves no older weights than the trainer just published
-        min_version = self.trainer_version if role == "rollout" else 0
+        # a lent engine serves no older weights than its trainer just published
+        state = self.resources.get(resource_id)
+        policy = state.policy if state is not None else DEFAULT_POLICY
+        min_version = self.trainer_versions.get(policy, 0) if role == "rollout" else 0
         return RoleAssignment(
             resource_id=resource_id, role=role, reason=reason, min_version=min_version
         )
@@ -259,7 +297,7 @@ class TagScheduler:
         revived = not state.alive
         state.alive = True
         if revived:
-            self.policy.revive(beat.resource_id)
+            self.decisions(state.policy).revive(beat.resource_id)
             self._reassign.put_nowait(beat.resource_id)
         if beat.phase != state.phase or revived:
             state.phase = beat.phase
@@ -276,26 +314,30 @@ class TagScheduler:
             for resource_id, state in list(self.resources.items()):
                 if state.alive and now - state.last_seen > self.settings.dead_after_s:
                     state.alive = False
-                    self.policy.remove(resource_id)
+                    decisions = self.decisions(state.policy)
+                    decisions.remove(resource_id)
                     log.warning("resource %s missed heartbeats: declared dead", resource_id)
                     await self.ctx.bus.publish(
                         self.ctx.subjects.sched_phase(),
                         PhaseChanged(resource_id=resource_id, phase="dead"),
                     )
                     await self._store(resource_id)
-                    self._lend_others(self.policy.rebalance(time.monotonic()), resource_id)
+                    self._lend_others(
+                        state.policy, decisions.rebalance(time.monotonic()), resource_id
+                    )
 
-    def _lend_others(self, plan: LendPlan, except_id: str) -> None:
+    def _lend_others(self, policy: str, plan: LendPlan, except_id: str) -> None:
         """Queue the lends of ``plan`` except ``except_id`` (told in its registration reply)."""
         others = tuple(rid for rid in plan.lend if rid != except_id)
         if others:
-            self._lends.put_nowait(replace(plan, lend=others))
+            self._lends.put_nowait((policy, replace(plan, lend=others)))
 
     async def _store(self, resource_id: str) -> None:
         state = self.resources[resource_id]
         record = {
             "resource_id": resource_id,
             "kind": state.view.kind,
+            "policy": state.policy,
             "tags": sorted(state.view.tags),
             "slots": list(state.view.slots),
             "lendable": state.view.lendable,

@@ -1,6 +1,7 @@
 """Trainer checkpoints: the policy in HF layout, the optimizer, and where training stood.
 
-A checkpoint is one directory (``<run_dir>/checkpoints/step-<n>`` or ``final``):
+A checkpoint is one directory (``<run_dir>/checkpoints/step-<n>`` or ``final``; a policy
+other than the default one keeps its own under ``<run_dir>/checkpoints/<policy>/``):
 - ``config.json``, ``generation_config.json``, ``model*.safetensors`` and the tokenizer:
   HF layout, loadable with ``from_pretrained``;
 - ``optimizer.pt``: the full optimizer state in torch.distributed.checkpoint's
@@ -34,6 +35,9 @@ import torch
 from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedModel
+
+from seamlessflow import settings
+from seamlessflow.protocol import DEFAULT_POLICY
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -120,14 +124,14 @@ def latest(root: Path) -> Path | None:
     return max(candidates, key=lambda p: (read_state(p).step, (p / STATE_FILE).stat().st_mtime))
 
 
-def resolve_resume(resume: str, run_dir: Path | None) -> Path | None:
+def resolve_resume(resume: str, run_dir: Path | None, policy: str = DEFAULT_POLICY) -> Path | None:
     """The checkpoint ``SF_TRAINER_RESUME`` names; None = start from the base model."""
     if not resume:
         return None
     if resume == LATEST:
         if run_dir is None:
             raise ValueError(f"SF_TRAINER_RESUME={LATEST} needs SF_RUN_DIR")
-        return latest(run_dir / "checkpoints")
+        return latest(settings.checkpoints_dir(run_dir, policy))
     path = Path(resume)
     for name in (STATE_FILE, OPTIMIZER_FILE):
         if not (path / name).is_file():

@@ -1,22 +1,26 @@
 """trainer: pulls batches, takes GRPO steps, checkpoints and publishes weight versions.
 
+A trainer trains one policy (``SF_POLICY``); a multi-policy run has one per policy, and
+the ``<policy>`` in the names below is its own.
+
 Consumes:
-- ``sf.<run>.batch.ready`` (JetStream ``SF_<RUN>_BATCH``, durable consumer ``trainer``:
-  TrainBatch; acked only after the step's weights are published)
+- ``sf.<run>.batch.<policy>.ready`` (JetStream ``SF_<RUN>_BATCH-<policy>``, durable
+  consumer ``trainer``: TrainBatch; acked only after the step's weights are published)
 - ``sf.<run>.sched.assign.<trainer>`` (RoleAssignment)
 Produces:
 - weight payloads (``seamlessflow.weights``: full or delta, in the NATS Object Store or
   shared memory, complete before announced; the trainer deletes chains it no longer keeps)
-- ``sf.<run>.weights.published`` (JetStream: WeightsPublished)
+- ``sf.<run>.weights.<policy>.published`` (JetStream: WeightsPublished)
 - with a push group (``SF_WEIGHTS_GROUP_*``): each payload broadcast to the group's
-  engines; with ``nccl`` it answers ``sf.<run>.weights.group`` (the NCCL unique id)
-- ``sf.<run>.train.metrics`` / ``sf.<run>.train.finished`` (JetStream)
+  engines; with ``nccl`` it answers ``sf.<run>.weights.<policy>.group`` (the NCCL id)
+- ``sf.<run>.train.<policy>.metrics`` / ``.finished`` (JetStream ``SF_<RUN>_METRICS``)
 - ``sf.<run>.sched.register`` / ``sf.<run>.sched.heartbeat.<trainer>``
 - ``sf.<run>.sched.claim`` (SlotsClaim: a batch is here, reclaim engines lent from my
   slots) before each step; ``sf.<run>.sched.release`` (SlotsReleased: I wait, my
   slots may be lent) after each publish and at start
-- ``<run_dir>/checkpoints/final`` and ``<run_dir>/checkpoints/step-<n>``
-  (``sf_trainer.checkpoint``: HF layout, optimizer state, step / version / data position)
+- ``<run_dir>/checkpoints/final`` and ``<run_dir>/checkpoints/step-<n>`` (another
+  policy than the default: ``checkpoints/<policy>/...``; ``sf_trainer.checkpoint``: HF
+  layout, optimizer state, step / version / data position)
 
 Version 0 is the base model and each optimizer step publishes the next version.
 Versions only go up: at start the trainer numbers its versions after the newest one in
@@ -61,6 +65,7 @@ from seamlessflow.protocol import (
 )
 from seamlessflow.resources import ResourceMembership
 from seamlessflow.service import ServiceContext
+from seamlessflow.settings import checkpoints_dir
 from seamlessflow.weights.group import form_as_trainer
 from seamlessflow.weights.settings import WeightTransferSettings, publisher
 from sf_trainer import checkpoint
@@ -97,6 +102,7 @@ class Trainer:
         if ctx.mesh.model_dir is None:
             raise RuntimeError("the trainer needs SF_MODEL_DIR")
         self.ctx = ctx
+        self.policy = ctx.subjects.policy
         self.model_dir = ctx.mesh.model_dir
         # Every Learner call runs on this one thread, in call order: the collectives are
         # issued in the order the other ranks replay them, even when a stop comes while
@@ -150,7 +156,7 @@ class Trainer:
         """Start from ``SF_TRAINER_RESUME`` if set, and number versions after every
         version already announced (engines never go back; JetStream would also drop a
         reused ``weights-v<n>`` message id as a duplicate)."""
-        path = checkpoint.resolve_resume(self.settings.resume, self.ctx.mesh.run_dir)
+        path = checkpoint.resolve_resume(self.settings.resume, self.ctx.mesh.run_dir, self.policy)
         if path is not None:
             state = await self._on_learner(self.learner.restore, path)
             self.step, self.version = state.step, state.version
@@ -192,6 +198,11 @@ class Trainer:
                 log.error("terminating malformed batch: %s", exc)
                 await msg.term()
                 continue
+            if batch.policy != self.policy:
+                log.error("terminating batch %d of policy %r on %r's stream",
+                          batch.batch_index, batch.policy, self.policy)  # fmt: skip
+                await msg.term()
+                continue
             if batch.batch_index <= self.data_position:
                 # trained before the checkpoint this trainer resumed from
                 log.info("batch %d is at or before data position %d: acked, not trained",
@@ -209,10 +220,13 @@ class Trainer:
             await self.ctx.bus.js_publish(
                 self.ctx.subjects.train_finished(),
                 TrainingFinished(
-                    steps=self.step, final_version=self.version, checkpoint_dir=str(final)
+                    steps=self.step,
+                    final_version=self.version,
+                    checkpoint_dir=str(final),
+                    policy=self.policy,
                 ),
                 # by version: after a resume, step numbers repeat, versions never do
-                msg_id=f"finished-v{self.version}",
+                msg_id=f"finished-{self.policy}-v{self.version}",
             )
             log.info("training finished after %d steps (version %d)", self.step, self.version)
 
@@ -235,14 +249,16 @@ class Trainer:
 
     async def _claim_slots(self, batch_index: int) -> None:
         """Take back the slots lent to rollout; train only once they are free."""
-        claim = SlotsClaim(trainer_id=self.trainer_id, batch_index=batch_index)
+        claim = SlotsClaim(trainer_id=self.trainer_id, batch_index=batch_index, policy=self.policy)
         granted = await self._ask_scheduler(self.ctx.subjects.sched_claim(), claim, SlotsGranted)
         if granted is not None and granted.missed:
             log.warning("engines %s did not release their slots in time", granted.missed)
 
     async def _release_slots(self) -> None:
         """Waiting for a batch: the scheduler may lend my slots to rollout meanwhile."""
-        release = SlotsReleased(trainer_id=self.trainer_id, version=self.version)
+        release = SlotsReleased(
+            trainer_id=self.trainer_id, version=self.version, policy=self.policy
+        )
         report = await self._ask_scheduler(self.ctx.subjects.sched_release(), release, LendReport)
         if report is not None and report.lent:
             log.debug("slots lent to %s: %s", report.lent, report.reason)
@@ -284,6 +300,7 @@ class Trainer:
         publish_seconds = time.monotonic() - started
         self.membership.version = self.version
         metrics = TrainStepMetrics(
+            policy=self.policy,
             step=self.step,
             version=self.version,
             batch_index=batch.batch_index,
@@ -306,7 +323,9 @@ class Trainer:
             weights_state_bytes=manifest.state_bytes,
         )
         await self.ctx.bus.js_publish(
-            self.ctx.subjects.train_metrics(), metrics, msg_id=f"metrics-v{self.version}"
+            self.ctx.subjects.train_metrics(),
+            metrics,
+            msg_id=f"metrics-{self.policy}-v{self.version}",
         )
         every = self.settings.checkpoint_every
         if every and self.step % every == 0 and self.ctx.mesh.run_dir is not None:
@@ -324,10 +343,11 @@ class Trainer:
         return result
 
     def save_checkpoint(self, name: str) -> Path:
-        """``<run_dir>/checkpoints/<name>`` (``sf_trainer.checkpoint``); learner thread."""
+        """``<checkpoints>/<name>`` (``sf_trainer.checkpoint``); learner thread."""
         assert self.ctx.mesh.run_dir is not None
         state = TrainerState(step=self.step, version=self.version, data_position=self.data_position)
-        return self.learner.save(self.ctx.mesh.run_dir / "checkpoints" / name, state)
+        root = checkpoints_dir(self.ctx.mesh.run_dir, self.policy)
+        return self.learner.save(root / name, state)
 
     def _save_final(self) -> Path:
         final = self.save_checkpoint("final")

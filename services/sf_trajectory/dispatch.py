@@ -24,7 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from seamlessflow.protocol import ChatMessage, EpochFilterReport, NoTask, TaskAssignment
+from seamlessflow.protocol import (
+    DEFAULT_POLICY,
+    ChatMessage,
+    EpochFilterReport,
+    NoTask,
+    TaskAssignment,
+)
 from sf_trajectory.schedule import Stage, stage_of_batch
 
 if TYPE_CHECKING:
@@ -73,6 +79,7 @@ class Dispatcher:
         next_group: int = 0,
         data_filters: DataFilters | None = None,
         recorded_epochs: Sequence[EpochFilterReport] = (),
+        task_policy: str = DEFAULT_POLICY,
     ) -> None:
         if not stages:
             raise ValueError("the schedule has no stages")
@@ -82,6 +89,8 @@ class Dispatcher:
         self.total_groups = total_batches * groups_per_batch if total_batches > 0 else None
         self.max_batches_ahead = max_batches_ahead
         self.seed = seed
+        self.task_policy = task_policy
+        """The policy whose answers a task's reward function scores (the run's first)."""
         self.next_group = next_group
         self.next_sample = 0
         self.data_filters = data_filters
@@ -122,6 +131,7 @@ class Dispatcher:
             messages=[ChatMessage(role=m["role"], content=m["content"]) for m in item.messages],
             reference=item.reference,
             reward_fn=stage.reward_fn,
+            policy=self.task_policy,
         )
         self.next_sample += 1
         if self.next_sample == self.group_size:

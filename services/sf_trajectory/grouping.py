@@ -2,6 +2,13 @@
 
 No I/O here, so it is tested directly and rebuilt deterministically by replaying the
 trajectory stream after a restart.
+
+Multi-policy: one session may call several policies (a solver and a verifier). Each
+policy has its own ``Grouper``, fed every event: it keeps the turns its engines made,
+so a session yields one sample per policy it used, in that policy's group and batch.
+Rewards: a reward reported for the policy wins, then one reported for the whole
+session; the task's verifier (``reward_fn``) scores only the task's policy's answer
+(``SessionOpened.policy``), since the other policies answer other questions.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from seamlessflow.protocol import (
+    DEFAULT_POLICY,
     ExportedSample,
     RewardReported,
     SampleGroup,
@@ -31,9 +39,15 @@ RewardLookup = Callable[[str], Callable[[str, str], float]]
 
 @dataclass
 class Session:
+    """One session as one policy sees it: only the turns that policy's engines made."""
+
     opened: SessionOpened
+    policy: str = DEFAULT_POLICY
     turns: list[TurnRecorded] = field(default_factory=list)
     reported_reward: float | None = None
+    reported_for_policy: bool = False
+    """``reported_reward`` was reported for this policy by name (a session-wide report
+    then no longer overrides it)."""
     finished: bool = False
     verified_reward: float | None = None
     """The verifier's score, computed off the event loop before the finish is applied
@@ -95,50 +109,66 @@ def build_sample(session: Session, reward: float) -> TrainSample | None:
 
 
 def session_reward(session: Session, reward_lookup: RewardLookup) -> float | None:
-    """A reward the agent reported wins; else the task's verifier on the last answer."""
+    """A reward the agent reported wins; else the task's verifier on the last answer
+    (of the task's policy only)."""
     if session.reported_reward is not None:
         return session.reported_reward
     if session.verified_reward is not None:
         return session.verified_reward
     if session.verification_failed or not session.turns or not session.opened.reward_fn:
         return None
+    if session.policy != session.opened.policy:
+        return None
     reward_fn = reward_lookup(session.opened.reward_fn)
     return float(reward_fn(session.turns[-1].completion_text, session.opened.reference))
 
 
+def record_reward(session: Session, event: RewardReported) -> None:
+    """Apply a reported reward to one policy's view of the session."""
+    if event.policy == session.policy:
+        session.reported_reward, session.reported_for_policy = event.reward, True
+    elif not event.policy and not session.reported_for_policy:
+        session.reported_reward = event.reward
+
+
 def export_session(events: list[TrajectoryEvent], reward_lookup: RewardLookup) -> SessionExport:
-    """Every branch of one session's conversation tree, from its stored events."""
+    """Every branch of one session's conversation tree, per policy, from its events."""
     opened = next((e for e in events if isinstance(e, SessionOpened)), None)
     if opened is None:
         raise ValueError("the events hold no SessionOpened")
-    session = Session(opened=opened)
+    policies = [opened.policy]
     for event in events:
-        if isinstance(event, TurnRecorded):
-            session.turns.append(event)
-        elif isinstance(event, RewardReported):
-            session.reported_reward = event.reward
-        elif isinstance(event, SessionFinished):
-            session.finished = True
-    reward = session_reward(session, reward_lookup) if session.finished else None
+        if isinstance(event, TurnRecorded) and event.policy not in policies:
+            policies.append(event.policy)
+    finished = any(isinstance(e, SessionFinished) for e in events)
     samples = []
-    for leaf in leaves(session.turns):
-        sample, on_path = branch(session.turns, leaf)
-        final = leaf is session.turns[-1]
-        samples.append(
-            ExportedSample(
-                token_ids=sample.token_ids,
-                loss_mask=sample.loss_mask,
-                behaviour_logprobs=sample.behaviour_logprobs,
-                versions=sample.versions,
-                turn_indexes=on_path,
-                final=final,
-                reward=reward if final else None,
+    for policy in policies:
+        session = Session(opened=opened, policy=policy, finished=finished)
+        for event in events:
+            if isinstance(event, TurnRecorded) and event.policy == policy:
+                session.turns.append(event)
+            elif isinstance(event, RewardReported):
+                record_reward(session, event)
+        reward = session_reward(session, reward_lookup) if finished else None
+        for leaf in leaves(session.turns):
+            sample, on_path = branch(session.turns, leaf)
+            final = leaf is session.turns[-1]
+            samples.append(
+                ExportedSample(
+                    token_ids=sample.token_ids,
+                    loss_mask=sample.loss_mask,
+                    behaviour_logprobs=sample.behaviour_logprobs,
+                    versions=sample.versions,
+                    turn_indexes=on_path,
+                    final=final,
+                    reward=reward if final else None,
+                    policy=policy,
+                )
             )
-        )
     return SessionExport(
         session_id=opened.session_id,
         task_id=opened.task_id,
-        finished=session.finished,
+        finished=finished,
         samples=samples,
     )
 
@@ -167,7 +197,8 @@ class BatchTally:
 
 
 class Grouper:
-    """Folds trajectory events into complete groups, and groups into batches.
+    """Folds trajectory events into complete groups, and groups into batches, for one
+    policy (``policy``): only turns its engines made go into its samples.
 
     ``already_batched`` holds the session ids that are in a published batch already:
     replaying the event stream after a restart skips them, so no trajectory is batched
@@ -183,7 +214,9 @@ class Grouper:
         already_batched: set[str] | None = None,
         *,
         filters: DataFilters | None = None,
+        policy: str = DEFAULT_POLICY,
     ):
+        self.policy = policy
         self.reward_lookup = reward_lookup
         self.already_batched = already_batched or set()
         self.filters = filters or DataFilters()
@@ -207,7 +240,7 @@ class Grouper:
         if isinstance(event, SessionOpened):
             if event.session_id in self.already_batched:
                 return
-            self.sessions[event.session_id] = Session(opened=event)
+            self.sessions[event.session_id] = Session(opened=event, policy=self.policy)
             self.groups.setdefault(
                 event.group_id, Group(event.group_id, event.task_id, event.group_size)
             )
@@ -216,9 +249,10 @@ class Grouper:
         if session is None or session.finished:
             return  # batched before a restart, or an event after finish: nothing to do
         if isinstance(event, TurnRecorded):
-            session.turns.append(event)
+            if event.policy == self.policy:
+                session.turns.append(event)
         elif isinstance(event, RewardReported):
-            session.reported_reward = event.reward
+            record_reward(session, event)
         elif isinstance(event, SessionFinished):
             session.finished = True
             self._finish(session)
@@ -233,6 +267,8 @@ class Grouper:
         session = self.sessions.get(event.session_id)
         if session is None or session.finished or session.reported_reward is not None:
             return None
+        if session.policy != session.opened.policy or not session.opened.reward_fn:
+            return None  # only the task's policy is scored by the task's verifier
 
         def verify() -> None:
             try:

@@ -7,20 +7,30 @@ Consumes:
   TurnRecorded, RewardReported, SessionFinished from the gateway), replayed from the
   stream's start on every start-up, so a restart rebuilds exactly the open sessions
 - ``sf.<run>.task.claim`` (request TaskClaim -> reply TaskAssignment | NoTask)
-- ``sf.<run>.train.metrics`` (TrainStepMetrics: how far the trainer has consumed)
+- ``sf.<run>.train.<policy>.metrics`` (TrainStepMetrics: how far each policy's trainer
+  has consumed)
 - ``sf.<run>.data.epoch`` (JetStream ``SF_<RUN>_METRICS``: its own EpochFilterReports,
   read once on start-up to rebuild every epoch's prompt order)
-Produces:
-- ``sf.<run>.batch.ready`` (JetStream ``SF_<RUN>_BATCH``: TrainBatch, message id
-  ``batch-<index>`` so a re-publish after a restart lands once)
-- ``sf.<run>.data.batch`` (JetStream ``SF_<RUN>_METRICS``: BatchFilterReport after each
-  batch, message id ``data-batch-<index>``)
+Produces, for each policy of the run (``SF_POLICIES``):
+- ``sf.<run>.batch.<policy>.ready`` (JetStream ``SF_<RUN>_BATCH-<policy>``: TrainBatch,
+  message id ``batch-<index>`` so a re-publish after a restart lands once)
+- ``sf.<run>.data.<policy>.batch`` (JetStream ``SF_<RUN>_METRICS``: BatchFilterReport
+  after each batch, message id ``data-batch-<policy>-<index>``)
+and once for the run:
 - ``sf.<run>.data.epoch`` (JetStream ``SF_<RUN>_METRICS``: EpochFilterReport when an
   epoch or stage starts, message id ``data-epoch-<stage>-<epoch>``; published before
   the claim that opens the epoch is answered)
 
 Data algorithms (``data_filters``) and the stage schedule (``schedule``) are configured
 by ``SF_TRAJECTORY_DATA_FILTERS`` and ``SF_TRAJECTORY_STAGES``.
+
+Multi-policy: each policy is a ``PolicyLine`` with its own grouper, group filters,
+batch indexes and trainer progress; a session gives each policy the sample of the
+turns that policy made. Tasks and epochs are shared: the dispatcher's rhythm follows
+the slowest trainer, refills for the policy that lost the most groups, and switches
+stage once every policy published the earlier stages' batches. A policy whose trainer
+finished its steps no longer sets the pace. SRPO's history
+resampling follows the task's policy (the first), whose answers the tasks score.
 
 Durability (invariant 4): a session that is in a published batch is never batched
 again (the batch stream is read at start-up); a completed session that is not yet in
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import nats.errors
 import nats.js.errors
@@ -44,9 +55,11 @@ from seamlessflow.protocol import (
     SessionExport,
     SessionExportQuery,
     SessionOpened,
+    Subjects,
     TaskAssignment,
     TaskClaim,
     TrainBatch,
+    TrainingFinished,
     TrainStepMetrics,
     TrajectoryEvent,
     decode,
@@ -63,13 +76,31 @@ log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
 
 
+@dataclass
+class PolicyLine:
+    """One policy's side of the trajectory service: its samples, groups and batches."""
+
+    subjects: Subjects
+    grouper: Grouper
+    next_batch_index: int = 0
+    """Index of the next batch this policy's trainer gets (= the version training it)."""
+    trained_batches: int = 0
+    """Batches the policy's trainer has consumed (from its metrics)."""
+    finished: bool = False
+    """Its trainer reached its step budget (TrainingFinished): it no longer sets the pace."""
+
+    @property
+    def policy(self) -> str:
+        return self.subjects.policy
+
+
 class TrajectoryService:
     name = "trajectory"
 
     def __init__(self, settings: TrajectorySettings | None = None) -> None:
         self.settings = settings or TrajectorySettings()
-        self.trained_batches = 0
-        self.next_batch_index = 0
+        self.lines: dict[str, PolicyLine] = {}
+        """Policy name -> its line, the task's policy first."""
         self.malformed_events = 0
         self.ready = asyncio.Event()
         self._claims = asyncio.Lock()
@@ -80,10 +111,14 @@ class TrajectoryService:
         self.ctx = ctx
         subjects = ctx.subjects
         self.stages = build_stages(self.settings.stage_specs(), self.settings.seed)
-        self.filters = DataFilters.from_settings(self.settings.data_filter_names(), self.settings)
-        batched_sessions = await self._load_batched_sessions()
-        self.trained_batches = await self._load_trained_batches()
-        self.grouper = Grouper(get_reward, batched_sessions, filters=self.filters)
+        for policy in ctx.mesh.policy_names():
+            line_subjects = subjects.for_policy(policy)
+            filters = DataFilters.from_settings(self.settings.data_filter_names(), self.settings)
+            line = PolicyLine(line_subjects, Grouper(get_reward, filters=filters, policy=policy))
+            await self._load_batched_sessions(line)
+            line.trained_batches = await self._load_trained_batches(line)
+            line.finished = await self._trainer_finished(line)
+            self.lines[policy] = line
 
         events, last_seq = await ctx.bus.follow(
             subjects.stream_trajectory(), subjects.trajectory_events_all()
@@ -100,10 +135,12 @@ class TrajectoryService:
                 await self._apply(event)
             if msg.metadata.sequence.stream >= last_seq:
                 break
-        log.info(
-            "replayed %d events; %d sessions open, %d batches published, %d trained",
-            replayed, len(self.grouper.sessions), self.next_batch_index, self.trained_batches,
-        )  # fmt: skip
+        for line in self.lines.values():
+            log.info(
+                "%s: replayed %d events; %d sessions open, %d batches published, %d trained",
+                line.policy, replayed, len(line.grouper.sessions), line.next_batch_index,
+                line.trained_batches,
+            )  # fmt: skip
 
         self.dispatcher = Dispatcher(
             self.stages,
@@ -113,27 +150,63 @@ class TrajectoryService:
             max_batches_ahead=self.settings.max_batches_ahead,
             seed=self.settings.seed,
             next_group=max_group + 1,
-            data_filters=self.filters,
+            data_filters=self.task_line.grouper.filters,
             recorded_epochs=await self._load_epoch_reports(),
+            task_policy=self.task_line.policy,
         )
         log.info(
-            "data filters: %s; stages: %s; next group %d",
-            ",".join(self.filters.names) or "none",
+            "policies: %s; data filters: %s; stages: %s; next group %d",
+            ",".join(self.lines),
+            ",".join(self.task_line.grouper.filters.names) or "none",
             ", ".join(f"{s.name} from batch {s.first_batch}" for s in self.stages),
             self.dispatcher.next_group,
         )
-        await ctx.bus.nc.subscribe(subjects.train_metrics(), cb=self._on_train_metrics)
+        for line in self.lines.values():
+            await ctx.bus.nc.subscribe(
+                line.subjects.train_metrics(), cb=self._train_metrics_handler(line)
+            )
+            await ctx.bus.nc.subscribe(
+                line.subjects.train_finished(), cb=self._train_finished_handler(line)
+            )
         await ctx.bus.serve(subjects.task_claim(), TaskClaim, self.on_claim)
         await ctx.bus.serve(subjects.trajectory_export(), SessionExportQuery, self.on_export)
         self.ready.set()
         await supervise(ctx.stopping, self._event_loop(events))
 
+    @property
+    def task_line(self) -> PolicyLine:
+        """The task's policy: the tasks' reward functions score its answers."""
+        return next(iter(self.lines.values()))
+
+    @property
+    def grouper(self) -> Grouper:
+        """The task policy's grouper (the only one in a single-policy run)."""
+        return self.task_line.grouper
+
+    def _pacing(self) -> list[PolicyLine]:
+        """The lines that set the rollout rhythm: those whose trainer still trains (all
+        of them once every one finished)."""
+        training = [line for line in self.lines.values() if not line.finished]
+        return training or list(self.lines.values())
+
+    @property
+    def next_batch_index(self) -> int:
+        """Batches published for every pacing policy (the fewest)."""
+        return min(line.next_batch_index for line in self._pacing())
+
+    @property
+    def trained_batches(self) -> int:
+        """Batches every pacing policy's trainer consumed (the slowest trainer's)."""
+        return min(line.trained_batches for line in self._pacing())
+
     async def on_claim(self, claim: TaskClaim) -> TaskAssignment | NoTask:
         async with self._claims:
             await self._record_epochs()  # left over if a publish failed
-            answer = self.dispatcher.claim(
-                self.trained_batches, self.grouper.groups_lost, self.next_batch_index
-            )
+            # The rhythm of several policies: wait for the slowest trainer, refill for
+            # the policy that lost the most groups, switch stage once every policy
+            # published the earlier stages' batches.
+            groups_lost = max(line.grouper.groups_lost for line in self._pacing())
+            answer = self.dispatcher.claim(self.trained_batches, groups_lost, self.next_batch_index)
             await self._record_epochs()
             return answer
 
@@ -195,26 +268,33 @@ class TrajectoryService:
             return None
 
     async def _apply(self, event: TrajectoryEvent) -> None:
-        verify = self.grouper.pending_verification(event)
+        for line in self.lines.values():
+            await self._apply_to(line, event)
+
+    async def _apply_to(self, line: PolicyLine, event: TrajectoryEvent) -> None:
+        grouper = line.grouper
+        verify = grouper.pending_verification(event)
         if verify is not None:
             await asyncio.to_thread(verify)
-        self.grouper.apply(event)
+        grouper.apply(event)
         while (
-            groups := self.grouper.take_batch(
-                self.settings.groups_per_batch, batch_index=self.next_batch_index
+            groups := grouper.take_batch(
+                self.settings.groups_per_batch, batch_index=line.next_batch_index
             )
         ) is not None:
-            await self._publish_batch(TrainBatch(batch_index=self.next_batch_index, groups=groups))
+            batch = TrainBatch(batch_index=line.next_batch_index, groups=groups, policy=line.policy)
+            await self._publish_batch(line, batch)
             for group in groups:
-                self.grouper.already_batched.update(s.session_id for s in group.samples)
-            self.next_batch_index += 1
+                grouper.already_batched.update(s.session_id for s in group.samples)
+            line.next_batch_index += 1
 
-    async def _publish_batch(self, batch: TrainBatch) -> None:
+    async def _publish_batch(self, line: PolicyLine, batch: TrainBatch) -> None:
         """The batch, then what the data filters did while it formed."""
-        report = self._batch_report(batch)
+        report = self._batch_report(line, batch)
         with tracer.start_as_current_span(
             "trajectory.batch",
             attributes={
+                "policy": line.policy,
                 "batch.index": batch.batch_index,
                 "stage": report.stage,
                 "batch.samples": report.samples_kept,
@@ -224,27 +304,29 @@ class TrajectoryService:
             },
         ):
             await self.ctx.bus.js_publish(
-                self.ctx.subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}"
+                line.subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}"
             )
+            # the metrics stream holds every policy's reports: the id names the policy
             await self.ctx.bus.js_publish(
-                self.ctx.subjects.data_batch_report(),
+                line.subjects.data_batch_report(),
                 report,
-                msg_id=f"data-batch-{batch.batch_index}",
+                msg_id=f"data-batch-{line.policy}-{batch.batch_index}",
             )
         if report.groups_dropped or report.groups_waived or report.samples_dropped:
             log.info(
-                "batch %d (%s): %d groups; groups dropped %s, waived %s; samples dropped %s",
-                batch.batch_index, report.stage, report.groups_kept,
+                "%s batch %d (%s): %d groups; groups dropped %s, waived %s; samples dropped %s",
+                line.policy, batch.batch_index, report.stage, report.groups_kept,
                 report.groups_dropped or "-", report.groups_waived or "-",
                 report.samples_dropped or "-",
             )  # fmt: skip
 
-    def _batch_report(self, batch: TrainBatch) -> BatchFilterReport:
-        tally = self.grouper.last_tally
+    def _batch_report(self, line: PolicyLine, batch: TrainBatch) -> BatchFilterReport:
+        tally = line.grouper.last_tally
         stage = self.stages[stage_of_batch(self.stages, batch.batch_index)]
         return BatchFilterReport(
             batch_index=batch.batch_index,
             stage=stage.name,
+            policy=line.policy,
             groups_kept=len(batch.groups),
             samples_kept=sum(len(g.samples) for g in batch.groups),
             groups_dropped=dict(tally.groups_dropped),
@@ -252,16 +334,15 @@ class TrajectoryService:
             groups_waived=dict(tally.groups_waived),
         )
 
-    async def _load_batched_sessions(self) -> set[str]:
-        subjects = self.ctx.subjects
-        batched: set[str] = set()
+    async def _load_batched_sessions(self, line: PolicyLine) -> None:
+        """What the policy's batch stream holds: never batched again (invariant 4)."""
+        subjects = line.subjects
         for msg in await self.ctx.bus.read_all(subjects.stream_batches(), subjects.batch_ready()):
             batch = decode(msg.data, TrainBatch)
             for group in batch.groups:
-                batched.update(s.session_id for s in group.samples)
-                self.filters.observe(group)  # the replay skips these sessions
-            self.next_batch_index = max(self.next_batch_index, batch.batch_index + 1)
-        return batched
+                line.grouper.already_batched.update(s.session_id for s in group.samples)
+                line.grouper.filters.observe(group)  # the replay skips these sessions
+            line.next_batch_index = max(line.next_batch_index, batch.batch_index + 1)
 
     async def _load_epoch_reports(self) -> list[EpochFilterReport]:
         subjects = self.ctx.subjects
@@ -270,8 +351,8 @@ class TrajectoryService:
         )
         return [decode(m.data, EpochFilterReport) for m in messages]
 
-    async def _load_trained_batches(self) -> int:
-        subjects = self.ctx.subjects
+    async def _load_trained_batches(self, line: PolicyLine) -> int:
+        subjects = line.subjects
         try:
             msg = await self.ctx.bus.js.get_last_msg(
                 subjects.stream_metrics(), subjects.train_metrics()
@@ -281,12 +362,35 @@ class TrajectoryService:
         assert msg.data is not None
         return int(decode(msg.data, TrainStepMetrics).batch_index) + 1
 
-    async def _on_train_metrics(self, msg) -> None:  # type: ignore[no-untyped-def]
+    async def _trainer_finished(self, line: PolicyLine) -> bool:
         try:
-            metrics = decode(msg.data, TrainStepMetrics)
-        except ValueError:
-            return
-        self.trained_batches = max(self.trained_batches, metrics.batch_index + 1)
+            await self.ctx.bus.js.get_last_msg(
+                line.subjects.stream_metrics(), line.subjects.train_finished()
+            )
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
+
+    def _train_finished_handler(self, line: PolicyLine):  # type: ignore[no-untyped-def]
+        async def on_train_finished(msg) -> None:  # type: ignore[no-untyped-def]
+            try:
+                decode(msg.data, TrainingFinished)
+            except ValueError:
+                return
+            line.finished = True
+            log.info("the trainer of %s finished: it no longer sets the pace", line.policy)
+
+        return on_train_finished
+
+    def _train_metrics_handler(self, line: PolicyLine):  # type: ignore[no-untyped-def]
+        async def on_train_metrics(msg) -> None:  # type: ignore[no-untyped-def]
+            try:
+                metrics = decode(msg.data, TrainStepMetrics)
+            except ValueError:
+                return
+            line.trained_batches = max(line.trained_batches, metrics.batch_index + 1)
+
+        return on_train_metrics
 
 
 def _prefixed(prefix: str, counts: dict[str, int]) -> dict[str, int]:

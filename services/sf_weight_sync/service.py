@@ -1,12 +1,15 @@
 """weight-sync: decides which weight version engines serve and tells them.
 
+One weight-sync per policy (``SF_POLICY``): each policy has its own version line.
+
 Consumes:
-- ``sf.<run>.weights.published`` (JetStream ``SF_<RUN>_WEIGHTS``, durable consumer
-  ``weight-sync``: WeightsPublished from the trainer)
-- ``sf.<run>.weights.current`` (request CurrentVersionQuery -> reply CurrentVersion)
-- ``sf.<run>.weights.loaded`` (WeightsLoaded from engines)
+- ``sf.<run>.weights.<policy>.published`` (JetStream ``SF_<RUN>_WEIGHTS-<policy>``,
+  durable consumer ``weight-sync``: WeightsPublished from the policy's trainer)
+- ``sf.<run>.weights.<policy>.current`` (request CurrentVersionQuery -> CurrentVersion)
+- ``sf.<run>.weights.<policy>.loaded`` (WeightsLoaded from engines)
 Produces:
-- ``sf.<run>.engine.load`` (LoadWeights broadcast to engines: the new version's manifest)
+- ``sf.<run>.engine.<policy>.load`` (LoadWeights broadcast to the policy's engines: the
+  new version's manifest)
 
 weight-sync moves no weight bytes: the trainer stores payloads (``seamlessflow.weights``)
 and engines fetch them. It keeps the chain that builds the current version (the latest

@@ -1,16 +1,17 @@
 """Agents: plain async functions that talk to an OpenAI-compatible endpoint.
 
-An agent is ``async def agent(client: AsyncOpenAI, task: AgentTask) -> float | None``.
+An agent is ``async def agent(client: AsyncOpenAI, task: AgentTask) -> AgentReward``.
 It uses ``client`` exactly as it would use OpenAI (the client's ``base_url`` is the
 session's); it returns a reward, or None to let the task's verifier score the last
-answer. Agents are registered by name or given as a dotted path
-(``package.module:function``); they never import anything from seamlessflow's
-training side.
+answer of the task's policy. A multi-policy agent picks a policy per call by the
+request's ``model`` (``task.policies``) and returns a reward per policy (a dict).
+Agents are registered by name or given as a dotted path (``package.module:function``);
+they never import anything from seamlessflow's training side.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,12 +27,21 @@ class AgentTask:
     task_id: str
     messages: list[dict[str, Any]]
     model: str
+    """The model a single-policy agent asks (the task's policy)."""
     reference: str
     max_tokens: int
     temperature: float
+    reward_fn: str = ""
+    """The task's reward function (``seamlessflow.rewards``), for agents that judge
+    answers themselves (e.g. to reward a verifier policy)."""
+    policies: tuple[str, ...] = ()
+    """Every policy of the run, each a model name; the first is the task's policy."""
 
 
-AgentFn = Callable[[AsyncOpenAI, AgentTask], Awaitable[float | None]]
+AgentReward = float | Mapping[str, float] | None
+"""A reward for the session, one per policy (model name -> reward), or None."""
+
+AgentFn = Callable[[AsyncOpenAI, AgentTask], Awaitable[AgentReward]]
 
 _REGISTRY: dict[str, AgentFn] = {}
 

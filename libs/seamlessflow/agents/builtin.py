@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from openai import AsyncOpenAI
 
 from seamlessflow.agents import AgentTask, register_agent
+from seamlessflow.rewards import first_integer, get_reward
 
 
 @register_agent("single_turn")
@@ -17,3 +20,48 @@ async def single_turn(client: AsyncOpenAI, task: AgentTask) -> float | None:
         temperature=task.temperature,
     )
     return None
+
+
+VERDICT_YES, VERDICT_NO = 1, 0
+
+
+def verifier_prompt(task: AgentTask, proposed: str) -> list[dict[str, Any]]:
+    """The verifier sees the task's question and the solver's answer, and answers with
+    one integer: 1 (right) or 0 (wrong)."""
+    question = "\n".join(str(m.get("content", "")) for m in task.messages if m["role"] == "user")
+    content = (
+        f"{question}\nProposed answer: {proposed.strip()}\n"
+        f"Is it right? Reply {VERDICT_YES} for yes, {VERDICT_NO} for no."
+    )
+    return [{"role": "user", "content": content}]
+
+
+@register_agent("solve_and_verify")
+async def solve_and_verify(client: AsyncOpenAI, task: AgentTask) -> dict[str, float]:
+    """Two policies on one task (multi-policy): the first policy solves, the second judges
+    the solver's answer. The solver earns the task's reward for its answer; the verifier
+    earns 1 when its verdict (the first integer of its reply: 1 right, 0 wrong) matches
+    what the task's reward function says about that answer, else 0."""
+    if len(task.policies) < 2:
+        raise ValueError(f"solve_and_verify needs two policies (solver, verifier); the run "
+                         f"has {list(task.policies)}")  # fmt: skip
+    if not task.reward_fn:
+        raise ValueError(f"task {task.task_id} has no reward function to judge answers by")
+    solver, verifier = task.policies[:2]
+    solved = await client.chat.completions.create(
+        model=solver,
+        messages=task.messages,  # type: ignore[arg-type]
+        max_tokens=task.max_tokens,
+        temperature=task.temperature,
+    )
+    answer = solved.choices[0].message.content or ""
+    correct = float(get_reward(task.reward_fn)(answer, task.reference))
+    judged = await client.chat.completions.create(
+        model=verifier,
+        messages=verifier_prompt(task, answer),  # type: ignore[arg-type]
+        max_tokens=task.max_tokens,
+        temperature=task.temperature,
+    )
+    verdict = first_integer(judged.choices[0].message.content or "")
+    right = VERDICT_YES if correct >= 1.0 else VERDICT_NO
+    return {solver: correct, verifier: 1.0 if verdict == right else 0.0}

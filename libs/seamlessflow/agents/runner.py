@@ -17,12 +17,13 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Mapping
 
 import httpx
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from seamlessflow.agents import AgentTask, get_agent
+from seamlessflow.agents import AgentReward, AgentTask, get_agent
 from seamlessflow.bus import NoResponder
 from seamlessflow.protocol import NoTask, TaskAssignment, TaskClaim
 from seamlessflow.service import ServiceContext, supervise
@@ -46,8 +47,9 @@ class AgentRunnerSettings(BaseSettings):
     concurrency: int = 32
     """Agent sessions run at once by this process."""
 
-    model: str = "policy"
-    """The model name agents ask the gateway for."""
+    model: str = ""
+    """The model name single-policy agents ask the gateway for; empty = the run's first
+    policy (``SF_POLICIES``)."""
 
     max_tokens: int = 16
     """Completion budget per agent call."""
@@ -142,18 +144,21 @@ class AgentRunner:
             max_retries=0,
             http_client=self.openai_http,
         )
+        policies = tuple(self.ctx.mesh.policy_names())
         task = AgentTask(
             task_id=assignment.task_id,
             messages=[{"role": m.role, "content": m.content} for m in assignment.messages],
-            model=self.settings.model,
+            model=self.settings.model or policies[0],
             reference=assignment.reference,
             max_tokens=self.settings.max_tokens,
             temperature=self.settings.temperature,
+            reward_fn=assignment.reward_fn,
+            policies=policies,
         )
         try:
             reward = await self.agent(client, task)
-            if reward is not None:
-                (await self.http.post(f"/sessions/{session_id}/reward", json={"reward": reward})
+            for body in _reward_bodies(reward):
+                (await self.http.post(f"/sessions/{session_id}/reward", json=body)
                  ).raise_for_status()  # fmt: skip
             self.completed += 1
         except asyncio.CancelledError:
@@ -165,3 +170,13 @@ class AgentRunner:
             finish = await self.http.post(f"/sessions/{session_id}/finish")
             if finish.status_code not in (200, 409):
                 log.warning("finishing %s: HTTP %d %s", session_id, finish.status_code, finish.text)
+
+
+def _reward_bodies(reward: AgentReward) -> list[dict[str, object]]:
+    """The ``/reward`` bodies for what an agent returned: one for the whole session, one
+    per policy, or none (the task's verifier scores)."""
+    if reward is None:
+        return []
+    if isinstance(reward, Mapping):
+        return [{"reward": float(value), "policy": policy} for policy, value in reward.items()]
+    return [{"reward": float(reward)}]

@@ -1,0 +1,186 @@
+"""Multi-policy: two policies (a solver and a verifier) trained together in one run.
+
+A real mesh on a real nats-server: one tag-scheduler, trajectory service, gateway and
+agent runner for the run; per policy its own trainer, weight-sync and engine worker
+(``SF_POLICY``). The built-in ``solve_and_verify`` agent asks the solver (model
+``solver``) for an answer and the verifier (model ``verifier``) whether it is right, and
+reports a reward per policy. The trainers have different step budgets, so each
+policy's version line must advance on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from conftest import InProcessMesh
+from safetensors.torch import load_file
+
+from seamlessflow.agents.runner import AgentRunner, AgentRunnerSettings
+from seamlessflow.bus import Bus, RemoteError
+from seamlessflow.protocol import (
+    ResourceRegister,
+    RoleAssignment,
+    Subjects,
+    TrainBatch,
+    TrainingFinished,
+    TrajectoryEvent,
+    TurnRecorded,
+    WeightsPublished,
+    decode,
+)
+from sf_gateway.config import EngineSettings, GatewaySettings
+from sf_gateway.engine_worker import EngineWorker
+from sf_gateway.gateway import GatewayService
+from sf_tag_scheduler.service import TagScheduler
+from sf_trainer.config import TrainerSettings
+from sf_trainer.service import Trainer
+from sf_trajectory.config import TrajectorySettings
+from sf_trajectory.service import TrajectoryService
+from sf_weight_sync.service import WeightSync
+
+STEPS = {"solver": 2, "verifier": 4}
+
+
+async def stored(bus: Bus, stream: str, subject: str, kind):  # type: ignore[no-untyped-def]
+    return [decode(m.data, kind) for m in await bus.read_subject(stream, subject)]
+
+
+async def test_two_policies_train_together_each_on_its_own_version_line(
+    nats_url: str, run_id: str, base_model_dir: Path, bus: Bus, tmp_path: Path
+) -> None:
+    mesh = InProcessMesh(nats_url, run_id, base_model_dir, policies="solver,verifier")
+    mesh.mesh = mesh.mesh.model_copy(update={"run_dir": tmp_path})
+    trainers: dict[str, Trainer] = {}
+    try:
+        scheduler = await mesh.start(TagScheduler())
+        trajectory = await mesh.start(
+            TrajectoryService(
+                TrajectorySettings(
+                    group_size=2, groups_per_batch=2, total_batches=max(STEPS.values())
+                )
+            )
+        )
+        engines = []
+        for policy, steps in STEPS.items():
+            await mesh.start(WeightSync(), policy=policy)
+            trainers[policy] = await mesh.start(
+                Trainer(TrainerSettings(steps=steps, lr=1e-3)), policy=policy
+            )
+            engine = EngineWorker(EngineSettings(engine_id=f"{policy}-engine", max_batch_size=8))
+            engines.append(await mesh.start(engine, policy=policy))
+        gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
+        async with asyncio.timeout(120):
+            for engine in engines:
+                await engine.ready.wait()
+            await gateway.ready.wait()
+        url = f"http://127.0.0.1:{gateway.bound_port}"
+
+        # the gateway serves exactly the run's policies; another model is a clear 404
+        async with httpx.AsyncClient(base_url=url) as http:
+            models = (await http.get("/v1/models")).json()
+            assert [m["id"] for m in models["data"]] == ["solver", "verifier"]
+            session = (await http.post("/sessions", json={})).json()
+            wrong = await http.post(
+                f"/s/{session['session_id']}/v1/chat/completions",
+                json={"model": "policy", "messages": [{"role": "user", "content": "1 + 1?"}]},
+            )
+            assert wrong.status_code == 404
+            assert wrong.json()["error"]["code"] == "model_not_found"
+            unknown_reward = await http.post(
+                f"/sessions/{session['session_id']}/reward", json={"reward": 1, "policy": "x"}
+            )
+            assert unknown_reward.status_code == 404
+            assert (await http.post(f"/sessions/{session['session_id']}/finish")).status_code == 200
+
+        await mesh.start(
+            AgentRunner(
+                AgentRunnerSettings(
+                    gateway_url=url, agent="solve_and_verify", concurrency=4, max_tokens=4
+                )
+            )
+        )
+        async with asyncio.timeout(300):
+            finished: dict[str, TrainingFinished] = {}
+            while len(finished) < len(STEPS):
+                for policy in STEPS:
+                    s = bus.subjects.for_policy(policy)
+                    done = await stored(
+                        bus, s.stream_metrics(), s.train_finished(), TrainingFinished
+                    )
+                    if done:
+                        finished[policy] = done[-1]
+                await asyncio.sleep(0.5)
+    finally:
+        await mesh.stop()
+
+    subjects = {policy: Subjects(run_id, policy) for policy in STEPS}
+    # each policy's own version line: its trainer's steps, published on its own stream
+    for policy, steps in STEPS.items():
+        s = subjects[policy]
+        assert finished[policy].policy == policy
+        assert finished[policy].steps == steps and finished[policy].final_version == steps
+        published = await stored(bus, s.stream_weights(), s.weights_published(), WeightsPublished)
+        assert [w.version for w in published] == list(range(1, steps + 1))
+
+    # every trained token of a policy came from that policy's engine
+    events = [
+        decode(m.data, TrajectoryEvent)
+        for m in await bus.read_all(
+            bus.subjects.stream_trajectory(), bus.subjects.trajectory_events_all()
+        )
+    ]
+    turns = [e for e in events if isinstance(e, TurnRecorded)]
+    for policy, steps in STEPS.items():
+        s = subjects[policy]
+        batches = await stored(bus, s.stream_batches(), s.batch_ready(), TrainBatch)
+        assert len(batches) >= steps and all(b.policy == policy for b in batches)
+        own = {
+            (tuple(t.prompt_ids), tuple(t.completion_ids))
+            for t in turns
+            if t.policy == policy and t.engine_id == f"{policy}-engine"
+        }
+        for sample in (s for b in batches[:steps] for g in b.groups for s in g.samples):
+            start = sample.loss_mask.index(1)
+            end = start + sum(sample.loss_mask)
+            key = (tuple(sample.token_ids[:start]), tuple(sample.token_ids[start:end]))
+            assert key in own, f"a {policy} sample holds tokens its engine did not make"
+            assert 0.0 <= sample.reward <= 1.0
+
+    # the two version lines hold different weights (two optimizers, two reward signals)
+    solver_final = load_file(
+        str(tmp_path / "checkpoints" / "solver" / "final" / "model.safetensors")
+    )
+    verifier_final = load_file(
+        str(tmp_path / "checkpoints" / "verifier" / "final" / "model.safetensors")
+    )
+    assert solver_final.keys() == verifier_final.keys()
+    assert any(not torch.equal(solver_final[k], verifier_final[k]) for k in solver_final)
+
+    # the tag-scheduler knows each resource's policy from its tags
+    policies = {rid: state.policy for rid, state in scheduler.resources.items()}
+    assert policies["solver-engine"] == "solver" and policies["verifier-engine"] == "verifier"
+    assert {trainers[p].trainer_id: p for p in STEPS}.items() <= policies.items()
+    assert trajectory.lines.keys() == {"solver", "verifier"}
+
+
+async def test_a_resource_naming_two_policies_is_refused(
+    nats_url: str, run_id: str, bus: Bus
+) -> None:
+    mesh = InProcessMesh(nats_url, run_id, None)
+    try:
+        scheduler = await mesh.start(TagScheduler())
+        async with asyncio.timeout(10):
+            await scheduler.ready.wait()
+        request = ResourceRegister(
+            resource_id="engine-x", kind="engine", tags=["rollout", "policy:a", "policy:b"]
+        )
+        with pytest.raises(RemoteError, match="one policy") as refused:
+            await bus.request(bus.subjects.sched_register(), request, RoleAssignment)
+        assert refused.value.code == "bad_request"
+        assert "engine-x" not in scheduler.resources  # nothing stored
+    finally:
+        await mesh.stop()
