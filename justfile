@@ -11,6 +11,11 @@ default:
 up *ARGS:
     {{bin}}/seamlessflow up {{ARGS}}
 
+# multi-policy example: a solver and a verifier trained together (own trainers, engines,
+# version lines); the solve_and_verify agent asks one, then the other
+up-two-policies *ARGS:
+    {{bin}}/seamlessflow up --policies solver,verifier --agent solve_and_verify {{ARGS}}
+
 # the test suite (real nats-server, real HTTP, real torch; vLLM when installed)
 test *ARGS: _cpu-only
     {{bin}}/pytest -q {{ARGS}}
@@ -35,7 +40,9 @@ bench STEPS="60":
     {{bin}}/python loadtests/weight_sync.py
     {{bin}}/seamlessflow simulate
 
-# gateway load test against a live mesh (prints requests/s and latency percentiles)
+# gateway load test against a live mesh: 100, 500 and 1000 concurrent multi-turn agent
+# sessions (scripted engine, agents in their own process); requests/s, latency
+# percentiles, what the gateway adds, every session stored exactly once
 load *ARGS:
     {{bin}}/python loadtests/gateway_load.py {{ARGS}}
 

@@ -246,7 +246,7 @@ async def run_agents(
                 record.session_id = body["session_id"]
                 client = AsyncOpenAI(  # cheap: the httpx client is shared, never closed here
                     base_url=body["base_url"],
-                    api_key="load",
+                    api_key=body["api_key"],  # the session's own key
                     http_client=http,
                     max_retries=0,
                     timeout=args.request_timeout,
@@ -270,7 +270,10 @@ async def run_agents(
                     messages.append({"role": "assistant", "content": content})
                     messages.append({"role": "user", "content": follow_up})
                 t0 = time.perf_counter()
-                finished = await http.post(f"{gateway_url}/sessions/{record.session_id}/finish")
+                finished = await http.post(
+                    f"{gateway_url}/sessions/{record.session_id}/finish",
+                    headers={"authorization": f"Bearer {body['api_key']}"},
+                )
                 phase.finish_latencies.append(time.perf_counter() - t0)
                 if finished.status_code != 200:
                     raise RuntimeError(f"finish: {finished.status_code} {finished.text}")

@@ -155,3 +155,8 @@ async def recorded_turns(bus: Bus) -> list:  # type: ignore[type-arg]
         for m in await bus.read_all(s.stream_trajectory(), s.trajectory_events_all())
     )
     return [e for e in events if isinstance(e, TurnRecorded)]
+
+
+def session_auth(session: dict) -> dict[str, str]:  # type: ignore[type-arg]
+    """Headers carrying a session's own key (what its OpenAI client sends)."""
+    return {"authorization": f"Bearer {session['api_key']}"}

@@ -79,7 +79,9 @@ async def test_requests_on_a_killed_engine_finish_on_another(
 
         async def agent(index: int, http: httpx.AsyncClient) -> str:
             session = (await http.post("/sessions", json={})).json()
-            client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+            client = AsyncOpenAI(
+                base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+            )
             reply = await client.chat.completions.create(
                 model="policy",
                 messages=[{"role": "user", "content": f"Count to {index}"}],
@@ -169,7 +171,9 @@ async def test_a_request_no_engine_confirms_is_resubmitted(
 
             async def ask(index: int) -> str:
                 session = (await http.post("/sessions", json={})).json()
-                client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+                client = AsyncOpenAI(
+                    base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+                )
                 reply = await client.chat.completions.create(
                     model="policy",
                     messages=[{"role": "user", "content": f"Count to {index}"}],

@@ -9,8 +9,11 @@ import sys
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
+from conftest import session_auth
 from openai import AsyncOpenAI, NotFoundError, OpenAI
+from pydantic import SecretStr
 from transformers import AutoTokenizer
 
 from seamlessflow.bus import Bus
@@ -51,7 +54,9 @@ async def test_an_unmodified_openai_client_only_sets_base_url(
 ) -> None:  # type: ignore[no-untyped-def]
     async with httpx.AsyncClient(base_url=gateway_url) as http:
         session = await new_session(http, task_id="t1", reference="4", reward_fn="integer_match")
-        client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+        client = AsyncOpenAI(
+            base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+        )
         messages = [{"role": "user", "content": "What is 2 + 2?"}]
         reply = await client.chat.completions.create(
             model="policy",
@@ -63,7 +68,9 @@ async def test_an_unmodified_openai_client_only_sets_base_url(
         models = await client.models.list()
         await client.close()
         assert [m.id for m in models.data] == ["policy"]
-        finish = await http.post(f"/sessions/{session['session_id']}/finish")
+        finish = await http.post(
+            f"/sessions/{session['session_id']}/finish", headers=session_auth(session)
+        )
         assert finish.status_code == 200
 
     events = await stored_events(bus)
@@ -89,7 +96,9 @@ async def test_an_unmodified_openai_client_only_sets_base_url(
 async def test_completions_accept_token_id_prompts(gateway_url: str, bus: Bus) -> None:
     async with httpx.AsyncClient(base_url=gateway_url) as http:
         session = await new_session(http)
-        client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+        client = AsyncOpenAI(
+            base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+        )
         reply = await client.completions.create(model="policy", prompt=[5, 6, 7], max_tokens=3)
         await client.close()
     turn = next(e for e in await stored_events(bus) if isinstance(e, TurnRecorded))
@@ -184,7 +193,7 @@ async def test_bad_chat_requests_get_openai_errors_and_store_nothing(
         response = await http.post(
             f"/s/{session['session_id']}/v1/chat/completions",
             content=body,
-            headers={"content-type": "application/json"},
+            headers={"content-type": "application/json", **session_auth(session)},
         )
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -205,23 +214,43 @@ async def test_session_errors_and_bad_rewards(gateway_url: str, bus: Bus) -> Non
         sid = session["session_id"]
         before = await stored_events(bus)
         for bad in ({"reward": "high"}, {}, {"reward": 1, "extra": 2}):
-            response = await http.post(f"/sessions/{sid}/reward", json=bad)
+            response = await http.post(
+                f"/sessions/{sid}/reward", json=bad, headers=session_auth(session)
+            )
             assert response.status_code == 400 and "error" in response.json()
-        nan = await http.post(f"/sessions/{sid}/reward", content=b'{"reward": NaN}')
+        nan = await http.post(
+            f"/sessions/{sid}/reward", content=b'{"reward": NaN}', headers=session_auth(session)
+        )
         assert nan.status_code == 400
-        huge = await http.post(f"/s/{sid}/v1/chat/completions", content=b"x" * (5 * 1024 * 1024))
+        huge = await http.post(
+            f"/s/{sid}/v1/chat/completions",
+            content=b"x" * (5 * 1024 * 1024),
+            headers=session_auth(session),
+        )
         assert huge.status_code == 413
         bad_ids = await http.post(
-            f"/s/{sid}/v1/completions", json={"model": "policy", "prompt": [1, 10**9]}
+            f"/s/{sid}/v1/completions",
+            json={"model": "policy", "prompt": [1, 10**9]},
+            headers=session_auth(session),
         )
         assert bad_ids.status_code == 400
-        empty = await http.post(f"/s/{sid}/v1/completions", json={"model": "policy", "prompt": ""})
+        empty = await http.post(
+            f"/s/{sid}/v1/completions",
+            json={"model": "policy", "prompt": ""},
+            headers=session_auth(session),
+        )
         assert empty.status_code == 400
         assert await stored_events(bus) == before
-        assert (await http.post(f"/sessions/{sid}/finish")).status_code == 200
-        again = await http.post(f"/s/{sid}/v1/chat/completions", json=chat)
+        assert (
+            await http.post(f"/sessions/{sid}/finish", headers=session_auth(session))
+        ).status_code == 200
+        again = await http.post(
+            f"/s/{sid}/v1/chat/completions", json=chat, headers=session_auth(session)
+        )
         assert again.status_code == 409 and again.json()["error"]["code"] == "session_finished"
-        assert (await http.post(f"/sessions/{sid}/finish")).status_code == 409
+        assert (
+            await http.post(f"/sessions/{sid}/finish", headers=session_auth(session))
+        ).status_code == 409
         missing = await http.get("/no/such/route")
         assert missing.status_code == 404 and "error" in missing.json()
 
@@ -229,7 +258,7 @@ async def test_session_errors_and_bad_rewards(gateway_url: str, bus: Bus) -> Non
 async def test_the_sdk_raises_not_found_for_an_unknown_model(gateway_url: str) -> None:
     async with httpx.AsyncClient(base_url=gateway_url) as http:
         session = await new_session(http)
-    client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+    client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
     with pytest.raises(NotFoundError, match="does not exist"):
         await client.chat.completions.create(
             model="gpt-9", messages=[{"role": "user", "content": "hi"}]
@@ -247,7 +276,9 @@ async def test_export_shows_every_branch_with_exact_engine_ids(
     async with httpx.AsyncClient(base_url=gateway_url) as http:
         session = await new_session(http, reference="4", reward_fn="integer_match")
         sid = session["session_id"]
-        client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+        client = AsyncOpenAI(
+            base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+        )
         first = [{"role": "user", "content": "What is 2 + 2?"}]
         a1 = await client.chat.completions.create(model="policy", messages=first, max_tokens=4)  # type: ignore[arg-type]
         reply1 = {"role": "assistant", "content": a1.choices[0].message.content}
@@ -260,10 +291,13 @@ async def test_export_shows_every_branch_with_exact_engine_ids(
         ]
         await client.chat.completions.create(model="policy", messages=edited, max_tokens=4)  # type: ignore[arg-type]
         await client.close()
-        assert (await http.post(f"/sessions/{sid}/finish")).status_code == 200
-        exported = (await http.get(f"/sessions/{sid}/export")).json()
+        assert (
+            await http.post(f"/sessions/{sid}/finish", headers=session_auth(session))
+        ).status_code == 200
+        exported = (await http.get(f"/sessions/{sid}/export", headers=session_auth(session))).json()
         missing = await http.get("/sessions/snope/export")
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "session_not_found"
 
     samples = exported["samples"]
     assert exported["finished"] and len(samples) == 2  # the edit forked the session
@@ -301,7 +335,7 @@ async def recorded_turns(bus: Bus, session_id: str) -> list[TurnRecorded]:
 
 async def open_client(http: httpx.AsyncClient) -> tuple[str, AsyncOpenAI]:
     session = await new_session(http)
-    client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+    client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
     return session["session_id"], client
 
 
@@ -340,7 +374,9 @@ async def test_the_sync_client_in_a_thread_streams_too(gateway_url: str, bus: Bu
         session = await new_session(http)
 
     def agent() -> tuple[str, str]:
-        with OpenAI(base_url=session["base_url"], api_key="x", max_retries=0) as client:
+        with OpenAI(
+            base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+        ) as client:
             ask = {"model": "policy", "messages": QUESTION, "max_tokens": 8, "seed": 11}
             whole = client.chat.completions.create(**ask)  # type: ignore[call-overload]
             pieces = client.chat.completions.create(**ask, stream=True)  # type: ignore[call-overload]
@@ -453,3 +489,69 @@ async def test_a_client_that_leaves_before_its_body_arrives_is_not_an_error(
     assert len(await stored_events(bus)) == before
     async with httpx.AsyncClient(base_url=gateway_url) as http:
         assert (await http.get("/v1/models")).status_code == 200
+
+
+async def test_a_session_key_opens_its_own_session_and_no_other(gateway_url: str, bus: Bus) -> None:
+    """Each session has its own key: without it, or with another session's, every route
+    of the session is a 401 with an OpenAI-style body and nothing is stored."""
+    chat = {"model": "policy", "messages": [{"role": "user", "content": "1 + 1?"}], "max_tokens": 2}
+    async with httpx.AsyncClient(base_url=gateway_url) as http:
+        mine, theirs = await new_session(http), await new_session(http)
+        sid = mine["session_id"]
+        before = await stored_events(bus)
+        for headers in ({}, session_auth(theirs), {"authorization": "Basic abc"}):
+            attempts = [
+                http.post(f"/s/{sid}/v1/chat/completions", json=chat, headers=headers),
+                http.post(f"/s/{sid}/v1/completions", json={"model": "policy", "prompt": "1"},
+                          headers=headers),
+                http.get(f"/s/{sid}/v1/models", headers=headers),
+                http.post(f"/sessions/{sid}/reward", json={"reward": 1.0}, headers=headers),
+                http.post(f"/sessions/{sid}/finish", headers=headers),
+                http.get(f"/sessions/{sid}/export", headers=headers),
+            ]  # fmt: skip
+            for response in await asyncio.gather(*attempts):
+                assert response.status_code == 401, (response.request.url, response.text)
+                error = response.json()["error"]
+                assert (
+                    error["code"] == "invalid_api_key" and error["type"] == "authentication_error"
+                )
+        assert await stored_events(bus) == before
+        # the raw key never leaves the gateway: the durable record holds its digest
+        opened = [e for e in before if isinstance(e, SessionOpened) and e.session_id == sid]
+        assert opened[0].key_sha256 and mine["api_key"] not in json.dumps(
+            [msgspec.to_builtins(e) for e in before]
+        )
+        # its own key works (an OpenAI client sends it as its api_key)
+        client = AsyncOpenAI(base_url=mine["base_url"], api_key=mine["api_key"], max_retries=0)
+        assert [m.id for m in (await client.models.list()).data] == ["policy"]
+        await client.close()
+        assert (await http.post(f"/sessions/{sid}/finish", headers=session_auth(mine))).is_success
+
+
+async def test_operator_keys_guard_opening_sessions(mesh, bus: Bus) -> None:  # type: ignore[no-untyped-def]
+    """With ``SF_GATEWAY_API_KEYS`` only an operator opens sessions and lists models; an
+    operator key exports any session but is not a session key."""
+    gateway = await mesh.start(
+        GatewayService(GatewaySettings(port=0, api_keys=SecretStr("op-1, op-2")))
+    )
+    await asyncio.wait_for(gateway.ready.wait(), 30)
+    operator = {"authorization": "Bearer op-2"}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.bound_port}") as http:
+        for headers in ({}, {"authorization": "Bearer op-3"}):
+            assert (await http.post("/sessions", json={}, headers=headers)).status_code == 401
+            assert (await http.get("/v1/models", headers=headers)).status_code == 401
+        assert await stored_events(bus) == []
+        assert (await http.get("/v1/models", headers=operator)).status_code == 200
+        created = await http.post("/sessions", json={}, headers=operator)
+        assert created.status_code == 201
+        session = created.json()
+        sid = session["session_id"]
+        finish = await http.post(f"/sessions/{sid}/finish", headers=operator)
+        assert finish.status_code == 401  # an operator key is not this session's key
+        assert (
+            await http.post(f"/sessions/{sid}/finish", headers=session_auth(session))
+        ).is_success
+        # export goes to the trajectory service (not running here): past the key check
+        exported = await http.get(f"/sessions/{sid}/export", headers=operator)
+        assert exported.status_code == 503, exported.text
+    assert "op-2" not in repr(gateway.settings) and "op-2" not in str(gateway.settings.api_keys)

@@ -67,7 +67,7 @@ async def open_client(url: str) -> tuple[str, AsyncOpenAI]:
     async with httpx.AsyncClient(base_url=url) as http:
         session = (await http.post("/sessions", json={})).json()
     return session["session_id"], AsyncOpenAI(
-        base_url=session["base_url"], api_key="x", max_retries=0
+        base_url=session["base_url"], api_key=session["api_key"], max_retries=0
     )
 
 

@@ -13,6 +13,7 @@ import asyncio
 from pathlib import Path
 
 import httpx
+from conftest import session_auth
 from openai import AsyncOpenAI
 
 from seamlessflow.protocol import GenerateReply, GenerateRequest
@@ -67,7 +68,9 @@ async def test_trained_tokens_of_a_tool_using_agent_that_edits_history(
         session = (
             await http.post("/sessions", json={"reference": "5", "reward_fn": "integer_match"})
         ).json()
-        client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+        client = AsyncOpenAI(
+            base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+        )
 
         async def ask(messages: list[dict]) -> dict:  # type: ignore[type-arg]
             reply = await client.chat.completions.create(
@@ -104,8 +107,16 @@ async def test_trained_tokens_of_a_tool_using_agent_that_edits_history(
         ]
         await ask(edited)
         await client.close()
-        assert (await http.post(f"/sessions/{session['session_id']}/finish")).status_code == 200
-        export = (await http.get(f"/sessions/{session['session_id']}/export")).json()
+        assert (
+            await http.post(
+                f"/sessions/{session['session_id']}/finish", headers=session_auth(session)
+            )
+        ).status_code == 200
+        export = (
+            await http.get(
+                f"/sessions/{session['session_id']}/export", headers=session_auth(session)
+            )
+        ).json()
 
     produced = {(tuple(prompt), tuple(reply.token_ids)): reply for prompt, reply in engine.record}
     assert len(engine.record) == 3

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import session_auth
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessage
 from transformers import AutoTokenizer
@@ -324,14 +325,20 @@ async def test_tool_user_against_the_real_gateway(
                               "reward_fn": "code_match"},
                     )
                 ).json()  # fmt: skip
-                client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+                client = AsyncOpenAI(
+                    base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+                )
                 task = AgentTask(
                     item.task_id, [dict(m) for m in item.messages], "policy", item.reference,
                     max_tokens=32, temperature=0.0,  # greedy: deterministic, no flaky sampling
                 )  # fmt: skip
                 assert await tool_user(client, task) is None
                 await client.close()
-                assert (await http.post(f"/sessions/{session['session_id']}/finish")).is_success
+                assert (
+                    await http.post(
+                        f"/sessions/{session['session_id']}/finish", headers=session_auth(session)
+                    )
+                ).is_success
     finally:
         await mesh.stop()
     s = bus.subjects

@@ -11,16 +11,16 @@ policy's version line must advance on its own.
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from conftest import InProcessMesh
-from safetensors.torch import load_file
+from conftest import InProcessMesh, session_auth
 
 from seamlessflow.agents.runner import AgentRunner, AgentRunnerSettings
 from seamlessflow.bus import Bus, RemoteError
+from seamlessflow.embedded import EmbeddedRun, RunConfig
 from seamlessflow.protocol import (
     ResourceRegister,
     RoleAssignment,
@@ -87,14 +87,21 @@ async def test_two_policies_train_together_each_on_its_own_version_line(
             wrong = await http.post(
                 f"/s/{session['session_id']}/v1/chat/completions",
                 json={"model": "policy", "messages": [{"role": "user", "content": "1 + 1?"}]},
+                headers=session_auth(session),
             )
             assert wrong.status_code == 404
             assert wrong.json()["error"]["code"] == "model_not_found"
             unknown_reward = await http.post(
-                f"/sessions/{session['session_id']}/reward", json={"reward": 1, "policy": "x"}
+                f"/sessions/{session['session_id']}/reward",
+                json={"reward": 1, "policy": "x"},
+                headers=session_auth(session),
             )
             assert unknown_reward.status_code == 404
-            assert (await http.post(f"/sessions/{session['session_id']}/finish")).status_code == 200
+            assert (
+                await http.post(
+                    f"/sessions/{session['session_id']}/finish", headers=session_auth(session)
+                )
+            ).status_code == 200
 
         await mesh.start(
             AgentRunner(
@@ -150,15 +157,12 @@ async def test_two_policies_train_together_each_on_its_own_version_line(
             assert key in own, f"a {policy} sample holds tokens its engine did not make"
             assert 0.0 <= sample.reward <= 1.0
 
-    # the two version lines hold different weights (two optimizers, two reward signals)
-    solver_final = load_file(
-        str(tmp_path / "checkpoints" / "solver" / "final" / "model.safetensors")
-    )
-    verifier_final = load_file(
-        str(tmp_path / "checkpoints" / "verifier" / "final" / "model.safetensors")
-    )
-    assert solver_final.keys() == verifier_final.keys()
-    assert any(not torch.equal(solver_final[k], verifier_final[k]) for k in solver_final)
+    # each policy's own checkpoints, at its own step and version
+    for policy, steps in STEPS.items():
+        final = tmp_path / "checkpoints" / policy / "final"
+        state = json.loads((final / "trainer_state.json").read_text())
+        assert (state["step"], state["version"]) == (steps, steps), policy
+        assert (final / "model.safetensors").is_file()
 
     # the tag-scheduler knows each resource's policy from its tags
     policies = {rid: state.policy for rid, state in scheduler.resources.items()}
@@ -184,3 +188,57 @@ async def test_a_resource_naming_two_policies_is_refused(
         assert "engine-x" not in scheduler.resources  # nothing stored
     finally:
         await mesh.stop()
+
+
+@pytest.mark.slow
+async def test_the_two_policy_example_runs_embedded_and_lends_per_policy(
+    nats_url: str, run_id: str, base_model_dir: Path, tmp_path: Path
+) -> None:
+    """``seamlessflow up --policies solver,verifier --agent solve_and_verify`` as
+    processes, multiplexed: each policy's lendable engine serves only its own policy's
+    rollout while that policy's trainer waits."""
+    steps = 3
+    summary = await EmbeddedRun(
+        RunConfig(
+            run_id=run_id,
+            runs_dir=tmp_path,
+            model_dir=base_model_dir,
+            nats_url=nats_url,
+            policies=["solver", "verifier"],
+            agent="solve_and_verify",
+            mode="multiplexed",
+            steps=steps,
+            group_size=4,
+            groups_per_batch=2,
+            agent_concurrency=8,
+            engine_batch_size=8,
+            live=False,
+        )
+    ).run()
+    assert summary.status == "finished", summary.status
+    run_dir = tmp_path / run_id
+    written = json.loads((run_dir / "summary.json").read_text())
+    assert written["policies"].keys() == {"solver", "verifier"}
+    for policy, figures in written["policies"].items():
+        assert figures["finished"] and figures["final_version"] == steps, policy
+        assert figures["tokens_trained"] > 0
+        assert figures["checkpoint"] == str(run_dir / "checkpoints" / policy / "final")
+    assert written["steps"] == steps and written["checkpoint"].endswith("solver/final")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for policy in ("solver", "verifier"):
+        assert [m["version"] for m in metrics if m["policy"] == policy] == [1, 2, 3]
+
+    spans = [json.loads(line) for line in (run_dir / "spans.jsonl").read_text().splitlines()]
+    lent = {
+        (span["attributes"]["policy"], engine)
+        for span in spans
+        if span["name"] == "sched.lend"
+        for engine in span["attributes"]["lent"]
+    }
+    # lends happened, and only of a policy's own engine on its own trainer's slot
+    assert lent and lent <= {
+        ("solver", "solver-engine-lend-0"),
+        ("verifier", "verifier-engine-lend-0"),
+    }
+    logs = {path.name for path in (run_dir / "logs").iterdir()}
+    assert {"solver-trainer.log", "verifier-trainer.log", "gateway.log"} <= logs

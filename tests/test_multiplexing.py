@@ -13,6 +13,7 @@ import asyncio
 from pathlib import Path
 
 import httpx
+from conftest import session_auth
 from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM
 
@@ -86,7 +87,9 @@ async def test_reclaim_during_generation_loses_no_request_and_no_token(
 
         async def agent(index: int, http: httpx.AsyncClient) -> str:
             session = (await http.post("/sessions", json={})).json()
-            client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+            client = AsyncOpenAI(
+                base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+            )
             messages = [{"role": "user", "content": f"Count to {index}"}]
             if index % 2:
                 stream = await client.chat.completions.create(
@@ -111,7 +114,9 @@ async def test_reclaim_during_generation_loses_no_request_and_no_token(
                 )
                 text = reply.choices[0].message.content or ""
             await client.close()
-            await http.post(f"/sessions/{session['session_id']}/finish")
+            await http.post(
+                f"/sessions/{session['session_id']}/finish", headers=session_auth(session)
+            )
             return text
 
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import session_auth
 from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM
 
@@ -69,7 +70,9 @@ async def test_agents_never_notice_weight_updates(
 
         async def agent(index: int, http: httpx.AsyncClient) -> list[tuple[str, list[float]]]:
             session = (await http.post("/sessions", json={})).json()
-            client = AsyncOpenAI(base_url=session["base_url"], api_key="x", max_retries=0)
+            client = AsyncOpenAI(
+                base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+            )
             seen = []
             turn = 0
             while turn == 0 or not done.is_set():  # answers keep flowing during every update
@@ -107,7 +110,9 @@ async def test_agents_never_notice_weight_updates(
                 logprobs = [t.logprob for t in choice.logprobs.content]  # type: ignore[union-attr]
                 seen.append((choice.message.content, logprobs))
             await client.close()
-            await http.post(f"/sessions/{session['session_id']}/finish")
+            await http.post(
+                f"/sessions/{session['session_id']}/finish", headers=session_auth(session)
+            )
             return seen
 
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:

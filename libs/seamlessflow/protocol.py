@@ -359,6 +359,9 @@ class SessionOpened(Message, tag="traj.session_opened"):
     reward_fn: str = ""
     policy: str = DEFAULT_POLICY
     """The task's policy: the one whose last answer ``reward_fn`` scores."""
+    key_sha256: str = ""
+    """sha256 of the session's API key (never the key): the session's routes take only
+    that key."""
     opened_at: float = msgspec.field(default_factory=time.time)
 
 

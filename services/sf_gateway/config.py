@@ -1,5 +1,6 @@
 from typing import Literal
 
+from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -18,6 +19,12 @@ class GatewaySettings(BaseSettings):
 
     public_url: str = ""
     """Base URL agents reach this gateway at; default ``http://<host>:<port>``."""
+
+    api_keys: SecretStr = SecretStr("")
+    """Operator keys, comma-separated: opening a session and listing models need one of
+    them (``Authorization: Bearer``), and they export any session. Empty = anyone who
+    reaches the gateway may open sessions. Each session's own routes always take only
+    the key the session was opened with."""
 
     max_context: int = 1024
     """Prompt plus completion tokens may not exceed this (the model's context)."""
@@ -39,6 +46,9 @@ class GatewaySettings(BaseSettings):
     tool_parser: str = "qwen"
     """How tool calls are read from completions (a registered name in
     ``sf_gateway.tool_parsers``; ``qwen``: ``<tool_call>{json}</tool_call>`` blocks)."""
+
+    def operator_keys(self) -> list[str]:
+        return [k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip()]
 
 
 class EngineSettings(BaseSettings):

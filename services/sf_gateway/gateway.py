@@ -23,6 +23,14 @@ Produces:
 - ``sf.<run>.traj.event.<session>`` (JetStream: SessionOpened, TurnRecorded,
   RewardReported, SessionFinished)
 
+Access control: every session has its own key, returned once by ``POST /sessions``
+(``api_key``); the session's routes (its OpenAI base URL, reward, finish, export) take
+only that key as ``Authorization: Bearer <key>`` (what an OpenAI client sends as its
+``api_key``), so an agent cannot read or write another session. With
+``SF_GATEWAY_API_KEYS`` set, opening a session and listing models need one of those
+operator keys, which also export any session. The gateway keeps only sha256 digests
+of keys, and never logs them.
+
 Invariants: the recorded TurnRecorded holds exactly the ids the engine consumed and
 produced, with their logprobs and versions, and is durably stored before the agent
 gets its answer. A request that fails validation stores nothing. An engine
@@ -34,7 +42,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -92,6 +103,8 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 @dataclass
 class GatewaySession:
     opened: SessionOpened
+    key_sha256: str
+    """Digest of the session's key: its routes take only that key."""
     conversation: Conversation
     finished: bool = False
     turns: int = 0
@@ -120,6 +133,7 @@ class Gateway:
         self.reroutes = 0
         self.tool_parser = get_tool_parser(settings.tool_parser)
         self._turns: set[asyncio.Task[None]] = set()
+        self._operator_keys = [key_digest(k) for k in settings.operator_keys()]
 
     # ------------------------------------------------------------------ HTTP app
 
@@ -162,6 +176,10 @@ class Gateway:
         return JSONResponse({"status": "ok", "sessions": len(self.sessions)})
 
     async def list_models(self, request: Request) -> Response:
+        self._require_operator(request)
+        return self._models()
+
+    def _models(self) -> Response:
         created = int(time.time())
         data = [
             {"id": name, "object": "model", "created": created, "owned_by": "seamlessflow"}
@@ -171,12 +189,14 @@ class Gateway:
 
     async def list_models_in_session(self, request: Request) -> Response:
         self._session(request)
-        return await self.list_models(request)
+        return self._models()
 
     async def create_session(self, request: Request) -> Response:
+        self._require_operator(request)
         body = parse(SessionCreate, await self._json(request, allow_empty=True))
         policy = self._check_model(body.policy, param="policy") if body.policy else self.models[0]
         session_id = "s" + uuid.uuid4().hex
+        api_key = "sk-sf-" + secrets.token_urlsafe(32)
         opened = SessionOpened(
             session_id=session_id,
             task_id=body.task_id,
@@ -186,6 +206,7 @@ class Gateway:
             reference=body.reference,
             reward_fn=body.reward_fn,
             policy=policy,
+            key_sha256=key_digest(api_key),
         )
         await self.bus.js_publish(self.bus.subjects.trajectory_event(session_id), opened)
         conversation = Conversation(
@@ -193,9 +214,15 @@ class Gateway:
             encode=self.tokenizer.encode_text,
             end_of_turn=self.tokenizer.end_of_turn,
         )
-        self.sessions[session_id] = GatewaySession(opened=opened, conversation=conversation)
+        self.sessions[session_id] = GatewaySession(
+            opened=opened, key_sha256=opened.key_sha256, conversation=conversation
+        )
         return JSONResponse(
-            {"session_id": session_id, "base_url": f"{self.public_url}/s/{session_id}/v1"},
+            {
+                "session_id": session_id,
+                "base_url": f"{self.public_url}/s/{session_id}/v1",
+                "api_key": api_key,
+            },
             status_code=201,
         )
 
@@ -225,8 +252,11 @@ class Gateway:
         return JSONResponse({"session_id": event.session_id, "turns": session.turns})
 
     async def export_session(self, request: Request) -> Response:
-        """Every branch of the session as training samples (served by trajectory)."""
+        """Every branch of the session as training samples (served by trajectory). With
+        the session's key, or an operator key for any session (also after a restart)."""
         session_id = request.path_params["session_id"]
+        if not self._is_operator(request):
+            self._session(request)
         try:
             export = await self.bus.request(
                 self.bus.subjects.trajectory_export(),
@@ -638,13 +668,37 @@ class Gateway:
         )
 
     def _session(self, request: Request, *, open_only: bool = False) -> GatewaySession:
+        """The request's session, if the request carries that session's key."""
         session_id = request.path_params["session_id"]
         session = self.sessions.get(session_id)
         if session is None:
             raise ApiError(404, f"session {session_id!r} does not exist", code="session_not_found")
+        key = bearer_key(request)
+        if key is None or not hmac.compare_digest(key_digest(key), session.key_sha256):
+            raise ApiError(
+                401,
+                "this session's API key is required (the api_key POST /sessions returned)",
+                code="invalid_api_key",
+                type_="authentication_error",
+            )
         if open_only and session.finished:
             raise ApiError(409, f"session {session_id!r} has finished", code="session_finished")
         return session
+
+    def _is_operator(self, request: Request) -> bool:
+        key = bearer_key(request)
+        digest = key_digest(key) if key is not None else ""
+        return any(hmac.compare_digest(digest, known) for known in self._operator_keys)
+
+    def _require_operator(self, request: Request) -> None:
+        """Opening sessions and listing models: open without operator keys configured."""
+        if self._operator_keys and not self._is_operator(request):
+            raise ApiError(
+                401,
+                "an operator API key is required (SF_GATEWAY_API_KEYS)",
+                code="invalid_api_key",
+                type_="authentication_error",
+            )
 
     def _check_model(self, model: str, param: str = "model") -> str:
         """The policy a model name picks (they are the same name)."""
@@ -688,6 +742,18 @@ class Gateway:
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return body
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def bearer_key(request: Request) -> str | None:
+    """The key of ``Authorization: Bearer <key>`` (what OpenAI clients send)."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return None
+    return key.strip()
 
 
 def _sse(data: dict[str, Any]) -> bytes:

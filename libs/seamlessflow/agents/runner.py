@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import httpx
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from seamlessflow.agents import AgentReward, AgentTask, get_agent
@@ -57,8 +58,10 @@ class AgentRunnerSettings(BaseSettings):
     temperature: float = 1.0
     """Sampling temperature agents use (the trainer must use the same)."""
 
-    api_key: str = "sf-local"
-    """Key the agents' OpenAI client sends."""
+    gateway_key: SecretStr = SecretStr("")
+    """Operator key for opening sessions at the gateway (one of its
+    ``SF_GATEWAY_API_KEYS``); empty if the gateway needs none. Each agent's OpenAI
+    client uses its own session's key, never this one."""
 
 
 class AgentRunner:
@@ -76,9 +79,13 @@ class AgentRunner:
         # One connection pool for every agent's OpenAI client: building a client with its
         # own pool costs ~40 ms of CPU, more than the tiny model's whole answer.
         self.openai_http = DefaultAsyncHttpxClient(timeout=600.0)
+        operator_key = self.settings.gateway_key.get_secret_value()
+        headers = {"authorization": f"Bearer {operator_key}"} if operator_key else {}
         async with (
             self.openai_http,
-            httpx.AsyncClient(base_url=self.settings.gateway_url, timeout=600.0) as http,
+            httpx.AsyncClient(
+                base_url=self.settings.gateway_url, timeout=600.0, headers=headers
+            ) as http,
         ):
             self.http = http
             await self._wait_for_gateway()
@@ -138,9 +145,11 @@ class AgentRunner:
         response.raise_for_status()
         session = response.json()
         session_id = session["session_id"]
+        # the session's own key: this agent can reach its session and no other
+        session_auth = {"authorization": f"Bearer {session['api_key']}"}
         client = AsyncOpenAI(
             base_url=session["base_url"],
-            api_key=self.settings.api_key,
+            api_key=session["api_key"],
             max_retries=0,
             http_client=self.openai_http,
         )
@@ -158,8 +167,8 @@ class AgentRunner:
         try:
             reward = await self.agent(client, task)
             for body in _reward_bodies(reward):
-                (await self.http.post(f"/sessions/{session_id}/reward", json=body)
-                 ).raise_for_status()  # fmt: skip
+                (await self.http.post(f"/sessions/{session_id}/reward", json=body,
+                                      headers=session_auth)).raise_for_status()  # fmt: skip
             self.completed += 1
         except asyncio.CancelledError:
             raise
@@ -167,7 +176,7 @@ class AgentRunner:
             self.failed += 1
             log.exception("agent failed on %s (session %s)", assignment.task_id, session_id)
         finally:
-            finish = await self.http.post(f"/sessions/{session_id}/finish")
+            finish = await self.http.post(f"/sessions/{session_id}/finish", headers=session_auth)
             if finish.status_code not in (200, 409):
                 log.warning("finishing %s: HTTP %d %s", session_id, finish.status_code, finish.text)
 
