@@ -40,8 +40,14 @@ bench STEPS="60":
     {{bin}}/python loadtests/weight_sync.py
     {{bin}}/seamlessflow simulate
 
+# SeamlessFlow against TRL's GRPOTrainer (same model, task, group size, steps; one run
+# after the other), then the ratios against the committed baseline (exit 1 on a drop)
+peer STEPS="300":
+    {{bin}}/python loadtests/peer_compare.py --steps {{STEPS}}
+    {{bin}}/python loadtests/regression.py runs/load/peer_compare.json
+
 # gateway load test against a live mesh: 100, 500 and 1000 concurrent multi-turn agent
-# sessions (scripted engine, agents in their own process); requests/s, latency
+# sessions (scripted engine, agents in 2 processes of their own); requests/s, latency
 # percentiles, what the gateway adds, every session stored exactly once
 load *ARGS:
     {{bin}}/python loadtests/gateway_load.py {{ARGS}}

@@ -215,12 +215,19 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
 # --------------------------------------------------------------------------------------
 
 
+REQUIRED_SECRETS = {"SF_NATS_TOKEN", "SF_GATEWAY_API_KEYS"}
+"""Credentials have no default on purpose: compose refuses to start without them."""
+
+
 def test_every_variable_has_a_default(raw_compose: dict[str, Any]) -> None:
-    """The file must work without a .env: every ${VAR} reference carries a default."""
+    """Every ${VAR} reference carries a default, except the credentials, which must be
+    required (``${VAR:?message}``) rather than defaulted to a known value."""
     missing = set()
     for s in _strings(raw_compose):
         for m in _VAR_RE.finditer(s):
             if m.group(0) == "$$":
+                continue
+            if m.group("name") in REQUIRED_SECRETS and m.group("op") == ":?":
                 continue
             if m.group("bare") or m.group("op") not in (":-", "-"):
                 missing.add(m.group(0))
@@ -505,3 +512,19 @@ def test_every_seamlessflow_setting_in_compose_exists_in_the_code() -> None:
         used.update(k for k in anchor if k.startswith("SF_"))
     assert used, "the compose file sets no seamlessflow settings"
     assert used <= known, f"unknown settings in compose: {sorted(used - known)}"
+
+
+def test_credentials_are_required_and_passed_to_every_service(
+    raw_compose: dict[str, Any], services: dict[str, dict[str, Any]]
+) -> None:
+    """NATS takes a token and the gateway operator keys; compose refuses to start without
+    them (``${VAR:?...}``), and no secret has a default written in the file."""
+    raw = raw_compose["services"]
+    nats_command = [str(c) for c in raw["nats"]["command"]]
+    assert nats_command[nats_command.index("--auth") + 1].startswith("${SF_NATS_TOKEN:?")
+    for name, svc in long_running(raw).items():
+        assert str(env_of(svc).get("SF_NATS_TOKEN", "")).startswith("${SF_NATS_TOKEN:?"), name
+    assert str(env_of(raw["gateway"])["SF_GATEWAY_API_KEYS"]).startswith("${SF_GATEWAY_API_KEYS:?")
+    assert str(env_of(raw["agents"])["SF_AGENTS_GATEWAY_KEY"]).startswith("${SF_GATEWAY_API_KEYS:?")
+    health = " ".join(services["gateway"]["healthcheck"]["test"])
+    assert "/healthz" in health  # needs no key

@@ -555,3 +555,32 @@ async def test_operator_keys_guard_opening_sessions(mesh, bus: Bus) -> None:  # 
         exported = await http.get(f"/sessions/{sid}/export", headers=operator)
         assert exported.status_code == 503, exported.text
     assert "op-2" not in repr(gateway.settings) and "op-2" not in str(gateway.settings.api_keys)
+
+
+async def test_finished_sessions_leave_memory_and_still_answer(mesh, bus: Bus) -> None:  # type: ignore[no-untyped-def]
+    """A finished session drops its conversation: only its id and key digest stay, for a
+    bounded number of sessions, so a gateway running for weeks does not grow."""
+    gateway = await mesh.start(GatewayService(GatewaySettings(port=0, finished_sessions_kept=2)))
+    await asyncio.wait_for(gateway.ready.wait(), 30)
+    chat = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.bound_port}") as http:
+        sessions = [await new_session(http) for _ in range(3)]
+        for session in sessions:
+            finished = await http.post(
+                f"/sessions/{session['session_id']}/finish", headers=session_auth(session)
+            )
+            assert finished.status_code == 200
+        assert gateway.gateway.sessions == {}
+        oldest, *kept = sessions
+        for session in kept:
+            url = f"/s/{session['session_id']}/v1/chat/completions"
+            late = await http.post(url, json=chat, headers=session_auth(session))
+            assert late.status_code == 409, late.text
+            assert (await http.post(url, json=chat)).status_code == 401  # still its key only
+        forgotten = await http.post(
+            f"/s/{oldest['session_id']}/v1/chat/completions",
+            json=chat,
+            headers=session_auth(oldest),
+        )
+        assert forgotten.status_code == 404
+    assert list(gateway.gateway.finished) == [s["session_id"] for s in kept]

@@ -1,4 +1,5 @@
 from seamlessflow.protocol import (
+    GroupClosed,
     NoTask,
     RewardReported,
     SessionFinished,
@@ -66,6 +67,62 @@ def test_a_group_is_ready_when_all_its_sessions_finished() -> None:
     assert samples[0].loss_mask == [0, 0, 1, 1]
     assert samples[0].behaviour_logprobs == [0.0, 0.0, -0.5, -0.5]
     assert samples[0].versions == [-1, -1, 0, 0]
+
+
+def play_session(grouper: Grouper, session: str, group: str, index: int, size: int) -> None:
+    grouper.apply(opened(session, group, index, size))
+    grouper.apply(turn(session, 0, [1, 2], [3, 9], "4"))
+    grouper.apply(SessionFinished(session_id=session))
+
+
+def test_a_closed_group_drops_what_did_not_finish_and_goes_on_with_the_rest() -> None:
+    grouper = Grouper(lookup)
+    play_session(grouper, "s0", "g0", 0, 4)
+    play_session(grouper, "s1", "g0", 1, 4)
+    grouper.apply(opened("s2", "g0", 2, 4))  # its gateway restarted: it never finishes
+    # (sample 3 was claimed, but its session never opened)
+    grouper.apply(GroupClosed(group_id="g0", task_id="t-g0", group_size=4))
+    assert grouper.tally.dropped_samples == {"timed_out": ["s2", "g0/3"]}
+    assert grouper.tally.samples_dropped == {"timed_out": 2}
+    # what comes after the close changes nothing: sample 3 is already counted
+    grouper.apply(SessionFinished(session_id="s2"))
+    play_session(grouper, "s3", "g0", 3, 4)
+    batch = grouper.take_batch(1)
+    assert batch is not None and [s.session_id for s in batch[0].samples] == ["s0", "s1"]
+    assert grouper.last_tally.samples_dropped == {"timed_out": 2}
+    # a group none of whose samples opened is lost, and refilled by the dispatcher
+    grouper.apply(GroupClosed(group_id="g1", task_id="t-g1", group_size=2))
+    assert grouper.groups_lost == 1 and grouper.tally.dropped_groups == {"no_samples": ["g1"]}
+    assert grouper.tally.dropped_samples == {"timed_out": ["g1/0", "g1/1"]}
+    # a close that comes after the group completed is a no-op
+    grouper.apply(GroupClosed(group_id="g0", task_id="t-g0", group_size=4))
+    assert grouper.groups_lost == 1 and grouper.ready == []
+
+
+def test_a_sample_handed_out_twice_is_dropped_as_surplus() -> None:
+    """A sample index can reach two agents after a restart; the group completes with
+    the first ``size`` sessions and the other one is reported, never a crash."""
+    grouper = Grouper(lookup)
+    grouper.apply(opened("late", "g0", 1, 2))
+    play_session(grouper, "a", "g0", 0, 2)
+    play_session(grouper, "b", "g0", 1, 2)
+    grouper.apply(SessionFinished(session_id="late"))  # its group is complete already
+    play_session(grouper, "later", "g0", 1, 2)  # opens after the group completed
+    assert grouper.tally.dropped_samples == {"surplus": ["late", "later"]}
+    batch = grouper.take_batch(1)
+    assert batch is not None and [s.session_id for s in batch[0].samples] == ["a", "b"]
+
+
+def test_drops_a_published_report_named_are_not_reported_again() -> None:
+    """The replay after a restart rebuilds every drop; those a published report already
+    named count again for the rhythm (groups lost) but are not reported twice."""
+    grouper = Grouper(lookup)
+    grouper.reported = {"g0", "g0/0", "s1"}
+    grouper.apply(opened("s1", "g0", 1, 2))
+    grouper.apply(SessionFinished(session_id="s1"))  # no turns: failed
+    grouper.apply(GroupClosed(group_id="g0", task_id="t-g0", group_size=2))
+    assert grouper.groups_lost == 1
+    assert grouper.tally.samples_dropped == {} and grouper.tally.groups_dropped == {}
 
 
 def test_a_reported_reward_wins_over_the_verifier() -> None:
@@ -183,7 +240,11 @@ def test_dispatcher_hands_out_groups_and_applies_backpressure_and_the_budget() -
     assert isinstance(dispatcher.claim(trained_batches=1), TaskAssignment)
     for _ in range(3):
         dispatcher.claim(trained_batches=1)
-    done = dispatcher.claim(trained_batches=3)
+    # every group is out, but one may still be lost and need a refill: wait, until the
+    # last batch is published
+    waiting = dispatcher.claim(trained_batches=3, batches_published=2)
+    assert isinstance(waiting, NoTask) and waiting.reason == "backpressure"
+    done = dispatcher.claim(trained_batches=3, batches_published=3)
     assert isinstance(done, NoTask) and done.reason == "exhausted"
 
 

@@ -125,6 +125,15 @@ def test_resume_latest_takes_the_most_trained_complete_checkpoint(tmp_path: Path
         checkpoint.resolve_resume("latest", None)
 
 
+def test_pruning_keeps_the_newest_periodic_checkpoints_and_final(tmp_path: Path) -> None:
+    for step in (1, 2, 10, 11):
+        write_checkpoint_files(tmp_path / f"step-{step}", step)
+    write_checkpoint_files(tmp_path / "final", 11)
+    removed = checkpoint.prune(tmp_path, keep=2)
+    assert sorted(p.name for p in removed) == ["step-1", "step-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "step-10", "step-11"]
+
+
 def test_saving_again_under_a_name_replaces_the_checkpoint(
     base_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -170,11 +179,14 @@ async def test_a_resumed_trainer_skips_trained_batches_and_keeps_versions_monoto
     step_1 = tmp_path / "checkpoints" / "step-1"
     assert checkpoint.read_state(step_1) == TrainerState(step=1, version=1, data_position=0)
 
-    # Resume from step 1 (step 2, batch 1, is lost), while version 2 is announced. Batch 0
-    # comes again (a replay under a new message id): it must not be trained again.
+    # Resume from step 1 while step 2 (batch 1, version 2) is recorded and announced: the
+    # policy loses step 2, the trainer goes on after it (step 3). Batches 0 and 1 come
+    # again (replays under new message ids, as a batch left unacked by a trainer killed
+    # after its step record is redelivered): neither is trained again.
     await bus.js_publish(subjects.batch_ready(), BATCHES[0], msg_id="batch-0-replayed")
+    await bus.js_publish(subjects.batch_ready(), BATCHES[1], msg_id="batch-1-replayed")
     await bus.js_publish(subjects.batch_ready(), BATCHES[2], msg_id="batch-2")
-    await run_trainer(run, SETTINGS.model_copy(update={"steps": 2, "resume": str(step_1)}))
+    await run_trainer(run, SETTINGS.model_copy(update={"steps": 3, "resume": str(step_1)}))
 
     published = [
         decode(m.data, WeightsPublished).version
@@ -186,17 +198,17 @@ async def test_a_resumed_trainer_skips_trained_batches_and_keeps_versions_monoto
         for m in await bus.read_subject(subjects.stream_metrics(), subjects.train_metrics())
     ]
     trained = [(m.step, m.version, m.batch_index) for m in metrics]
-    assert trained == [(1, 1, 0), (2, 2, 1), (2, 3, 2)]
+    assert trained == [(1, 1, 0), (2, 2, 1), (3, 3, 2)]
     finished = [
         decode(m.data, TrainingFinished)
         for m in await bus.read_subject(subjects.stream_metrics(), subjects.train_finished())
     ]
-    assert [(f.steps, f.final_version) for f in finished] == [(2, 2), (2, 3)]
+    assert [(f.steps, f.final_version) for f in finished] == [(2, 2), (3, 3)]
     consumer = await bus.js.consumer_info(subjects.stream_batches(), TRAINER_DURABLE)
     assert consumer.num_pending == 0 and consumer.num_ack_pending == 0  # the replay was acked
 
     final = tmp_path / "checkpoints" / "final"
-    assert checkpoint.read_state(final) == TrainerState(step=2, version=3, data_position=2)
+    assert checkpoint.read_state(final) == TrainerState(step=3, version=3, data_position=2)
     expected = learner(base_model_dir)
     expected.restore(step_1)
     expected.step(BATCHES[2], version=2)

@@ -19,6 +19,7 @@ from seamlessflow.bus import Bus, connect
 from seamlessflow.protocol import (
     BatchFilterReport,
     EpochFilterReport,
+    GroupClosed,
     NoTask,
     RewardReported,
     SessionFinished,
@@ -27,6 +28,7 @@ from seamlessflow.protocol import (
     TaskAssignment,
     TaskClaim,
     TrainBatch,
+    TrajectoryEvent,
     TurnRecorded,
     decode,
 )
@@ -183,17 +185,19 @@ async def test_a_zero_variance_group_is_dropped_and_refilled_so_the_batch_stays_
     )
     service = await traj.start()
     flat, signal = await claim_group(bus, 2), await claim_group(bus, 2)
-    assert (await claim(bus)) == NoTask(reason="exhausted")  # the budget: two groups
+    # the budget: two groups; no more before a batch is published (one may be refilled)
+    assert (await claim(bus)) == NoTask(reason="backpressure", retry_after_s=0.5)
     for task, reward in zip(flat + signal, (1.0, 1.0, 1.0, 0.0), strict=True):
         await play(bus, task, reward=reward)
     await until(lambda: service.grouper.groups_lost == 1)
 
     refill = await claim_group(bus, 2)  # the refill of the zero-variance group
     assert refill[0].group_id == "g0000002"
-    assert (await claim(bus)) == NoTask(reason="exhausted")
+    assert (await claim(bus)) == NoTask(reason="backpressure", retry_after_s=0.5)
     for task, reward in zip(refill, (0.0, 1.0), strict=True):
         await play(bus, task, reward=reward)
     await batches_published(traj, 1)
+    assert (await claim(bus)) == NoTask(reason="exhausted")
 
     s = bus.subjects
     [batch] = await batches(bus)
@@ -203,6 +207,54 @@ async def test_a_zero_variance_group_is_dropped_and_refilled_so_the_batch_stays_
     assert report.groups_dropped == {"zero_variance": 1}
     assert report.samples_dropped == {"zero_variance": 2}
     assert report.stage == "arithmetic"
+
+
+# --------------------------------------------------------------------------- faults
+
+
+async def test_a_stalled_group_is_closed_and_refilled_and_a_restart_resumes_mid_group(
+    bus: Bus, trajectory
+) -> None:  # type: ignore[no-untyped-def]
+    """The agents of a group lose their gateway before they open a session: without a
+    time-out the group would hold back the last batch forever (and the runner would have
+    been told ``exhausted``). Then the service restarts with a group handed out in part:
+    it hands out the rest, and reports no drop twice."""
+    traj = trajectory(group_size=2, groups_per_batch=1, total_batches=2, group_timeout_s=2.0)
+    service = await traj.start()
+    await claim_group(bus, 2)  # g0: never opened
+    for task in await claim_group(bus, 2):  # g1
+        await play(bus, task, reward=1.0)
+    await batches_published(traj, 1)
+    assert (await claim(bus)) == NoTask(reason="backpressure", retry_after_s=0.5)
+    await until(lambda: service.grouper.groups_lost == 1, timeout=10)
+
+    [first] = await claim_group(bus, 1)  # the refill, g2, handed out in part
+    assert (first.group_id, first.sample_index) == ("g0000002", 0)
+    await play(bus, first, reward=0.0)
+    await traj.restart()
+    [rest] = await claim_group(bus, 1)
+    assert (rest.group_id, rest.sample_index) == ("g0000002", 1)
+    await play(bus, rest, reward=1.0)
+    await batches_published(traj, 2)
+    assert (await claim(bus)) == NoTask(reason="exhausted")
+
+    s = bus.subjects
+    events = [
+        decode(m.data, TrajectoryEvent)
+        for m in await bus.read_all(s.stream_trajectory(), s.trajectory_events_all())
+    ]
+    assert [e.group_id for e in events if isinstance(e, GroupClosed)] == ["g0000000"]
+    assert [[g.group_id for g in b.groups] for b in await batches(bus)] == [
+        ["g0000001"],
+        ["g0000002"],
+    ]
+    # the closed group is reported once, though the restart replayed its close
+    named = [
+        (reason, ids)
+        for r in await reports(bus, s.data_batch_report(), BatchFilterReport)
+        for reason, ids in (*r.dropped_samples.items(), *r.dropped_groups.items())
+    ]
+    assert named == [("timed_out", ["g0000000/0", "g0000000/1"]), ("no_samples", ["g0000000"])]
 
 
 # --------------------------------------------------------------------------- history resampling

@@ -67,6 +67,15 @@ class NoResponder(Exception):
 
 Handler = Callable[[Any], Awaitable[Message | None]]
 
+JS_PUBLISH_RETRY_S = 30.0
+"""How long a publish with a message id is retried while the broker does not ack it."""
+
+FOLLOW_HEARTBEAT_S = 1.0
+"""Idle heartbeat of the consumers that follow a stream. An ordered consumer lives in the
+server's memory: after a server restart the client only notices it is gone when two
+heartbeats are missed, then recreates it from the next sequence. nats.py's default (5 s)
+left a follower deaf for 10-20 s after a broker restart; with 1 s it is 2-4 s."""
+
 
 class Bus:
     """One NATS connection of one service, with the run's subjects."""
@@ -81,7 +90,12 @@ class Bus:
     # ------------------------------------------------------------------ core NATS
 
     async def publish(self, subject: str, message: Message) -> None:
-        await self.nc.publish(subject, encode(message), headers=telemetry.inject_headers())
+        try:
+            await self.nc.publish(subject, encode(message), headers=telemetry.inject_headers())
+        except nats.errors.BadSubjectError:
+            # Subjects from ``Subjects`` are always valid: a malformed one came in a message
+            # (a GenerateRequest's ``stream_subject``), so the request is refused as such.
+            raise ProtocolError(f"invalid subject {subject!r}") from None
 
     async def request(
         self, subject: str, message: Message, reply_type: Any, *, timeout: float = 5.0
@@ -180,12 +194,26 @@ class Bus:
                     await self.js.stream_info(name)
 
     async def js_publish(self, subject: str, message: Message, *, msg_id: str = "") -> int:
-        """Publish durably; ``msg_id`` makes a retried publish land once. Returns the seq."""
+        """Publish durably; ``msg_id`` makes a retried publish land once. Returns the seq.
+
+        With a ``msg_id``, a publish the broker did not acknowledge (a time-out, or no
+        stream answering: a broker restarting, whose connection silently swallowed what
+        was written just before the client noticed) is retried for up to
+        ``JS_PUBLISH_RETRY_S``, so a broker restart does not fail the publisher. Without
+        one it raises at once: a retry could store the message twice."""
         headers = telemetry.inject_headers()
         if msg_id:
             headers["Nats-Msg-Id"] = msg_id
-        ack = await self.js.publish(subject, encode(message), headers=headers)
-        return ack.seq
+        deadline = asyncio.get_running_loop().time() + (JS_PUBLISH_RETRY_S if msg_id else 0)
+        while True:
+            try:
+                ack = await self.js.publish(subject, encode(message), headers=headers)
+                return ack.seq
+            except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError) as exc:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+                log.warning("no ack for %s on %s (%r): retrying", msg_id, subject, exc)
+                await asyncio.sleep(0.5)
 
     async def follow(self, stream: str, subject: str) -> tuple[Any, int]:
         """An ordered consumer over ``subject`` from the stream's start.
@@ -197,7 +225,11 @@ class Bus:
         info = await self.js.stream_info(stream)
         last_seq = info.state.last_seq if info.state.messages else 0
         sub = await self.js.subscribe(
-            subject, stream=stream, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+            subject,
+            stream=stream,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL,
+            idle_heartbeat=FOLLOW_HEARTBEAT_S,
         )
         return sub, last_seq
 
@@ -230,6 +262,18 @@ class Bus:
             await sub.unsubscribe()
         return messages
 
+    async def read_decoded(self, stream: str, subject: str, kind: Any) -> list[Any]:
+        """Every message of ``kind`` stored on one subject, in order. JetStream stores
+        whatever is published: what does not decode is logged and skipped, so one junk
+        message cannot stop a service's start-up replay."""
+        decoded = []
+        for msg in await self.read_subject(stream, subject):
+            try:
+                decoded.append(decode(msg.data, kind))
+            except ProtocolError as exc:
+                log.warning("skipping an undecodable message on %s: %s", subject, exc)
+        return decoded
+
     async def drain(self, timeout: float = 5.0) -> None:
         """Stop taking requests, let handlers in flight finish on an open connection, then
         drain and close, all within about ``timeout``. Safe to call twice."""
@@ -254,7 +298,18 @@ class Bus:
                 await self.nc.close()
 
 
-async def connect(url: str, subjects: Subjects, *, name: str) -> Bus:
+async def ack_redeliverable(msg: Msg) -> None:
+    """Ack a durable consumer's message whose redelivery the consumer handles (it
+    recognises what it already did). An ack the broker does not confirm (lost with a
+    broker restart) is logged, not raised: the message comes again after the consumer's
+    ack wait and is recognised then."""
+    try:
+        await msg.ack_sync()
+    except nats.errors.TimeoutError:
+        log.warning("ack of %s not confirmed: it will be redelivered", msg.subject)
+
+
+async def connect(url: str, subjects: Subjects, *, name: str, token: str = "") -> Bus:
     """Connect with unbounded reconnects: a broker restart must not kill a service."""
 
     async def on_error(exc: Exception) -> None:
@@ -267,5 +322,6 @@ async def connect(url: str, subjects: Subjects, *, name: str) -> Bus:
         reconnect_time_wait=0.5,
         error_cb=on_error,
         connect_timeout=5,
+        token=token or None,
     )
     return Bus(nc, subjects)

@@ -74,6 +74,12 @@ def up(
         bool, typer.Option(help="Pin engines and the trainer to their slot's core.")
     ] = False,
     live: Annotated[bool, typer.Option(help="Live progress table.")] = True,
+    max_restarts: Annotated[
+        int, typer.Option(help="Restarts per process after an unexpected exit.")
+    ] = 3,
+    checkpoint_every: Annotated[
+        int, typer.Option(help="Trainer checkpoint interval in steps (0: at the end only).")
+    ] = 10,
 ) -> None:
     """Embedded local run: NATS, every service as a process, agents, training."""
     from seamlessflow.embedded import RunConfig, run_embedded
@@ -96,6 +102,8 @@ def up(
         mode=mode,  # type: ignore[arg-type]
         pin_slots=pin_slots,
         live=live,
+        max_restarts=max_restarts,
+        checkpoint_every=checkpoint_every,
     )
     summary = run_embedded(config)
     typer.echo(json.dumps({k: v for k, v in summary.__dict__.items() if k != "config"}, indent=2))
@@ -350,6 +358,7 @@ SETTINGS: dict[str, str] = {
     "trainer": "sf_trainer.config:TrainerSettings",
     "gateway": "sf_gateway.config:GatewaySettings",
     "engine": "sf_gateway.config:EngineSettings",
+    "scripted engine (load tests)": "sf_gateway.engine.scripted_engine:ScriptedSettings",
     "agents": "seamlessflow.agents.runner:AgentRunnerSettings",
     "code sandbox (reward code_tests)": "seamlessflow.rewards.sandbox:SandboxSettings",
 }

@@ -2,8 +2,9 @@
 
 ``seamlessflow up`` calls :func:`run_embedded`. Each service is started exactly as it
 would be deployed alone (``python -m seamlessflow serve <service>`` with env settings);
-this module only wires environment variables, watches the processes, shows progress
-and writes the run report:
+this module only wires environment variables, watches the processes (one that dies is
+started again, within a budget: ``unexpected_exit``), shows progress and writes the run
+report:
 
     runs/<run-id>/summary.json      the contract: see ``Summary``
     runs/<run-id>/metrics.jsonl     one TrainStepMetrics per line
@@ -22,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -34,6 +36,7 @@ from typing import Any, Literal
 import nats.errors
 from pydantic import BaseModel, Field, model_validator
 
+from seamlessflow.bus import FOLLOW_HEARTBEAT_S
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import (
     DEFAULT_POLICY,
@@ -43,7 +46,7 @@ from seamlessflow.protocol import (
     check_policy,
     decode,
 )
-from seamlessflow.settings import checkpoints_dir
+from seamlessflow.settings import MeshSettings, checkpoints_dir
 from seamlessflow.tasks import task_names
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,8 @@ log = logging.getLogger(__name__)
 SERVICE_ORDER = ["tag-scheduler", "weight-sync", "trajectory", "trainer", "gateway", "engine"]
 # One of these per policy (multi-policy runs); the others serve the whole run.
 POLICY_SERVICES = {"weight-sync", "trainer", "engine"}
+FINISH_GRACE_S = 30.0
+"""How long a trainer that exited 0 has for its TrainingFinished to reach the run."""
 
 
 class RunConfig(BaseModel):
@@ -97,6 +102,19 @@ class RunConfig(BaseModel):
     """Requests one engine decodes together."""
     seed: int = 0
     """Seed for task order and the trainer."""
+    max_restarts: int = 3
+    """Supervision: a process that exits unexpectedly (a service, an engine, the agent
+    runner, the embedded NATS server) is started again with the same command and
+    settings, at most this many times per process; one more exit fails the run. A
+    restarted trainer resumes from its latest checkpoint."""
+    checkpoint_every: int = 10
+    """The trainer also checkpoints every N steps (``SF_TRAINER_CHECKPOINT_EVERY``; 0 =
+    only at the end): what a restarted trainer resumes from. The steps after it are
+    lost to the policy (their batches stay trained once, see docs/design.md "Faults")."""
+    group_timeout_s: float = 120.0
+    """A group handed out to agents that makes no progress for this long is closed: its
+    unfinished samples are dropped (``SF_TRAJECTORY_GROUP_TIMEOUT_S``; e.g. sessions a
+    restarted gateway lost)."""
     nats_url: str = ""
     """Use this NATS server (JetStream enabled) instead of starting an embedded one."""
     mode: Literal["colocated", "disaggregated", "multiplexed"] = "disaggregated"
@@ -136,6 +154,15 @@ class RunConfig(BaseModel):
             if task_budget is not None:
                 self.max_tokens = int(task_budget)
         return self
+
+
+@dataclass
+class Launch:
+    """How one process of the run is started (and started again by supervision)."""
+
+    service: str
+    env: dict[str, str]
+    slots: list[str]
 
 
 @dataclass(frozen=True)
@@ -225,6 +252,9 @@ class Summary:
     policies: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per policy: steps, reward_first, reward_last, final_version, tokens_trained,
     checkpoint. The fields above describe the first policy (the tasks' policy)."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    """Supervision: how many times each process (by label; ``nats`` for the embedded
+    server) was started again after an unexpected exit."""
     config: dict[str, Any] = field(default_factory=dict)
 
 
@@ -253,6 +283,13 @@ class EmbeddedRun:
         self.run_id = config.run_id or default_run_id()
         self.run_dir = (config.runs_dir / self.run_id).resolve()
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.launches: dict[str, Launch] = {}
+        """Label -> how its process was started: a restart starts it the same way."""
+        self.restarts: dict[str, int] = {}
+        self.nats_server: EmbeddedNats | None = None
+        """The embedded server (None when the run uses ``nats_url``)."""
+        self._clean_exits: dict[str, float] = {}
+        """Trainers that exited 0 before their finish arrived: since when."""
         self.process_policy: dict[str, str] = {}
         """Label of a per-policy process -> its policy."""
         self.metrics_by_policy: dict[str, list[TrainStepMetrics]] = {
@@ -300,7 +337,9 @@ class EmbeddedRun:
                 "SF_TRAJECTORY_GROUPS_PER_BATCH": str(c.groups_per_batch),
                 "SF_TRAJECTORY_TOTAL_BATCHES": str(c.steps),
                 "SF_TRAJECTORY_MAX_BATCHES_AHEAD": str(c.max_batches_ahead),
+                "SF_TRAJECTORY_GROUP_TIMEOUT_S": str(c.group_timeout_s),
                 "SF_TRAINER_STEPS": str(c.steps),
+                "SF_TRAINER_CHECKPOINT_EVERY": str(c.checkpoint_every),
                 "SF_TRAINER_LR": str(c.lr),
                 "SF_TRAINER_SEED": str(c.seed),
                 "SF_GATEWAY_PORT": str(gateway_port),
@@ -314,22 +353,30 @@ class EmbeddedRun:
                 "TOKENIZERS_PARALLELISM": "false",
             }
         )
+        # what a restarted trainer resumes from is the latest; keep one more (unless the
+        # user's environment says otherwise)
+        env.setdefault("SF_TRAINER_KEEP_CHECKPOINTS", "2")
         return env
 
     def spawn(
         self, label: str, service: str, env: dict[str, str], slots: list[str] | None = None
     ) -> None:
+        self.launches[label] = Launch(service, env, slots or ["slot-0"])
+        self._start(label)
+
+    def _start(self, label: str) -> None:
+        launch = self.launches[label]
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         with (logs / f"{label}.log").open("ab") as out:
             self.processes[label] = process = subprocess.Popen(
-                [sys.executable, "-m", "seamlessflow", "serve", service],
-                env=env,
+                [sys.executable, "-m", "seamlessflow", "serve", launch.service],
+                env=launch.env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches the runner, which stops us in order
             )
-        self.pin(process.pid, slots or ["slot-0"])
+        self.pin(process.pid, launch.slots)
 
     def pin(self, pid: int, slots: list[str]) -> None:
         """``pin_slots``: run ``pid`` on the cores of ``slots`` (``slot-<i>``)."""
@@ -371,20 +418,64 @@ class EmbeddedRun:
                     process.kill()
                     process.wait()
 
-    def unexpected_exit(self) -> str | None:
+    def unexpected_exits(self) -> list[tuple[str, int]]:
+        """``(label, exit code)`` of every process that ended but should still run.
+        Normal ends: the agent runner with 0 (tasks exhausted), a trainer with 0 once
+        its policy finished. A trainer exits 0 right after it announces the finish,
+        which may reach this run a little later (e.g. while the run's connection to a
+        restarted NATS server recovers): it has ``FINISH_GRACE_S`` to arrive."""
+        ended = []
+        now = time.monotonic()
         for label, process in self.processes.items():
             code = process.poll()
             if code is None:
                 continue
+            if label == "agents" and code == 0:
+                continue
             policy = self.process_policy.get(label, "")
-            normal = (label == "agents" and code == 0) or (
-                label == self.label(policy, "trainer")
-                and code == 0
-                and policy in self.finished_by_policy
-            )
-            if not normal:
-                return f"{label} exited with code {code} (see {self.run_dir}/logs/{label}.log)"
+            if label == self.label(policy, "trainer") and code == 0:
+                if policy in self.finished_by_policy:
+                    continue
+                if now - self._clean_exits.setdefault(label, now) < FINISH_GRACE_S:
+                    continue
+            ended.append((label, code))
+        return ended
+
+    def unexpected_exit(self) -> str | None:
+        """Supervision, polled while the run goes on: start again what ended unexpectedly
+        (the embedded NATS server in place: same port, same store), within
+        ``max_restarts`` per process. Past the budget: what failed, and the run fails."""
+        budget = self.config.max_restarts
+        nats_server = self.nats_server
+        if nats_server is not None and nats_server.process is not None:
+            code = nats_server.process.poll()
+            if code is not None:
+                if self.restarts.get("nats", 0) >= budget:
+                    return f"nats-server exited with code {code} after {budget} restarts"
+                self._count_restart("nats", code)
+                nats_server.restart()
+                self.pin(nats_server.process.pid, ["slot-0"])
+        for label, code in self.unexpected_exits():
+            if self.restarts.get(label, 0) >= budget:
+                return (
+                    f"{label} exited with code {code} after {budget} restarts "
+                    f"(see {self.run_dir}/logs/{label}.log)"
+                )
+            self._count_restart(label, code)
+            self._clean_exits.pop(label, None)
+            launch = self.launches[label]
+            if launch.service == "trainer":
+                # from its latest checkpoint, numbering versions after the announced ones
+                launch.env = {**launch.env, "SF_TRAINER_RESUME": "latest"}
+            self._start(label)
         return None
+
+    def _count_restart(self, label: str, code: int) -> None:
+        self.restarts[label] = self.restarts.get(label, 0) + 1
+        log.warning(
+            "%s exited with code %d: restart %d of %d",
+            label, code, self.restarts[label], self.config.max_restarts,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- the run
 
@@ -410,7 +501,18 @@ class EmbeddedRun:
             model_dir = await asyncio.to_thread(
                 ensure_base_model, c.model_dir or cached, task=warmup_task
             )
-        nats_server = EmbeddedNats(self.run_dir / "nats")
+        # Credentials of this run, made here and handed to the processes in their
+        # environment only: the embedded NATS server takes a token, the gateway an
+        # operator key (the agent runner's); neither is written to the run directory.
+        nats_token = MeshSettings().nats_token.get_secret_value()
+        if not c.nats_url:
+            nats_token = secrets.token_urlsafe(24)
+        self.nats_token = nats_token
+        self.gateway_key = ""
+        """The gateway's operator key this run made (the agent runner's), if it made one."""
+        nats_server = EmbeddedNats(self.run_dir / "nats", token=nats_token)
+        if not c.nats_url:
+            self.nats_server = nats_server
         url = c.nats_url or nats_server.start()
         if nats_server.process is not None:
             self.pin(nats_server.process.pid, ["slot-0"])
@@ -420,6 +522,10 @@ class EmbeddedRun:
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         try:
             env = self.service_env(url, model_dir, free_port())
+            env["SF_NATS_TOKEN"] = nats_token
+            if not env.get("SF_GATEWAY_API_KEYS"):
+                self.gateway_key = secrets.token_urlsafe(24)
+                env["SF_GATEWAY_API_KEYS"] = env["SF_AGENTS_GATEWAY_KEY"] = self.gateway_key
             for service in SERVICE_ORDER:
                 if service not in POLICY_SERVICES:
                     self.spawn(service, service, env)
@@ -481,7 +587,7 @@ class EmbeddedRun:
 
     async def _follow(self, url: str, stop: asyncio.Event) -> None:
         subjects = Subjects(self.run_id)
-        nc = await nats.connect(url, max_reconnect_attempts=-1)
+        nc = await nats.connect(url, max_reconnect_attempts=-1, token=self.nats_token or None)
         metrics_file = (self.run_dir / "metrics.jsonl").open("a")
         progress = Progress(self.config, self.run_id, enabled=self.config.live)
         try:
@@ -492,7 +598,10 @@ class EmbeddedRun:
                 log.error(problem)
                 return
             sub = await js.subscribe(
-                subjects.train_all(), stream=subjects.stream_metrics(), ordered_consumer=True
+                subjects.train_all(),
+                stream=subjects.stream_metrics(),
+                ordered_consumer=True,
+                idle_heartbeat=FOLLOW_HEARTBEAT_S,  # back within seconds of a NATS restart
             )
             with progress:
                 while not stop.is_set():
@@ -590,6 +699,7 @@ class EmbeddedRun:
             reclaims=scheduling["reclaims"],
             requests_handed_back=scheduling["handed_back"],
             policies={policy: self.policy_summary(policy) for policy in self.config.policies},
+            restarts=dict(self.restarts),
             config=json.loads(self.config.model_dump_json()),
         )
         (self.run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")

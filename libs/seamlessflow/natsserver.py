@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,12 +29,35 @@ def server_binary() -> str:
 class EmbeddedNats:
     """A nats-server child process; ``url`` is valid after ``start()``."""
 
-    def __init__(self, store_dir: Path, *, port: int = -1, extra_args: list[str] | None = None):
+    def __init__(
+        self,
+        store_dir: Path,
+        *,
+        port: int = -1,
+        extra_args: list[str] | None = None,
+        token: str = "",
+    ):
         self.store_dir = store_dir
         self.port = port
         self.extra_args = extra_args or []
+        self.token = token
+        """Clients must present this token (empty: no authorization)."""
         self.process: subprocess.Popen[bytes] | None = None
         self.url = ""
+        self._auth_dir: Path | None = None
+
+    def _auth_args(self) -> list[str]:
+        """The token goes in a private config file, not on the command line (``ps``
+        shows every user the command lines) and not in the store dir (run
+        directories get shared); the file is removed when the server stops."""
+        if not self.token:
+            return []
+        if self._auth_dir is None:
+            self._auth_dir = Path(tempfile.mkdtemp(prefix="sf-nats-auth-"))
+        config = self._auth_dir / "auth.conf"
+        config.touch(mode=0o600)
+        config.write_text(f"authorization {{ token: {json.dumps(self.token)} }}\n")
+        return ["-c", str(config)]
 
     def start(self, timeout: float = 10.0) -> str:
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -52,6 +76,7 @@ class EmbeddedNats:
                 str(self.store_dir / "jetstream"),
                 "--ports_file_dir",
                 str(ports_dir),
+                *self._auth_args(),
                 *self.extra_args,
             ],
             stdout=log_file,
@@ -74,16 +99,27 @@ class EmbeddedNats:
         self.stop()
         raise TimeoutError("nats-server did not report its port")
 
+    def restart(self, timeout: float = 10.0) -> str:
+        """Start again in place: the same port (clients reconnect to the URL they know)
+        and the same store (JetStream recovers its streams, consumers and buckets from
+        it). Used after the server died, and by tests that crash it."""
+        if self.url:
+            self.port = int(self.url.rsplit(":", 1)[1])
+        self.stop(timeout)
+        return self.start(timeout)
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server (SIGTERM, then SIGKILL); safe to call twice."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._auth_dir is not None:
+            shutil.rmtree(self._auth_dir, ignore_errors=True)
+            self._auth_dir = None
 
     def __enter__(self) -> EmbeddedNats:
         self.start()

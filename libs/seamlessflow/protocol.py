@@ -96,6 +96,10 @@ class Subjects:
     def trajectory_event(self, session_id: str) -> str:
         return f"{self._root}.traj.event.{check_token(session_id, 'session id')}"
 
+    def trajectory_group_event(self, group_id: str) -> str:
+        """Events about a whole group (GroupClosed); never a session's subject."""
+        return f"{self._root}.traj.event.group.{check_token(group_id, 'group id')}"
+
     def trajectory_events_all(self) -> str:
         return f"{self._root}.traj.event.>"
 
@@ -272,6 +276,7 @@ class GenerateRequest(Message, tag="engine.generate"):
     prompt_ids: list[int]
     max_tokens: int
     temperature: float = 1.0
+    """0 = greedy; so is any temperature below ``GREEDY_BELOW``."""
     top_p: float = 1.0
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     seed: int | None = None
@@ -280,6 +285,11 @@ class GenerateRequest(Message, tag="engine.generate"):
     stream_subject: str = ""
     """If set, the engine also publishes GenerateChunk messages here as tokens appear;
     the final GenerateReply still carries every token."""
+
+
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily, as in vLLM: logits divided by a temperature
+that small overflow float32 and the logprobs become NaN or -inf."""
 
 
 class TopLogprob(msgspec.Struct, array_like=True):
@@ -381,6 +391,18 @@ class TurnRecorded(Message, tag="traj.turn"):
     policy: str = DEFAULT_POLICY
     """The policy whose engine generated it (the request's ``model``)."""
 
+    def __post_init__(self) -> None:
+        # One logprob and one version per generated token, and real token ids: a turn
+        # that breaks this could never become a well-formed sample (invariant 1), so
+        # it is refused where it is made and counted as malformed where it is read.
+        if not len(self.completion_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError(
+                f"{len(self.completion_ids)} completion ids but {len(self.logprobs)} "
+                f"logprobs and {len(self.versions)} versions"
+            )
+        if any(t < 0 for t in self.prompt_ids) or any(t < 0 for t in self.completion_ids):
+            raise ValueError("token ids must be non-negative")
+
 
 class RewardReported(Message, tag="traj.reward"):
     """rollout-gateway -> trajectory: the agent (or its environment) reported a reward."""
@@ -399,7 +421,20 @@ class SessionFinished(Message, tag="traj.finished"):
     finished_at: float = msgspec.field(default_factory=time.time)
 
 
-TrajectoryEvent = SessionOpened | TurnRecorded | RewardReported | SessionFinished
+class GroupClosed(Message, tag="traj.group_closed"):
+    """trajectory -> trajectory (replayed on every start): group ``group_id`` made no
+    progress for ``SF_TRAJECTORY_GROUP_TIMEOUT_S`` (e.g. its sessions were open on a
+    gateway that restarted, or a claim's reply was lost). Every sample of it not
+    finished yet is dropped (reason ``timed_out``); its session, if it opens or finishes
+    later, is ignored. The group closes with the samples it has."""
+
+    group_id: str
+    task_id: str
+    group_size: int
+    closed_at: float = msgspec.field(default_factory=time.time)
+
+
+TrajectoryEvent = SessionOpened | TurnRecorded | RewardReported | SessionFinished | GroupClosed
 
 
 # tasks (agent runner <-> trajectory) ----------------------------------------------
@@ -515,10 +550,17 @@ class BatchFilterReport(Message, tag="data.batch"):
     """Groups that never reach a batch, by reason (``zero_variance``, ``stale``,
     ``no_samples``); the dispatcher hands out one more group for each (a refill)."""
     samples_dropped: dict[str, int] = msgspec.field(default_factory=dict)
-    """Samples left out, by reason (``stale``, ``zero_variance``, ``no_turns``...)."""
+    """Samples left out, by reason (``stale``, ``zero_variance``, ``no_turns``,
+    ``timed_out``...)."""
     groups_waived: dict[str, int] = msgspec.field(default_factory=dict)
     """Groups a filter would have dropped but let through, by reason
     (``zero_variance``: the refill cap of the batch was reached)."""
+    dropped_samples: dict[str, list[str]] = msgspec.field(default_factory=dict)
+    """The samples counted in ``samples_dropped``, by reason: session ids, or
+    ``<group_id>/<sample_index>`` for a sample whose session never opened. Each dropped
+    sample is reported once, also across restarts of the trajectory service."""
+    dropped_groups: dict[str, list[str]] = msgspec.field(default_factory=dict)
+    """The groups counted in ``groups_dropped``, by reason (reported once, likewise)."""
 
 
 class EpochFilterReport(Message, tag="data.epoch"):

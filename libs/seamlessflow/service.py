@@ -85,6 +85,7 @@ async def run_service(service: Service, mesh: MeshSettings) -> None:
         mesh.nats_url,
         Subjects(mesh.run_id, mesh.policy),
         name=f"{service.name}@{socket.gethostname()}",
+        token=mesh.nats_token.get_secret_value(),
     )
     ctx = ServiceContext(mesh=mesh, bus=bus)
     loop = asyncio.get_running_loop()

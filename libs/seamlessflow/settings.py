@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from seamlessflow.protocol import DEFAULT_POLICY, check_policy, check_run_id
@@ -23,7 +23,11 @@ class MeshSettings(BaseSettings):
     )
 
     nats_url: str = "nats://127.0.0.1:4222"
-    """NATS server URL (JetStream enabled)."""
+    """NATS server URL (JetStream enabled). No credentials in it: URLs get logged."""
+
+    nats_token: SecretStr = SecretStr("")
+    """Token the NATS server requires (``nats-server --auth``, or the token the embedded
+    run makes for its own server); empty = none."""
 
     run_id: str = "default"
     """Run identifier; namespaces every subject, stream and bucket (``[a-z0-9-]``)."""

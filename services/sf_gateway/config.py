@@ -26,6 +26,16 @@ class GatewaySettings(BaseSettings):
     reaches the gateway may open sessions. Each session's own routes always take only
     the key the session was opened with."""
 
+    keep_alive_s: float = 75.0
+    """How long an idle HTTP keep-alive connection stays open. Longer than the clients'
+    own idle expiry (httpx: 5 s), so a client never reuses a connection the gateway is
+    closing at the same moment (connection resets under load)."""
+
+    finished_sessions_kept: int = 100_000
+    """Finished sessions the gateway still recognises (to answer 409 and check their key)
+    after dropping their conversation; older ones answer 404. Their records live on in
+    JetStream and their exports in the trajectory service."""
+
     max_context: int = 1024
     """Prompt plus completion tokens may not exceed this (the model's context)."""
 
@@ -62,8 +72,9 @@ class EngineSettings(BaseSettings):
     """Unique id of this worker; default ``engine-<host>-<pid>``."""
 
     backend: str = "hf"
-    """Inference engine: ``hf`` (transformers; tests, tiny models) or ``vllm`` (vLLM
-    ``AsyncLLM``; needs the ``vllm`` extra)."""
+    """Inference engine: ``hf`` (transformers; tests, tiny models), ``vllm`` (vLLM
+    ``AsyncLLM``; needs the ``vllm`` extra) or ``scripted`` (no model compute:
+    deterministic tokens for load tests, ``SF_ENGINE_SCRIPTED_STEP_S`` per decode step)."""
 
     max_batch_size: int = 64
     """Requests decoded together."""

@@ -100,7 +100,13 @@ def build_engine(settings: EngineSettings, model_dir: str) -> InferenceEngine:
             max_context=settings.max_context,
             engine_kwargs={"enable_sleep_mode": True} if settings.vllm_sleep_mode else None,
         )
-    raise ValueError(f"unknown engine backend {settings.backend!r} (known: hf, vllm)")
+    if settings.backend == "scripted":
+        from sf_gateway.engine.scripted_engine import ScriptedEngine  # no model compute
+
+        return ScriptedEngine(
+            model_dir, max_batch_size=settings.max_batch_size, max_context=settings.max_context
+        )
+    raise ValueError(f"unknown engine backend {settings.backend!r} (known: hf, vllm, scripted)")
 
 
 class InFlight:

@@ -48,6 +48,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,6 +124,9 @@ class Gateway:
         self.bus = bus
         self.tokenizer = tokenizer
         self.sessions: dict[str, GatewaySession] = {}
+        """Open sessions."""
+        self.finished: OrderedDict[str, str] = OrderedDict()
+        """Finished sessions, oldest first: id -> key digest."""
         self.models = policies or [bus.subjects.policy]
         """The run's policies, each served as the model of the same name; a request's
         ``model`` picks the engines (and so the weight version line) that answer it."""
@@ -188,7 +192,7 @@ class Gateway:
         return JSONResponse({"object": "list", "data": data})
 
     async def list_models_in_session(self, request: Request) -> Response:
-        self._session(request)
+        self._authorized(request)
         return self._models()
 
     async def create_session(self, request: Request) -> Response:
@@ -227,7 +231,7 @@ class Gateway:
         )
 
     async def report_reward(self, request: Request) -> Response:
-        session = self._session(request, open_only=True)
+        session = self._open_session(request)
         body = parse(RewardBody, await self._json(request))
         if body.policy:
             self._check_model(body.policy, param="policy")
@@ -241,22 +245,32 @@ class Gateway:
         return JSONResponse(answer)
 
     async def finish_session(self, request: Request) -> Response:
-        session = self._session(request, open_only=True)
+        session = self._open_session(request)
         async with session.lock:  # a turn still running is recorded before the finish
             if session.finished:
                 raise ApiError(409, "session already finished", code="session_finished")
             event = SessionFinished(session_id=session.opened.session_id)
             await self.bus.js_publish(self.bus.subjects.trajectory_event(event.session_id), event)
             session.finished = True
-        # The record lives in JetStream; the gateway only needs to refuse further turns.
+            self._retire(session)
         return JSONResponse({"session_id": event.session_id, "turns": session.turns})
+
+    def _retire(self, session: GatewaySession) -> None:
+        """A finished session's record lives in JetStream: the gateway drops its
+        conversation and keeps only its id and key digest, to answer 409 to late calls
+        (bounded: ``finished_sessions_kept``)."""
+        session_id = session.opened.session_id
+        self.sessions.pop(session_id, None)
+        self.finished[session_id] = session.key_sha256
+        while len(self.finished) > self.settings.finished_sessions_kept:
+            self.finished.popitem(last=False)
 
     async def export_session(self, request: Request) -> Response:
         """Every branch of the session as training samples (served by trajectory). With
         the session's key, or an operator key for any session (also after a restart)."""
         session_id = request.path_params["session_id"]
         if not self._is_operator(request):
-            self._session(request)
+            self._authorized(request)
         try:
             export = await self.bus.request(
                 self.bus.subjects.trajectory_export(),
@@ -274,7 +288,7 @@ class Gateway:
         return Response(encode(export), media_type="application/json")
 
     async def chat_completions(self, request: Request) -> Response:
-        session = self._session(request, open_only=True)
+        session = self._open_session(request)
         body = parse(ChatCompletionRequest, await self._json(request))
         policy = self._check_model(body.model)
         body.check()
@@ -309,7 +323,7 @@ class Gateway:
         return JSONResponse(view.response(len(prompt_ids), turn.choices))
 
     async def completions(self, request: Request) -> Response:
-        session = self._session(request, open_only=True)
+        session = self._open_session(request)
         body = parse(CompletionRequest, await self._json(request))
         policy = self._check_model(body.model)
         body.check()
@@ -667,21 +681,29 @@ class Gateway:
             self.bus.subjects.engine_abort(), AbortGeneration(request_id=request_id, reason=reason)
         )
 
-    def _session(self, request: Request, *, open_only: bool = False) -> GatewaySession:
-        """The request's session, if the request carries that session's key."""
+    def _authorized(self, request: Request) -> GatewaySession | None:
+        """The request's session if the request carries that session's key (None: it
+        has finished and its conversation was dropped)."""
         session_id = request.path_params["session_id"]
         session = self.sessions.get(session_id)
-        if session is None:
+        digest = session.key_sha256 if session is not None else self.finished.get(session_id)
+        if digest is None:
             raise ApiError(404, f"session {session_id!r} does not exist", code="session_not_found")
         key = bearer_key(request)
-        if key is None or not hmac.compare_digest(key_digest(key), session.key_sha256):
+        if key is None or not hmac.compare_digest(key_digest(key), digest):
             raise ApiError(
                 401,
                 "this session's API key is required (the api_key POST /sessions returned)",
                 code="invalid_api_key",
                 type_="authentication_error",
             )
-        if open_only and session.finished:
+        return session
+
+    def _open_session(self, request: Request) -> GatewaySession:
+        """The request's session, which must not have finished (409)."""
+        session = self._authorized(request)
+        if session is None or session.finished:
+            session_id = request.path_params["session_id"]
             raise ApiError(409, f"session {session_id!r} has finished", code="session_finished")
         return session
 
@@ -726,11 +748,16 @@ class Gateway:
 
     async def _json(self, request: Request, *, allow_empty: bool = False) -> Any:
         length = request.headers.get("content-length")
-        if length is not None and int(length) > MAX_BODY_BYTES:
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        # Read piece by piece: a chunked body (no length) is refused once it crosses the
+        # limit instead of being buffered whole.
+        received = bytearray()
+        async for piece in request.stream():
+            received += piece
+            if len(received) > MAX_BODY_BYTES:
+                raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+        raw = bytes(received)
         if not raw.strip():
             if allow_empty:
                 return {}
@@ -855,6 +882,7 @@ class GatewayService:
             log_level="warning",
             lifespan="off",
             access_log=False,
+            timeout_keep_alive=int(self.settings.keep_alive_s),
         )
         server = _Server(config)
 

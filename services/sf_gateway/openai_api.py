@@ -19,6 +19,8 @@ from pydantic import (
 )
 from starlette.responses import JSONResponse
 
+from seamlessflow.protocol import GREEDY_BELOW
+
 
 class ApiError(Exception):
     """An error answered to the agent with an HTTP status and an OpenAI-style body."""
@@ -83,6 +85,11 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_if_tiny(cls, temperature: float) -> float:
+        return 0.0 if temperature < GREEDY_BELOW else temperature
 
     @field_validator("stop")
     @classmethod

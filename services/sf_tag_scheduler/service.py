@@ -12,7 +12,8 @@ Produces:
   changes (lend: ``rollout``; reclaim: ``idle``), acked once in effect
 - ``sf.<run>.sched.phase`` (PhaseChanged: phase transitions and deaths)
 - KV bucket ``sf_<run>_resources``: one entry per resource (tags, slots, role, phase,
-  status)
+  status, process); read back on start-up, so a restarted scheduler knows every
+  resource again without asking it to register (see ``_restore``)
 - spans ``sched.decide`` (each lending decision and its estimates), ``sched.lend`` and
   ``sched.reclaim`` (the switches and their cost)
 
@@ -34,6 +35,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 
+import nats.js.errors
 import orjson
 from nats.aio.msg import Msg
 
@@ -72,6 +74,8 @@ class ResourceState:
     phase: str = "idle"
     last_seen: float = 0.0
     alive: bool = True
+    process: tuple[str, int] = ("", 0)
+    """Host and pid of the process that registered it."""
 
 
 class TagScheduler:
@@ -99,6 +103,7 @@ class TagScheduler:
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
         self.kv = await ctx.bus.js.create_key_value(bucket=ctx.subjects.kv_resources())
+        await self._restore()
         await ctx.bus.serve(ctx.subjects.sched_register(), ResourceRegister, self.on_register)
         await ctx.bus.serve(ctx.subjects.sched_claim(), SlotsClaim, self.on_claim)
         await ctx.bus.serve(ctx.subjects.sched_release(), SlotsReleased, self.on_release)
@@ -125,13 +130,31 @@ class TagScheduler:
         previous = self.resources.get(request.resource_id)
         if previous is not None and previous.policy != policy:
             self.decisions(previous.policy).forget(request.resource_id)
+        if (
+            previous is not None
+            and previous.alive
+            and previous.process != (request.host, request.pid)
+        ):
+            # A restarted process under the same id (an engine killed and started again
+            # faster than ``dead_after_s``): the old one is dead, and the requests it held
+            # must be re-routed now. The new one takes none before its registration ends.
+            log.warning("%s registered again by a new process: the previous one is dead",
+                        request.resource_id)  # fmt: skip
+            await self.ctx.bus.publish(
+                self.ctx.subjects.sched_phase(),
+                PhaseChanged(resource_id=request.resource_id, phase="dead"),
+            )
         decisions = self.decisions(policy)
         decisions.add(view)
         # A lendable engine joining while its trainer waits may be lent at once.
         self._lend_others(policy, decisions.rebalance(time.monotonic()), request.resource_id)
         decision = decisions.role_of(request.resource_id)
         self.resources[request.resource_id] = ResourceState(
-            view=view, policy=policy, role=decision.role, last_seen=time.time()
+            view=view,
+            policy=policy,
+            role=decision.role,
+            last_seen=time.time(),
+            process=(request.host, request.pid),
         )
         await self._store(request.resource_id)
         log.info(
@@ -143,6 +166,46 @@ class TagScheduler:
             decision.role,
         )
         return self._assignment(request.resource_id, decision.role, decision.reason)
+
+    async def _restore(self) -> None:
+        """After a restart: every resource recorded in the KV bucket, as if it had just
+        registered. Its heartbeats keep it alive (or it is declared dead after
+        ``dead_after_s``); one whose recorded role differs from what the policy says now
+        (an engine lent before the restart) is told its role. Lending decisions and
+        their measurements start afresh."""
+        try:
+            keys = await self.kv.keys()
+        except nats.js.errors.NoKeysError:
+            return
+        for key in keys:
+            entry = await self.kv.get(key)
+            if entry.value is None:
+                continue
+            record = orjson.loads(entry.value)
+            view = ResourceView(
+                record["resource_id"],
+                record["kind"],
+                frozenset(record["tags"]),
+                tuple(record["slots"]),
+            )
+            decisions = self.decisions(record["policy"])
+            decision = decisions.add(view)
+            state = ResourceState(
+                view=view,
+                policy=record["policy"],
+                role=record["role"],
+                phase=record["phase"],
+                last_seen=time.time(),
+                alive=record["alive"],
+                process=(record.get("host", ""), record.get("pid", 0)),
+            )
+            self.resources[view.resource_id] = state
+            if not state.alive:
+                decisions.remove(view.resource_id)
+            elif decision.role != state.role:
+                self._reassign.put_nowait(view.resource_id)
+        if self.resources:
+            log.info("restored %d resources from the KV bucket", len(self.resources))
 
     # ------------------------------------------------------------------ the trainer's demand
 
@@ -345,6 +408,8 @@ class TagScheduler:
             "phase": state.phase,
             "alive": state.alive,
             "last_seen": state.last_seen,
+            "host": state.process[0],
+            "pid": state.process[1],
         }
         await self.kv.put(resource_id, orjson.dumps(record))
 

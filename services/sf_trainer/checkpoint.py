@@ -14,13 +14,15 @@ other than the default one keeps its own under ``<run_dir>/checkpoints/<policy>/
 
 Files are written into a hidden sibling directory that is then renamed into place, with
 ``trainer_state.json`` written last: a crash while saving never leaves a half-written
-checkpoint under a checkpoint's name.
+checkpoint under a checkpoint's name. ``SF_TRAINER_KEEP_CHECKPOINTS`` bounds how many
+``step-<n>`` checkpoints stay (``prune``).
 
 What a resume loses: the optimizer steps taken after the checkpoint it starts from.
-Their batches were acked (the batch consumer does not deliver them again) and the
-resumed policy never learns from them; their weight versions stay announced, so the
-resumed trainer numbers its versions after the newest announced one. Nothing is trained
-twice: a redelivered batch at or before the data position is acked untrained.
+The resumed policy never learns from their batches; the trainer continues after the
+last step recorded in the metrics stream (step count and data position, see
+``sf_trainer.service``), and its weight versions stay announced, so the resumed trainer
+numbers its versions after the newest one. Nothing is trained twice: a redelivered
+batch at or before the data position is acked untrained.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class TrainerState(msgspec.Struct, frozen=True, kw_only=True):
     """Where training stood when a checkpoint was taken."""
 
     step: int
-    """Optimizer steps in this policy's lineage."""
+    """Steps taken: batches trained, including those a resume lost before it."""
     version: int
     """The weight version this policy was published as."""
     data_position: int
@@ -109,6 +111,21 @@ def load_model_state(path: Path) -> dict[str, torch.Tensor]:
 def load_optimizer_state(path: Path) -> dict[str, Any]:
     state: dict[str, Any] = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
     return state
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Remove all but the newest ``keep`` periodic checkpoints (``step-<n>``) under
+    ``root``; ``final`` and anything else stay. Returns what was removed."""
+    periodic = [
+        path
+        for path in root.glob("step-*")
+        if path.is_dir() and path.name.removeprefix("step-").isdigit()
+    ]
+    periodic.sort(key=lambda path: int(path.name.removeprefix("step-")))
+    removed = periodic[: max(len(periodic) - keep, 0)]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def latest(root: Path) -> Path | None:

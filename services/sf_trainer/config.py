@@ -14,7 +14,9 @@ class TrainerSettings(BaseSettings):
     )
 
     steps: int = 100
-    """Optimizer steps (one batch each); the trainer finishes after this many."""
+    """Optimizer steps (one batch each); the trainer finishes after this many. Steps a
+    resume lost (taken after the checkpoint it resumes from) count: their batches are
+    not trained again."""
 
     lr: float = 1e-4
     """AdamW learning rate (constant)."""
@@ -88,7 +90,12 @@ class TrainerSettings(BaseSettings):
 
     checkpoint_every: int = 0
     """Also checkpoint every N steps (0 = only at the end and on stop). A resume loses
-    the steps after the checkpoint it starts from."""
+    the steps after the checkpoint it starts from (the policy never learns from their
+    batches)."""
+
+    keep_checkpoints: int = Field(default=0, ge=0)
+    """Keep only the newest N periodic checkpoints (``step-<n>``); 0 = keep them all.
+    ``final`` is never removed."""
 
     resume: str = ""
     """Start from a checkpoint (model, optimizer, step, version, data position): empty =

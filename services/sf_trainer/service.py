@@ -27,6 +27,12 @@ Versions only go up: at start the trainer numbers its versions after the newest 
 the weights stream (a restart, with or without ``SF_TRAINER_RESUME``, never reuses a
 version number that engines may already serve).
 
+A step's TrainStepMetrics is its durable record, published before its version is
+announced and before its batch is acked. A restarted trainer continues after the last
+recorded step (step count and data position), whatever checkpoint it resumes the
+policy from: a batch is never trained twice, and the step budget counts the steps a
+resume lost, so the trainer needs exactly the batches the trajectory service makes.
+
 Several ranks (``sf_trainer.launch``): this service runs on rank 0 only and drives the
 other ranks through ``sf_trainer.learner``; every step, weight gather and checkpoint
 involves all ranks.
@@ -49,7 +55,7 @@ import nats.js.errors
 import torch
 
 from seamlessflow import telemetry
-from seamlessflow.bus import NoResponder, RemoteError
+from seamlessflow.bus import NoResponder, RemoteError, ack_redeliverable
 from seamlessflow.protocol import (
     TRAINER_DURABLE,
     LendReport,
@@ -89,7 +95,8 @@ class Trainer:
     ) -> None:
         self.settings = settings or TrainerSettings()
         self.group = group or TrainGroup(device=torch.device(self.settings.device))
-        self.trainer_id = f"trainer-{socket.gethostname()}-{os.getpid()}"
+        self.trainer_id = ""
+        """``trainer-<policy>-<host>-<pid>``: unique in the run (set when it starts)."""
         self.step = 0
         self.version = 0
         self.data_position = -1
@@ -103,6 +110,7 @@ class Trainer:
             raise RuntimeError("the trainer needs SF_MODEL_DIR")
         self.ctx = ctx
         self.policy = ctx.subjects.policy
+        self.trainer_id = f"trainer-{self.policy}-{socket.gethostname()}-{os.getpid()}"
         self.model_dir = ctx.mesh.model_dir
         # Every Learner call runs on this one thread, in call order: the collectives are
         # issued in the order the other ranks replay them, even when a stop comes while
@@ -164,25 +172,38 @@ class Trainer:
         elif self.settings.resume:
             log.info("no checkpoint to resume from (%s): starting from the base model",
                      self.settings.resume)  # fmt: skip
-        announced = await self._announced_version()
+        recorded = await self._last_recorded_step()
+        if recorded is not None and recorded.step > self.step:
+            log.warning(
+                "steps %d-%d were recorded after %s: the policy loses them; their batches "
+                "(up to %d) are not trained again", self.step + 1, recorded.step,
+                path or "the base model", recorded.batch_index,
+            )  # fmt: skip
+            self.step = recorded.step
+            self.data_position = max(self.data_position, recorded.batch_index)
+        announced = max(await self._announced_version(), recorded.version if recorded else 0)
         if announced > self.version:
             log.info("version %d is already announced: the next version is %d",
                      announced, announced + 1)  # fmt: skip
             self.version = announced
+
+    async def _last_recorded_step(self) -> TrainStepMetrics | None:
+        """The policy's newest step record in the metrics stream (None: no step yet)."""
+        subjects = self.ctx.subjects
+        recorded = await self.ctx.bus.read_decoded(
+            subjects.stream_metrics(), subjects.train_metrics(), TrainStepMetrics
+        )
+        return max(recorded, key=lambda m: (m.step, m.version), default=None)
 
     async def _announced_version(self) -> int:
         """The newest version in the weights stream (0: none). The stream, not
         weight-sync's ``weights.current``: it holds every announcement, also those
         weight-sync has not processed (or when it is down)."""
         subjects = self.ctx.subjects
-        try:
-            last = await self.ctx.bus.js.get_last_msg(
-                subjects.stream_weights(), subjects.weights_published()
-            )
-        except nats.js.errors.NotFoundError:
-            return 0
-        assert last.data is not None
-        return decode(last.data, WeightsPublished).version
+        announced = await self.ctx.bus.read_decoded(
+            subjects.stream_weights(), subjects.weights_published(), WeightsPublished
+        )
+        return max((w.version for w in announced), default=0)
 
     async def _train_loop(self, batches) -> None:  # type: ignore[no-untyped-def]
         while self.step < self.settings.steps and not self.ctx.stopping.is_set():
@@ -207,12 +228,13 @@ class Trainer:
                 # trained before the checkpoint this trainer resumed from
                 log.info("batch %d is at or before data position %d: acked, not trained",
                          batch.batch_index, self.data_position)  # fmt: skip
-                await msg.ack_sync()
+                await ack_redeliverable(msg)
                 continue
             with telemetry.extracted_context(msg.headers):
                 await self._claim_slots(batch.batch_index)
                 await self._step(batch, wait_seconds)
-            await msg.ack_sync()
+            # a redelivery is skipped by the data position, which the step record holds
+            await ack_redeliverable(msg)
             if self.step < self.settings.steps:
                 await self._release_slots()
         if self.step >= self.settings.steps:
@@ -292,11 +314,6 @@ class Trainer:
         ):
             state = await self._on_learner(self.learner.full_weights)
             manifest = await self.publisher.publish(self.version, state)
-            await self.ctx.bus.js_publish(
-                self.ctx.subjects.weights_published(),
-                WeightsPublished(manifest=manifest, step=self.step),
-                msg_id=f"weights-v{self.version}",
-            )
         publish_seconds = time.monotonic() - started
         self.membership.version = self.version
         metrics = TrainStepMetrics(
@@ -322,14 +339,24 @@ class Trainer:
             weights_payload_bytes=manifest.payload_bytes,
             weights_state_bytes=manifest.state_bytes,
         )
+        # The step's record first: a restart resumes after it (``_resume``), so a version
+        # is never announced for a step that could be trained again.
         await self.ctx.bus.js_publish(
             self.ctx.subjects.train_metrics(),
             metrics,
             msg_id=f"metrics-{self.policy}-v{self.version}",
         )
+        await self.ctx.bus.js_publish(
+            self.ctx.subjects.weights_published(),
+            WeightsPublished(manifest=manifest, step=self.step),
+            msg_id=f"weights-v{self.version}",
+        )
         every = self.settings.checkpoint_every
         if every and self.step % every == 0 and self.ctx.mesh.run_dir is not None:
             await self._on_learner(self.save_checkpoint, f"step-{self.step}")
+            if self.settings.keep_checkpoints:
+                root = checkpoints_dir(self.ctx.mesh.run_dir, self.policy)
+                await asyncio.to_thread(checkpoint.prune, root, self.settings.keep_checkpoints)
 
     def _train(self, batch: TrainBatch) -> StepResult:
         """One step, on the learner thread. The counters move with the weights: a

@@ -55,10 +55,24 @@ class TrajectorySettings(BaseSettings):
     history_correct_reward: float = 1.0
     """``history_resampling``: a rollout whose reward is at least this counts as correct."""
 
+    reward_fns: str = ""
+    """Dotted-path reward functions (``pkg.mod:fn``) a session may name, comma-separated,
+    besides the registered ones and the stages' own. A session naming any other is
+    scored by none (its sample is dropped, reason ``no_reward``): a session's
+    ``reward_fn`` comes from whoever opened it, and the trajectory service runs it."""
+
     max_batches_ahead: int = 1
     """Rollout rhythm: how many batches may be dispatched beyond what the trainer has
     consumed. 0 = synchronous (on-policy); larger values overlap rollout and training
     at the cost of staleness (a sample is at most ``max_batches_ahead + 1`` versions old)."""
+
+    group_timeout_s: float = 600.0
+    """A group handed out to agents that makes no progress (no claim of one of its
+    samples, no event of one of its sessions) for this long is closed: its unfinished
+    samples are dropped (``timed_out``) and the group goes on with the samples it has,
+    or is refilled if it has none. It catches sessions a restarted gateway lost and
+    claims whose reply was lost; keep it above the longest pause of a healthy agent
+    (its slowest turn, a wait for an engine)."""
 
     @field_validator("stages")
     @classmethod
@@ -74,6 +88,9 @@ class TrajectorySettings(BaseSettings):
 
     def stage_specs(self) -> list[StageSpec]:
         return parse_stages(self.stages) or [StageSpec(task=self.task, batches=None)]
+
+    def trusted_reward_fns(self) -> list[str]:
+        return [name.strip() for name in self.reward_fns.split(",") if name.strip()]
 
     def data_filter_names(self) -> list[str]:
         return parse_filter_names(self.data_filters)

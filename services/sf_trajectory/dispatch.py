@@ -77,6 +77,7 @@ class Dispatcher:
         max_batches_ahead: int,
         seed: int,
         next_group: int = 0,
+        next_sample: int = 0,
         data_filters: DataFilters | None = None,
         recorded_epochs: Sequence[EpochFilterReport] = (),
         task_policy: str = DEFAULT_POLICY,
@@ -92,7 +93,8 @@ class Dispatcher:
         self.task_policy = task_policy
         """The policy whose answers a task's reward function scores (the run's first)."""
         self.next_group = next_group
-        self.next_sample = 0
+        self.next_sample = next_sample
+        """The next sample index of ``next_group`` (a restart may resume mid-group)."""
         self.data_filters = data_filters
         self.epochs: list[Epoch] = []
         self.unrecorded_epochs: list[EpochFilterReport] = []
@@ -106,10 +108,16 @@ class Dispatcher:
     ) -> TaskAssignment | NoTask:
         """``groups_lost``: groups that will never reach a batch. Each is replaced by one
         more group, so a run with a step budget still fills its last batch instead of
-        waiting forever. ``batches_published``: batches formed so far (stage switch)."""
+        waiting forever. ``batches_published``: batches formed so far (stage switch).
+
+        Every group is handed out: the runner is told ``exhausted`` (and stops) only
+        once the last batch is published. Until then a group in flight may still be
+        lost (failed samples, a time-out) and need a refill."""
         useful = max(self.next_group - groups_lost, 0)
         if self.total_groups is not None and useful >= self.total_groups:
-            return NoTask(reason="exhausted")
+            if batches_published * self.groups_per_batch >= self.total_groups:
+                return NoTask(reason="exhausted")
+            return NoTask(reason="backpressure", retry_after_s=0.5)
         batch_of_group = useful // self.groups_per_batch
         if batch_of_group > trained_batches + self.max_batches_ahead:
             return NoTask(reason="backpressure", retry_after_s=0.2)

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from seamlessflow.protocol import (
     DEFAULT_POLICY,
     ExportedSample,
+    GroupClosed,
     RewardReported,
     SampleGroup,
     SessionExport,
@@ -149,7 +150,13 @@ def export_session(events: list[TrajectoryEvent], reward_lookup: RewardLookup) -
                 session.turns.append(event)
             elif isinstance(event, RewardReported):
                 record_reward(session, event)
-        reward = session_reward(session, reward_lookup) if finished else None
+        reward = None
+        if finished:
+            try:
+                reward = session_reward(session, reward_lookup)
+            except Exception as exc:  # the batch path logs it and drops the sample too
+                log.warning("reward %r failed on session %s: %s",
+                            opened.reward_fn, opened.session_id, exc)  # fmt: skip
         for leaf in leaves(session.turns):
             sample, on_path = branch(session.turns, leaf)
             final = leaf is session.turns[-1]
@@ -180,6 +187,8 @@ class Group:
     size: int
     samples: list[TrainSample] = field(default_factory=list)
     failed: int = 0
+    opened: set[int] = field(default_factory=set)
+    """Sample indexes whose session opened."""
 
     @property
     def complete(self) -> bool:
@@ -194,6 +203,10 @@ class BatchTally:
     groups_dropped: Counter[str] = field(default_factory=Counter)
     samples_dropped: Counter[str] = field(default_factory=Counter)
     groups_waived: Counter[str] = field(default_factory=Counter)
+    dropped_samples: dict[str, list[str]] = field(default_factory=dict)
+    """The samples behind ``samples_dropped``: session ids, or ``sample_id``."""
+    dropped_groups: dict[str, list[str]] = field(default_factory=dict)
+    """The groups behind ``groups_dropped``."""
 
 
 class Grouper:
@@ -202,7 +215,11 @@ class Grouper:
 
     ``already_batched`` holds the session ids that are in a published batch already:
     replaying the event stream after a restart skips them, so no trajectory is batched
-    twice (invariant 4).
+    twice (invariant 4). ``finished_groups`` holds the groups that are complete (closed
+    ones included) or batched: a session that opens in one later (its group timed out
+    without it, or it was trimmed from a batched group) is never a sample. ``reported``
+    holds the samples and groups a published batch report counted as dropped: a replay
+    rebuilds the same drops but does not report them twice.
 
     Every complete group is shown to the prompt-set filters (``filters.observe``), then
     judged once by the group filters against the batch it will join (``take_batch``).
@@ -219,6 +236,10 @@ class Grouper:
         self.policy = policy
         self.reward_lookup = reward_lookup
         self.already_batched = already_batched or set()
+        self.finished_groups: set[str] = set()
+        self.closed_unopened: set[str] = set()
+        """Samples (``sample_id``) dropped because their group closed before they opened."""
+        self.reported: set[str] = set()
         self.filters = filters or DataFilters()
         self.sessions: dict[str, Session] = {}
         self.groups: dict[str, Group] = {}
@@ -237,13 +258,23 @@ class Grouper:
         self.last_tally = BatchTally()
 
     def apply(self, event: TrajectoryEvent) -> None:
+        if isinstance(event, GroupClosed):
+            self._close(event)
+            return
         if isinstance(event, SessionOpened):
             if event.session_id in self.already_batched:
                 return
+            if event.group_id in self.finished_groups:
+                # Its sample was dropped when the group closed without it; else it is one
+                # sample too many (an index handed out twice): dropped as ``surplus``.
+                if sample_id(event.group_id, event.sample_index) not in self.closed_unopened:
+                    self._count_dropped_samples("surplus", [event.session_id])
+                return
             self.sessions[event.session_id] = Session(opened=event, policy=self.policy)
-            self.groups.setdefault(
+            group = self.groups.setdefault(
                 event.group_id, Group(event.group_id, event.task_id, event.group_size)
             )
+            group.opened.add(event.sample_index)
             return
         session = self.sessions.get(event.session_id)
         if session is None or session.finished:
@@ -282,25 +313,59 @@ class Grouper:
 
     def _finish(self, session: Session) -> None:
         opened = session.opened
-        group = self.groups[opened.group_id]
+        del self.sessions[opened.session_id]
+        group = self.groups.get(opened.group_id)
+        if group is None:  # complete without it: one sample too many
+            self._count_dropped_samples("surplus", [opened.session_id])
+            return
         reward = self._reward(session)
         sample = build_sample(session, reward) if reward is not None else None
         if sample is None:
             group.failed += 1
-            self._count_dropped_samples("no_turns" if not session.turns else "no_reward", 1)
+            reason = "no_turns" if not session.turns else "no_reward"
+            self._count_dropped_samples(reason, [opened.session_id])
         else:
             group.samples.append(sample)
-        del self.sessions[opened.session_id]
         if group.complete:
-            del self.groups[group.group_id]
-            if not group.samples:
-                self._lose_group("no_samples")
-            else:
-                complete = SampleGroup(
-                    group_id=group.group_id, task_id=group.task_id, samples=group.samples
-                )
-                self.filters.observe(complete)
-                self.ready.append(complete)
+            self._complete(group)
+
+    def _close(self, event: GroupClosed) -> None:
+        """Drop every sample of the group that has not finished (``timed_out``): the
+        sessions still open and the sample indexes that never opened one."""
+        if event.group_id in self.finished_groups:
+            return  # it completed before the close was applied
+        group = self.groups.setdefault(
+            event.group_id, Group(event.group_id, event.task_id, event.group_size)
+        )
+        unfinished = [
+            s.opened.session_id
+            for s in self.sessions.values()
+            if s.opened.group_id == event.group_id
+        ]
+        for session_id in unfinished:
+            del self.sessions[session_id]
+        unopened = [
+            sample_id(group.group_id, i) for i in range(group.size) if i not in group.opened
+        ]
+        self.closed_unopened.update(unopened)
+        unfinished += unopened
+        group.failed += len(unfinished)
+        self._count_dropped_samples("timed_out", unfinished)
+        log.warning("group %s closed after no progress: %d samples dropped (%d complete)",
+                    group.group_id, len(unfinished), len(group.samples))  # fmt: skip
+        self._complete(group)
+
+    def _complete(self, group: Group) -> None:
+        del self.groups[group.group_id]
+        self.finished_groups.add(group.group_id)
+        if not group.samples:
+            self._lose_group("no_samples", group.group_id)
+        else:
+            complete = SampleGroup(
+                group_id=group.group_id, task_id=group.task_id, samples=group.samples
+            )
+            self.filters.observe(complete)
+            self.ready.append(complete)
 
     def _reward(self, session: Session) -> float | None:
         return session_reward(session, self.reward_lookup)
@@ -338,17 +403,27 @@ class Grouper:
                 self.tally.groups_waived[verdict.reason] += 1
                 continue
             if verdict.dropped_sessions:
-                self._count_dropped_samples(verdict.reason, len(verdict.dropped_sessions))
+                self._count_dropped_samples(verdict.reason, verdict.dropped_sessions)
             if verdict.group is None:
-                self._lose_group(verdict.reason)
+                self._lose_group(verdict.reason, group.group_id)
                 return None
             group = verdict.group
         return group
 
-    def _count_dropped_samples(self, reason: str, count: int) -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + count
-        self.tally.samples_dropped[reason] += count
+    def _count_dropped_samples(self, reason: str, sample_ids: Sequence[str]) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + len(sample_ids)
+        fresh = [i for i in sample_ids if i not in self.reported]
+        if fresh:
+            self.tally.samples_dropped[reason] += len(fresh)
+            self.tally.dropped_samples.setdefault(reason, []).extend(fresh)
 
-    def _lose_group(self, reason: str) -> None:
+    def _lose_group(self, reason: str, group_id: str) -> None:
         self.groups_lost += 1
-        self.tally.groups_dropped[reason] += 1
+        if group_id not in self.reported:
+            self.tally.groups_dropped[reason] += 1
+            self.tally.dropped_groups.setdefault(reason, []).append(group_id)
+
+
+def sample_id(group_id: str, sample_index: int) -> str:
+    """How a report names a sample whose session never opened."""
+    return f"{group_id}/{sample_index}"

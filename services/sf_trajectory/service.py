@@ -4,13 +4,16 @@ Consumes:
 - ``sf.<run>.traj.export`` (request SessionExportQuery -> reply SessionExport: every
   branch of one session, rebuilt from its stored events)
 - ``sf.<run>.traj.event.<session>`` (JetStream ``SF_<RUN>_TRAJ``: SessionOpened,
-  TurnRecorded, RewardReported, SessionFinished from the gateway), replayed from the
+  TurnRecorded, RewardReported, SessionFinished from the gateway) and
+  ``sf.<run>.traj.event.group.<group>`` (GroupClosed, its own), replayed from the
   stream's start on every start-up, so a restart rebuilds exactly the open sessions
 - ``sf.<run>.task.claim`` (request TaskClaim -> reply TaskAssignment | NoTask)
 - ``sf.<run>.train.<policy>.metrics`` (TrainStepMetrics: how far each policy's trainer
   has consumed)
 - ``sf.<run>.data.epoch`` (JetStream ``SF_<RUN>_METRICS``: its own EpochFilterReports,
-  read once on start-up to rebuild every epoch's prompt order)
+  read once on start-up to rebuild every epoch's prompt order) and
+  ``sf.<run>.data.<policy>.batch`` (its own BatchFilterReports, read once on start-up:
+  what was reported dropped is not reported again)
 Produces, for each policy of the run (``SF_POLICIES``):
 - ``sf.<run>.batch.<policy>.ready`` (JetStream ``SF_<RUN>_BATCH-<policy>``: TrainBatch,
   message id ``batch-<index>`` so a re-publish after a restart lands once)
@@ -20,6 +23,9 @@ and once for the run:
 - ``sf.<run>.data.epoch`` (JetStream ``SF_<RUN>_METRICS``: EpochFilterReport when an
   epoch or stage starts, message id ``data-epoch-<stage>-<epoch>``; published before
   the claim that opens the epoch is answered)
+- ``sf.<run>.traj.event.group.<group>`` (JetStream ``SF_<RUN>_TRAJ``: GroupClosed when
+  a group handed out made no progress for ``SF_TRAJECTORY_GROUP_TIMEOUT_S``, see
+  ``timeouts``; message id ``closed-<group>``)
 
 Data algorithms (``data_filters``) and the stage schedule (``schedule``) are configured
 by ``SF_TRAJECTORY_DATA_FILTERS`` and ``SF_TRAJECTORY_STAGES``.
@@ -34,13 +40,15 @@ resampling follows the task's policy (the first), whose answers the tasks score.
 
 Durability (invariant 4): a session that is in a published batch is never batched
 again (the batch stream is read at start-up); a completed session that is not yet in
-a batch is rebuilt from the event stream.
+a batch is rebuilt from the event stream. Every sample the service drops is named in
+one batch report (``BatchFilterReport.dropped_samples``), also across restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import nats.errors
@@ -51,6 +59,7 @@ from seamlessflow.bus import NotFound
 from seamlessflow.protocol import (
     BatchFilterReport,
     EpochFilterReport,
+    GroupClosed,
     NoTask,
     SessionExport,
     SessionExportQuery,
@@ -64,13 +73,14 @@ from seamlessflow.protocol import (
     TrajectoryEvent,
     decode,
 )
-from seamlessflow.rewards import get_reward
+from seamlessflow.rewards import RewardFn, get_reward, reward_names
 from seamlessflow.service import ServiceContext, supervise
 from sf_trajectory.config import TrajectorySettings
 from sf_trajectory.data_filters import DataFilters
-from sf_trajectory.dispatch import Dispatcher, group_index
+from sf_trajectory.dispatch import Dispatcher, group_id, group_index
 from sf_trajectory.grouping import Grouper, export_session
 from sf_trajectory.schedule import build_stages, stage_of_batch
+from sf_trajectory.timeouts import GroupTimeouts
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -102,6 +112,7 @@ class TrajectoryService:
         self.lines: dict[str, PolicyLine] = {}
         """Policy name -> its line, the task's policy first."""
         self.malformed_events = 0
+        self.timeouts = GroupTimeouts(self.settings.group_timeout_s)
         self.ready = asyncio.Event()
         self._claims = asyncio.Lock()
         """One claim at a time: an epoch's record is durable before its first group is
@@ -111,11 +122,15 @@ class TrajectoryService:
         self.ctx = ctx
         subjects = ctx.subjects
         self.stages = build_stages(self.settings.stage_specs(), self.settings.seed)
+        trusted = {stage.reward_fn for stage in self.stages} | {*self.settings.trusted_reward_fns()}
+        self.reward_lookup = TrustedRewards(trusted)
         for policy in ctx.mesh.policy_names():
             line_subjects = subjects.for_policy(policy)
             filters = DataFilters.from_settings(self.settings.data_filter_names(), self.settings)
-            line = PolicyLine(line_subjects, Grouper(get_reward, filters=filters, policy=policy))
+            grouper = Grouper(self.reward_lookup, filters=filters, policy=policy)
+            line = PolicyLine(line_subjects, grouper)
             await self._load_batched_sessions(line)
+            await self._load_reported_drops(line)
             line.trained_batches = await self._load_trained_batches(line)
             line.finished = await self._trainer_finished(line)
             self.lines[policy] = line
@@ -124,17 +139,40 @@ class TrajectoryService:
             subjects.stream_trajectory(), subjects.trajectory_events_all()
         )
         max_group = -1
+        seen_groups: set[str] = set()
+        last_sample: dict[str, int] = {}
+        """Group -> the highest sample index that opened a session."""
         replayed = 0
         while last_seq:
             msg = await events.next_msg(timeout=10.0)
             replayed += 1
             event = self._decode_event(msg)
             if event is not None:
-                if isinstance(event, SessionOpened):
+                if isinstance(event, SessionOpened | GroupClosed):
                     max_group = max(max_group, group_index(event.group_id))
+                    seen_groups.add(event.group_id)
+                if isinstance(event, SessionOpened):
+                    last_sample[event.group_id] = max(
+                        last_sample.get(event.group_id, -1), event.sample_index
+                    )
                 await self._apply(event)
             if msg.metadata.sequence.stream >= last_seq:
                 break
+        # The last group may have been handed out in part when the service stopped: its
+        # remaining samples are handed out now (a claim answered before the stop has
+        # opened its session by the time the replay runs), instead of waiting for its
+        # time-out. A closed group is done.
+        next_group, next_sample = max_group + 1, 0
+        resumed = last_sample.get(group_id(max_group), -1) + 1
+        if 0 < resumed < self.settings.group_size and self._still_open(group_id(max_group)):
+            next_group, next_sample = max_group, resumed
+        # Groups below the last one seen were handed out; one that never opened a session
+        # (every claim's reply or session was lost) waits like any other for its time-out.
+        for index in range(max_group + 1):
+            if group_id(index) not in seen_groups:
+                self.timeouts.progress(
+                    group_id(index), "", self.settings.group_size, time.monotonic()
+                )
         for line in self.lines.values():
             log.info(
                 "%s: replayed %d events; %d sessions open, %d batches published, %d trained",
@@ -149,17 +187,19 @@ class TrajectoryService:
             total_batches=self.settings.total_batches,
             max_batches_ahead=self.settings.max_batches_ahead,
             seed=self.settings.seed,
-            next_group=max_group + 1,
+            next_group=next_group,
+            next_sample=next_sample,
             data_filters=self.task_line.grouper.filters,
             recorded_epochs=await self._load_epoch_reports(),
             task_policy=self.task_line.policy,
         )
         log.info(
-            "policies: %s; data filters: %s; stages: %s; next group %d",
+            "policies: %s; data filters: %s; stages: %s; next group %d (sample %d)",
             ",".join(self.lines),
             ",".join(self.task_line.grouper.filters.names) or "none",
             ", ".join(f"{s.name} from batch {s.first_batch}" for s in self.stages),
             self.dispatcher.next_group,
+            self.dispatcher.next_sample,
         )
         for line in self.lines.values():
             await ctx.bus.nc.subscribe(
@@ -171,7 +211,7 @@ class TrajectoryService:
         await ctx.bus.serve(subjects.task_claim(), TaskClaim, self.on_claim)
         await ctx.bus.serve(subjects.trajectory_export(), SessionExportQuery, self.on_export)
         self.ready.set()
-        await supervise(ctx.stopping, self._event_loop(events))
+        await supervise(ctx.stopping, self._event_loop(events), self._timeout_loop())
 
     @property
     def task_line(self) -> PolicyLine:
@@ -208,6 +248,10 @@ class TrajectoryService:
             groups_lost = max(line.grouper.groups_lost for line in self._pacing())
             answer = self.dispatcher.claim(self.trained_batches, groups_lost, self.next_batch_index)
             await self._record_epochs()
+            if isinstance(answer, TaskAssignment):
+                self.timeouts.progress(
+                    answer.group_id, answer.task_id, answer.group_size, time.monotonic()
+                )
             return answer
 
     async def _record_epochs(self) -> None:
@@ -246,14 +290,14 @@ class TrajectoryService:
         events = [e for e in (self._decode_event(m) for m in messages) if e is not None]
         if not events:
             raise NotFound(f"session {query.session_id!r} does not exist")
-        return export_session(events, get_reward)
+        return export_session(events, self.reward_lookup)
 
     async def _event_loop(self, events) -> None:  # type: ignore[no-untyped-def]
         while True:
-            try:
-                msg = await events.next_msg(timeout=1.0)
-            except nats.errors.TimeoutError:
-                continue
+            # No time-out: on Python 3.11, a cancellation that lands as next_msg's
+            # time-out fires comes out of asyncio.wait_for as a TimeoutError, and a loop
+            # that goes on after time-outs would never stop.
+            msg = await events.next_msg(timeout=None)
             event = self._decode_event(msg)
             if event is not None:
                 await self._apply(event)
@@ -267,9 +311,50 @@ class TrajectoryService:
             log.warning("ignoring malformed trajectory event on %s: %s", msg.subject, exc)
             return None
 
+    async def _timeout_loop(self) -> None:
+        """Close the groups that stopped making progress (``timeouts``)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.timeouts.timeout_s / 4))
+            for waiting in self.timeouts.expired(time.monotonic()):
+                log.warning("group %s made no progress for %.0fs: closing it",
+                            waiting.group_id, self.timeouts.timeout_s)  # fmt: skip
+                closed = GroupClosed(
+                    group_id=waiting.group_id,
+                    task_id=waiting.task_id,
+                    group_size=waiting.group_size,
+                )
+                await self.ctx.bus.js_publish(
+                    self.ctx.subjects.trajectory_group_event(waiting.group_id),
+                    closed,
+                    msg_id=f"closed-{waiting.group_id}",
+                )
+
     async def _apply(self, event: TrajectoryEvent) -> None:
+        opened = self._opened_of(event)
         for line in self.lines.values():
             await self._apply_to(line, event)
+        if opened is None:
+            return
+        if self._still_open(opened.group_id):
+            self.timeouts.progress(
+                opened.group_id, opened.task_id, opened.group_size, time.monotonic()
+            )
+        else:
+            self.timeouts.done(opened.group_id)  # complete, closed, or batched before
+
+    def _still_open(self, group: str) -> bool:
+        """The group is waiting for samples (not complete, closed or batched)."""
+        return any(group in line.grouper.groups for line in self.lines.values())
+
+    def _opened_of(self, event: TrajectoryEvent) -> SessionOpened | GroupClosed | None:
+        """What names the event's group (None: a session no line follows)."""
+        if isinstance(event, SessionOpened | GroupClosed):
+            return event
+        for line in self.lines.values():
+            session = line.grouper.sessions.get(event.session_id)
+            if session is not None:
+                return session.opened
+        return None
 
     async def _apply_to(self, line: PolicyLine, event: TrajectoryEvent) -> None:
         grouper = line.grouper
@@ -332,35 +417,46 @@ class TrajectoryService:
             groups_dropped=dict(tally.groups_dropped),
             samples_dropped=dict(tally.samples_dropped),
             groups_waived=dict(tally.groups_waived),
+            dropped_samples=dict(tally.dropped_samples),
+            dropped_groups=dict(tally.dropped_groups),
         )
 
     async def _load_batched_sessions(self, line: PolicyLine) -> None:
         """What the policy's batch stream holds: never batched again (invariant 4)."""
         subjects = line.subjects
-        for msg in await self.ctx.bus.read_all(subjects.stream_batches(), subjects.batch_ready()):
-            batch = decode(msg.data, TrainBatch)
+        batches = await self.ctx.bus.read_decoded(
+            subjects.stream_batches(), subjects.batch_ready(), TrainBatch
+        )
+        for batch in batches:
             for group in batch.groups:
                 line.grouper.already_batched.update(s.session_id for s in group.samples)
+                line.grouper.finished_groups.add(group.group_id)
                 line.grouper.filters.observe(group)  # the replay skips these sessions
             line.next_batch_index = max(line.next_batch_index, batch.batch_index + 1)
 
+    async def _load_reported_drops(self, line: PolicyLine) -> None:
+        """What the policy's published batch reports counted as dropped: the replay
+        rebuilds those drops, and they are not reported twice."""
+        subjects = line.subjects
+        reports = await self.ctx.bus.read_decoded(
+            subjects.stream_metrics(), subjects.data_batch_report(), BatchFilterReport
+        )
+        for report in reports:
+            for ids in (*report.dropped_samples.values(), *report.dropped_groups.values()):
+                line.grouper.reported.update(ids)
+
     async def _load_epoch_reports(self) -> list[EpochFilterReport]:
         subjects = self.ctx.subjects
-        messages = await self.ctx.bus.read_subject(
-            subjects.stream_metrics(), subjects.data_epoch_report()
+        return await self.ctx.bus.read_decoded(
+            subjects.stream_metrics(), subjects.data_epoch_report(), EpochFilterReport
         )
-        return [decode(m.data, EpochFilterReport) for m in messages]
 
     async def _load_trained_batches(self, line: PolicyLine) -> int:
         subjects = line.subjects
-        try:
-            msg = await self.ctx.bus.js.get_last_msg(
-                subjects.stream_metrics(), subjects.train_metrics()
-            )
-        except nats.js.errors.NotFoundError:
-            return 0
-        assert msg.data is not None
-        return int(decode(msg.data, TrainStepMetrics).batch_index) + 1
+        metrics = await self.ctx.bus.read_decoded(
+            subjects.stream_metrics(), subjects.train_metrics(), TrainStepMetrics
+        )
+        return max((m.batch_index + 1 for m in metrics), default=0)
 
     async def _trainer_finished(self, line: PolicyLine) -> bool:
         try:
@@ -391,6 +487,24 @@ class TrajectoryService:
             line.trained_batches = max(line.trained_batches, metrics.batch_index + 1)
 
         return on_train_metrics
+
+
+class TrustedRewards:
+    """The reward functions sessions may name: the registered ones, the stages' and
+    ``SF_TRAJECTORY_REWARD_FNS``. A session's ``reward_fn`` is chosen by whoever opened
+    it; importing and calling any dotted path it names would run code of their choice
+    here (``os:system``...)."""
+
+    def __init__(self, trusted: set[str]) -> None:
+        self.trusted = trusted
+
+    def __call__(self, name: str) -> RewardFn:
+        if name not in self.trusted and name not in reward_names():
+            raise KeyError(
+                f"reward function {name!r} is not registered, not a stage's and not in "
+                f"SF_TRAJECTORY_REWARD_FNS"
+            )
+        return get_reward(name)
 
 
 def _prefixed(prefix: str, counts: dict[str, int]) -> dict[str, int]:

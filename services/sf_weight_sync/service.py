@@ -28,6 +28,7 @@ import nats.errors
 import nats.js.errors
 
 from seamlessflow import telemetry
+from seamlessflow.bus import ack_redeliverable
 from seamlessflow.protocol import (
     WEIGHT_SYNC_DURABLE,
     CurrentVersion,
@@ -101,7 +102,11 @@ class WeightSync:
             sequence -= 1
             if raw.subject != subjects.weights_published() or raw.data is None:
                 continue
-            manifest = decode(raw.data, WeightsPublished).manifest
+            try:
+                manifest = decode(raw.data, WeightsPublished).manifest
+            except ValueError as exc:  # JetStream stores anything; the chain skips it
+                log.warning("skipping an undecodable weights announcement: %s", exc)
+                continue
             found.append(manifest)
             if manifest.kind == "full":
                 break
@@ -109,7 +114,9 @@ class WeightSync:
             self.chain.extend(manifest)
 
     async def _published_loop(self) -> None:
-        while True:
+        # Checked on every turn: on Python 3.11 a cancellation that lands as fetch's
+        # time-out fires comes out as a TimeoutError, which alone would keep us looping.
+        while not self.ctx.stopping.is_set():
             try:
                 messages = await self.published.fetch(1, timeout=1.0)
             except nats.errors.TimeoutError:
@@ -123,7 +130,7 @@ class WeightSync:
                     continue
                 with telemetry.extracted_context(msg.headers):
                     await self._sync(published)
-                await msg.ack_sync()
+                await ack_redeliverable(msg)  # a redelivered version is not synced again
 
     async def _sync(self, published: WeightsPublished) -> None:
         manifest = published.manifest

