@@ -3,14 +3,14 @@
 Meant for tests, tiny models and CPU runs; vLLM serves real models behind the same
 interface.
 
-Scheduling. One scheduler task (created in `start`, cancelled in `close`) owns the
-running batch; every other method only touches queues and flags on the event loop.
-Batching is continuous: at each token boundary the scheduler drops finished and aborted
-rows and admits queued requests up to `max_batch_size` (their prompts are prefilled,
-left-padded, and their KV cache is merged into the running one). Admission is closed
-while paused or while a weight load is pending, so a running batch drains on the
-weights it started with. Each step's torch compute (prune, prefill, one decode step,
-sampling) runs in `asyncio.to_thread`; the event loop stays free for NATS heartbeats.
+Scheduling (`batching.BatchingEngine`, shared with the scripted engine): one scheduler
+task owns the running batch. Batching is continuous: at each token boundary the
+scheduler drops finished and aborted rows and admits queued requests up to
+`max_batch_size` (their prompts are prefilled, left-padded, and their KV cache is
+merged into the running one). Admission is closed while paused or while a weight load
+is pending, so a running batch drains on the weights it started with. Each step's torch
+compute (prune, prefill, one decode step, sampling) runs in `asyncio.to_thread`; the
+event loop stays free for NATS heartbeats.
 
 Weights. Steps and weight copies hold one `asyncio.Lock`, and a step reads `version`
 under it, so every token is labelled with the complete weight set that computed it and
@@ -24,8 +24,6 @@ rounding), and seeded requests give the same tokens batched or alone.
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,19 +35,13 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from .base import (
-    EngineError,
-    EngineNotRunningError,
-    FinishReason,
     GeneratedToken,
     GenerationStream,
-    InferenceEngine,
-    PauseMode,
     SamplingParams,
     TopLogprobs,
     check_request,
 )
-
-log = logging.getLogger(__name__)
+from .batching import BatchingEngine
 
 _T = TypeVar("_T")
 
@@ -92,7 +84,7 @@ async def _to_thread_to_completion(fn: Callable[..., _T], *args: Any) -> _T:
         raise
 
 
-class TransformersEngine(InferenceEngine):
+class TransformersEngine(BatchingEngine[_Request]):
     """Continuous-batching engine over `AutoModelForCausalLM` with a KV cache.
 
     Args:
@@ -116,45 +108,20 @@ class TransformersEngine(InferenceEngine):
         max_context: int | None = None,
         version: int = 0,
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        super().__init__(max_batch_size=max_batch_size, max_context=max_context, version=version)
         self._source = model
         self._dtype = dtype
         self._device = torch.device(device)
-        self._max_batch_size = max_batch_size
-        self._max_context_arg = max_context
-        self._version = version
 
         self._model: PreTrainedModel | None = None
         self._params: dict[str, torch.Tensor] = {}
         self._vocab_size = 0
-        self._max_context = 0
         self._can_merge = False
-
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
-        self._live: dict[str, _Request] = {}
-        self._queue: deque[_Request] = deque()
-        self._running: list[_Request] = []
-        self._batch_running = False
-        self._frozen = False
-        self._paused: PauseMode | None = None
-        self._loads_pending = 0
         self._compute_lock = asyncio.Lock()
-        self._wakeup = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def max_context(self) -> int:
-        return self._max_context
-
     async def start(self) -> None:
-        if self._task is not None or self._closed:
-            raise EngineError("engine already started")
+        self._check_startable()
         if isinstance(self._source, str | Path):
             model = await asyncio.to_thread(_load_pretrained, Path(self._source), self._dtype)
         else:
@@ -171,26 +138,13 @@ class TransformersEngine(InferenceEngine):
         self._can_merge = bool(probe.layers) and all(
             type(layer) is DynamicLayer for layer in probe.layers
         )
-        self._task = asyncio.create_task(self._scheduler(), name="transformers-engine")
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for req in list(self._live.values()):
-            self._finish(req, "abort")
-        self._queue.clear()
-        self._notify()
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait([self._task])
+        self._start_scheduler("transformers-engine")
 
     # -- requests --------------------------------------------------------------------
     def stream(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> GenerationStream:
-        if self._task is None or self._closed:
-            raise EngineNotRunningError("engine is not running")
+        self._check_running()
         prompt = check_request(
             request_id,
             prompt_ids,
@@ -211,96 +165,17 @@ class TransformersEngine(InferenceEngine):
             stream=GenerationStream(request_id, self.abort),
             generator=generator,
         )
-        self._live[request_id] = req
-        self._queue.append(req)
-        self._notify()
-        return req.stream
+        return self._admit(req)
 
-    async def abort(self, request_id: str) -> bool:
-        req = self._live.get(request_id)
-        if req is None:
-            return False
-        self._finish(req, "abort")
-        if req in self._queue:
-            self._queue.remove(req)
-        self._notify()
-        return True
-
-    async def pause(self, mode: PauseMode) -> None:
-        if mode not in ("abort", "wait", "keep"):
-            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
-        self._paused = mode
-        self._notify()
-        if mode == "abort":
-            for req in list(self._live.values()):
-                self._finish(req, "abort")
-            self._queue.clear()
-            await self._wait_until(lambda: not self._batch_running)
-        elif mode == "wait":
-            await self._wait_until(lambda: not self._batch_running)
-        else:
-            await self._wait_until(lambda: not self._batch_running or self._frozen)
-
-    async def resume(self) -> None:
-        self._paused = None
-        self._notify()
-
-    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        if self._task is None or self._closed:
-            raise EngineNotRunningError("engine is not running")
-        self._check_weights(state_dict)
-        self._loads_pending += 1  # closes admission: the running batch drains
-        try:
-            await self._wait_until(lambda: not self._batch_running or self._paused == "keep")
-            async with self._compute_lock:
-                await _to_thread_to_completion(self._copy_weights, state_dict, version)
-        finally:
-            self._loads_pending -= 1
-            self._notify()
+    async def _swap_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        async with self._compute_lock:
+            await _to_thread_to_completion(self._copy_weights, state_dict, version)
 
     # -- scheduler (event loop side) -------------------------------------------------
-    def _notify(self) -> None:
-        """Wake every `_wait_until`; each re-checks its own predicate."""
-        event, self._wakeup = self._wakeup, asyncio.Event()
-        event.set()
-
-    async def _wait_until(self, predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            await self._wakeup.wait()
-
-    def _may_admit(self) -> bool:
-        return bool(self._queue) and self._paused is None and self._loads_pending == 0
-
-    def _finish(self, req: _Request, reason: FinishReason) -> None:
-        req.stream.finish(reason)
-        self._live.pop(req.request_id, None)
-
-    async def _scheduler(self) -> None:
-        while True:
-            await self._wait_until(self._may_admit)
-            self._batch_running = True
-            try:
-                await self._run_batch()
-            except Exception as exc:
-                # A failed step fails the requests it carried, not the engine.
-                log.exception("engine step failed; failing %d requests", len(self._running))
-                for req in self._running:
-                    req.stream.fail(EngineError(f"engine step failed: {exc!r}"))
-                    self._live.pop(req.request_id, None)
-            finally:
-                self._running = []
-                self._batch_running = False
-                self._frozen = False
-                self._notify()
-
     async def _run_batch(self) -> None:
         state: _BatchState | None = None
         while True:
-            if self._paused == "keep" and any(not req.done for req in self._running):
-                self._frozen = True
-                self._notify()
-                await self._wait_until(lambda: self._paused != "keep")
-                self._frozen = False
+            await self._hold_if_kept()
             keep = [i for i, req in enumerate(self._running) if not req.done]
             new: list[_Request] = []
             if self._may_admit() and (self._can_merge or not keep):
@@ -315,14 +190,7 @@ class TransformersEngine(InferenceEngine):
                     self._step, state, keep, new, self._running
                 )
             for req, token, logprob, top in zip(self._running, tokens, logprobs, tops, strict=True):
-                if req.done:  # aborted while the step ran
-                    continue
-                req.produced += 1
-                req.stream.put(GeneratedToken(token, logprob, version, top))
-                if token in req.params.stop_token_ids:
-                    self._finish(req, "stop")
-                elif req.produced >= req.params.max_tokens:
-                    self._finish(req, "length")
+                self._emit(req, GeneratedToken(token, logprob, version, top))
 
     # -- compute (worker thread; touches only tensors and the requests' generators) ---
     def _step(

@@ -31,12 +31,10 @@ import array
 import asyncio
 import hashlib
 import json
-import logging
 import math
 import random
 import struct
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,21 +43,16 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .base import (
     EngineError,
-    EngineNotRunningError,
-    FinishReason,
     GeneratedToken,
     GenerationStream,
-    InferenceEngine,
-    PauseMode,
     SamplingParams,
     TopLogprobs,
     check_request,
 )
+from .batching import BatchingEngine
 
 if TYPE_CHECKING:
     import torch
-
-log = logging.getLogger(__name__)
 
 
 class ScriptedSettings(BaseSettings):
@@ -147,7 +140,7 @@ def _rng(prompt: list[int], params: SamplingParams) -> random.Random:
     return random.Random(int.from_bytes(digest.digest(), "little"))
 
 
-class ScriptedEngine(InferenceEngine):
+class ScriptedEngine(BatchingEngine[_Request]):
     """Continuous batching without compute; see the module docstring.
 
     Args:
@@ -171,69 +164,31 @@ class ScriptedEngine(InferenceEngine):
         step_s: float | None = None,
         version: int = 0,
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        super().__init__(max_batch_size=max_batch_size, max_context=max_context, version=version)
         if (model_dir is None) == (shape is None):
             raise ValueError("give exactly one of model_dir and shape")
         self._model_dir = Path(model_dir) if model_dir is not None else None
         self._shape = shape
-        self._max_batch_size = max_batch_size
-        self._max_context_arg = max_context
         self._step_s = ScriptedSettings().step_s if step_s is None else step_s
         if self._step_s < 0:
             raise ValueError(f"step_s must be >= 0, got {self._step_s}")
-        self._version = version
-        self._max_context = 0
-
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
-        self._live: dict[str, _Request] = {}
-        self._queue: deque[_Request] = deque()
-        self._running: list[_Request] = []
-        self._batch_running = False
-        self._frozen = False
-        self._paused: PauseMode | None = None
-        self._loads_pending = 0
-        self._wakeup = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def max_context(self) -> int:
-        return self._max_context
-
     async def start(self) -> None:
-        if self._task is not None or self._closed:
-            raise EngineError("engine already started")
+        self._check_startable()
         if self._shape is None:
             assert self._model_dir is not None
             self._shape = await asyncio.to_thread(read_model_shape, self._model_dir)
         if len(self._shape.ordinary_ids) < 2:
             raise EngineError("the vocabulary has fewer than two ordinary tokens")
         self._max_context = self._max_context_arg or self._shape.max_context
-        self._task = asyncio.create_task(self._scheduler(), name="scripted-engine")
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for req in list(self._live.values()):
-            self._finish(req, "abort")
-        self._queue.clear()
-        self._notify()
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait([self._task])
+        self._start_scheduler("scripted-engine")
 
     # -- requests --------------------------------------------------------------------
     def stream(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> GenerationStream:
-        if self._task is None or self._closed:
-            raise EngineNotRunningError("engine is not running")
+        self._check_running()
         assert self._shape is not None
         prompt = check_request(
             request_id,
@@ -249,52 +204,11 @@ class ScriptedEngine(InferenceEngine):
             stream=GenerationStream(request_id, self.abort),
             rng=_rng(prompt, params),
         )
-        self._live[request_id] = req
-        self._queue.append(req)
-        self._notify()
-        return req.stream
+        return self._admit(req)
 
-    async def abort(self, request_id: str) -> bool:
-        req = self._live.get(request_id)
-        if req is None:
-            return False
-        self._finish(req, "abort")
-        if req in self._queue:
-            self._queue.remove(req)
-        self._notify()
-        return True
-
-    async def pause(self, mode: PauseMode) -> None:
-        if mode not in ("abort", "wait", "keep"):
-            raise ValueError(f"pause mode must be 'abort', 'wait' or 'keep', got {mode!r}")
-        self._paused = mode
-        self._notify()
-        if mode == "abort":
-            for req in list(self._live.values()):
-                self._finish(req, "abort")
-            self._queue.clear()
-            await self._wait_until(lambda: not self._batch_running)
-        elif mode == "wait":
-            await self._wait_until(lambda: not self._batch_running)
-        else:
-            await self._wait_until(lambda: not self._batch_running or self._frozen)
-
-    async def resume(self) -> None:
-        self._paused = None
-        self._notify()
-
-    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        if self._task is None or self._closed:
-            raise EngineNotRunningError("engine is not running")
-        self._check_weights(state_dict)
-        self._loads_pending += 1  # closes admission: the running batch drains
-        try:
-            await self._wait_until(lambda: not self._batch_running or self._paused == "keep")
-            # Nothing to copy; steps read `version` only between steps, like a real swap.
-            self._version = version
-        finally:
-            self._loads_pending -= 1
-            self._notify()
+    async def _swap_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        # Nothing to copy; steps read `version` only between steps, like a real swap.
+        self._version = version
 
     def _check_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         assert self._shape is not None
@@ -311,47 +225,9 @@ class ScriptedEngine(InferenceEngine):
                 raise ValueError(f"weight {name!r}: expected shape {expected}, got {got}")
 
     # -- scheduler -------------------------------------------------------------------
-    def _notify(self) -> None:
-        """Wake every `_wait_until`; each re-checks its own predicate."""
-        event, self._wakeup = self._wakeup, asyncio.Event()
-        event.set()
-
-    async def _wait_until(self, predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            await self._wakeup.wait()
-
-    def _may_admit(self) -> bool:
-        return bool(self._queue) and self._paused is None and self._loads_pending == 0
-
-    def _finish(self, req: _Request, reason: FinishReason) -> None:
-        req.stream.finish(reason)
-        self._live.pop(req.request_id, None)
-
-    async def _scheduler(self) -> None:
-        while True:
-            await self._wait_until(self._may_admit)
-            self._batch_running = True
-            try:
-                await self._run_batch()
-            except Exception as exc:
-                # A failed step fails the requests it carried, not the engine.
-                log.exception("engine step failed; failing %d requests", len(self._running))
-                for req in self._running:
-                    req.stream.fail(EngineError(f"engine step failed: {exc!r}"))
-                    self._live.pop(req.request_id, None)
-            finally:
-                self._running = []
-                self._batch_running = False
-                self._frozen = False
-                self._notify()
-
     async def _run_batch(self) -> None:
         while True:
-            if self._paused == "keep" and any(not req.done for req in self._running):
-                self._frozen = True
-                self._notify()
-                await self._wait_until(lambda: self._paused != "keep")
-                self._frozen = False
+            await self._hold_if_kept()
             running = [req for req in self._running if not req.done]
             if self._may_admit():
                 while self._queue and len(running) < self._max_batch_size:
@@ -364,15 +240,8 @@ class ScriptedEngine(InferenceEngine):
             version = self._version
             await asyncio.sleep(self._step_s)
             for req in running:
-                if req.done:  # aborted during the step
-                    continue
-                token = self._draw(req, version)
-                req.produced += 1
-                req.stream.put(token)
-                if token.token_id in req.params.stop_token_ids:
-                    self._finish(req, "stop")
-                elif req.produced >= req.params.max_tokens:
-                    self._finish(req, "length")
+                if not req.done:  # not aborted during the step
+                    self._emit(req, self._draw(req, version))
 
     def _draw(self, req: _Request, version: int) -> GeneratedToken:
         """One step of ``req``: always two draws from its own generator."""
