@@ -689,13 +689,9 @@ class Gateway:
         digest = session.key_sha256 if session is not None else self.finished.get(session_id)
         if digest is None:
             raise ApiError(404, f"session {session_id!r} does not exist", code="session_not_found")
-        key = bearer_key(request)
-        if key is None or not hmac.compare_digest(key_digest(key), digest):
-            raise ApiError(
-                401,
-                "this session's API key is required (the api_key POST /sessions returned)",
-                code="invalid_api_key",
-                type_="authentication_error",
+        if not carries_key(request, [digest]):
+            raise unauthorized(
+                "this session's API key is required (the api_key POST /sessions returned)"
             )
         return session
 
@@ -708,19 +704,12 @@ class Gateway:
         return session
 
     def _is_operator(self, request: Request) -> bool:
-        key = bearer_key(request)
-        digest = key_digest(key) if key is not None else ""
-        return any(hmac.compare_digest(digest, known) for known in self._operator_keys)
+        return carries_key(request, self._operator_keys)
 
     def _require_operator(self, request: Request) -> None:
         """Opening sessions and listing models: open without operator keys configured."""
         if self._operator_keys and not self._is_operator(request):
-            raise ApiError(
-                401,
-                "an operator API key is required (SF_GATEWAY_API_KEYS)",
-                code="invalid_api_key",
-                type_="authentication_error",
-            )
+            raise unauthorized("an operator API key is required (SF_GATEWAY_API_KEYS)")
 
     def _check_model(self, model: str, param: str = "model") -> str:
         """The policy a model name picks (they are the same name)."""
@@ -773,6 +762,19 @@ class Gateway:
 
 def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def carries_key(request: Request, digests: list[str]) -> bool:
+    """The request's bearer key is one of ``digests`` (compared in constant time)."""
+    key = bearer_key(request)
+    if key is None:
+        return False
+    digest = key_digest(key)
+    return any(hmac.compare_digest(digest, known) for known in digests)
+
+
+def unauthorized(message: str) -> ApiError:
+    return ApiError(401, message, code="invalid_api_key", type_="authentication_error")
 
 
 def bearer_key(request: Request) -> str | None:
