@@ -57,17 +57,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import peer_judge
+
+HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = Path("runs/load/peer_compare.json")
 # Rates are SeamlessFlow / TRL, times TRL / SeamlessFlow: above 1 = SeamlessFlow better.
 RATE_FIGURES = (
@@ -117,6 +123,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--runs-dir", type=Path, default=Path("runs"),
         help="where the SeamlessFlow run writes runs/<run-id>/ (default %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--judge-median-ms", type=float, default=0.0,
+        help="score with a judge service of this median latency (peer_judge.py); "
+        "0 (default): the reward function in process, as before",
+    )  # fmt: skip
+    parser.add_argument(
+        "--judge-sigma", type=float, default=0.5,
+        help="the judge's log-normal latency shape (default %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
@@ -126,6 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--group-size must be at least 2 (GRPO needs a group)")
     if args.window < 1 or args.base_samples < 1:
         parser.error("--window and --base-samples must be >= 1")
+    if args.judge_median_ms < 0 or args.judge_sigma < 0:
+        parser.error("--judge-median-ms and --judge-sigma must be >= 0")
     return args
 
 
@@ -139,15 +156,15 @@ def default_model_dir() -> Path:
     return ensure_base_model(cache / "models" / "base-arithmetic")
 
 
-def dispatch_order(count: int, seed: int) -> list[Any]:
-    """The first ``count`` prompts (``TaskItem``) of an arithmetic run, in the order the
+def dispatch_order(count: int, seed: int, task: str = "arithmetic") -> list[Any]:
+    """The first ``count`` prompts (``TaskItem``) of a run of ``task``, in the order the
     trajectory service's dispatcher hands out its groups (its own code, no filters)."""
     from seamlessflow.protocol import TaskAssignment
     from seamlessflow.tasks import TaskItem
     from sf_trajectory.dispatch import Dispatcher
     from sf_trajectory.schedule import StageSpec, build_stages
 
-    stages = build_stages([StageSpec(task="arithmetic", batches=None)], seed)
+    stages = build_stages([StageSpec(task=task, batches=None)], seed)
     dispatcher = Dispatcher(
         stages,
         group_size=1,
@@ -284,7 +301,7 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | No
 
 
 def run_seamlessflow(
-    args: argparse.Namespace, model_dir: Path
+    args: argparse.Namespace, model_dir: Path, task: str
 ) -> tuple[list[Step], float, float, dict[str, Any]]:
     from seamlessflow.embedded import EmbeddedRun, RunConfig, deployment
 
@@ -292,7 +309,7 @@ def run_seamlessflow(
         run_id=f"peer-sf-{time.strftime('%Y%m%d-%H%M%S')}",
         runs_dir=args.runs_dir,
         model_dir=model_dir,
-        task="arithmetic",
+        task=task,
         steps=args.steps,
         group_size=args.group_size,
         groups_per_batch=args.groups_per_batch,
@@ -327,7 +344,7 @@ def run_seamlessflow(
 
 
 def run_trl(
-    args: argparse.Namespace, model_dir: Path, items: list[Any]
+    args: argparse.Namespace, model_dir: Path, items: list[Any], judged: bool
 ) -> tuple[list[Step], float, float, dict[str, Any]]:
     # Imports stay outside the clock (our side's are inside: its processes start in it).
     import warnings
@@ -342,6 +359,8 @@ def run_trl(
         warnings.filterwarnings("ignore", "TRL currently supports vLLM", UserWarning)
         from trl import GRPOConfig, GRPOTrainer
 
+    from peer_judge import trl_judge_reward
+
     from seamlessflow.rewards import integer_match
 
     torch.set_num_threads(args.trl_threads)
@@ -350,15 +369,25 @@ def run_trl(
     calls: list[tuple[float, int, int]] = []  # (mean reward, samples, tokens) per batch
     scored: list[float] = []  # when each batch was scored: its generation had ended
 
+    def record(scores: list[float], completion_ids: list[list[int]]) -> None:
+        tokens = sum(len(ids) for ids in completion_ids)
+        calls.append((sum(scores) / len(scores), len(scores), tokens))
+        scored.append(time.time())
+
     def reward(
         completions: list[Any], completion_ids: list[list[int]], reference: list[str], **_: Any
     ) -> list[float | None]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         scores = [integer_match(t, r) for t, r in zip(texts, reference, strict=True)]
-        tokens = sum(len(ids) for ids in completion_ids)
-        calls.append((sum(scores) / len(scores), len(scores), tokens))
-        scored.append(time.time())
+        record(scores, completion_ids)
         return [*scores]  # TRL's reward type admits None for a sample
+
+    async def judged_reward(
+        completions: list[Any], completion_ids: list[list[int]], reference: list[str], **_: Any
+    ) -> list[float | None]:
+        scores = await trl_judge_reward(completions, reference)
+        record([float(s or 0.0) for s in scores], completion_ids)
+        return scores
 
     ends: list[float] = []
 
@@ -407,7 +436,7 @@ def run_trl(
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         trainer = GRPOTrainer(
             model=model,
-            reward_funcs=reward,
+            reward_funcs=judged_reward if judged else reward,
             args=config,
             train_dataset=dataset,
             processing_class=tokenizer,
@@ -429,10 +458,53 @@ def run_trl(
     extra = {
         "torch_threads": args.trl_threads,
         "loss_type": "dapo",
+        "reward": "judge service (async, whole batch at once)" if judged else "in process",
         "mean_generate_s": sum(generate) / len(generate) if generate else None,
         "mean_train_s": sum(train) / len(train) if train else None,
     }
     return steps, started, finished, extra
+
+
+# --------------------------------------------------------------------------- the judge
+
+
+@contextlib.contextmanager
+def judge_service(args: argparse.Namespace) -> Iterator[str]:
+    """``peer_judge.py`` as a process of its own for the whole comparison; its URL."""
+    command = [sys.executable, str(HERE / "peer_judge.py"), "--median-ms",
+               str(args.judge_median_ms), "--sigma", str(args.judge_sigma),
+               "--seed", str(args.seed)]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        url = process.stdout.readline().strip()
+        if not url.startswith("http://"):
+            raise RuntimeError(f"the judge service did not start (it printed {url!r})")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def judged_task(args: argparse.Namespace, directory: Path, judge_url: str) -> str:
+    """The arithmetic task's training prompts as a task file scored by the judge (its
+    name), and the environment our processes need to reach the judge."""
+    from seamlessflow.tasks import get_task_source
+
+    rows = get_task_source("arithmetic", args.seed).items("train")
+    path = directory / "arithmetic-judged.jsonl"
+    with path.open("w") as out:
+        for item in rows:
+            row = {"id": item.task_id, "messages": list(item.messages), "reference": item.reference}
+            out.write(json.dumps(row) + "\n")
+    os.environ[peer_judge.URL_ENV] = judge_url
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    # every sample the rhythm lets be in flight (two batches) may wait on the judge at once
+    in_flight = 2 * args.group_size * args.groups_per_batch
+    os.environ["SF_TRAJECTORY_VERIFY_CONCURRENCY"] = str(in_flight)
+    return f"jsonl:{path}?reward=peer_judge:judged_integer_match"
 
 
 # --------------------------------------------------------------------------- the report
@@ -502,8 +574,68 @@ def print_table(report: dict[str, Any]) -> None:
         f"batch {fmt(ours['mean_wait_s'], 3)} s; TRL generate + score "
         f"{fmt(theirs['mean_generate_s'], 3)} s, train {fmt(theirs['mean_train_s'], 3)} s"
     )
+    if settings.get("judge_median_ms"):
+        for name, side in (("SeamlessFlow", ours), ("TRL", theirs)):
+            judge = side["judge"]
+            print(f"judge ({settings['judge_median_ms']:.0f} ms median, sigma "
+                  f"{settings['judge_sigma']}) for {name}: {judge['requests']} requests, latency "
+                  f"mean {judge['mean_s']:.3f} s, p99 {judge['p99_s']:.3f} s, max "
+                  f"{judge['max_s']:.3f} s")  # fmt: skip
     print(f"1-min load average before / after: SeamlessFlow {ours['loadavg_1m']}, "
           f"TRL {theirs['loadavg_1m']}")  # fmt: skip
+
+
+def compare(
+    args: argparse.Namespace,
+    model_dir: Path,
+    task: str,
+    judge_url: str | None,
+    trl_version: str | None,
+) -> dict[str, Any]:
+    """Both sides, one after the other, on ``task``'s prompts in dispatch order."""
+    items = dispatch_order(args.steps * args.groups_per_batch, args.seed, task)
+    report: dict[str, Any] = {
+        "machine": machine(trl_version),
+        "settings": {
+            "steps": args.steps,
+            "group_size": args.group_size,
+            "groups_per_batch": args.groups_per_batch,
+            "max_tokens": args.max_tokens,
+            "lr": args.lr,
+            "seed": args.seed,
+            "temperature": 1.0,
+            "trl_threads": args.trl_threads,
+            "target_gain": args.target_gain,
+            "window": args.window,
+            "model_dir": str(model_dir),
+            "reward": "judge service" if judge_url else "in process",
+            "judge_median_ms": args.judge_median_ms if judge_url else None,
+            "judge_sigma": args.judge_sigma if judge_url else None,
+        },
+    }
+    if not same_prompt_ids(model_dir, items[: args.base_samples]):
+        raise RuntimeError("TRL's prompt ids differ from the gateway's: not the same prompts")
+    report["prompt_ids_identical"] = True
+    report["base_reward"] = base_reward(model_dir, items[: args.base_samples], args)
+    target = report["base_reward"] + args.target_gain
+    report["reward_target"] = target
+
+    for side in ("seamlessflow", "trl"):
+        if judge_url:
+            peer_judge.reset(judge_url)  # the same latency sequence for each side
+        load = loadavg()
+        if side == "seamlessflow":
+            print(f"SeamlessFlow: {args.steps} steps (embedded run, disaggregated) ...", flush=True)
+            steps, started, finished, extra = run_seamlessflow(args, model_dir, task)
+        else:
+            print(f"TRL GRPOTrainer {trl_version}: {args.steps} steps ...", flush=True)
+            steps, started, finished, extra = run_trl(args, model_dir, items, bool(judge_url))
+        report[side] = side_figures(steps, started, finished, target, args.window) | extra
+        report[side]["loadavg_1m"] = [load, loadavg()]
+        if judge_url:
+            report[side]["judge"] = peer_judge.stats(judge_url)
+    report["ratios"] = ratios(report["seamlessflow"], report["trl"])
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -522,42 +654,13 @@ def main(argv: list[str] | None = None) -> int:
         print("TRL is not installed: pip install -e '.[bench]'", file=sys.stderr)
         return 2
     model_dir = (args.model_dir or default_model_dir()).resolve()
-    items = dispatch_order(args.steps * args.groups_per_batch, args.seed)
-    report: dict[str, Any] = {
-        "machine": machine(trl_version),
-        "settings": {
-            "steps": args.steps,
-            "group_size": args.group_size,
-            "groups_per_batch": args.groups_per_batch,
-            "max_tokens": args.max_tokens,
-            "lr": args.lr,
-            "seed": args.seed,
-            "temperature": 1.0,
-            "trl_threads": args.trl_threads,
-            "target_gain": args.target_gain,
-            "window": args.window,
-            "model_dir": str(model_dir),
-        },
-    }
-    if not same_prompt_ids(model_dir, items[: args.base_samples]):
-        raise RuntimeError("TRL's prompt ids differ from the gateway's: not the same prompts")
-    report["prompt_ids_identical"] = True
-    report["base_reward"] = base_reward(model_dir, items[: args.base_samples], args)
-    target = report["base_reward"] + args.target_gain
-    report["reward_target"] = target
-
-    print(f"SeamlessFlow: {args.steps} steps (embedded run, disaggregated) ...", flush=True)
-    load = loadavg()
-    steps, started, finished, extra = run_seamlessflow(args, model_dir)
-    report["seamlessflow"] = side_figures(steps, started, finished, target, args.window) | extra
-    report["seamlessflow"]["loadavg_1m"] = [load, loadavg()]
-    print(f"TRL GRPOTrainer {trl_version}: {args.steps} steps ...", flush=True)
-    load = loadavg()
-    steps, started, finished, extra = run_trl(args, model_dir, items)
-    report["trl"] = side_figures(steps, started, finished, target, args.window) | extra
-    report["trl"]["loadavg_1m"] = [load, loadavg()]
-    report["ratios"] = ratios(report["seamlessflow"], report["trl"])
-
+    with contextlib.ExitStack() as stack:
+        judge_url, task = None, "arithmetic"
+        if args.judge_median_ms > 0:
+            judge_url = stack.enter_context(judge_service(args))
+            scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sf-peer-")))
+            task = judged_task(args, scratch, judge_url)
+        report = compare(args, model_dir, task, judge_url, trl_version)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)

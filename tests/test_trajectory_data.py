@@ -8,6 +8,7 @@ the service and start a fresh one on the same run.
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from seamlessflow.protocol import (
     TurnRecorded,
     decode,
 )
+from seamlessflow.rewards import register_reward
 from seamlessflow.tasks import TaskItem, TaskSource, get_task_source
 from sf_trajectory import schedule
 from sf_trajectory.config import TrajectorySettings
@@ -54,9 +56,32 @@ class SixPrompts:
         ]
 
 
+class GatedVerifier:
+    """A task verifier that waits, as a sandbox or a judge service does: an answer
+    "slow" holds its worker thread until ``gate`` opens. Scores 1 for any answer."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.waiting = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, completion: str, reference: str) -> float:
+        if completion == "slow":
+            with self.lock:
+                self.waiting += 1
+            self.gate.wait(30)
+        return 1.0
+
+
+GATED = GatedVerifier()
+register_reward("test_gated_verifier")(GATED)
+
+
 @pytest.fixture
 def six_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
     def sources(name: str, seed: int = 0) -> TaskSource:
+        if name == "gated":
+            return SixPrompts(name="gated", reward_fn="test_gated_verifier")
         return SixPrompts() if name == "six" else get_task_source(name, seed)
 
     monkeypatch.setattr(schedule, "get_task_source", sources)
@@ -207,6 +232,39 @@ async def test_a_zero_variance_group_is_dropped_and_refilled_so_the_batch_stays_
     assert report.groups_dropped == {"zero_variance": 1}
     assert report.samples_dropped == {"zero_variance": 2}
     assert report.stage == "arithmetic"
+
+
+# --------------------------------------------------------------------------- verifiers
+
+
+@pytest.mark.usefixtures("six_prompts")
+async def test_a_waiting_verifier_holds_back_only_its_own_sessions(bus: Bus, trajectory) -> None:  # type: ignore[no-untyped-def]
+    """Verifications overlap (both of group A's at once) and a group whose verifier waits
+    does not hold back another group's batch; A's batch follows once its verifier
+    answers, with both samples scored."""
+    GATED.gate.clear()
+    GATED.waiting = 0
+    traj = trajectory(
+        task="gated", group_size=2, groups_per_batch=1, total_batches=2, max_batches_ahead=1
+    )
+    service = await traj.start()
+    slow, fast = await claim_group(bus, 2), await claim_group(bus, 2)
+    for task in slow:
+        await play(bus, task, answer="slow")
+    await until(lambda: GATED.waiting == 2)  # both of A's verifications run at once
+    for task in fast:
+        await play(bus, task, answer="fast")
+    await batches_published(traj, 1)
+    [first] = await batches(bus)
+    assert [g.group_id for g in first.groups] == [fast[0].group_id]
+    assert service.next_batch_index == 1 and GATED.waiting == 2
+
+    GATED.gate.set()
+    await batches_published(traj, 2)
+    _, second = await batches(bus)
+    [group] = second.groups
+    assert group.group_id == slow[0].group_id
+    assert sorted(s.reward for s in group.samples) == [1.0, 1.0]
 
 
 # --------------------------------------------------------------------------- faults

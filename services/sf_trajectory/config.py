@@ -1,4 +1,4 @@
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sf_trajectory.data_filters import parse_filter_names
@@ -60,6 +60,11 @@ class TrajectorySettings(BaseSettings):
     besides the registered ones and the stages' own. A session naming any other is
     scored by none (its sample is dropped, reason ``no_reward``): a session's
     ``reward_fn`` comes from whoever opened it, and the trajectory service runs it."""
+
+    verify_concurrency: int = Field(default=16, ge=1, le=1024)
+    """Task verifiers run at once (worker threads). A verifier that waits on something
+    (a sandbox, a judge service) holds back only its own session's group: other groups'
+    events go on being applied, and up to this many verifications overlap."""
 
     max_batches_ahead: int = 1
     """Rollout rhythm: how many batches may be dispatched beyond what the trainer has

@@ -47,8 +47,11 @@ one batch report (``BatchFilterReport.dropped_samples``), also across restarts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import nats.errors
@@ -63,6 +66,7 @@ from seamlessflow.protocol import (
     NoTask,
     SessionExport,
     SessionExportQuery,
+    SessionFinished,
     SessionOpened,
     Subjects,
     TaskAssignment,
@@ -114,6 +118,18 @@ class TrajectoryService:
         self.malformed_events = 0
         self.timeouts = GroupTimeouts(self.settings.group_timeout_s)
         self.ready = asyncio.Event()
+        self._applying = asyncio.Lock()
+        """One event applied at a time (``_apply``)."""
+        self._session_tails: dict[str, asyncio.Task[None]] = {}
+        """Session -> the last of its events still waiting to be applied."""
+        self._session_groups: dict[str, str] = {}
+        """Session -> its group, from its SessionOpened until its SessionFinished is
+        applied (a group's close waits for its sessions' pending events)."""
+        self._pending: asyncio.TaskGroup | None = None
+        self._verify_slots = asyncio.Semaphore(self.settings.verify_concurrency)
+        self._verifier_threads = ThreadPoolExecutor(
+            self.settings.verify_concurrency, thread_name_prefix="verifier"
+        )
         self._claims = asyncio.Lock()
         """One claim at a time: an epoch's record is durable before its first group is
         handed out, and no other claim slips in while it is being published."""
@@ -143,21 +159,22 @@ class TrajectoryService:
         last_sample: dict[str, int] = {}
         """Group -> the highest sample index that opened a session."""
         replayed = 0
-        while last_seq:
-            msg = await events.next_msg(timeout=10.0)
-            replayed += 1
-            event = self._decode_event(msg)
-            if event is not None:
-                if isinstance(event, SessionOpened | GroupClosed):
-                    max_group = max(max_group, group_index(event.group_id))
-                    seen_groups.add(event.group_id)
-                if isinstance(event, SessionOpened):
-                    last_sample[event.group_id] = max(
-                        last_sample.get(event.group_id, -1), event.sample_index
-                    )
-                await self._apply(event)
-            if msg.metadata.sequence.stream >= last_seq:
-                break
+        async with self._applying_events():  # on leaving, every replayed event is applied
+            while last_seq:
+                msg = await events.next_msg(timeout=10.0)
+                replayed += 1
+                event = self._decode_event(msg)
+                if event is not None:
+                    if isinstance(event, SessionOpened | GroupClosed):
+                        max_group = max(max_group, group_index(event.group_id))
+                        seen_groups.add(event.group_id)
+                    if isinstance(event, SessionOpened):
+                        last_sample[event.group_id] = max(
+                            last_sample.get(event.group_id, -1), event.sample_index
+                        )
+                    await self._apply(event)
+                if msg.metadata.sequence.stream >= last_seq:
+                    break
         # The last group may have been handed out in part when the service stopped: its
         # remaining samples are handed out now (a claim answered before the stop has
         # opened its session by the time the replay runs), instead of waiting for its
@@ -211,7 +228,10 @@ class TrajectoryService:
         await ctx.bus.serve(subjects.task_claim(), TaskClaim, self.on_claim)
         await ctx.bus.serve(subjects.trajectory_export(), SessionExportQuery, self.on_export)
         self.ready.set()
-        await supervise(ctx.stopping, self._event_loop(events), self._timeout_loop())
+        try:
+            await supervise(ctx.stopping, self._event_loop(events), self._timeout_loop())
+        finally:
+            self._verifier_threads.shutdown(wait=False, cancel_futures=True)
 
     @property
     def task_line(self) -> PolicyLine:
@@ -293,14 +313,15 @@ class TrajectoryService:
         return export_session(events, self.reward_lookup)
 
     async def _event_loop(self, events) -> None:  # type: ignore[no-untyped-def]
-        while True:
-            # No time-out: on Python 3.11, a cancellation that lands as next_msg's
-            # time-out fires comes out of asyncio.wait_for as a TimeoutError, and a loop
-            # that goes on after time-outs would never stop.
-            msg = await events.next_msg(timeout=None)
-            event = self._decode_event(msg)
-            if event is not None:
-                await self._apply(event)
+        async with self._applying_events():
+            while True:
+                # No time-out: on Python 3.11, a cancellation that lands as next_msg's
+                # time-out fires comes out of asyncio.wait_for as a TimeoutError, and a
+                # loop that goes on after time-outs would never stop.
+                msg = await events.next_msg(timeout=None)
+                event = self._decode_event(msg)
+                if event is not None:
+                    await self._apply(event)
 
     def _decode_event(self, msg) -> TrajectoryEvent | None:  # type: ignore[no-untyped-def]
         try:
@@ -330,9 +351,85 @@ class TrajectoryService:
                 )
 
     async def _apply(self, event: TrajectoryEvent) -> None:
+        """Apply one event, in stream order for its session.
+
+        Invariants: the events of one session are applied in the order the stream holds
+        them, a group's close after every event of its sessions that came before it, and
+        one event at a time (``_applying``: publishing a batch awaits). A finish that
+        needs the task's verifier is verified in a worker thread first; meanwhile other
+        sessions' events go on (and their verifications overlap, up to
+        ``verify_concurrency``), while its own session's later events wait behind it
+        (``_session_tails``). Events with nothing to wait for are applied at once.
+        """
+        waits_for = self._earlier_pending(event)
+        if not waits_for and not self._verifications(event):
+            async with self._applying:
+                await self._apply_verified(event)
+            return
+        assert self._pending is not None, "events are applied inside _applying_events()"
+        task = self._pending.create_task(self._apply_in_turn(event, waits_for))
+        if not isinstance(event, GroupClosed):
+            session = event.session_id
+            self._session_tails[session] = task
+            task.add_done_callback(lambda done: self._forget_tail(session, done))
+
+    def _earlier_pending(self, event: TrajectoryEvent) -> list[asyncio.Task[None]]:
+        """The pending applications ``event`` must come after."""
+        if isinstance(event, GroupClosed):
+            return [
+                task
+                for session, task in self._session_tails.items()
+                if self._session_groups.get(session) == event.group_id
+            ]
+        if isinstance(event, SessionOpened):
+            self._session_groups[event.session_id] = event.group_id
+        tail = self._session_tails.get(event.session_id)
+        return [tail] if tail is not None else []
+
+    def _forget_tail(self, session: str, done: asyncio.Task[None]) -> None:
+        if self._session_tails.get(session) is done:
+            del self._session_tails[session]
+
+    async def _apply_in_turn(
+        self, event: TrajectoryEvent, waits_for: list[asyncio.Task[None]]
+    ) -> None:
+        if waits_for:
+            await asyncio.wait(waits_for)  # a failure is the task group's to report
+        verifications = self._verifications(event)  # after the session's earlier events
+        if verifications:
+            async with self._verify_slots:
+                loop = asyncio.get_running_loop()
+                await asyncio.gather(
+                    *(loop.run_in_executor(self._verifier_threads, v) for v in verifications)
+                )
+        async with self._applying:
+            await self._apply_verified(event)
+
+    def _verifications(self, event: TrajectoryEvent) -> list[Callable[[], None]]:
+        """What scores ``event`` before it is applied (the lines' task verifiers)."""
+        calls = (line.grouper.pending_verification(event) for line in self.lines.values())
+        return [call for call in calls if call is not None]
+
+    @contextlib.asynccontextmanager
+    async def _applying_events(self) -> AsyncIterator[None]:
+        """Where events are applied: on leaving, every pending one has been; a failure
+        to apply one (a publish that failed) ends the block with it."""
+        async with asyncio.TaskGroup() as pending:
+            self._pending = pending
+            try:
+                yield
+            finally:
+                self._pending = None
+
+    async def _apply_verified(self, event: TrajectoryEvent) -> None:
         opened = self._opened_of(event)
         for line in self.lines.values():
             await self._apply_to(line, event)
+        if isinstance(event, SessionFinished):
+            self._session_groups.pop(event.session_id, None)
+        elif isinstance(event, GroupClosed):  # its unfinished sessions will never finish
+            for session in [s for s, g in self._session_groups.items() if g == event.group_id]:
+                del self._session_groups[session]
         if opened is None:
             return
         if self._still_open(opened.group_id):
@@ -358,9 +455,6 @@ class TrajectoryService:
 
     async def _apply_to(self, line: PolicyLine, event: TrajectoryEvent) -> None:
         grouper = line.grouper
-        verify = grouper.pending_verification(event)
-        if verify is not None:
-            await asyncio.to_thread(verify)
         grouper.apply(event)
         while (
             groups := grouper.take_batch(
