@@ -9,6 +9,13 @@ Produces:
 
 Every claimed sample ends with ``/finish`` (also when the agent raised), so the
 trajectory service can always close the group.
+
+HTTP costs CPU on the machine the agents share with the engines and the trainer, so
+both clients run on aiohttp: the runner's own calls use an ``aiohttp.ClientSession``
+(~0.2 ms of CPU per call here, against ~2.7 ms for an ``httpx.AsyncClient`` with 64
+connections in its pool), and the agents' OpenAI clients share one
+``DefaultAioHttpClient`` (the SDK's aiohttp transport: ~2 ms per completion call,
+against ~3 ms on its default httpx transport). See docs/benchmarks.md "Against TRL".
 """
 
 from __future__ import annotations
@@ -19,8 +26,8 @@ import os
 import socket
 from collections.abc import Mapping
 
-import httpx
-from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+import aiohttp
+from openai import AsyncOpenAI, DefaultAioHttpClient
 from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -76,16 +83,16 @@ class AgentRunner:
 
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
+        self.gateway_url = self.settings.gateway_url.rstrip("/")
         # One connection pool for every agent's OpenAI client: building a client with its
         # own pool costs ~40 ms of CPU, more than the tiny model's whole answer.
-        self.openai_http = DefaultAsyncHttpxClient(timeout=600.0)
+        self.openai_http = DefaultAioHttpClient(timeout=600.0)
         operator_key = self.settings.gateway_key.get_secret_value()
         headers = {"authorization": f"Bearer {operator_key}"} if operator_key else {}
+        timeout = aiohttp.ClientTimeout(total=600.0)
         async with (
             self.openai_http,
-            httpx.AsyncClient(
-                base_url=self.settings.gateway_url, timeout=600.0, headers=headers
-            ) as http,
+            aiohttp.ClientSession(timeout=timeout, headers=headers) as http,
         ):
             self.http = http
             await self._wait_for_gateway()
@@ -97,9 +104,10 @@ class AgentRunner:
         """The gateway may start after us (embedded mode, compose): poll its health."""
         while not self.ctx.stopping.is_set():
             try:
-                if (await self.http.get("/healthz")).status_code == 200:
-                    return
-            except httpx.TransportError:
+                async with self.http.get(f"{self.gateway_url}/healthz") as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientConnectionError:
                 pass
             await asyncio.sleep(0.2)
 
@@ -122,7 +130,7 @@ class AgentRunner:
                 continue
             try:
                 await self.run_sample(reply)
-            except httpx.HTTPError as exc:
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 # The sample is lost to this runner; the trajectory service closes its
                 # group once it makes no progress (SF_TRAJECTORY_GROUP_TIMEOUT_S). No
                 # new claim before the gateway answers again: it would be lost too.
@@ -132,20 +140,18 @@ class AgentRunner:
                 await self._wait_for_gateway()
 
     async def run_sample(self, assignment: TaskAssignment) -> None:
-        response = await self.http.post(
-            "/sessions",
-            json={
-                "task_id": assignment.task_id,
-                "group_id": assignment.group_id,
-                "sample_index": assignment.sample_index,
-                "group_size": assignment.group_size,
-                "reference": assignment.reference,
-                "reward_fn": assignment.reward_fn,
-                "policy": assignment.policy,
-            },
-        )
-        response.raise_for_status()
-        session = response.json()
+        body = {
+            "task_id": assignment.task_id,
+            "group_id": assignment.group_id,
+            "sample_index": assignment.sample_index,
+            "group_size": assignment.group_size,
+            "reference": assignment.reference,
+            "reward_fn": assignment.reward_fn,
+            "policy": assignment.policy,
+        }
+        async with self.http.post(f"{self.gateway_url}/sessions", json=body) as response:
+            response.raise_for_status()
+            session = await response.json()
         session_id = session["session_id"]
         # the session's own key: this agent can reach its session and no other
         session_auth = {"authorization": f"Bearer {session['api_key']}"}
@@ -168,9 +174,13 @@ class AgentRunner:
         )
         try:
             reward = await self.agent(client, task)
-            for body in _reward_bodies(reward):
-                (await self.http.post(f"/sessions/{session_id}/reward", json=body,
-                                      headers=session_auth)).raise_for_status()  # fmt: skip
+            for reward_body in _reward_bodies(reward):
+                async with self.http.post(
+                    f"{self.gateway_url}/sessions/{session_id}/reward",
+                    json=reward_body,
+                    headers=session_auth,
+                ) as response:
+                    response.raise_for_status()
             self.completed += 1
         except asyncio.CancelledError:
             raise
@@ -178,9 +188,12 @@ class AgentRunner:
             self.failed += 1
             log.exception("agent failed on %s (session %s)", assignment.task_id, session_id)
         finally:
-            finish = await self.http.post(f"/sessions/{session_id}/finish", headers=session_auth)
-            if finish.status_code not in (200, 409):
-                log.warning("finishing %s: HTTP %d %s", session_id, finish.status_code, finish.text)
+            async with self.http.post(
+                f"{self.gateway_url}/sessions/{session_id}/finish", headers=session_auth
+            ) as finish:
+                if finish.status not in (200, 409):
+                    log.warning("finishing %s: HTTP %d %s", session_id, finish.status,
+                                await finish.text())  # fmt: skip
 
 
 def _reward_bodies(reward: AgentReward) -> list[dict[str, object]]:
