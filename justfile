@@ -31,11 +31,12 @@ check:
     {{bin}}/mypy libs/seamlessflow
 
 # benchmarks: throughput and bubbles of each deployment mode on the built-in task (same
-# steps, slots pinned to cores), the cost of one partial-rollout interruption, weight sync
-# per transport against its bound (and deltas on real steps), and the simulator at
-# 8-1024 GPUs
+# steps, slots pinned to cores) and its steps/s ratios against the committed baseline
+# (exit 1 on a drop), the cost of one partial-rollout interruption, weight sync per
+# transport against its bound (and deltas on real steps), and the simulator at 8-1024 GPUs
 bench STEPS="60":
-    {{bin}}/seamlessflow bench --steps {{STEPS}} --modes colocated,disaggregated,multiplexed --pin-slots
+    {{bin}}/seamlessflow bench --steps {{STEPS}} --modes colocated,disaggregated,multiplexed --pin-slots --out runs/load/modes.json
+    {{bin}}/python loadtests/regression.py runs/load/modes.json --baseline loadtests/baselines/modes.json
     {{bin}}/python loadtests/interruption.py
     {{bin}}/python loadtests/weight_sync.py
     {{bin}}/seamlessflow simulate

@@ -61,7 +61,6 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -132,6 +131,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--judge-sigma", type=float, default=0.5,
         help="the judge's log-normal latency shape (default %(default)s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-batches-ahead", type=int, default=1,
+        help="how far our rollout may run ahead of our trainer (default %(default)s; TRL is "
+        "synchronous)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
@@ -141,6 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--group-size must be at least 2 (GRPO needs a group)")
     if args.window < 1 or args.base_samples < 1:
         parser.error("--window and --base-samples must be >= 1")
+    if args.max_batches_ahead < 0:
+        parser.error("--max-batches-ahead must be >= 0")
     if args.judge_median_ms < 0 or args.judge_sigma < 0:
         parser.error("--judge-median-ms and --judge-sigma must be >= 0")
     return args
@@ -316,6 +322,7 @@ def run_seamlessflow(
         max_tokens=args.max_tokens,
         lr=args.lr,
         seed=args.seed,
+        max_batches_ahead=args.max_batches_ahead,
         live=False,
     )
     started = time.time()
@@ -501,8 +508,8 @@ def judged_task(args: argparse.Namespace, directory: Path, judge_url: str) -> st
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
-    # every sample the rhythm lets be in flight (two batches) may wait on the judge at once
-    in_flight = 2 * args.group_size * args.groups_per_batch
+    # every sample the rhythm lets be in flight may wait on the judge at once
+    in_flight = (args.max_batches_ahead + 1) * args.group_size * args.groups_per_batch
     os.environ["SF_TRAJECTORY_VERIFY_CONCURRENCY"] = str(in_flight)
     return f"jsonl:{path}?reward=peer_judge:judged_integer_match"
 
@@ -511,22 +518,9 @@ def judged_task(args: argparse.Namespace, directory: Path, judge_url: str) -> st
 
 
 def machine(trl_version: str | None) -> dict[str, Any]:
-    from importlib.metadata import version
+    from seamlessflow.machine import machine_description
 
-    import torch
-
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": version("transformers"),
-        "trl": trl_version,
-        "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
+    return machine_description() | {"trl": trl_version}
 
 
 def loadavg() -> float | None:
@@ -611,6 +605,7 @@ def compare(
             "reward": "judge service" if judge_url else "in process",
             "judge_median_ms": args.judge_median_ms if judge_url else None,
             "judge_sigma": args.judge_sigma if judge_url else None,
+            "max_batches_ahead": args.max_batches_ahead,
         },
     }
     if not same_prompt_ids(model_dir, items[: args.base_samples]):

@@ -1,13 +1,16 @@
-"""Regression check of the TRL comparison: a new ``peer_compare.py`` result against a
-committed baseline, by ratios only.
+"""Regression check of a benchmark result against a committed baseline, by ratios only:
+the TRL comparison (``peer_compare.py``) and the deployment modes (``seamlessflow bench
+--out``).
 
-Absolute times move by tens of percent between runs on shared machines; the ratio of
-SeamlessFlow to TRL measured in one invocation on one machine moves less, so that is
-what is compared. Every ratio in ``ratios`` is oriented so that above 1 means
-SeamlessFlow is better (``loadtests/peer_compare.py``). A ratio regresses when it falls
-below ``baseline x (1 - tolerance)``; rising is never a failure. A ratio the baseline
-has but the new result lacks (None) fails when SeamlessFlow's own figure is missing
-(e.g. it never reached the reward target) and is skipped when only TRL's is.
+Absolute times move by tens of percent between runs on shared machines; a ratio of two
+figures measured in one invocation on one machine moves less, so that is what is
+compared: every ratio the baseline has, each oriented so that above 1 is better. For
+the TRL comparison that is SeamlessFlow over TRL (``loadtests/peer_compare.py``); for
+the modes, each mode's steps/s over the first mode's (``<mode>_steps_per_s_vs_<first>``).
+A ratio regresses when it falls below ``baseline x (1 - tolerance)``; rising is never a
+failure. A ratio the baseline has but the new result lacks (None) fails; in a TRL
+comparison it fails only when SeamlessFlow's own figure is missing (e.g. it never
+reached the reward target) and is skipped when only TRL's is.
 
 Two tolerances: rates (tokens/s, steps/s over the whole run) get ``--tolerance``; the
 time to the reward target gets the wider ``--time-tolerance``, because it also carries
@@ -17,13 +20,17 @@ is measured over a third of the run. Both defaults come from those runs on the s
 2-core machine (docs/benchmarks.md, "Against TRL"): the rate ratios moved between
 -12% and +53% around the baseline with other jobs on the cores, the time ratio by -53%.
 
-Differences between the machine descriptions are printed as notes: a baseline from
-other hardware is still compared, but its ratios then mean something else.
+Differences between the machine descriptions (the keys both have) are printed as notes:
+a baseline from other hardware is still compared, but its ratios then mean something
+else.
 
     .venv/bin/python loadtests/regression.py runs/load/peer_compare.json \\
         [--baseline loadtests/baselines/peer_compare.json] [--tolerance 0.4]
+    .venv/bin/python loadtests/regression.py runs/load/modes.json \\
+        --baseline loadtests/baselines/modes.json
 
-Exit status 0: no regression; 1: at least one ratio regressed (each is named).
+Exit status 0: no regression; 1: at least one ratio regressed (each is named); 2: bad
+arguments or a missing file (nothing compared).
 """
 
 from __future__ import annotations
@@ -38,16 +45,22 @@ from typing import Any
 DEFAULT_BASELINE = Path(__file__).resolve().parent / "baselines" / "peer_compare.json"
 DEFAULT_TOLERANCE = 0.4
 DEFAULT_TIME_TOLERANCE = 0.65
-RATE_RATIOS = (
+TIME_RATIOS = ("time_to_target_s",)
+"""Ratios judged with the time tolerance; every other ratio is a rate."""
+PEER_RATIOS = (
     "generated_tokens_per_s",
     "trained_tokens_per_s",
     "steady_generated_tokens_per_s",
+    "steady_trained_tokens_per_s",
     "steps_per_s",
     "steady_steps_per_s",
+    "time_to_target_s",
 )
-TIME_RATIOS = ("time_to_target_s",)
-CHECKED = RATE_RATIOS + TIME_RATIOS
-MACHINE_KEYS = ("cpu_count", "platform", "python", "torch", "trl")
+"""The ratios every ``peer_compare.py`` result has (the committed peer baseline must
+have each); a result is compared on the ratios its own baseline has, whatever the kind."""
+CHECKED = PEER_RATIOS  # the name tests/test_peer_compare.py reads
+MOMENTARY_MACHINE_KEYS = ("loadavg_at_start",)
+"""Describe the moment, not the machine: never a note."""
 
 
 @dataclass(frozen=True)
@@ -62,23 +75,41 @@ class Verdict:
         return not self.regressions
 
 
+def is_peer_result(result: dict[str, Any]) -> bool:
+    """A TRL comparison (it has SeamlessFlow's side), else a deployment-modes result."""
+    return "seamlessflow" in result
+
+
+def ratio_label(result: dict[str, Any]) -> str:
+    return "SeamlessFlow/TRL ratio" if is_peer_result(result) else "ratio"
+
+
+def ratio_names(baseline: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The baseline's ratios, then those only the current result has (noted, not judged)."""
+    names = list(baseline["ratios"])
+    return names + [name for name in current["ratios"] if name not in baseline["ratios"]]
+
+
 def compare(
     baseline: dict[str, Any],
     current: dict[str, Any],
     tolerance: float = DEFAULT_TOLERANCE,
     time_tolerance: float = DEFAULT_TIME_TOLERANCE,
 ) -> Verdict:
-    """``current``'s ratios against ``baseline``'s (both ``peer_compare.py`` results)."""
+    """``current``'s ratios against ``baseline``'s (two results of the same kind)."""
     for value in (tolerance, time_tolerance):
         if not 0 <= value < 1:
             raise ValueError(f"a tolerance must be in [0, 1), got {value}")
     regressions: list[str] = []
     notes: list[str] = []
-    for key in MACHINE_KEYS:
-        was, now = baseline["machine"].get(key), current["machine"].get(key)
-        if was != now:
-            notes.append(f"machine {key} differs: baseline {was!r}, now {now!r}")
-    for name in CHECKED:
+    machine_was, machine_now = baseline.get("machine", {}), current.get("machine", {})
+    for key in machine_was:
+        if key in machine_now and key not in MOMENTARY_MACHINE_KEYS:
+            was, now = machine_was[key], machine_now[key]
+            if was != now:
+                notes.append(f"machine {key} differs: baseline {was!r}, now {now!r}")
+    label = ratio_label(current)
+    for name in ratio_names(baseline, current):
         allowed = time_tolerance if name in TIME_RATIOS else tolerance
         was = baseline["ratios"].get(name)
         now = current["ratios"].get(name)
@@ -86,7 +117,9 @@ def compare(
             notes.append(f"{name}: no baseline ratio, not compared")
             continue
         if now is None:
-            if current["seamlessflow"].get(name) is None:
+            if not is_peer_result(current):
+                regressions.append(f"{name}: no ratio now (baseline ratio {was:.3f})")
+            elif current["seamlessflow"].get(name) is None:
                 regressions.append(
                     f"{name}: SeamlessFlow has no figure now (baseline ratio {was:.3f})"
                 )
@@ -96,7 +129,7 @@ def compare(
         floor = was * (1 - allowed)
         if now < floor:
             regressions.append(
-                f"{name}: SeamlessFlow/TRL ratio {now:.3f} < {floor:.3f} "
+                f"{name}: {label} {now:.3f} < {floor:.3f} "
                 f"(baseline {was:.3f}, tolerance {allowed:.0%}, change {now / was - 1:+.0%})"
             )
     return Verdict(regressions, notes)
@@ -104,7 +137,9 @@ def compare(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("result", type=Path, help="a peer_compare.py JSON result")
+    parser.add_argument(
+        "result", type=Path, help="a peer_compare.py or seamlessflow bench --out JSON result"
+    )
     parser.add_argument("--baseline", type=Path, default=DEFAULT_BASELINE)
     parser.add_argument(
         "--tolerance", type=float, default=DEFAULT_TOLERANCE,
@@ -115,19 +150,27 @@ def main(argv: list[str] | None = None) -> int:
         help="the same for the time to the reward target (default %(default)s)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    # exit 2, not 1: nothing was compared
+    if not args.result.is_file():
+        parser.error(f"no result at {args.result}")
+    if not args.baseline.is_file():
+        parser.error(f"no baseline at {args.baseline} (make one by copying a result there)")
     baseline = json.loads(args.baseline.read_text())
     current = json.loads(args.result.read_text())
     verdict = compare(baseline, current, args.tolerance, args.time_tolerance)
     for note in verdict.notes:
         print(f"note: {note}")
-    for name in CHECKED:
+    names = ratio_names(baseline, current)
+    width = max([32, *map(len, names)])
+    for name in names:
         was, now = baseline["ratios"].get(name), current["ratios"].get(name)
         shown = [f"{v:.3f}" if v is not None else "-" for v in (was, now)]
-        print(f"{name:<32} baseline {shown[0]:>7}  now {shown[1]:>7}")
+        print(f"{name:<{width}} baseline {shown[0]:>7}  now {shown[1]:>7}")
     if verdict.ok:
+        timed = any(name in TIME_RATIOS for name in names)
         print(
-            f"OK: no SeamlessFlow/TRL ratio dropped by more than {args.tolerance:.0%} "
-            f"({args.time_tolerance:.0%} for the time to the reward target)"
+            f"OK: no {ratio_label(current)} dropped by more than {args.tolerance:.0%}"
+            + (f" ({args.time_tolerance:.0%} for the time to the reward target)" if timed else "")
         )
         return 0
     print("REGRESSION against " + str(args.baseline), file=sys.stderr)

@@ -217,16 +217,31 @@ def bench(
         "arithmetic"
     ),
     agent: Annotated[str, typer.Option(help="Agent name or dotted path.")] = "single_turn",
+    model_dir: Annotated[
+        Path | None,
+        typer.Option(help="Base model directory, used as is (default: the built-in model)."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also write the figures, the ratios and the machine as JSON here "
+            "(checked against a baseline by loadtests/regression.py)."
+        ),
+    ] = None,
 ) -> None:
     """Run the built-in task for a fixed number of steps in each mode; print figures and,
     for several modes, each one's throughput relative to the first (same run)."""
     from seamlessflow.embedded import RunConfig, run_embedded
+    from seamlessflow.machine import machine_description
 
+    mode_names = [m.strip() for m in modes.split(",") if m.strip()]
+    machine = machine_description()  # before the runs: the load average at the start
     results: list[dict[str, Any]] = []
-    for mode in [m.strip() for m in modes.split(",") if m.strip()]:
+    for mode in mode_names:
         config = RunConfig(
             steps=steps,
             runs_dir=runs_dir,
+            model_dir=model_dir,
             run_id="",
             live=False,
             mode=mode,  # type: ignore[arg-type]
@@ -258,12 +273,30 @@ def bench(
         )
     # Steps/s is the ratio to compare: tokens per step vary with what the policy learned.
     baseline = results[0]["steady_seconds_per_step"] if results else 0
+    ratio_name = f"steps_per_s_vs_{results[0]['mode']}" if results else ""
     for figures in results:
         per_step = figures["steady_seconds_per_step"]
-        figures[f"steps_per_s_vs_{results[0]['mode']}"] = (
-            round(baseline / per_step, 3) if per_step else 0.0
-        )
+        figures[ratio_name] = round(baseline / per_step, 3) if per_step else 0.0
     typer.echo(json.dumps(results[0] if len(results) == 1 else results, indent=2))
+    if out is not None:
+        report = {
+            "machine": machine,
+            "settings": {
+                "steps": steps,
+                "modes": mode_names,
+                "task": task,
+                "agent": agent,
+                "pin_slots": pin_slots,
+                "max_tokens": max_tokens,
+                "model_dir": str(model_dir) if model_dir else None,
+            },
+            "modes": results,
+            # Above 1: the mode makes more steps/s than the first one on this machine.
+            "ratios": {f"{r['mode']}_{ratio_name}": r[ratio_name] for r in results[1:]},
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        typer.echo(f"wrote {out}", err=True)
 
 
 @app.command()
