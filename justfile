@@ -47,6 +47,13 @@ peer STEPS="300":
     {{bin}}/python loadtests/peer_compare.py --steps {{STEPS}}
     {{bin}}/python loadtests/regression.py runs/load/peer_compare.json
 
+# the same with rewards from a judge service (peer_judge.py: 1 s median latency, long
+# tail), as an LLM judge or a code sandbox scores: what a synchronous step waits for;
+# our rollout may run two batches ahead to hide it
+peer-judge STEPS="120" MEDIAN_MS="1000" AHEAD="2":
+    {{bin}}/python loadtests/peer_compare.py --steps {{STEPS}} --judge-median-ms {{MEDIAN_MS}} --max-batches-ahead {{AHEAD}} --out runs/load/peer_judge.json
+    {{bin}}/python loadtests/regression.py runs/load/peer_judge.json --baseline loadtests/baselines/peer_judge.json
+
 # gateway load test against a live mesh: 100, 500 and 1000 concurrent multi-turn agent
 # sessions (scripted engine, agents in 2 processes of their own); requests/s, latency
 # percentiles, what the gateway adds, every session stored exactly once

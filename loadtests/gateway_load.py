@@ -62,7 +62,6 @@ import json
 import logging
 import math
 import os
-import platform
 import resource
 import signal
 import sys
@@ -878,9 +877,13 @@ def verify(
 
 
 def machine() -> dict[str, Any]:
+    """The shared description (``seamlessflow.machine``) and what sets an HTTP load
+    test's limits: memory, the client and server libraries, file and port limits."""
     from importlib.metadata import version
 
     import torch
+
+    from seamlessflow.machine import machine_description
 
     def sysctl(name: str) -> str | None:
         try:
@@ -888,15 +891,8 @@ def machine() -> dict[str, Any]:
         except OSError:
             return None
 
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
+    return machine_description() | {
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "openai": version("openai"),
         "httpx": version("httpx"),
@@ -906,7 +902,6 @@ def machine() -> dict[str, Any]:
         "rlimit_nofile": list(resource.getrlimit(resource.RLIMIT_NOFILE)),
         "somaxconn": sysctl("net.core.somaxconn"),
         "ip_local_port_range": sysctl("net.ipv4.ip_local_port_range"),
-        "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
 

@@ -26,8 +26,15 @@ number of optimizer steps.
 
 What differs is the point of the comparison: TRL generates, scores and trains one batch
 after the other in one process; SeamlessFlow's rollout runs on its own engine process,
-asynchronously and one batch ahead of the trainer (``max_batches_ahead`` 1), so it
-trains on samples up to one weight version old.
+asynchronously and one batch ahead of the trainer (``--max-batches-ahead``, default 1),
+so it trains on samples up to one weight version old.
+
+``--judge-median-ms M`` scores with a judge service instead of in process (see
+``peer_judge.py``: a real HTTP server whose answers take a log-normal time of median M,
+the same sequence of latencies for each side): the arithmetic task's training prompts
+become a task file whose reward is the judge; TRL gets an asynchronous reward function
+that asks for the whole batch at once, our trajectory service verifies in up to
+``(max_batches_ahead + 1) x batch`` threads at once (``SF_TRAJECTORY_VERIFY_CONCURRENCY``).
 
 Figures per side (``started``: just before the side starts its processes, or loads the
 model and builds its trainer; TRL's imports come before, ours are in its processes):
@@ -51,6 +58,8 @@ above 1 means SeamlessFlow is better. ``loadtests/regression.py`` compares them 
 baseline.
 
     .venv/bin/python loadtests/peer_compare.py [--steps 300] [--out runs/load/peer_compare.json]
+    .venv/bin/python loadtests/peer_compare.py --steps 120 --judge-median-ms 1000 \
+        --out runs/load/peer_judge.json
 """
 
 from __future__ import annotations
@@ -481,16 +490,15 @@ def judge_service(args: argparse.Namespace) -> Iterator[str]:
     command = [sys.executable, str(HERE / "peer_judge.py"), "--median-ms",
                str(args.judge_median_ms), "--sigma", str(args.judge_sigma),
                "--seed", str(args.seed)]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    try:
-        assert process.stdout is not None
-        url = process.stdout.readline().strip()
-        if not url.startswith("http://"):
-            raise RuntimeError(f"the judge service did not start (it printed {url!r})")
-        yield url
-    finally:
-        process.terminate()
-        process.wait(10)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
+        try:
+            assert process.stdout is not None
+            url = process.stdout.readline().strip()
+            if not url.startswith("http://"):
+                raise RuntimeError(f"the judge service did not start (it printed {url!r})")
+            yield url
+        finally:
+            process.terminate()
 
 
 def judged_task(args: argparse.Namespace, directory: Path, judge_url: str) -> str:

@@ -120,8 +120,21 @@ class Mesh:
             name: (await self.bus.js.stream_info(name)).state.messages for name in self.s.streams()
         }
 
+    async def settled(self) -> None:
+        """Wait until the engine has nothing in flight and the scheduler has its current
+        phase: heartbeats are periodic, so a phase change of the engine's own (a request
+        of an earlier example) may reach the scheduler, and its bucket, at any moment."""
+        async with asyncio.timeout(10):
+            while True:
+                view = self.scheduler.resources.get(ENGINE_ID)
+                own = self.engine.membership
+                if own.in_flight == 0 and view is not None and view.phase == own.phase:
+                    return
+                await asyncio.sleep(0.05)
+
     async def state(self) -> dict[str, Any]:
-        """Everything a refused message could have changed."""
+        """Everything a refused message could have changed (once settled)."""
+        await self.settled()
         trajectory = self.trajectory
         return {
             "streams": await self.stream_counts(),
