@@ -158,13 +158,17 @@ async def test_a_request_no_engine_confirms_is_resubmitted(
                 )
             )
         )
+        frozen_log = tmp_path / "engine-frozen.log"
         async with asyncio.timeout(90):
             await live.ready.wait()
             await gateway.ready.wait()
-            while scheduler.resources.get("engine-frozen") is None or (  # noqa: ASYNC110
+            # In the queue: "idle" alone is also the phase of an engine that caught up but
+            # waits for its rollout role, before it subscribes (under load, long enough
+            # for every request to go to the live engine). It logs once it subscribed.
+            while b"engine-frozen serving version" not in frozen_log.read_bytes() or (  # noqa: ASYNC110
                 scheduler.resources["engine-frozen"].phase != "idle"
             ):
-                await asyncio.sleep(0.1)  # registered, caught up, in the queue
+                await asyncio.sleep(0.1)
         frozen.send_signal(signal.SIGSTOP)
         url = f"http://127.0.0.1:{gateway.bound_port}"
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
