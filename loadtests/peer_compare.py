@@ -80,19 +80,13 @@ from pathlib import Path
 from typing import Any
 
 import peer_judge
+from regression import PEER_RATIOS, TIME_RATIOS
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = Path("runs/load/peer_compare.json")
 # Rates are SeamlessFlow / TRL, times TRL / SeamlessFlow: above 1 = SeamlessFlow better.
-RATE_FIGURES = (
-    "generated_tokens_per_s",
-    "trained_tokens_per_s",
-    "steady_generated_tokens_per_s",
-    "steady_trained_tokens_per_s",
-    "steps_per_s",
-    "steady_steps_per_s",
-)
-TIME_FIGURES = ("time_to_target_s",)
+# The checker's list is the one list of what a result holds.
+RATE_FIGURES = tuple(name for name in PEER_RATIOS if name not in TIME_RATIOS)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -306,7 +300,7 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | No
     for name in RATE_FIGURES:
         a, b = ours.get(name), theirs.get(name)
         out[name] = a / b if a is not None and b else None
-    for name in TIME_FIGURES:
+    for name in TIME_RATIOS:
         a, b = ours.get(name), theirs.get(name)
         out[name] = b / a if a and b is not None else None
     return out

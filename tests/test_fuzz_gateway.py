@@ -474,7 +474,9 @@ async def test_non_json_and_arbitrary_json_never_5xx(
         assert response.status_code >= 400
 
 
-PATH_TEMPLATES = [
+KEYED_ROUTES = [
+    ("POST", "/sessions"),
+    ("GET", "/v1/models"),
     ("POST", "/s/{}/v1/chat/completions"),
     ("POST", "/s/{}/v1/completions"),
     ("GET", "/s/{}/v1/models"),
@@ -482,6 +484,8 @@ PATH_TEMPLATES = [
     ("POST", "/sessions/{}/finish"),
     ("GET", "/sessions/{}/export"),
 ]
+PATH_TEMPLATES = [(method, route) for method, route in KEYED_ROUTES if "{}" in route]
+"""The routes that name a session."""
 SESSION_IDS = st.one_of(
     st.text(max_size=40),
     st.sampled_from(["*", ">", "a.b", "s" + "0" * 200, "..", "%", "sdoesnotexist", " "]),
@@ -512,16 +516,6 @@ async def test_unknown_session_ids_paths_and_methods_get_clear_errors(
     assert await fz.state() == before
 
 
-KEYED_ROUTES = [
-    ("POST", "/sessions"),
-    ("GET", "/v1/models"),
-    ("POST", "/s/{}/v1/chat/completions"),
-    ("POST", "/s/{}/v1/completions"),
-    ("GET", "/s/{}/v1/models"),
-    ("POST", "/sessions/{}/reward"),
-    ("POST", "/sessions/{}/finish"),
-    ("GET", "/sessions/{}/export"),
-]
 HEADER_TEXT = st.text(
     alphabet=st.characters(min_codepoint=32, max_codepoint=255, exclude_characters="\x7f"),
     max_size=40,
