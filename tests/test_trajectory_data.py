@@ -34,6 +34,7 @@ from seamlessflow.protocol import (
     decode,
 )
 from seamlessflow.rewards import register_reward
+from seamlessflow.service import unrecoverable_cause
 from seamlessflow.tasks import TaskItem, TaskSource, get_task_source
 from sf_trajectory import schedule
 from sf_trajectory.config import TrajectorySettings
@@ -313,6 +314,39 @@ async def test_a_stalled_group_is_closed_and_refilled_and_a_restart_resumes_mid_
         for reason, ids in (*r.dropped_samples.items(), *r.dropped_groups.items())
     ]
     assert named == [("timed_out", ["g0000000/0", "g0000000/1"]), ("no_samples", ["g0000000"])]
+
+
+async def test_a_run_where_no_session_finishes_fails_loudly_instead_of_spinning(
+    bus: Bus, trajectory
+) -> None:  # type: ignore[no-untyped-def]
+    """Agents claim samples but never open a session (a refused key, a wrong gateway
+    URL): groups time out one after the other. Once no session has finished for
+    ``stall_timeouts`` time-outs the service stops with an error that says so; one
+    finished session before that restarts the count."""
+    traj = trajectory(
+        group_size=1, groups_per_batch=1, total_batches=100, group_timeout_s=0.5, stall_timeouts=4
+    )
+    service = await traj.start()
+    assert traj.mesh is not None
+    _, ctx, task = traj.mesh.running[0]
+    await asyncio.sleep(1.5)  # nothing handed out: waiting for claims is no stall
+    [first] = await claim_group(bus, 1)
+    await play(bus, first, reward=1.0)  # one session finished: the stall clock restarts
+    finished_at = asyncio.get_running_loop().time()
+    with pytest.raises(BaseExceptionGroup) as failed:
+        async with asyncio.timeout(30):
+            while not task.done():  # type: ignore[attr-defined]
+                await claim(bus)  # claimed, never opened: what a refused agent runner does
+                await asyncio.sleep(0.1)
+            task.result()  # type: ignore[attr-defined]
+    waited = asyncio.get_running_loop().time() - finished_at
+    assert waited >= 4 * 0.5, "the finished session must have restarted the count"
+    stalled = unrecoverable_cause(failed.value)
+    assert stalled is not None and "stalled" in str(stalled), failed.value
+    assert service.timeouts.timeout_s == 0.5
+    traj.mesh.running.clear()  # it already ended
+    await ctx.bus.drain()  # type: ignore[attr-defined]
+    traj.mesh = None
 
 
 # --------------------------------------------------------------------------- history resampling

@@ -61,6 +61,21 @@ class RemoteError(Exception):
         self.message = message
 
 
+class Unrecoverable(Exception):
+    """A failure that restarting the process with the same settings cannot fix (a wrong
+    URL, refused credentials, a run that makes no progress). The process exits with
+    :data:`EXIT_UNRECOVERABLE` and this message as its one line on stderr; supervisors
+    (``seamlessflow up``, compose's ``on-failure``) report it instead of restarting."""
+
+
+EXIT_UNRECOVERABLE = 78
+"""Exit code of an :class:`Unrecoverable` failure (``EX_CONFIG`` of sysexits.h)."""
+
+
+class ConnectFailed(Unrecoverable):
+    """The first connection to NATS failed (see :func:`connect`)."""
+
+
 class NoResponder(Exception):
     """Nobody answered the request in time (the service is down or overloaded)."""
 
@@ -309,19 +324,83 @@ async def ack_redeliverable(msg: Msg) -> None:
         log.warning("ack of %s not confirmed: it will be redelivered", msg.subject)
 
 
-async def connect(url: str, subjects: Subjects, *, name: str, token: str = "") -> Bus:
-    """Connect with unbounded reconnects: a broker restart must not kill a service."""
+NATS_CONNECT_WAIT_S = 15.0
+"""How long a process retries its first connection to an unreachable NATS server."""
+
+
+def _refused_credentials(exc: BaseException) -> bool:
+    """The server answered, and refused us: retrying with the same token cannot help."""
+    return isinstance(exc, nats.errors.AuthorizationError) or (
+        "authorization violation" in str(exc).lower()
+    )
+
+
+async def connect(
+    url: str,
+    subjects: Subjects,
+    *,
+    name: str,
+    token: str = "",
+    wait_s: float = NATS_CONNECT_WAIT_S,
+) -> Bus:
+    """Connect to NATS; the first connection is bounded, reconnects are not.
+
+    A server that refuses the credentials fails at once, one that cannot be reached
+    within ``wait_s`` fails then: both raise :class:`ConnectFailed`, whose message says
+    what to fix. Once connected, a broker that goes away is waited for without limit
+    (a broker restart must not kill a service).
+    """
+    connected = False
+    failures: list[BaseException] = []
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats: %s", exc)
+        if connected:
+            log.warning("nats: %s", exc)
+        else:  # reported once, below, if the first connection never comes
+            failures.append(exc)
 
-    nc = await nats.connect(
-        servers=[url],
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        error_cb=on_error,
-        connect_timeout=5,
-        token=token or None,
-    )
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        remaining = deadline - loop.time()
+        nc = Client()
+        try:
+            await nc.connect(
+                servers=[url],
+                name=name,
+                # one attempt per call (nats.py retries a refused connection inside
+                # connect() as many times as max_reconnect_attempts, -1 = forever)
+                allow_reconnect=False,
+                max_reconnect_attempts=1,
+                reconnect_time_wait=0,  # the loop below waits between attempts
+                error_cb=on_error,
+                connect_timeout=int(max(1, min(5, remaining))),
+                token=token or None,
+            )
+            break
+        except (OSError, TimeoutError, nats.errors.Error) as exc:
+            await nc.close()  # a refused attempt leaves its socket open otherwise
+            failures.append(exc)
+            if any(_refused_credentials(failure) for failure in failures):
+                given = "the token given" if token else "no token"
+                raise ConnectFailed(
+                    f"NATS at {url} refused {given} (Authorization Violation): set "
+                    "SF_NATS_TOKEN to the server's token"
+                ) from None
+            if loop.time() + 0.5 >= deadline:
+                cause = next(
+                    (f for f in failures if not isinstance(f, nats.errors.NoServersError)), exc
+                )
+                reason = str(cause) or type(cause).__name__
+                raise ConnectFailed(
+                    f"cannot reach NATS at {url} within {wait_s:.0f}s ({reason}): is "
+                    "nats-server running there? check SF_NATS_URL"
+                ) from None
+            await asyncio.sleep(0.5)
+    # From here on the client reconnects by itself, forever (nats.py reads these at
+    # each disconnect).
+    nc.options["allow_reconnect"] = True
+    nc.options["max_reconnect_attempts"] = -1
+    nc.options["reconnect_time_wait"] = 0.5
+    connected = True
     return Bus(nc, subjects)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -130,23 +130,65 @@ def serve(
     main(service_class())
 
 
+CLI_NATS_WAIT_S = 5.0
+"""How long a CLI command waits for an unreachable NATS server before it says so."""
+
+RunDirOption = Annotated[
+    Path | None,
+    typer.Option(
+        help="A run directory of `seamlessflow up` (runs/<run-id>): its connection details "
+        "replace --run-id, --nats-url and SF_NATS_TOKEN."
+    ),
+]
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """End a command with one line on stderr (no usage panel: it wraps the message)."""
+    typer.echo(message, err=True)
+    raise typer.Exit(code)
+
+
+def mesh_address(run_dir: Path | None, run_id: str, nats_url: str) -> tuple[str, str, str]:
+    """``(run_id, nats_url, nats_token)`` from a run directory or from the options (the
+    token from ``SF_NATS_TOKEN``: tokens on command lines are visible to every user)."""
+    from seamlessflow.connection import NoConnection, RunConnection
+    from seamlessflow.settings import MeshSettings
+
+    if run_dir is not None:
+        try:
+            connection = RunConnection.read(run_dir)
+        except NoConnection as exc:
+            fail(str(exc))
+        return connection.run_id, connection.nats_url, connection.nats_token
+    if not run_id:
+        fail("give --run-id (or SF_RUN_ID) or --run-dir")
+    return run_id, nats_url, MeshSettings().nats_token.get_secret_value()
+
+
 @app.command()
 def export(
     session: Annotated[str, typer.Argument(help="Session id.")],
-    run_id: Annotated[str, typer.Option(envvar="SF_RUN_ID", help="Run id.")],
+    run_dir: RunDirOption = None,
+    run_id: Annotated[str, typer.Option(envvar="SF_RUN_ID", help="Run id.")] = "",
     nats_url: Annotated[str, typer.Option(envvar="SF_NATS_URL", help="NATS URL.")] = (
         "nats://127.0.0.1:4222"
     ),
 ) -> None:
     """Print a session's training samples (every branch: ids, loss mask, behaviour
-    logprobs, per-token versions, reward) as JSON, from the trajectory service."""
+    logprobs, per-token versions, reward) as JSON, from the trajectory service.
+    NATS's token comes from SF_NATS_TOKEN, or from --run-dir."""
     import asyncio
 
-    from seamlessflow.bus import NoResponder, RemoteError, connect
+    from seamlessflow.bus import NoResponder, RemoteError, Unrecoverable, connect
     from seamlessflow.protocol import SessionExport, SessionExportQuery, Subjects, encode
 
+    run_id, nats_url, token = mesh_address(run_dir, run_id, nats_url)
+
     async def fetch() -> bytes:
-        bus = await connect(nats_url, Subjects(run_id), name="seamlessflow-export")
+        bus = await connect(
+            nats_url, Subjects(run_id), name="seamlessflow-export", token=token,
+            wait_s=CLI_NATS_WAIT_S,
+        )  # fmt: skip
         try:
             reply = await bus.request(
                 bus.subjects.trajectory_export(),
@@ -160,9 +202,23 @@ def export(
 
     try:
         typer.echo(asyncio.run(fetch()).decode())
-    except (RemoteError, NoResponder) as exc:
+    except (RemoteError, NoResponder, Unrecoverable) as exc:
         typer.echo(f"export failed: {exc}", err=True)
         raise typer.Exit(1) from None
+
+
+@app.command()
+def attach(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (runs/<run-id>).")],
+) -> None:
+    """Print how an external agent joins a running `seamlessflow up` run (what `up`
+    prints when it starts)."""
+    from seamlessflow.connection import NoConnection, RunConnection
+
+    try:
+        typer.echo(RunConnection.read(run_dir).attach_instructions(run_dir))
+    except NoConnection as exc:
+        fail(str(exc))
 
 
 @app.command()

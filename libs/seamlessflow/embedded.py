@@ -36,7 +36,8 @@ from typing import Any, Literal
 import nats.errors
 from pydantic import BaseModel, Field, model_validator
 
-from seamlessflow.bus import FOLLOW_HEARTBEAT_S
+from seamlessflow.bus import EXIT_UNRECOVERABLE, FOLLOW_HEARTBEAT_S, Unrecoverable, connect
+from seamlessflow.connection import RunConnection
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import (
     DEFAULT_POLICY,
@@ -456,6 +457,8 @@ class EmbeddedRun:
                 nats_server.restart()
                 self.pin(nats_server.process.pid, ["slot-0"])
         for label, code in self.unexpected_exits():
+            if code == EXIT_UNRECOVERABLE:  # a restart would fail the same way
+                return f"{label}: {self.last_log_line(label)}"
             if self.restarts.get(label, 0) >= budget:
                 return (
                     f"{label} exited with code {code} after {budget} restarts "
@@ -469,6 +472,12 @@ class EmbeddedRun:
                 launch.env = {**launch.env, "SF_TRAINER_RESUME": "latest"}
             self._start(label)
         return None
+
+    def last_log_line(self, label: str) -> str:
+        """The last line a process wrote (an unrecoverable failure's one line)."""
+        log_file = self.run_dir / "logs" / f"{label}.log"
+        lines = log_file.read_text(errors="replace").strip().splitlines()
+        return lines[-1].removeprefix(f"{self.launches[label].service}: ") if lines else ""
 
     def _count_restart(self, label: str, code: int) -> None:
         self.restarts[label] = self.restarts.get(label, 0) + 1
@@ -521,11 +530,26 @@ class EmbeddedRun:
         loop.add_signal_handler(signal.SIGINT, stop.set)
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         try:
-            env = self.service_env(url, model_dir, free_port())
+            gateway_port = free_port()
+            env = self.service_env(url, model_dir, gateway_port)
             env["SF_NATS_TOKEN"] = nats_token
-            if not env.get("SF_GATEWAY_API_KEYS"):
+            if not env.get("SF_AGENTS_GATEWAY_KEY"):
+                # The agent runner's own operator key, beside the user's keys (if any):
+                # the user's agents open sessions with theirs, the runner with this one.
                 self.gateway_key = secrets.token_urlsafe(24)
-                env["SF_GATEWAY_API_KEYS"] = env["SF_AGENTS_GATEWAY_KEY"] = self.gateway_key
+                user_keys = env.get("SF_GATEWAY_API_KEYS", "")
+                env["SF_GATEWAY_API_KEYS"] = ",".join(filter(None, [user_keys, self.gateway_key]))
+                env["SF_AGENTS_GATEWAY_KEY"] = self.gateway_key
+            self.connection = RunConnection(
+                run_id=self.run_id,
+                nats_url=url,
+                nats_token=nats_token,
+                gateway_url=f"http://127.0.0.1:{gateway_port}",
+                gateway_key=env["SF_AGENTS_GATEWAY_KEY"],
+            )
+            self.connection.write(self.run_dir)
+            if self.config.live:
+                print(self.connection.attach_instructions(self.run_dir), flush=True)
             for service in SERVICE_ORDER:
                 if service not in POLICY_SERVICES:
                     self.spawn(service, service, env)
@@ -587,7 +611,13 @@ class EmbeddedRun:
 
     async def _follow(self, url: str, stop: asyncio.Event) -> None:
         subjects = Subjects(self.run_id)
-        nc = await nats.connect(url, max_reconnect_attempts=-1, token=self.nats_token or None)
+        try:
+            follower = await connect(url, subjects, name="seamlessflow-up", token=self.nats_token)
+        except Unrecoverable as exc:
+            self.status = f"failed: {exc}"
+            log.error("%s", exc)
+            return
+        nc = follower.nc
         metrics_file = (self.run_dir / "metrics.jsonl").open("a")
         progress = Progress(self.config, self.run_id, enabled=self.config.live)
         try:
@@ -608,6 +638,7 @@ class EmbeddedRun:
                     problem = self.unexpected_exit()
                     if problem:
                         self.status = f"failed: {problem}"
+                        progress.tick(self)  # the live table shows why, as its caption
                         log.error(problem)
                         return
                     try:
@@ -827,6 +858,8 @@ class Progress:
         for policy in self.config.policies:
             row = self._row(run, policy)
             table.add_row(*((policy, *row) if several else row))
+        if run is not None and run.status.startswith("failed"):
+            table.caption = f"[bold red]{run.status}"
         return table
 
     def _row(self, run: EmbeddedRun | None, policy: str) -> tuple[str, ...]:

@@ -15,12 +15,13 @@ import logging
 import os
 import signal
 import socket
+import sys
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from seamlessflow import telemetry
-from seamlessflow.bus import Bus, connect
+from seamlessflow.bus import EXIT_UNRECOVERABLE, Bus, Unrecoverable, connect
 from seamlessflow.protocol import Subjects
 from seamlessflow.settings import MeshSettings
 
@@ -86,6 +87,7 @@ async def run_service(service: Service, mesh: MeshSettings) -> None:
         Subjects(mesh.run_id, mesh.policy),
         name=f"{service.name}@{socket.gethostname()}",
         token=mesh.nats_token.get_secret_value(),
+        wait_s=mesh.nats_connect_wait_s,
     )
     ctx = ServiceContext(mesh=mesh, bus=bus)
     loop = asyncio.get_running_loop()
@@ -120,4 +122,32 @@ def main(service: Service, mesh: MeshSettings | None = None) -> None:
 
     mesh = mesh or MeshSettings()
     configure_logging(service.name, mesh.log_level)
-    uvloop.run(run_service(service, mesh))
+    try:
+        uvloop.run(run_service(service, mesh))
+    except Exception as exc:
+        unrecoverable = unrecoverable_cause(exc)
+        if unrecoverable is None:
+            raise
+        exit_unrecoverable(service.name, unrecoverable)
+
+
+def unrecoverable_cause(exc: BaseException) -> Unrecoverable | None:
+    """The :class:`Unrecoverable` that ended a service, also from inside the exception
+    groups of its TaskGroups (a failing loop cancels its siblings: their cancellations
+    are not errors)."""
+    if isinstance(exc, Unrecoverable):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = unrecoverable_cause(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def exit_unrecoverable(name: str, exc: Unrecoverable) -> NoReturn:
+    """One line on stderr that says what failed and how to fix it, and the exit code
+    that tells a supervisor a restart would fail the same way."""
+    logging.shutdown()
+    print(f"{name}: {exc}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_UNRECOVERABLE)

@@ -29,6 +29,11 @@ class MeshSettings(BaseSettings):
     """Token the NATS server requires (``nats-server --auth``, or the token the embedded
     run makes for its own server); empty = none."""
 
+    nats_connect_wait_s: float = 15.0
+    """How long a process retries its first connection to a NATS server it cannot reach;
+    then it exits with one line saying so. Refused credentials fail at once. Once
+    connected, a server that goes away is waited for without limit."""
+
     run_id: str = "default"
     """Run identifier; namespaces every subject, stream and bucket (``[a-z0-9-]``)."""
 

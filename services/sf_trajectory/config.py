@@ -79,6 +79,13 @@ class TrajectorySettings(BaseSettings):
     claims whose reply was lost; keep it above the longest pause of a healthy agent
     (its slowest turn, a wait for an engine)."""
 
+    stall_timeouts: int = 2
+    """The run is stalled, and this service exits with that error (exit code 78), when a
+    group times out and no session of the run has finished for this many group
+    time-outs (``group_timeout_s`` each): agents that cannot open sessions, engines that
+    never answer. Groups lost to one fault (a gateway restart) time out together while
+    other sessions finish, which is not a stall. 0: never."""
+
     @field_validator("stages")
     @classmethod
     def _valid_stages(cls, value: str) -> str:

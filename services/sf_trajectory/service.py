@@ -42,6 +42,10 @@ Durability (invariant 4): a session that is in a published batch is never batche
 again (the batch stream is read at start-up); a completed session that is not yet in
 a batch is rebuilt from the event stream. Every sample the service drops is named in
 one batch report (``BatchFilterReport.dropped_samples``), also across restarts.
+
+A stalled run fails loudly: when groups time out and no session has finished for
+``SF_TRAJECTORY_STALL_TIMEOUTS`` time-outs, the service exits with that error (exit code
+78) instead of handing out groups that time out forever.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ import nats.errors
 import nats.js.errors
 
 from seamlessflow import telemetry
-from seamlessflow.bus import NotFound
+from seamlessflow.bus import NotFound, Unrecoverable
 from seamlessflow.protocol import (
     BatchFilterReport,
     EpochFilterReport,
@@ -117,6 +121,8 @@ class TrajectoryService:
         """Policy name -> its line, the task's policy first."""
         self.malformed_events = 0
         self.timeouts = GroupTimeouts(self.settings.group_timeout_s)
+        self._last_finished = time.monotonic()
+        """When a session of the run last finished (or this service started)."""
         self.ready = asyncio.Event()
         self._applying = asyncio.Lock()
         """One event applied at a time (``_apply``)."""
@@ -336,7 +342,11 @@ class TrajectoryService:
         """Close the groups that stopped making progress (``timeouts``)."""
         while True:
             await asyncio.sleep(min(1.0, self.timeouts.timeout_s / 4))
-            for waiting in self.timeouts.expired(time.monotonic()):
+            now = time.monotonic()
+            expired = self.timeouts.expired(now)
+            if expired:
+                self._check_stalled(now, len(expired))
+            for waiting in expired:
                 log.warning("group %s made no progress for %.0fs: closing it",
                             waiting.group_id, self.timeouts.timeout_s)  # fmt: skip
                 closed = GroupClosed(
@@ -349,6 +359,18 @@ class TrajectoryService:
                     closed,
                     msg_id=f"closed-{waiting.group_id}",
                 )
+
+    def _check_stalled(self, now: float, timed_out: int) -> None:
+        """Fail the run loudly when groups time out and nothing finishes any more."""
+        limit = self.settings.stall_timeouts * self.timeouts.timeout_s
+        idle = now - self._last_finished
+        if self.settings.stall_timeouts and idle >= limit:
+            raise Unrecoverable(
+                f"the run is stalled: no session finished for {idle:.0f}s while "
+                f"{timed_out} group(s) timed out (SF_TRAJECTORY_GROUP_TIMEOUT_S="
+                f"{self.timeouts.timeout_s:.0f}); check that agents reach the gateway and "
+                "engines answer (their logs)"
+            )
 
     async def _apply(self, event: TrajectoryEvent) -> None:
         """Apply one event, in stream order for its session.
@@ -427,6 +449,7 @@ class TrajectoryService:
             await self._apply_to(line, event)
         if isinstance(event, SessionFinished):
             self._session_groups.pop(event.session_id, None)
+            self._last_finished = time.monotonic()
         elif isinstance(event, GroupClosed):  # its unfinished sessions will never finish
             for session in [s for s, g in self._session_groups.items() if g == event.group_id]:
                 del self._session_groups[session]

@@ -32,7 +32,7 @@ from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from seamlessflow.agents import AgentReward, AgentTask, get_agent
-from seamlessflow.bus import NoResponder
+from seamlessflow.bus import NoResponder, Unrecoverable
 from seamlessflow.protocol import NoTask, TaskAssignment, TaskClaim
 from seamlessflow.service import ServiceContext, supervise
 
@@ -65,6 +65,11 @@ class AgentRunnerSettings(BaseSettings):
     temperature: float = 1.0
     """Sampling temperature agents use (the trainer must use the same)."""
 
+    gateway_wait_s: float = 60.0
+    """How long the runner waits for the gateway to answer the first time; then it exits
+    with one line saying so. Once reached, a gateway that goes away is waited for
+    without limit (it is restarting)."""
+
     gateway_key: SecretStr = SecretStr("")
     """Operator key for opening sessions at the gateway (one of its
     ``SF_GATEWAY_API_KEYS``); empty if the gateway needs none. Each agent's OpenAI
@@ -95,20 +100,30 @@ class AgentRunner:
             aiohttp.ClientSession(timeout=timeout, headers=headers) as http,
         ):
             self.http = http
-            await self._wait_for_gateway()
+            await self._wait_for_gateway(self.settings.gateway_wait_s)
             workers = [self._worker() for _ in range(self.settings.concurrency)]
             await supervise(ctx.stopping, *workers)
         log.info("agent runner done: %d completed, %d failed", self.completed, self.failed)
 
-    async def _wait_for_gateway(self) -> None:
-        """The gateway may start after us (embedded mode, compose): poll its health."""
+    async def _wait_for_gateway(self, limit_s: float | None = None) -> None:
+        """The gateway may start after us (embedded mode, compose): poll its health, for
+        at most ``limit_s`` (None: without limit)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if limit_s is None else loop.time() + limit_s
+        last = "no answer"
         while not self.ctx.stopping.is_set():
             try:
                 async with self.http.get(f"{self.gateway_url}/healthz") as response:
                     if response.status == 200:
                         return
-            except aiohttp.ClientConnectionError:
-                pass
+                    last = f"HTTP {response.status}"
+            except aiohttp.ClientConnectionError as exc:
+                last = str(exc) or type(exc).__name__
+            if deadline is not None and loop.time() >= deadline:
+                raise Unrecoverable(
+                    f"cannot reach the gateway at {self.gateway_url} within {limit_s:.0f}s "
+                    f"({last}): check SF_AGENTS_GATEWAY_URL"
+                )
             await asyncio.sleep(0.2)
 
     async def _worker(self) -> None:
@@ -150,6 +165,14 @@ class AgentRunner:
             "policy": assignment.policy,
         }
         async with self.http.post(f"{self.gateway_url}/sessions", json=body) as response:
+            if response.status in (401, 403):
+                # every claim would fail the same way: stop the run instead of losing them
+                given = "its key" if self.settings.gateway_key.get_secret_value() else "no key"
+                raise Unrecoverable(
+                    f"the gateway at {self.gateway_url} refused {given} to open a session "
+                    f"(HTTP {response.status}): set SF_AGENTS_GATEWAY_KEY to one of the "
+                    "gateway's SF_GATEWAY_API_KEYS"
+                )
             response.raise_for_status()
             session = await response.json()
         session_id = session["session_id"]
