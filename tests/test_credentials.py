@@ -1,5 +1,6 @@
 """Credentials: the embedded run's NATS server takes a token, its gateway an operator
-key; no secret ends up in the run directory (logs, spans, summary, metrics)."""
+key; no secret ends up in the run directory (logs, spans, summary, metrics) but in its
+connection file, which only the owner reads."""
 
 from __future__ import annotations
 
@@ -85,7 +86,12 @@ async def test_an_embedded_run_keeps_its_secrets_out_of_the_run_directory(
     files = [path for path in (tmp_path / run_id).rglob("*") if path.is_file()]
     assert any(path.name == "summary.json" for path in files)
     assert any(path.suffix == ".log" for path in files)
+    connection = tmp_path / run_id / "connection.json"
+    assert connection.stat().st_mode & 0o077 == 0  # the one file that holds them
+    assert all(secret in connection.read_text() for secret in secrets)
     for path in files:
+        if path == connection:
+            continue
         content = path.read_bytes()
         for secret in secrets:
             assert secret.encode() not in content, f"a secret is in {path}"

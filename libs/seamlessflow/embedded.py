@@ -548,8 +548,7 @@ class EmbeddedRun:
                 gateway_key=env["SF_AGENTS_GATEWAY_KEY"],
             )
             self.connection.write(self.run_dir)
-            if self.config.live:
-                print(self.connection.attach_instructions(self.run_dir), flush=True)
+            print(self.connection.attach_instructions(self.run_dir), flush=True)
             for service in SERVICE_ORDER:
                 if service not in POLICY_SERVICES:
                     self.spawn(service, service, env)
