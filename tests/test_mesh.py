@@ -11,6 +11,7 @@ go to the tap alone.)
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from seamlessflow.embedded import EmbeddedRun, RunConfig
-from seamlessflow.protocol import Subjects, TrainBatch, decode
+from seamlessflow.protocol import BatchFilterReport, Subjects, TrainBatch, decode
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +61,11 @@ async def test_full_mesh_trains_and_every_trained_token_came_from_an_engine(
         decode((await js.get_msg(subjects.stream_batches(), seq)).data, TrainBatch)
         for seq in range(1, info.state.last_seq + 1)
     ]
+    drops = await js.subscribe(subjects.data_batch_report(), ordered_consumer=True)
+    reports = []
+    with contextlib.suppress(nats.errors.TimeoutError):
+        while True:
+            reports.append(decode((await drops.next_msg(timeout=1)).data, BatchFilterReport))
     await tap.drain()
 
     assert summary.status == "finished", summary.status
@@ -76,7 +82,9 @@ async def test_full_mesh_trains_and_every_trained_token_came_from_an_engine(
         key = (tuple(attributes["prompt_ids"]), tuple(attributes["completion_ids"]))
         engine_io.setdefault(key, []).append(attributes)
     trained_samples = [s for b in batches[:STEPS] for g in b.groups for s in g.samples]
-    assert len(trained_samples) == STEPS * 2 * 4
+    # no sample is lost on a healthy run, however slow (else: the reasons)
+    dropped = [(r.batch_index, r.samples_dropped, r.groups_dropped) for r in reports]
+    assert len(trained_samples) == STEPS * 2 * 4, dropped
     for sample in trained_samples:
         start = sample.loss_mask.index(1)
         end = len(sample.loss_mask) - sample.loss_mask[::-1].index(1)

@@ -32,6 +32,7 @@ from seamlessflow.protocol import (
     TrajectoryEvent,
     TurnRecorded,
     decode,
+    encode,
 )
 from seamlessflow.rewards import register_reward
 from seamlessflow.service import unrecoverable_cause
@@ -476,3 +477,57 @@ async def test_the_stage_switches_exactly_at_its_batch_and_a_restart_resumes_in_
         await control.stop()
         await control_bus.drain()
     assert [t.task_id for t in handed] == [t.task_id for t in uninterrupted]
+
+
+async def test_a_claim_repeated_after_its_reply_was_lost_gets_the_same_sample(
+    bus: Bus, trajectory
+) -> None:  # type: ignore[no-untyped-def]
+    """A sample handed to a claim whose reply never arrived is not lost: the runner
+    repeats the claim (same id) and gets it, and the group fills up with no time-out."""
+    await trajectory(group_size=4, groups_per_batch=1, total_batches=1).start()
+
+    async def claim_as(claim_id: str) -> TaskAssignment | NoTask:
+        return await bus.request(
+            bus.subjects.task_claim(),
+            TaskClaim(runner_id="test", claim_id=claim_id),
+            TaskAssignment | NoTask,
+        )
+
+    first = await claim_as("a")
+    assert isinstance(first, TaskAssignment)
+    assert await claim_as("a") == first  # the repeat of a claim whose reply was lost
+    others = [await claim_as(name) for name in ("b", "c", "d")]
+    assert all(isinstance(o, TaskAssignment) for o in others), others
+    indexes = {first.sample_index, *(o.sample_index for o in others)}  # type: ignore[union-attr]
+    assert indexes == {0, 1, 2, 3}
+    assert {o.group_id for o in others} == {first.group_id}  # type: ignore[union-attr]
+
+
+async def test_the_agent_runner_repeats_an_unanswered_claim_with_the_same_id(
+    nats_url: str, run_id: str
+) -> None:
+    """The trajectory service answers a claim late (it waited behind others, under
+    load): the runner's repeat must name the same claim, so it gets that sample."""
+    from seamlessflow.agents.runner import AgentRunner
+    from seamlessflow.protocol import Subjects
+
+    service = await connect(nats_url, Subjects(run_id), name="slow-trajectory")
+    claims: list[TaskClaim] = []
+
+    async def answer(msg) -> None:  # type: ignore[no-untyped-def]
+        claims.append(decode(msg.data, TaskClaim))
+        if len(claims) == 1:
+            return  # the first claim's reply never arrives in time
+        await msg.respond(encode(NoTask(reason="exhausted")))
+
+    await service.nc.subscribe(service.subjects.task_claim(), cb=answer)
+    runner_bus = await connect(nats_url, Subjects(run_id), name="agents")
+    runner = AgentRunner()
+    runner.ctx = type("Ctx", (), {"bus": runner_bus, "subjects": runner_bus.subjects})()  # type: ignore[assignment]
+    try:
+        await asyncio.wait_for(runner._worker(), 30)  # returns on "exhausted"
+    finally:
+        await runner_bus.drain()
+        await service.drain()
+    assert len(claims) == 2
+    assert claims[0].claim_id and claims[1].claim_id == claims[0].claim_id

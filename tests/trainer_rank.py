@@ -5,7 +5,9 @@ MASTER_PORT). Every rank builds the Learner exactly as ``sf_trainer.launch`` doe
 0 drives it through its commands (restore, steps, checkpoint, stop) and the others
 follow. Usage: ``python trainer_rank.py SPEC.json``, where the spec names the model,
 the trainer settings, the batches, an optional checkpoint to resume from and the
-output directory (rank 0 writes ``results.json`` and ``checkpoint/`` there).
+output directory (rank 0 writes ``results.json`` and ``checkpoint/`` there). A
+one-process run also writes ``adam_trace.pt``: its AdamW moments after every step, from
+which the distributed tests derive how far float noise can move a weight.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import torch
 
 from seamlessflow.protocol import TrainBatch
 from sf_trainer.checkpoint import TrainerState
@@ -46,10 +49,20 @@ def lead(learner: Learner, spec: dict[str, Any]) -> None:
     if spec.get("resume"):
         version = learner.restore(Path(spec["resume"])).version
     results = []
+    # one process only: gathering the state is a collective the followers don't join
+    trace = [] if not learner.group.distributed else None
     for encoded in spec["batches"]:
         batch = msgspec.json.decode(encoded.encode(), type=TrainBatch)
         results.append(dataclasses.asdict(learner.step(batch, version)))
         version += 1
+        if trace is not None:
+            state = learner.group.full_optimizer_state(learner.model, learner.optimizer)
+            trace.append(
+                {name: {k: v.clone() for k, v in s.items()} for name, s in state["state"].items()}
+            )
+    if trace is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(trace, out / "adam_trace.pt")
     learner.save(out / "checkpoint", TrainerState(step=version, version=version, data_position=0))
     learner.stop()
     (out / "results.json").write_text(json.dumps(results))

@@ -444,6 +444,11 @@ class TaskClaim(Message, tag="task.claim"):
     """agent runner -> trajectory: give me one sample of a task to roll out."""
 
     runner_id: str
+    claim_id: str = ""
+    """Unique per claim. A runner that got no reply repeats the claim with the same id
+    and gets the same assignment: a reply that was late or lost (the claim waited
+    behind others, the service was slow under load) loses no sample. Empty: every
+    request is a new claim."""
 
 
 class TaskAssignment(Message, tag="task.assignment"):

@@ -54,6 +54,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -91,6 +92,9 @@ from sf_trajectory.schedule import build_stages, stage_of_batch
 from sf_trajectory.timeouts import GroupTimeouts
 
 log = logging.getLogger(__name__)
+
+ANSWERED_CLAIMS_KEPT = 4096
+"""Assignments remembered for repeated claims (``TaskClaim.claim_id``)."""
 tracer = telemetry.tracer(__name__)
 
 
@@ -139,6 +143,9 @@ class TrajectoryService:
         self._claims = asyncio.Lock()
         """One claim at a time: an epoch's record is durable before its first group is
         handed out, and no other claim slips in while it is being published."""
+        self._answered: OrderedDict[str, TaskAssignment] = OrderedDict()
+        """The latest assignments by claim id: a repeated claim gets its sample again
+        (bounded: a runner repeats a claim within seconds, not thousands of claims later)."""
 
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
@@ -267,6 +274,8 @@ class TrajectoryService:
 
     async def on_claim(self, claim: TaskClaim) -> TaskAssignment | NoTask:
         async with self._claims:
+            if claim.claim_id in self._answered:
+                return self._answered[claim.claim_id]
             await self._record_epochs()  # left over if a publish failed
             # The rhythm of several policies: wait for the slowest trainer, refill for
             # the policy that lost the most groups, switch stage once every policy
@@ -278,6 +287,10 @@ class TrajectoryService:
                 self.timeouts.progress(
                     answer.group_id, answer.task_id, answer.group_size, time.monotonic()
                 )
+                if claim.claim_id:
+                    self._answered[claim.claim_id] = answer
+                    while len(self._answered) > ANSWERED_CLAIMS_KEPT:
+                        self._answered.popitem(last=False)
             return answer
 
     async def _record_epochs(self) -> None:

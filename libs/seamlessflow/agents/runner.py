@@ -24,6 +24,7 @@ import asyncio
 import logging
 import os
 import socket
+import uuid
 from collections.abc import Mapping
 
 import aiohttp
@@ -127,17 +128,19 @@ class AgentRunner:
             await asyncio.sleep(0.2)
 
     async def _worker(self) -> None:
+        # A claim unanswered in time may still have been handed a sample (it waited
+        # behind other claims, or its reply was lost): it is repeated with the same id,
+        # which gets that same sample, until an answer comes back.
+        claim = TaskClaim(runner_id=self.runner_id, claim_id=uuid.uuid4().hex)
         while True:
             try:
                 reply: TaskAssignment | NoTask = await self.ctx.bus.request(
-                    self.ctx.subjects.task_claim(),
-                    TaskClaim(runner_id=self.runner_id),
-                    TaskAssignment | NoTask,
-                    timeout=5.0,
+                    self.ctx.subjects.task_claim(), claim, TaskAssignment | NoTask, timeout=5.0
                 )
             except NoResponder:
-                await asyncio.sleep(0.5)  # the trajectory service is (re)starting
+                await asyncio.sleep(0.5)  # the trajectory service is (re)starting or busy
                 continue
+            claim = TaskClaim(runner_id=self.runner_id, claim_id=uuid.uuid4().hex)
             if isinstance(reply, NoTask):
                 if reply.reason == "exhausted":
                     return
