@@ -7,13 +7,20 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from seamlessflow.bus import Bus, connect
 from seamlessflow.natsserver import EmbeddedNats
-from seamlessflow.protocol import Subjects
-from seamlessflow.weights import ObjectStorePayloads, WeightEncoder, WeightPublisher
+from seamlessflow.protocol import Subjects, WeightManifest
+from seamlessflow.weights import (
+    ObjectStorePayloads,
+    SharedMemoryPayloads,
+    WeightEncoder,
+    WeightPublisher,
+    WeightsCorrupted,
+)
 from seamlessflow.weights.stores import OBJECT_CHUNK_BYTES
 
 MiB = 1024 * 1024
@@ -63,3 +70,32 @@ async def test_the_weights_store_gives_deleted_versions_back_to_the_disk(
     assert info.state.messages == 2 * (1 + -(-manifest.payload_bytes // OBJECT_CHUNK_BYTES))
     assert sum(live) <= info.state.bytes < sum(live) + 64 * 1024
     print(f"100 versions: live {sum(live)} bytes, at most {largest} on disk")
+
+
+def lying(manifest: WeightManifest, **sizes: int) -> WeightManifest:
+    return msgspec.structs.replace(manifest, **sizes)
+
+
+async def test_a_fetch_refuses_a_manifest_whose_sizes_are_not_the_stored_ones(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """A manifest is input: sizes that do not match the stored payload (or each other)
+    are refused before the payload is allocated, whatever they claim."""
+    state = {"w": torch.arange(3000, dtype=torch.float32)}
+    encoded = WeightEncoder(bucket_bytes=5000).encode(1, state)  # 3 buckets
+    for store in (ObjectStorePayloads(bus), SharedMemoryPayloads("sizes", tmp_path)):
+        manifest = await store.put(encoded)
+        huge = 10**15  # far more than any machine has: allocating it cannot work
+        for wrong in (
+            lying(manifest, payload_bytes=manifest.payload_bytes + 1),
+            lying(manifest, payload_bytes=manifest.payload_bytes - 1),
+            lying(manifest, payload_bytes=huge, bucket_bytes=huge // 3 + 1),
+            lying(manifest, payload_bytes=huge),
+            lying(manifest, bucket_bytes=1),
+            lying(manifest, bucket_bytes=0),
+            lying(manifest, payload_bytes=-1),
+        ):
+            with pytest.raises(WeightsCorrupted, match=r"store holds|bucket digests"):
+                await store.fetch(wrong)
+        payload = await store.fetch(manifest)  # the true manifest still fetches
+        assert bytes(payload) == bytes(encoded.payload)

@@ -12,7 +12,9 @@ own pace: a late joiner or a lagging engine never stalls the trainer.
   intermediate copy). Trainer and engines must share the host.
 
 The publisher owns its payloads and deletes them (``delete``); a fetch of a deleted
-payload raises ``PayloadMissing`` and the engine catches up from a newer chain.
+payload raises ``PayloadMissing`` and the engine catches up from a newer chain. A fetch
+checks the manifest's sizes against the stored payload before it allocates or reads
+anything, and refuses a mismatch (``WeightsCorrupted``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from pathlib import Path
 from typing import Protocol
 
 import nats.js.errors
-from nats.js.api import ObjectMeta, ObjectMetaOptions
+from nats.js.api import ObjectInfo, ObjectMeta, ObjectMetaOptions
 from nats.js.object_store import OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, ObjectStore
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import WeightManifest
-from seamlessflow.weights.codec import EncodedWeights
+from seamlessflow.weights.codec import EncodedWeights, WeightsCorrupted
 from seamlessflow.weights.layout import bucket_ranges
 
 # NATS caps a message at 1 MiB by default; a chunk leaves room for the headers.
@@ -94,6 +96,17 @@ class ObjectStorePayloads:
 
     async def fetch(self, manifest: WeightManifest) -> memoryview:
         store = await self._objects()
+        _check_buckets(manifest)
+        ranges = list(bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes))
+        # A manifest is input: its sizes must be those of the stored objects before its
+        # payload is allocated, or one message could make an engine allocate anything.
+        for index, (start, end) in enumerate(ranges):
+            info = await self._stored_info(store, manifest, index)
+            if info.size != end - start:
+                raise WeightsCorrupted(
+                    f"version {manifest.version}: the manifest makes bucket {index} "
+                    f"{end - start} bytes; the store holds {info.size}"
+                )
         payload = memoryview(bytearray(manifest.payload_bytes))
         # several buckets at once: each get waits on nats-py's flow-control replies,
         # which it sends only every 250 ms, so overlapping gets overlaps those waits
@@ -113,13 +126,19 @@ class ObjectStorePayloads:
 
         try:
             async with asyncio.TaskGroup() as group:
-                for index, (start, end) in enumerate(
-                    bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes)
-                ):
+                for index, (start, end) in enumerate(ranges):
                     group.create_task(fetch_bucket(index, start, end))
         except* PayloadMissing as missing:
             raise missing.exceptions[0] from None
         return payload
+
+    async def _stored_info(
+        self, store: ObjectStore, manifest: WeightManifest, index: int
+    ) -> ObjectInfo:
+        try:
+            return await store.get_info(_bucket_object(manifest.location, index))
+        except nats.js.errors.ObjectNotFoundError as exc:
+            raise PayloadMissing(f"{manifest.location} bucket {index}") from exc
 
     async def delete(self, manifest: WeightManifest) -> None:
         """Remove every message of the payload from the bucket's stream.
@@ -163,8 +182,15 @@ class SharedMemoryPayloads:
     async def fetch(self, manifest: WeightManifest) -> memoryview:
         if not manifest.location.startswith(self.prefix):
             raise PayloadMissing(f"{manifest.location} is not a payload of this run")
+        _check_buckets(manifest)
         try:
             with (self.directory / manifest.location).open("rb") as source:
+                stored = os.fstat(source.fileno()).st_size
+                if stored != manifest.payload_bytes:
+                    raise WeightsCorrupted(
+                        f"version {manifest.version}: the manifest says "
+                        f"{manifest.payload_bytes} bytes; the store holds {stored}"
+                    )
                 if manifest.payload_bytes == 0:
                     return memoryview(b"")
                 mapping = mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_READ)
@@ -194,6 +220,17 @@ class _SliceWriter(io.BufferedIOBase):
             self.target[self.written : end] = data
         self.written = end
         return len(data)
+
+
+def _check_buckets(manifest: WeightManifest) -> None:
+    """The manifest's sizes agree with each other: one digest per bucket. Arithmetic
+    only, so a wild size never yields a long list of buckets."""
+    size, bucket = manifest.payload_bytes, manifest.bucket_bytes
+    if size < 0 or bucket <= 0 or -(-size // bucket) != len(manifest.bucket_sha256):
+        raise WeightsCorrupted(
+            f"version {manifest.version}: {size} bytes in buckets of {bucket} bytes "
+            f"do not make its {len(manifest.bucket_sha256)} bucket digests"
+        )
 
 
 def _bucket_object(location: str, index: int) -> str:
