@@ -1,9 +1,11 @@
 """Bounded storage on a real nats-server: the weights object store gives deleted versions
-back to the disk, the durable streams carry the retention settings, and the pull store
-refuses a manifest whose sizes are not those of the stored objects."""
+back to the disk, the durable streams carry the retention settings, the pull stores
+refuse a manifest whose sizes are not those of the stored payload, and weight-sync's set
+of engines holds only engines heard from lately."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,7 +15,14 @@ import torch
 
 from seamlessflow.bus import Bus, connect
 from seamlessflow.natsserver import EmbeddedNats
-from seamlessflow.protocol import Subjects, WeightManifest
+from seamlessflow.protocol import (
+    CurrentVersion,
+    CurrentVersionQuery,
+    PhaseChanged,
+    Subjects,
+    WeightManifest,
+    WeightsLoaded,
+)
 from seamlessflow.weights import (
     ObjectStorePayloads,
     SharedMemoryPayloads,
@@ -22,6 +31,8 @@ from seamlessflow.weights import (
     WeightsCorrupted,
 )
 from seamlessflow.weights.stores import OBJECT_CHUNK_BYTES
+from sf_weight_sync.config import WeightSyncSettings
+from sf_weight_sync.service import WeightSync
 
 MiB = 1024 * 1024
 
@@ -99,3 +110,44 @@ async def test_a_fetch_refuses_a_manifest_whose_sizes_are_not_the_stored_ones(
                 await store.fetch(wrong)
         payload = await store.fetch(manifest)  # the true manifest still fetches
         assert bytes(payload) == bytes(encoded.payload)
+
+
+async def test_weight_sync_knows_only_engines_it_heard_from_lately(
+    nats_url: str, run_id: str, bus: Bus
+) -> None:
+    """Any requester may name any engine id: an id stays known only while it keeps
+    asking or reporting (engines ask every few seconds), and one the tag-scheduler
+    declares dead is forgotten at once, so the set (and what a sync waits for) never
+    grows from ids that come and go."""
+    from conftest import InProcessMesh
+
+    expiry_s = 2.0
+    mesh = InProcessMesh(nats_url, run_id, None)
+    try:
+        sync = await mesh.start(WeightSync(WeightSyncSettings(engine_expiry_s=expiry_s)))
+        await asyncio.wait_for(sync.ready.wait(), 30)
+
+        async def ask(engine_id: str) -> None:
+            await bus.request(
+                bus.subjects.weights_current(),
+                CurrentVersionQuery(engine_id=engine_id),
+                CurrentVersion,
+            )
+
+        await asyncio.gather(*(ask(f"passer-by-{n}") for n in range(50)))
+        await bus.publish(
+            bus.subjects.weights_loaded(), WeightsLoaded(engine_id="reporter", version=3)
+        )
+        await bus.nc.flush()
+        await asyncio.sleep(expiry_s * 1.5)  # every id above is now silent for too long
+        await ask("live")
+        assert sync.engine_versions == {"live": 0}
+
+        await bus.publish(
+            bus.subjects.sched_phase(), PhaseChanged(resource_id="live", phase="dead")
+        )
+        async with asyncio.timeout(30):
+            while sync.engine_versions:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+    finally:
+        await mesh.stop()
