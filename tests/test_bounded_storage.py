@@ -23,6 +23,7 @@ from seamlessflow.protocol import (
     WeightManifest,
     WeightsLoaded,
 )
+from seamlessflow.settings import RetentionSettings
 from seamlessflow.weights import (
     ObjectStorePayloads,
     SharedMemoryPayloads,
@@ -35,6 +36,7 @@ from sf_weight_sync.config import WeightSyncSettings
 from sf_weight_sync.service import WeightSync
 
 MiB = 1024 * 1024
+GiB = 1024 * MiB
 
 
 @pytest.fixture
@@ -151,3 +153,61 @@ async def test_weight_sync_knows_only_engines_it_heard_from_lately(
                 await asyncio.sleep(0.02)
     finally:
         await mesh.stop()
+
+
+async def test_the_retention_settings_reach_the_streams(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each stream gets its own limits, from the settings or the environment, also when
+    it exists already (the ``bus`` fixture created them with the defaults)."""
+    s = bus.subjects
+    solver = s.for_policy("solver")
+    retention = RetentionSettings(
+        trajectory_max_age_h=2,
+        trajectory_max_gb=0.5,
+        batches_max_age_h=3,
+        batches_max_gb=0.25,
+        metrics_max_age_h=0,
+        metrics_max_gb=0.125,
+    )
+    await bus.ensure_streams(["solver"], retention=retention)
+    expected = {
+        s.stream_trajectory(): (2 * 3600, GiB // 2),
+        s.stream_batches(): (3 * 3600, GiB // 4),
+        solver.stream_batches(): (3 * 3600, GiB // 4),
+        s.stream_metrics(): (0, GiB // 8),
+        s.stream_weights(): (0, -1),  # announcements: weight-sync rebuilds its chain there
+    }
+    for stream, limits in expected.items():
+        config = (await bus.js.stream_info(stream)).config
+        assert (config.max_age, config.max_bytes) == limits, stream
+
+    monkeypatch.setenv("SF_RETENTION_METRICS_MAX_AGE_H", "1.5")
+    monkeypatch.setenv("SF_RETENTION_METRICS_MAX_GB", "0")
+    await bus.ensure_streams()
+    config = (await bus.js.stream_info(s.stream_metrics())).config
+    assert (config.max_age, config.max_bytes) == (1.5 * 3600, -1)
+
+
+def test_batches_may_not_be_dropped_before_the_events_of_their_sessions() -> None:
+    with pytest.raises(ValueError, match="BATCHES_MAX_AGE_H"):
+        RetentionSettings(trajectory_max_age_h=48, batches_max_age_h=24)
+    with pytest.raises(ValueError, match="BATCHES_MAX_AGE_H"):
+        RetentionSettings(trajectory_max_age_h=0, batches_max_age_h=24)
+    with pytest.raises(ValueError, match="0 \\(none\\) or positive"):
+        RetentionSettings(metrics_max_gb=-1)
+
+
+async def test_a_stream_over_its_byte_limit_drops_its_oldest_messages(bus: Bus) -> None:
+    limit = 64 * 1024
+    await bus.ensure_streams(retention=RetentionSettings(trajectory_max_gb=limit / GiB))
+    stream = bus.subjects.stream_trajectory()
+    subject = bus.subjects.trajectory_event("s1")
+    payloads = [bytes([n]) * 2048 for n in range(100)]  # 200 KiB in all
+    for payload in payloads:
+        await bus.js.publish(subject, payload)
+    state = (await bus.js.stream_info(stream)).state
+    assert state.bytes <= limit
+    assert 1 < state.first_seq and state.last_seq == len(payloads)
+    kept = await bus.read_all(stream, bus.subjects.trajectory_events_all())
+    assert [m.data for m in kept] == payloads[state.first_seq - 1 :]  # the newest, in order
