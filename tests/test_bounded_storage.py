@@ -26,6 +26,7 @@ from seamlessflow.protocol import (
 from seamlessflow.settings import RetentionSettings
 from seamlessflow.weights import (
     ObjectStorePayloads,
+    PayloadMissing,
     SharedMemoryPayloads,
     WeightEncoder,
     WeightPublisher,
@@ -211,3 +212,27 @@ async def test_a_stream_over_its_byte_limit_drops_its_oldest_messages(bus: Bus) 
     assert 1 < state.first_seq and state.last_seq == len(payloads)
     kept = await bus.read_all(stream, bus.subjects.trajectory_events_all())
     assert [m.data for m in kept] == payloads[state.first_seq - 1 :]  # the newest, in order
+
+
+async def test_a_restarted_publisher_deletes_what_the_previous_process_stored(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """A publisher remembers only its own chains; what an earlier trainer process kept
+    is deleted once the new one has its own chains, in both stores."""
+    encoder = WeightEncoder(bucket_bytes=1 << 20)  # every version a full payload
+    for store in (ObjectStorePayloads(bus), SharedMemoryPayloads("restart", tmp_path)):
+        first = WeightPublisher(store, encoder, keep_chains=1)
+        old = [await first.publish(v, small_state(v)) for v in (1, 2, 3)]
+        for pruned in old[:2]:
+            with pytest.raises(PayloadMissing):
+                await store.fetch(pruned)
+        restarted = WeightPublisher(store, encoder, keep_chains=1)  # the trainer again
+        new = [await restarted.publish(v, small_state(v)) for v in (4, 5)]
+        for gone in (old[2], new[0]):
+            with pytest.raises(PayloadMissing):
+                await store.fetch(gone)
+        assert len(await store.fetch(new[1])) == new[1].payload_bytes
+
+
+def small_state(seed: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.randn(1000, generator=torch.Generator().manual_seed(seed))}

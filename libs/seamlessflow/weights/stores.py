@@ -24,6 +24,7 @@ import base64
 import io
 import mmap
 import os
+import sys
 from pathlib import Path
 from typing import Protocol
 
@@ -60,9 +61,23 @@ class PayloadStore(Protocol):
 
     async def delete(self, manifest: WeightManifest) -> None: ...
 
+    async def delete_before(self, version: int) -> None:
+        """Delete every stored payload of a version below ``version`` (those of an
+        earlier trainer process too, which no publisher remembers)."""
+        ...
+
 
 def payload_name(manifest: WeightManifest) -> str:
     return f"weights-v{manifest.version:08d}-{manifest.kind}"
+
+
+def _payload_version(name: str) -> int:
+    """The version in a name ``payload_name`` made (with any suffix); a name it did not
+    make counts as the newest, so nothing else is ever deleted as old."""
+    digits = name.removeprefix("weights-v")[:8]
+    if name.startswith("weights-v") and len(digits) == 8 and digits.isdigit():
+        return int(digits)
+    return sys.maxsize
 
 
 class ObjectStorePayloads:
@@ -149,14 +164,26 @@ class ObjectStorePayloads:
         a file and disk grew by a payload per version. Purging the marker as well leaves
         an old file with no live message, and the server removes it whole."""
         store = await self._objects()
-        stream = OBJ_STREAM_TEMPLATE.format(bucket=self._bucket)
         for index in range(len(manifest.bucket_sha256)):
-            name = _bucket_object(manifest.location, index)
-            try:
-                await store.delete(name)
-            except nats.js.errors.ObjectNotFoundError:
-                pass  # deleted before: its marker may still be there
-            await self.bus.js.purge_stream(stream, subject=_meta_subject(self._bucket, name))
+            await self._delete_object(store, _bucket_object(manifest.location, index))
+
+    async def _delete_object(self, store: ObjectStore, name: str) -> None:
+        try:
+            await store.delete(name)
+        except nats.js.errors.ObjectNotFoundError:
+            pass  # deleted before: its marker may still be there
+        stream = OBJ_STREAM_TEMPLATE.format(bucket=self._bucket)
+        await self.bus.js.purge_stream(stream, subject=_meta_subject(self._bucket, name))
+
+    async def delete_before(self, version: int) -> None:
+        store = await self._objects()
+        try:
+            stored = await store.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:
+            return  # an empty store
+        for info in stored:
+            if info.name is not None and _payload_version(info.name) < version:
+                await self._delete_object(store, info.name)
 
 
 class SharedMemoryPayloads:
@@ -201,6 +228,11 @@ class SharedMemoryPayloads:
 
     async def delete(self, manifest: WeightManifest) -> None:
         (self.directory / manifest.location).unlink(missing_ok=True)
+
+    async def delete_before(self, version: int) -> None:
+        for path in self.directory.glob(self.prefix + "weights-v*"):
+            if _payload_version(path.name.removeprefix(self.prefix)) < version:
+                path.unlink(missing_ok=True)
 
 
 class _SliceWriter(io.BufferedIOBase):
