@@ -236,3 +236,11 @@ async def test_a_restarted_publisher_deletes_what_the_previous_process_stored(
 
 def small_state(seed: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(1000, generator=torch.Generator().manual_seed(seed))}
+
+
+async def test_a_byte_limit_the_server_cannot_reserve_is_one_clear_error(bus: Bus) -> None:
+    too_much = RetentionSettings(trajectory_max_gb=1024**3)  # an exabyte
+    with pytest.raises(RuntimeError, match=r"cannot reserve .* SF_RETENTION_\*_MAX_GB"):
+        await bus.ensure_streams(retention=too_much)
+    config = (await bus.js.stream_info(bus.subjects.stream_trajectory())).config
+    assert config.max_bytes == -1  # the stream kept the limits it had
