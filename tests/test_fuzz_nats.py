@@ -57,6 +57,7 @@ from seamlessflow.protocol import (
     LoadWeights,
     Message,
     NoTask,
+    PhaseChanged,
     ProtocolError,
     ResourceRegister,
     RewardReported,
@@ -467,6 +468,7 @@ BROADCASTS: list[Broadcast] = [
     ("tag-scheduler: sched.heartbeat.<engine>", lambda s: s.sched_heartbeat(ENGINE_ID), Heartbeat),
     ("tag-scheduler: sched.heartbeat.<other>", lambda s: s.sched_heartbeat("fuzz"), Heartbeat),
     ("weight-sync: weights.loaded", Subjects.weights_loaded, WeightsLoaded),
+    ("weight-sync: sched.phase", Subjects.sched_phase, PhaseChanged),
 ]
 
 

@@ -350,6 +350,50 @@ async def test_a_run_where_no_session_finishes_fails_loudly_instead_of_spinning(
     traj.mesh = None
 
 
+async def test_a_restart_after_retention_dropped_old_events_goes_on_where_it_was(
+    bus: Bus, trajectory
+) -> None:  # type: ignore[no-untyped-def]
+    """Retention drops the oldest trajectory events (``SF_RETENTION_TRAJECTORY_*``); the
+    batches outlive them. A restart then neither waits for the groups whose events are
+    gone (they were done long ago) nor hands out a group id or batch index again."""
+    traj = trajectory(
+        group_size=2, groups_per_batch=1, total_batches=4, max_batches_ahead=4, group_timeout_s=600
+    )
+    await traj.start()
+    for _ in range(2):  # g0, g1: a batch each
+        for task in await claim_group(bus, 2):
+            await play(bus, task, reward=1.0)
+    await batches_published(traj, 2)
+    s = bus.subjects
+    stored = await bus.read_all(s.stream_trajectory(), s.trajectory_events_all())
+    first_of_g1 = next(
+        m.metadata.sequence.stream
+        for m in stored
+        if getattr(decode(m.data, TrajectoryEvent), "group_id", "") == "g0000001"
+    )
+    await traj.stop()
+
+    await bus.js.purge_stream(s.stream_trajectory(), seq=first_of_g1)  # g0's events go
+    service = await traj.start()
+    assert service.timeouts.waiting == {}
+    for task in await claim_group(bus, 2):
+        assert task.group_id == "g0000002"
+        await play(bus, task, reward=1.0)
+    await batches_published(traj, 3)
+    await traj.stop()
+
+    await bus.js.purge_stream(s.stream_trajectory())  # every event goes
+    service = await traj.start()
+    assert service.timeouts.waiting == {}
+    for task in await claim_group(bus, 2):
+        assert task.group_id == "g0000003"
+        await play(bus, task, reward=1.0)
+    await batches_published(traj, 4)
+    assert [(b.batch_index, [g.group_id for g in b.groups]) for b in await batches(bus)] == [
+        (index, [f"g{index:07d}"]) for index in range(4)
+    ]
+
+
 # --------------------------------------------------------------------------- history resampling
 
 

@@ -22,10 +22,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy, StreamConfig
+from nats.js.api import DeliverPolicy, DiscardPolicy, StreamConfig
 
 from seamlessflow import telemetry
 from seamlessflow.protocol import ErrorReply, Message, ProtocolError, Subjects, decode, encode
+from seamlessflow.settings import RetentionSettings, StreamLimits
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ Handler = Callable[[Any], Awaitable[Message | None]]
 
 JS_PUBLISH_RETRY_S = 30.0
 """How long a publish with a message id is retried while the broker does not ack it."""
+
+INSUFFICIENT_STORAGE = 10047
+"""JetStream's error code for a stream whose byte limit the server cannot reserve."""
 
 FOLLOW_HEARTBEAT_S = 1.0
 """Idle heartbeat of the consumers that follow a stream. An ordered consumer lives in the
@@ -190,23 +194,66 @@ class Bus:
 
     # ------------------------------------------------------------------ JetStream
 
-    async def ensure_streams(self, policies: Sequence[str] = ()) -> None:
+    async def ensure_streams(
+        self, policies: Sequence[str] = (), retention: RetentionSettings | None = None
+    ) -> None:
         """Create the run's streams and those of ``policies`` (and of this bus's own
-        policy) if missing; idempotent, every service may call it."""
+        policy) if missing, with the limits of ``retention`` (default: from the
+        environment); a stream whose limits differ is updated to them. Idempotent,
+        every service may call it."""
+        retention = retention or RetentionSettings()
+        limits = {
+            self.subjects.stream_trajectory(): retention.trajectory(),
+            self.subjects.stream_metrics(): retention.metrics(),
+        }
         streams = self.subjects.streams()
-        for policy in policies:
-            streams.update(self.subjects.for_policy(policy).policy_streams())
+        for policy in (self.subjects.policy, *policies):
+            policy_subjects = self.subjects.for_policy(policy)
+            streams.update(policy_subjects.policy_streams())
+            limits[policy_subjects.stream_batches()] = retention.batches()
         for name, subjects in streams.items():
+            await self._ensure_stream(name, subjects, limits.get(name))
+
+    async def _ensure_stream(
+        self, name: str, subjects: list[str], limits: StreamLimits | None
+    ) -> None:
+        wanted = StreamConfig(name=name, subjects=subjects, duplicate_window=600.0)
+        if limits is not None:
+            wanted.max_age = limits.max_age_s
+            wanted.max_bytes = limits.max_bytes or -1
+            wanted.discard = DiscardPolicy.OLD
+        try:
             try:
-                await self.js.stream_info(name)
+                info = await self.js.stream_info(name)
             except nats.js.errors.NotFoundError:
                 try:
-                    await self.js.add_stream(
-                        StreamConfig(name=name, subjects=subjects, duplicate_window=600.0)
-                    )
+                    await self.js.add_stream(wanted)
+                    return
                 except nats.js.errors.BadRequestError:
                     # another service created it between our lookup and our add
-                    await self.js.stream_info(name)
+                    info = await self.js.stream_info(name)
+            have = info.config
+            if limits is None or (have.max_age, have.max_bytes) == (
+                wanted.max_age,
+                wanted.max_bytes,
+            ):
+                return
+            log.info("stream %s: retention now max age %.0fs, max bytes %d",
+                     name, wanted.max_age, wanted.max_bytes)  # fmt: skip
+            have.max_age, have.max_bytes, have.discard = (
+                wanted.max_age,
+                wanted.max_bytes,
+                wanted.discard,
+            )
+            await self.js.update_stream(have)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code == INSUFFICIENT_STORAGE:
+                raise RuntimeError(
+                    f"the NATS server cannot reserve {wanted.max_bytes} bytes for stream "
+                    f"{name}: lower SF_RETENTION_*_MAX_GB (0 = no byte limit) or give "
+                    "JetStream more storage"
+                ) from exc
+            raise
 
     async def js_publish(self, subject: str, message: Message, *, msg_id: str = "") -> int:
         """Publish durably; ``msg_id`` makes a retried publish land once. Returns the seq.

@@ -441,6 +441,7 @@ def simulate(
 SETTINGS: dict[str, str] = {
     "every service": "seamlessflow.settings:MeshSettings",
     "tag-scheduler": "sf_tag_scheduler.config:TagSchedulerSettings",
+    "stream retention": "seamlessflow.settings:RetentionSettings",
     "weight-sync": "sf_weight_sync.config:WeightSyncSettings",
     "weight transfer": "seamlessflow.weights.settings:WeightTransferSettings",
     "trajectory": "sf_trajectory.config:TrajectorySettings",

@@ -7,9 +7,10 @@ configuration reference (``seamlessflow config`` prints them).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from seamlessflow.protocol import DEFAULT_POLICY, check_policy, check_run_id
@@ -104,6 +105,95 @@ class MeshSettings(BaseSettings):
 
     def slots(self) -> list[str]:
         return _split(self.resource_slots)
+
+
+HOUR_S = 3600.0
+GB = 1024**3
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """What one durable stream keeps: messages younger than ``max_age_s``, within
+    ``max_bytes`` (0 = no limit); past either, the oldest messages are dropped."""
+
+    max_age_s: float
+    max_bytes: int
+
+
+class RetentionSettings(BaseSettings):
+    """How long the run's durable streams keep their messages, and how many bytes.
+
+    A restart rebuilds each service's state from these streams, so a limit decides what
+    a restart still knows; the defaults keep everything a restart needs, and a run of
+    any length keeps running. Byte limits are off by default: the NATS server reserves
+    a stream's byte limit when it creates the stream and refuses streams whose limits
+    together exceed its storage. See docs/design.md, "What is kept and for how long".
+    The weights object store is not limited here: it holds only the payload chains the
+    trainer keeps (``SF_WEIGHTS_KEEP_CHAINS``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SF_RETENTION_", extra="ignore", use_attribute_docstrings=True
+    )
+
+    trajectory_max_age_h: float = 48.0
+    """Trajectory events (the record of every session) older than this are dropped
+    (0 = never). A restart rebuilds the open sessions and groups from them (a group is
+    open for at most ``SF_TRAJECTORY_GROUP_TIMEOUT_S`` without progress), and
+    ``export`` reads a session from them: an older session can no longer be exported."""
+
+    trajectory_max_gb: float = 0.0
+    """Byte limit of the trajectory stream; past it the oldest events are dropped (0 = no
+    limit). Keep it far above what is written within the group time-out."""
+
+    batches_max_age_h: float = 72.0
+    """Training batches older than this are dropped, trained or not (0 = never). At least
+    ``trajectory_max_age_h``: a restarted trajectory service learns from the batches
+    which sessions were batched already, for as long as their events exist."""
+
+    batches_max_gb: float = 0.0
+    """Byte limit of each policy's batch stream; past it the oldest batches (trained
+    first: the trainer's backlog is ``SF_TRAJECTORY_MAX_BATCHES_AHEAD``) are dropped
+    (0 = no limit). Keep it no lower than ``trajectory_max_gb``, for the same reason."""
+
+    metrics_max_age_h: float = 720.0
+    """Trainer metrics, batch and epoch reports older than this are dropped (0 = never).
+    A restart reads its step and version from the latest metrics and the data filters'
+    history from the reports: an epoch longer than this is forgotten by a restart."""
+
+    metrics_max_gb: float = 0.0
+    """Byte limit of the metrics stream; past it the oldest reports are dropped (0 = no
+    limit)."""
+
+    @field_validator("*")
+    @classmethod
+    def _not_negative(cls, value: float) -> float:
+        if value < 0:
+            raise ValueError("a retention limit is 0 (none) or positive")
+        return value
+
+    @model_validator(mode="after")
+    def _batches_outlast_the_trajectory(self) -> RetentionSettings:
+        trajectory, batches = self.trajectory_max_age_h, self.batches_max_age_h
+        if batches and (not trajectory or batches < trajectory):
+            raise ValueError(
+                "SF_RETENTION_BATCHES_MAX_AGE_H must be 0 or at least "
+                "SF_RETENTION_TRAJECTORY_MAX_AGE_H (a restart would batch again the "
+                "sessions of dropped batches whose events are still stored)"
+            )
+        return self
+
+    def trajectory(self) -> StreamLimits:
+        return StreamLimits(self.trajectory_max_age_h * HOUR_S, _bytes(self.trajectory_max_gb))
+
+    def batches(self) -> StreamLimits:
+        return StreamLimits(self.batches_max_age_h * HOUR_S, _bytes(self.batches_max_gb))
+
+    def metrics(self) -> StreamLimits:
+        return StreamLimits(self.metrics_max_age_h * HOUR_S, _bytes(self.metrics_max_gb))
+
+
+def _bytes(gb: float) -> int:
+    return int(gb * GB)
 
 
 def checkpoints_dir(run_dir: Path, policy: str = DEFAULT_POLICY) -> Path:

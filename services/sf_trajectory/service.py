@@ -161,6 +161,9 @@ class TrajectoryService:
             await self._load_batched_sessions(line)
             await self._load_reported_drops(line)
             line.trained_batches = await self._load_trained_batches(line)
+            # batch indices never repeat, even once retention dropped every batch: the
+            # trainer skips a batch at or below the last one it trained
+            line.next_batch_index = max(line.next_batch_index, line.trained_batches)
             line.finished = await self._trainer_finished(line)
             self.lines[policy] = line
 
@@ -168,6 +171,8 @@ class TrajectoryService:
             subjects.stream_trajectory(), subjects.trajectory_events_all()
         )
         max_group = -1
+        min_group: int | None = None
+        """The lowest group with an event still stored (retention drops the oldest)."""
         seen_groups: set[str] = set()
         last_sample: dict[str, int] = {}
         """Group -> the highest sample index that opened a session."""
@@ -179,7 +184,10 @@ class TrajectoryService:
                 event = self._decode_event(msg)
                 if event is not None:
                     if isinstance(event, SessionOpened | GroupClosed):
-                        max_group = max(max_group, group_index(event.group_id))
+                        index = group_index(event.group_id)
+                        max_group = max(max_group, index)
+                        if index >= 0:
+                            min_group = index if min_group is None else min(min_group, index)
                         seen_groups.add(event.group_id)
                     if isinstance(event, SessionOpened):
                         last_sample[event.group_id] = max(
@@ -188,17 +196,28 @@ class TrajectoryService:
                     await self._apply(event)
                 if msg.metadata.sequence.stream >= last_seq:
                     break
+        # Group ids never repeat either: the batches still stored name groups whose
+        # events retention may have dropped.
+        batched_max = max(
+            (group_index(g) for line in self.lines.values() for g in line.grouper.finished_groups),
+            default=-1,
+        )
         # The last group may have been handed out in part when the service stopped: its
         # remaining samples are handed out now (a claim answered before the stop has
         # opened its session by the time the replay runs), instead of waiting for its
         # time-out. A closed group is done.
-        next_group, next_sample = max_group + 1, 0
+        next_group, next_sample = max(max_group, batched_max) + 1, 0
         resumed = last_sample.get(group_id(max_group), -1) + 1
-        if 0 < resumed < self.settings.group_size and self._still_open(group_id(max_group)):
+        if (
+            max_group > batched_max
+            and 0 < resumed < self.settings.group_size
+            and self._still_open(group_id(max_group))
+        ):
             next_group, next_sample = max_group, resumed
         # Groups below the last one seen were handed out; one that never opened a session
         # (every claim's reply or session was lost) waits like any other for its time-out.
-        for index in range(max_group + 1):
+        # Groups below the first one stored are older than the stream's retention: done.
+        for index in range(min_group or 0, max_group + 1):
             if group_id(index) not in seen_groups:
                 self.timeouts.progress(
                     group_id(index), "", self.settings.group_size, time.monotonic()

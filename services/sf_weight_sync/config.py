@@ -10,3 +10,9 @@ class WeightSyncSettings(BaseSettings):
 
     sync_timeout_s: float = 60.0
     """How long a sync span waits for every known engine to report the new version."""
+
+    engine_expiry_s: float = 60.0
+    """An engine not heard from for this long (engines ask for the current version every
+    ``SF_ENGINE_VERSION_POLL_S`` and report each version they load) is forgotten: sync
+    spans stop waiting for it. One the tag-scheduler declares dead is forgotten at once.
+    Keeps the set of known engines to the live ones, whoever sends a query."""

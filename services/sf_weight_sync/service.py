@@ -7,6 +7,8 @@ Consumes:
   durable consumer ``weight-sync``: WeightsPublished from the policy's trainer)
 - ``sf.<run>.weights.<policy>.current`` (request CurrentVersionQuery -> CurrentVersion)
 - ``sf.<run>.weights.<policy>.loaded`` (WeightsLoaded from engines)
+- ``sf.<run>.sched.phase`` (PhaseChanged from the tag-scheduler: an engine declared
+  dead is forgotten)
 Produces:
 - ``sf.<run>.engine.<policy>.load`` (LoadWeights broadcast to the policy's engines: the
   new version's manifest)
@@ -34,6 +36,7 @@ from seamlessflow.protocol import (
     CurrentVersion,
     CurrentVersionQuery,
     LoadWeights,
+    PhaseChanged,
     WeightManifest,
     WeightsLoaded,
     WeightsPublished,
@@ -54,6 +57,9 @@ class WeightSync:
         self.settings = settings or WeightSyncSettings()
         self.chain = VersionChain()
         self.engine_versions: dict[str, int] = {}
+        """Engines heard from within ``engine_expiry_s`` -> the version each reported."""
+        self._heard_at: dict[str, float] = {}
+        """Engine -> when it was last heard from; oldest first (re-inserted on contact)."""
         self._loaded = asyncio.Condition()
         self._watchers: set[asyncio.Task[None]] = set()
         self.ready = asyncio.Event()
@@ -63,6 +69,7 @@ class WeightSync:
         subjects = ctx.subjects
         await self._reload_chain()
         await ctx.bus.nc.subscribe(subjects.weights_loaded(), cb=self._on_loaded)
+        await ctx.bus.nc.subscribe(subjects.sched_phase(), cb=self._on_phase)
         await ctx.bus.serve(subjects.weights_current(), CurrentVersionQuery, self.on_query)
         self.published = await ctx.bus.js.pull_subscribe(
             subjects.weights_published(),
@@ -80,8 +87,29 @@ class WeightSync:
             await self.published.unsubscribe()
 
     async def on_query(self, query: CurrentVersionQuery) -> CurrentVersion:
-        self.engine_versions.setdefault(query.engine_id, 0)
+        async with self._loaded:
+            self._heard_from(query.engine_id, 0)
+            self._loaded.notify_all()  # waiters re-check without the engines now silent
         return CurrentVersion(version=self.chain.version, chain=list(self.chain.manifests))
+
+    def _heard_from(self, engine_id: str, version: int) -> None:
+        """``engine_id`` is alive and serves at least ``version``; engines silent for
+        longer than ``engine_expiry_s`` are forgotten."""
+        self._heard_at.pop(engine_id, None)
+        self._heard_at[engine_id] = time.monotonic()
+        self.engine_versions[engine_id] = max(self.engine_versions.get(engine_id, 0), version)
+        self._forget_silent()
+
+    def _forget_silent(self) -> None:
+        cutoff = time.monotonic() - self.settings.engine_expiry_s
+        for engine_id, heard_at in list(self._heard_at.items()):
+            if heard_at >= cutoff:
+                break  # the rest were heard from later
+            self._forget(engine_id)
+
+    def _forget(self, engine_id: str) -> None:
+        self._heard_at.pop(engine_id, None)
+        self.engine_versions.pop(engine_id, None)
 
     async def _reload_chain(self) -> None:
         """After a restart: walk the stream back from its last message to the latest
@@ -163,6 +191,7 @@ class WeightSync:
         """Log how long every known engine took to serve ``version`` (or who lagged)."""
 
         def all_loaded() -> bool:
+            self._forget_silent()
             return all(v >= version for v in self.engine_versions.values())
 
         try:
@@ -181,6 +210,15 @@ class WeightSync:
         except ValueError:
             return
         async with self._loaded:
-            previous = self.engine_versions.get(loaded.engine_id, 0)
-            self.engine_versions[loaded.engine_id] = max(previous, loaded.version)
+            self._heard_from(loaded.engine_id, loaded.version)
             self._loaded.notify_all()
+
+    async def _on_phase(self, msg) -> None:  # type: ignore[no-untyped-def]
+        try:
+            changed = decode(msg.data, PhaseChanged)
+        except ValueError:
+            return
+        if changed.phase == "dead" and changed.resource_id in self.engine_versions:
+            async with self._loaded:
+                self._forget(changed.resource_id)
+                self._loaded.notify_all()

@@ -12,25 +12,29 @@ own pace: a late joiner or a lagging engine never stalls the trainer.
   intermediate copy). Trainer and engines must share the host.
 
 The publisher owns its payloads and deletes them (``delete``); a fetch of a deleted
-payload raises ``PayloadMissing`` and the engine catches up from a newer chain.
+payload raises ``PayloadMissing`` and the engine catches up from a newer chain. A fetch
+checks the manifest's sizes against the stored payload before it allocates or reads
+anything, and refuses a mismatch (``WeightsCorrupted``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import mmap
 import os
+import sys
 from pathlib import Path
 from typing import Protocol
 
 import nats.js.errors
-from nats.js.api import ObjectMeta, ObjectMetaOptions
-from nats.js.object_store import ObjectStore
+from nats.js.api import ObjectInfo, ObjectMeta, ObjectMetaOptions
+from nats.js.object_store import OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, ObjectStore
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import WeightManifest
-from seamlessflow.weights.codec import EncodedWeights
+from seamlessflow.weights.codec import EncodedWeights, WeightsCorrupted
 from seamlessflow.weights.layout import bucket_ranges
 
 # NATS caps a message at 1 MiB by default; a chunk leaves room for the headers.
@@ -57,9 +61,23 @@ class PayloadStore(Protocol):
 
     async def delete(self, manifest: WeightManifest) -> None: ...
 
+    async def delete_before(self, version: int) -> None:
+        """Delete every stored payload of a version below ``version`` (those of an
+        earlier trainer process too, which no publisher remembers)."""
+        ...
+
 
 def payload_name(manifest: WeightManifest) -> str:
     return f"weights-v{manifest.version:08d}-{manifest.kind}"
+
+
+def _payload_version(name: str) -> int:
+    """The version in a name ``payload_name`` made (with any suffix); a name it did not
+    make counts as the newest, so nothing else is ever deleted as old."""
+    digits = name.removeprefix("weights-v")[:8]
+    if name.startswith("weights-v") and len(digits) == 8 and digits.isdigit():
+        return int(digits)
+    return sys.maxsize
 
 
 class ObjectStorePayloads:
@@ -69,14 +87,14 @@ class ObjectStorePayloads:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self._store: ObjectStore | None = None
+        self._bucket = bus.subjects.object_store_weights()
 
     async def _objects(self) -> ObjectStore:
         if self._store is None:
-            bucket = self.bus.subjects.object_store_weights()
             try:
-                self._store = await self.bus.js.object_store(bucket)
+                self._store = await self.bus.js.object_store(self._bucket)
             except nats.js.errors.BucketNotFoundError:
-                self._store = await self.bus.js.create_object_store(bucket)
+                self._store = await self.bus.js.create_object_store(self._bucket)
         return self._store
 
     async def put(self, encoded: EncodedWeights) -> WeightManifest:
@@ -93,6 +111,17 @@ class ObjectStorePayloads:
 
     async def fetch(self, manifest: WeightManifest) -> memoryview:
         store = await self._objects()
+        _check_buckets(manifest)
+        ranges = list(bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes))
+        # A manifest is input: its sizes must be those of the stored objects before its
+        # payload is allocated, or one message could make an engine allocate anything.
+        for index, (start, end) in enumerate(ranges):
+            info = await self._stored_info(store, manifest, index)
+            if info.size != end - start:
+                raise WeightsCorrupted(
+                    f"version {manifest.version}: the manifest makes bucket {index} "
+                    f"{end - start} bytes; the store holds {info.size}"
+                )
         payload = memoryview(bytearray(manifest.payload_bytes))
         # several buckets at once: each get waits on nats-py's flow-control replies,
         # which it sends only every 250 ms, so overlapping gets overlaps those waits
@@ -112,22 +141,49 @@ class ObjectStorePayloads:
 
         try:
             async with asyncio.TaskGroup() as group:
-                for index, (start, end) in enumerate(
-                    bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes)
-                ):
+                for index, (start, end) in enumerate(ranges):
                     group.create_task(fetch_bucket(index, start, end))
         except* PayloadMissing as missing:
             raise missing.exceptions[0] from None
         return payload
 
+    async def _stored_info(
+        self, store: ObjectStore, manifest: WeightManifest, index: int
+    ) -> ObjectInfo:
+        try:
+            return await store.get_info(_bucket_object(manifest.location, index))
+        except nats.js.errors.ObjectNotFoundError as exc:
+            raise PayloadMissing(f"{manifest.location} bucket {index}") from exc
+
     async def delete(self, manifest: WeightManifest) -> None:
+        """Remove every message of the payload from the bucket's stream.
+
+        The object store's own delete purges an object's chunks but leaves a "deleted"
+        meta message behind, forever (a marker for watchers; nothing here watches).
+        Those markers are spread over the stream's files, so the server could never drop
+        a file and disk grew by a payload per version. Purging the marker as well leaves
+        an old file with no live message, and the server removes it whole."""
         store = await self._objects()
-        buckets = len(manifest.bucket_sha256)
-        for index in range(buckets):
-            try:
-                await store.delete(_bucket_object(manifest.location, index))
-            except nats.js.errors.ObjectNotFoundError:
-                pass
+        for index in range(len(manifest.bucket_sha256)):
+            await self._delete_object(store, _bucket_object(manifest.location, index))
+
+    async def _delete_object(self, store: ObjectStore, name: str) -> None:
+        try:
+            await store.delete(name)
+        except nats.js.errors.ObjectNotFoundError:
+            pass  # deleted before: its marker may still be there
+        stream = OBJ_STREAM_TEMPLATE.format(bucket=self._bucket)
+        await self.bus.js.purge_stream(stream, subject=_meta_subject(self._bucket, name))
+
+    async def delete_before(self, version: int) -> None:
+        store = await self._objects()
+        try:
+            stored = await store.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:
+            return  # an empty store
+        for info in stored:
+            if info.name is not None and _payload_version(info.name) < version:
+                await self._delete_object(store, info.name)
 
 
 class SharedMemoryPayloads:
@@ -153,8 +209,15 @@ class SharedMemoryPayloads:
     async def fetch(self, manifest: WeightManifest) -> memoryview:
         if not manifest.location.startswith(self.prefix):
             raise PayloadMissing(f"{manifest.location} is not a payload of this run")
+        _check_buckets(manifest)
         try:
             with (self.directory / manifest.location).open("rb") as source:
+                stored = os.fstat(source.fileno()).st_size
+                if stored != manifest.payload_bytes:
+                    raise WeightsCorrupted(
+                        f"version {manifest.version}: the manifest says "
+                        f"{manifest.payload_bytes} bytes; the store holds {stored}"
+                    )
                 if manifest.payload_bytes == 0:
                     return memoryview(b"")
                 mapping = mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_READ)
@@ -165,6 +228,11 @@ class SharedMemoryPayloads:
 
     async def delete(self, manifest: WeightManifest) -> None:
         (self.directory / manifest.location).unlink(missing_ok=True)
+
+    async def delete_before(self, version: int) -> None:
+        for path in self.directory.glob(self.prefix + "weights-v*"):
+            if _payload_version(path.name.removeprefix(self.prefix)) < version:
+                path.unlink(missing_ok=True)
 
 
 class _SliceWriter(io.BufferedIOBase):
@@ -186,8 +254,25 @@ class _SliceWriter(io.BufferedIOBase):
         return len(data)
 
 
+def _check_buckets(manifest: WeightManifest) -> None:
+    """The manifest's sizes agree with each other: one digest per bucket. Arithmetic
+    only, so a wild size never yields a long list of buckets."""
+    size, bucket = manifest.payload_bytes, manifest.bucket_bytes
+    if size < 0 or bucket <= 0 or -(-size // bucket) != len(manifest.bucket_sha256):
+        raise WeightsCorrupted(
+            f"version {manifest.version}: {size} bytes in buckets of {bucket} bytes "
+            f"do not make its {len(manifest.bucket_sha256)} bucket digests"
+        )
+
+
 def _bucket_object(location: str, index: int) -> str:
     return f"{location}.b{index:05d}"
+
+
+def _meta_subject(bucket: str, name: str) -> str:
+    """The subject of an object's meta messages (the object store's own naming)."""
+    encoded = base64.urlsafe_b64encode(name.encode()).decode()
+    return OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=encoded)
 
 
 def _located(manifest: WeightManifest, transport: str, location: str) -> WeightManifest:

@@ -2,7 +2,8 @@
 
 - ``WeightPublisher`` (trainer): encode -> store completely -> (push to the group, if
   any) -> return the manifest that the trainer then announces; keeps the latest
-  ``keep_chains`` chains (a full payload and the deltas after it), deletes older ones.
+  ``keep_chains`` chains (a full payload and the deltas after it), deletes older ones,
+  and, once, every older payload in the store (those of an earlier trainer process).
 - ``VersionChain`` (weight-sync): the manifests that build the current version; a late
   joiner or an engine after a gap gets the whole chain.
 - ``WeightReceiver`` (engine): follows a chain or a single broadcast payload from the
@@ -45,6 +46,8 @@ class WeightPublisher:
         self.push: Collective | None = None
         """A push group (``weights.group``): each payload is also broadcast to it."""
         self._chains: list[list[WeightManifest]] = []
+        self._swept = False
+        """Payloads older than this process's kept chains were deleted (done once)."""
 
     async def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightManifest:
         """Store ``version`` completely (cast to ``dtype`` if set); its manifest."""
@@ -58,6 +61,10 @@ class WeightPublisher:
         while len(self._chains) > self.keep_chains:
             for old in self._chains.pop(0):
                 await self.store.delete(old)
+            if not self._swept:
+                # what an earlier trainer process stored is older than every chain kept
+                await self.store.delete_before(self._chains[0][0].version)
+                self._swept = True
         return manifest
 
     async def _broadcast(self, group: Collective, encoded: EncodedWeights) -> None:
