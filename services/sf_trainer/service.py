@@ -42,6 +42,7 @@ involves all ranks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -51,6 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import nats.errors
 import nats.js.errors
 import torch
@@ -390,6 +392,12 @@ class Trainer:
             trained_steps=self.trained_steps,
         )
         out = checkpoints_dir(self.ctx.mesh.run_dir, self.policy) / name
+        with contextlib.suppress(OSError, msgspec.DecodeError):
+            if checkpoint.read_state(out) == state:
+                # the same published version, as many trained steps: this very policy
+                # (e.g. resumed from it and finished at once)
+                log.info("checkpoint %s already holds this policy", out)
+                return out, state
         try:
             # checked before the (collective) gather too, which is then skipped
             checkpoint.check_replaceable(out, state)
