@@ -275,7 +275,9 @@ def test_gpu_image_is_a_cuda_variant(services: dict[str, dict[str, Any]]) -> Non
         assert svc["image"] != services["engine"]["image"], f"{name}: must not reuse CPU tag"
         args = svc["build"].get("args") or {}
         assert "TORCH_INDEX_URL" in args and "${SF_TORCH_CUDA_INDEX_URL:-" in raw, f"{name}"
-        assert "vllm" in args.get("EXTRA_PIP_PACKAGES", ""), f"{name}: {args}"
+        extras = args.get("EXTRA_PIP_PACKAGES", "").split()
+        assert "vllm==0.32.0" in extras, f"{name}: {args}"  # the release needing torch 2.13.0
+        assert all("==" in extra for extra in extras), f"{name}: unpinned extras {extras}"
 
 
 def test_commands(services: dict[str, dict[str, Any]]) -> None:
@@ -307,11 +309,13 @@ def test_nats(services: dict[str, dict[str, Any]]) -> None:
     assert "-js" in cmd or "--jetstream" in cmd, cmd
     store = cmd[cmd.index("-sd") + 1]
     assert volume_for(nats, store) == "nats-data", "JetStream store must be on a volume"
-    assert cmd[cmd.index("-m") + 1] == "8222", cmd
+    # monitoring (no auth) on the container's loopback, for the healthcheck only
+    script = nats["entrypoint"][2]
+    assert 'http: "127.0.0.1:8222"' in script, script
     test = nats["healthcheck"]["test"]
     test = " ".join(test) if isinstance(test, list) else test
-    assert "8222/healthz" in test, test
-    assert (4222, 4222) in published_ports(nats)
+    assert "127.0.0.1:8222/healthz" in test, test
+    assert published_ports(nats) == {(4222, 4222)}, "only the client port is published"
 
 
 def test_services_use_nats(services: dict[str, dict[str, Any]]) -> None:
@@ -430,21 +434,31 @@ def test_the_multiplexed_profile_lends_the_trainers_slot(
 
 def test_dockerfile() -> None:
     instrs = dockerfile_instructions()
-    args: dict[str, str] = {}
+    args: dict[str, str | None] = {}
     for instr, rest in instrs:
-        if instr == "ARG" and "=" in rest:
-            key, _, default = rest.partition("=")
-            args[key.strip()] = default.strip().strip('"')
+        if instr == "ARG":
+            key, eq, default = rest.partition("=")
+            args[key.strip()] = default.strip().strip('"') if eq else None
     froms = [rest for instr, rest in instrs if instr == "FROM"]
     assert froms, "no FROM"
-    base = re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), ""), froms[0].split()[0])
+    base = re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1)) or "", froms[0].split()[0])
     assert base == "python:3.11-slim", base
-    assert "TORCH_INDEX_URL" in args, "the torch wheel index must be a build argument"
-    assert '--index-url "${TORCH_INDEX_URL}"' in DOCKERFILE.read_text()
+    # the torch wheel index: a build argument without a default (the default index
+    # serves a CUDA build on Linux), whose absence stops the build with a message
+    assert "TORCH_INDEX_URL" in args and args["TORCH_INDEX_URL"] is None, args
+    text = DOCKERFILE.read_text()
+    assert '--index-url "${TORCH_INDEX_URL}"' in text
+    check = re.search(r'if \[ -z "\$\{TORCH_INDEX_URL\}" \]; then(.*?)\bfi\b', text, re.S)
+    assert check and "echo" in check[1] and "exit 1" in check[1], "no stop without an index"
+    assert "://" not in "\n".join(rest for _, rest in instrs), "no index host in the Dockerfile"
 
     runs = " && ".join(rest for instr, rest in instrs if instr == "RUN")
     assert "torch==2.13.0" in runs, "torch must be pinned to 2.13.0"
     assert re.search(r"pip install (?:[^&;|]*\s)?\.(?:\s|$)", runs), "the repo is not installed"
+    # whatever is installed after torch cannot replace it
+    installs = re.findall(r"pip install ([^&;|]*)", runs)
+    after_torch = [i for i in installs if "--index-url" not in i]
+    assert after_torch and all("--constraint" in i for i in after_torch), installs
 
     copied = " ".join(rest for instr, rest in instrs if instr == "COPY")
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -520,8 +534,11 @@ def test_credentials_are_required_and_passed_to_every_service(
     """NATS takes a token and the gateway operator keys; compose refuses to start without
     them (``${VAR:?...}``), and no secret has a default written in the file."""
     raw = raw_compose["services"]
-    nats_command = [str(c) for c in raw["nats"]["command"]]
-    assert nats_command[nats_command.index("--auth") + 1].startswith("${SF_NATS_TOKEN:?")
+    # the server reads the token from its environment, never from its command line
+    assert str(env_of(raw["nats"])["SF_NATS_TOKEN"]).startswith("${SF_NATS_TOKEN:?")
+    argv = " ".join(str(a) for a in [*raw["nats"]["entrypoint"], *raw["nats"]["command"]])
+    assert "${SF_NATS_TOKEN" not in argv.replace("$${SF_NATS_TOKEN}", ""), argv
+    assert "--auth" not in argv and "--user" not in argv, argv
     for name, svc in long_running(raw).items():
         assert str(env_of(svc).get("SF_NATS_TOKEN", "")).startswith("${SF_NATS_TOKEN:?"), name
     assert str(env_of(raw["gateway"])["SF_GATEWAY_API_KEYS"]).startswith("${SF_GATEWAY_API_KEYS:?")

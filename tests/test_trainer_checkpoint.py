@@ -146,6 +146,32 @@ def test_saving_again_under_a_name_replaces_the_checkpoint(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
 
 
+def test_a_save_never_replaces_a_checkpoint_holding_more_trained_steps(
+    base_model_dir: Path, tmp_path: Path
+) -> None:
+    policy = learner(base_model_dir)
+    policy.step(BATCHES[0], version=0)
+    trained = TrainerState(step=1, version=1, data_position=0, trained_steps=1)
+    policy.save(tmp_path / "final", trained)
+    kept = weights(policy)
+    base = learner(base_model_dir)
+    # more steps counted (a resume lost one), fewer held: refused, nothing written
+    lost_one = TrainerState(step=2, version=2, data_position=1, trained_steps=0)
+    with pytest.raises(checkpoint.FewerTrainedSteps, match="holds 1 trained steps"):
+        base.save(tmp_path / "final", lost_one)
+    assert checkpoint.read_state(tmp_path / "final") == trained
+    assert_same_weights(checkpoint.load_model_state(tmp_path / "final"), kept)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    # a checkpoint from before `trained_steps` counts its `step`
+    write_checkpoint_files(tmp_path / "old", 3)
+    with pytest.raises(checkpoint.FewerTrainedSteps):
+        policy.save(tmp_path / "old", trained)
+    # as many trained steps: replaced
+    same = TrainerState(step=2, version=2, data_position=1, trained_steps=1)
+    policy.save(tmp_path / "final", same)
+    assert checkpoint.read_state(tmp_path / "final").step == 2
+
+
 # the service against a real nats-server -------------------------------------------------
 
 
@@ -177,7 +203,9 @@ async def test_a_resumed_trainer_skips_trained_batches_and_keeps_versions_monoto
     first = SETTINGS.model_copy(update={"steps": 2, "checkpoint_every": 1})
     await run_trainer(run, first)
     step_1 = tmp_path / "checkpoints" / "step-1"
-    assert checkpoint.read_state(step_1) == TrainerState(step=1, version=1, data_position=0)
+    assert checkpoint.read_state(step_1) == TrainerState(
+        step=1, version=1, data_position=0, trained_steps=1
+    )
 
     # Resume from step 1 while step 2 (batch 1, version 2) is recorded and announced: the
     # policy loses step 2, the trainer goes on after it (step 3). Batches 0 and 1 come
@@ -208,11 +236,56 @@ async def test_a_resumed_trainer_skips_trained_batches_and_keeps_versions_monoto
     assert consumer.num_pending == 0 and consumer.num_ack_pending == 0  # the replay was acked
 
     final = tmp_path / "checkpoints" / "final"
-    assert checkpoint.read_state(final) == TrainerState(step=3, version=3, data_position=2)
+    # step 2 was lost to the policy: its weights hold two optimizer steps
+    assert checkpoint.read_state(final) == TrainerState(
+        step=3, version=3, data_position=2, trained_steps=2
+    )
     expected = learner(base_model_dir)
     expected.restore(step_1)
     expected.step(BATCHES[2], version=2)
     assert_same_weights(checkpoint.load_model_state(final), weights(expected))
+
+
+async def test_a_trainer_started_again_after_it_finished_keeps_the_trained_final(
+    mesh: InProcessMesh, bus: Bus, base_model_dir: Path, tmp_path: Path
+) -> None:
+    """A restart after the last step (a container restart policy, a second run of the
+    same command) finds the step budget reached at once. Without a resume it holds the
+    base model, with ``latest`` the final policy: either way `final` keeps the trained
+    weights, and no batch is trained."""
+    from sf_tag_scheduler.service import TagScheduler
+
+    await mesh.start(TagScheduler())
+    run = MeshSettings(
+        nats_url=mesh.mesh.nats_url,
+        run_id=mesh.mesh.run_id,
+        model_dir=base_model_dir,
+        run_dir=tmp_path,
+    )
+    for batch in BATCHES[:2]:
+        await bus.js_publish(bus.subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}")
+    settings = SETTINGS.model_copy(update={"steps": 2})
+    await run_trainer(run, settings)
+    final = tmp_path / "checkpoints" / "final"
+    trained = TrainerState(step=2, version=2, data_position=1, trained_steps=2)
+    assert checkpoint.read_state(final) == trained
+    trained_weights = checkpoint.load_model_state(final)
+    base_weights = weights(learner(base_model_dir))
+    assert any(not torch.equal(trained_weights[k], v) for k, v in base_weights.items())
+
+    for resume in ("", "latest"):
+        await run_trainer(run, settings.model_copy(update={"resume": resume}))
+        assert checkpoint.read_state(final) == trained, resume
+        assert_same_weights(checkpoint.load_model_state(final), trained_weights)
+    metrics = await bus.read_subject(bus.subjects.stream_metrics(), bus.subjects.train_metrics())
+    assert len(metrics) == 2  # the restarts trained nothing
+    finished = [
+        decode(m.data, TrainingFinished)
+        for m in await bus.read_subject(
+            bus.subjects.stream_metrics(), bus.subjects.train_finished()
+        )
+    ]
+    assert {(f.steps, f.final_version, f.checkpoint_dir) for f in finished} == {(2, 2, str(final))}
 
 
 async def test_a_trainer_that_cannot_resume_leaves_the_final_checkpoint_alone(

@@ -1,7 +1,10 @@
 from typing import Literal
 
-from pydantic import SecretStr
+from pydantic import SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
+"""Bind addresses meaning "every interface": a session's ``base_url`` cannot use them."""
 
 
 class GatewaySettings(BaseSettings):
@@ -18,7 +21,9 @@ class GatewaySettings(BaseSettings):
     """HTTP port (0 = pick a free one)."""
 
     public_url: str = ""
-    """Base URL agents reach this gateway at; default ``http://<host>:<port>``."""
+    """Base URL agents reach this gateway at (it is in every session's ``base_url``);
+    default ``http://<host>:<port>``. Required when ``host`` is a wildcard (``0.0.0.0``,
+    ``::``), which is no address to call: in compose ``http://gateway:8000``."""
 
     api_keys: SecretStr = SecretStr("")
     """Operator keys, comma-separated: opening a session and listing models need one of
@@ -56,6 +61,16 @@ class GatewaySettings(BaseSettings):
     tool_parser: str = "qwen"
     """How tool calls are read from completions (a registered name in
     ``sf_gateway.tool_parsers``; ``qwen``: ``<tool_call>{json}</tool_call>`` blocks)."""
+
+    @model_validator(mode="after")
+    def _public_url_is_callable(self) -> "GatewaySettings":
+        if not self.public_url and self.host in WILDCARD_HOSTS:
+            raise ValueError(
+                f"SF_GATEWAY_HOST={self.host} listens on every interface, which is no "
+                "address for agents to call: set SF_GATEWAY_PUBLIC_URL to the URL they "
+                "reach this gateway at (e.g. http://gateway:8000 in compose)"
+            )
+        return self
 
     def operator_keys(self) -> list[str]:
         return [k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip()]

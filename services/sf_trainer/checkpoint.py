@@ -17,6 +17,12 @@ Files are written into a hidden sibling directory that is then renamed into plac
 checkpoint under a checkpoint's name. ``SF_TRAINER_KEEP_CHECKPOINTS`` bounds how many
 ``step-<n>`` checkpoints stay (``prune``).
 
+A save never replaces a checkpoint whose weights hold more optimizer steps
+(``TrainerState.trained_steps``) than the policy being saved (``FewerTrainedSteps``):
+whatever restarts a trainer (a restart policy after it finished, a restart without
+``SF_TRAINER_RESUME``, a resume from an older checkpoint), the most trained policy
+under a name stays.
+
 What a resume loses: the optimizer steps taken after the checkpoint it starts from.
 The resumed policy never learns from their batches; the trainer continues after the
 last step recorded in the metrics stream (step count and data position, see
@@ -56,6 +62,19 @@ class TrainerState(msgspec.Struct, frozen=True, kw_only=True):
     """The weight version this policy was published as."""
     data_position: int
     """``batch_index`` of the last trained TrainBatch (-1: none yet)."""
+    trained_steps: int | None = None
+    """Optimizer steps these weights hold, counted from the base model: ``step`` less
+    the steps resumes lost. None: written before this field existed (``step`` stands
+    in, the most it can hold)."""
+
+    @property
+    def trained(self) -> int:
+        """Optimizer steps the saved weights hold."""
+        return self.step if self.trained_steps is None else self.trained_steps
+
+
+class FewerTrainedSteps(RuntimeError):
+    """A save would replace a checkpoint that holds more trained steps."""
 
 
 def save(
@@ -69,8 +88,10 @@ def save(
     """Write a checkpoint of full (gathered) states to ``out``, replacing any there.
 
     ``model`` gives the config to write next to the weights (its own tensors may be
-    shards; ``model_state`` is what is saved).
+    shards; ``model_state`` is what is saved). Raises ``FewerTrainedSteps`` (and writes
+    nothing) if the checkpoint at ``out`` holds more trained steps than ``state``.
     """
+    check_replaceable(out, state)
     staging = out.parent / f".{out.name}.saving"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -82,9 +103,23 @@ def save(
     torch.save(optimizer_state, staging / OPTIMIZER_FILE)
     (staging / STATE_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(state)))
     _replace(out, staging)
-    log.info("checkpoint %s: step %d, version %d, data position %d",
-             out, state.step, state.version, state.data_position)  # fmt: skip
+    log.info("checkpoint %s: step %d (%d trained), version %d, data position %d",
+             out, state.step, state.trained, state.version, state.data_position)  # fmt: skip
     return out
+
+
+def check_replaceable(out: Path, state: TrainerState) -> None:
+    """Raise ``FewerTrainedSteps`` if ``out`` holds a checkpoint with more trained steps
+    than ``state`` (an unreadable or half-written one counts as none)."""
+    try:
+        held = read_state(out)
+    except (OSError, msgspec.DecodeError):
+        return
+    if held.trained > state.trained:
+        raise FewerTrainedSteps(
+            f"{out} holds {held.trained} trained steps (step {held.step}, version "
+            f"{held.version}); this policy holds {state.trained}: kept, not replaced"
+        )
 
 
 def _replace(out: Path, staging: Path) -> None:
@@ -129,7 +164,8 @@ def prune(root: Path, keep: int) -> list[Path]:
 
 
 def latest(root: Path) -> Path | None:
-    """The checkpoint under ``root`` with the most steps (the newest among equals)."""
+    """The checkpoint under ``root`` whose weights hold the most trained steps (then
+    the most steps, then the newest)."""
     candidates = [
         state_file.parent
         for state_file in root.glob(f"*/{STATE_FILE}")
@@ -138,7 +174,12 @@ def latest(root: Path) -> Path | None:
     ]
     if not candidates:
         return None
-    return max(candidates, key=lambda p: (read_state(p).step, (p / STATE_FILE).stat().st_mtime))
+
+    def rank(path: Path) -> tuple[int, int, float]:
+        state = read_state(path)
+        return state.trained, state.step, (path / STATE_FILE).stat().st_mtime
+
+    return max(candidates, key=rank)
 
 
 def resolve_resume(resume: str, run_dir: Path | None, policy: str = DEFAULT_POLICY) -> Path | None:

@@ -20,7 +20,8 @@ Produces:
   slots may be lent) after each publish and at start
 - ``<run_dir>/checkpoints/final`` and ``<run_dir>/checkpoints/step-<n>`` (another
   policy than the default: ``checkpoints/<policy>/...``; ``sf_trainer.checkpoint``: HF
-  layout, optimizer state, step / version / data position)
+  layout, optimizer state, step / version / data position); a save never replaces a
+  checkpoint whose weights hold more trained steps (``checkpoint.FewerTrainedSteps``)
 
 Version 0 is the base model and each optimizer step publishes the next version.
 Versions only go up: at start the trainer numbers its versions after the newest one in
@@ -41,6 +42,7 @@ involves all ranks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -50,6 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import nats.errors
 import nats.js.errors
 import torch
@@ -101,6 +104,9 @@ class Trainer:
         self.version = 0
         self.data_position = -1
         """``batch_index`` of the last trained batch: a batch at or before it is not trained."""
+        self.trained_steps = 0
+        """Optimizer steps the policy's weights hold (``step`` less the steps a resume
+        lost): what decides whether a checkpoint may be replaced."""
         self.unsaved_steps = 0
         """Steps since ``checkpoints/final`` was written: a trainer that trained nothing
         (e.g. a bad ``SF_TRAINER_RESUME``) never overwrites it on the way out."""
@@ -169,6 +175,7 @@ class Trainer:
             state = await self._on_learner(self.learner.restore, path)
             self.step, self.version = state.step, state.version
             self.data_position = state.data_position
+            self.trained_steps = state.trained
         elif self.settings.resume:
             log.info("no checkpoint to resume from (%s): starting from the base model",
                      self.settings.resume)  # fmt: skip
@@ -238,19 +245,22 @@ class Trainer:
             if self.step < self.settings.steps:
                 await self._release_slots()
         if self.step >= self.settings.steps:
-            final = await self._on_learner(self._save_final)
+            # A trainer started again after its run finished (a restart policy, a second
+            # `up`) arrives here at once: the guarded save keeps the trained `final`.
+            final, kept = await self._on_learner(self._save_final)
             await self.ctx.bus.js_publish(
                 self.ctx.subjects.train_finished(),
                 TrainingFinished(
                     steps=self.step,
-                    final_version=self.version,
+                    final_version=kept.version,
                     checkpoint_dir=str(final),
                     policy=self.policy,
                 ),
                 # by version: after a resume, step numbers repeat, versions never do
-                msg_id=f"finished-{self.policy}-v{self.version}",
+                msg_id=f"finished-{self.policy}-v{kept.version}",
             )
-            log.info("training finished after %d steps (version %d)", self.step, self.version)
+            log.info("training finished after %d steps: %s holds %d trained steps "
+                     "(version %d)", self.step, final, kept.trained, kept.version)  # fmt: skip
 
     async def _next_batch(self, batches):  # type: ignore[no-untyped-def]
         stop = asyncio.create_task(self.ctx.stopping.wait())
@@ -366,20 +376,40 @@ class Trainer:
         self.step += 1
         self.version += 1
         self.data_position = batch.batch_index
+        self.trained_steps += 1
         self.unsaved_steps += 1
         return result
 
-    def save_checkpoint(self, name: str) -> Path:
-        """``<checkpoints>/<name>`` (``sf_trainer.checkpoint``); learner thread."""
+    def save_checkpoint(self, name: str) -> tuple[Path, TrainerState]:
+        """``<checkpoints>/<name>`` (``sf_trainer.checkpoint``) and the state it holds
+        afterwards: this policy's, or, if the checkpoint there holds more trained steps,
+        that one's (kept, not replaced); learner thread."""
         assert self.ctx.mesh.run_dir is not None
-        state = TrainerState(step=self.step, version=self.version, data_position=self.data_position)
-        root = checkpoints_dir(self.ctx.mesh.run_dir, self.policy)
-        return self.learner.save(root / name, state)
+        state = TrainerState(
+            step=self.step,
+            version=self.version,
+            data_position=self.data_position,
+            trained_steps=self.trained_steps,
+        )
+        out = checkpoints_dir(self.ctx.mesh.run_dir, self.policy) / name
+        with contextlib.suppress(OSError, msgspec.DecodeError):
+            if checkpoint.read_state(out) == state:
+                # the same published version, as many trained steps: this very policy
+                # (e.g. resumed from it and finished at once)
+                log.info("checkpoint %s already holds this policy", out)
+                return out, state
+        try:
+            # checked before the (collective) gather too, which is then skipped
+            checkpoint.check_replaceable(out, state)
+            return self.learner.save(out, state), state
+        except checkpoint.FewerTrainedSteps as exc:
+            log.warning("checkpoint not saved: %s", exc)
+            return out, checkpoint.read_state(out)
 
-    def _save_final(self) -> Path:
-        final = self.save_checkpoint("final")
+    def _save_final(self) -> tuple[Path, TrainerState]:
+        saved = self.save_checkpoint("final")
         self.unsaved_steps = 0
-        return final
+        return saved
 
     def _final_checkpoint_and_stop(self) -> None:
         try:
