@@ -65,6 +65,7 @@ from starlette.types import Receive, Scope, Send
 from seamlessflow import telemetry
 from seamlessflow.bus import Bus, NoResponder, RemoteError
 from seamlessflow.protocol import (
+    SEEDS,
     AbortGeneration,
     GenerateChunk,
     GenerateReply,
@@ -810,9 +811,12 @@ class Plan:
     include_usage: bool
 
     def seed_for(self, index: int) -> int | None:
-        """Choice i of a seeded request uses seed + i: n choices differ, and a repeat of
-        the request (streamed or not) gives the same n answers."""
-        return None if self.seed is None else self.seed + index
+        """Choice i of a seeded request uses seed + i (modulo 2**64): n choices differ,
+        and a repeat of the request (streamed or not) gives the same n answers."""
+        if self.seed is None:
+            return None
+        seed = self.seed + index  # past the largest seed it wraps around
+        return seed if seed in SEEDS else seed - 2**64
 
 
 @dataclass

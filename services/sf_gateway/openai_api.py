@@ -19,7 +19,7 @@ from pydantic import (
 )
 from starlette.responses import JSONResponse
 
-from seamlessflow.protocol import GREEDY_BELOW
+from seamlessflow.protocol import GREEDY_BELOW, SEEDS, TOP_P_MIN
 
 
 class ApiError(Exception):
@@ -81,7 +81,7 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(default=None, ge=SEEDS.start, lt=SEEDS.stop)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -90,6 +90,11 @@ class _Request(BaseModel):
     @classmethod
     def _greedy_if_tiny(cls, temperature: float) -> float:
         return 0.0 if temperature < GREEDY_BELOW else temperature
+
+    @field_validator("top_p")
+    @classmethod
+    def _nucleus_of_one_if_tiny(cls, top_p: float) -> float:
+        return max(top_p, TOP_P_MIN)
 
     @field_validator("stop")
     @classmethod
