@@ -400,6 +400,12 @@ class TurnRecorded(Message, tag="traj.turn"):
     completion_text: str
     policy: str = DEFAULT_POLICY
     """The policy whose engine generated it (the request's ``model``)."""
+    node_depth: int = 0
+    node_digest: str = ""
+    """Where the answer sits in the session's conversation tree (a chat turn; 0 and ""
+    for a completion): messages + reply, and the sha256 chain over the tools and those
+    messages (``sf_gateway.conversation``). A restarted gateway rebuilds the tree of an
+    open session from them, with ``prompt_ids + completion_ids`` as the node's ids."""
 
     def __post_init__(self) -> None:
         # One logprob and one version per generated token, and real token ids: a turn
