@@ -128,6 +128,9 @@ async def test_a_restarted_gateway_continues_its_open_sessions_from_the_stream(
                 f"/sessions/{done['session_id']}/finish", headers=session_auth(done)
             )
             assert late.status_code == 409, late.text
+            # an OpenAI client retries 409s unless told not to (the agent runner's
+            # clients retry, to ride out a gateway restart)
+            assert late.headers["x-should-retry"] == "false"
             finish = await http.post(
                 f"/sessions/{kept['session_id']}/finish", headers=session_auth(kept)
             )

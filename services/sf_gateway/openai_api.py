@@ -52,7 +52,10 @@ class ApiError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        # OpenAI clients retry 409 and every 5xx unless told otherwise: a refused
+        # request (a finished session included) fails the same way when repeated.
+        retry = "true" if self.status in (408, 429) or self.status >= 500 else "false"
+        return JSONResponse(self.body(), status_code=self.status, headers={"x-should-retry": retry})
 
 
 def validation_error(exc: ValidationError) -> ApiError:
