@@ -424,6 +424,8 @@ async def test_bad_input_raises_value_error_and_changes_nothing(
         {"max_tokens": 4, "temperature": -0.1},
         {"max_tokens": 4, "top_p": 0.0},
         {"max_tokens": 4, "stop_token_ids": (-1,)},
+        {"max_tokens": 4, "seed": 2**64},  # a 64-bit generator's seeds end at 2**64 - 1
+        {"max_tokens": 4, "seed": -(2**63) - 1},
     ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)

@@ -4,7 +4,8 @@ First the pieces, each against real processes (docs/design.md, "Faults"): superv
 and its budget, the NATS server restarted in place under a follower, a publisher and a
 consumer, a tag-scheduler that restarts knowing its resources. Then the proof (slow):
 one embedded run (every service its own process, the embedded nats-server) is killed
-piece by piece, each kill after the run made a step since the previous one. The run's
+piece by piece, each kill after the run made a step since the previous one; another
+kills the agent runner, then two services at once, twice. The run's
 supervision starts each process again (the trainer from its latest checkpoint, the
 NATS server in place), and the run must finish its steps. Then the durable streams,
 read from the run's JetStream store, must account for every trajectory:
@@ -20,12 +21,14 @@ read from the run's JetStream store, must account for every trajectory:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import InProcessMesh
 
@@ -56,6 +59,11 @@ from sf_tag_scheduler.service import TagScheduler
 KILLS = ["tag-scheduler", "engine-0", "gateway", "trajectory", "trainer", "weight-sync", "nats"]
 STEPS = 2 * len(KILLS) + 2  # a kill may land between two steps made at once
 GROUP_SIZE, GROUPS_PER_BATCH = 4, 2
+# Two at once, and the agent runner (its sessions in flight are never finished: their
+# groups time out). The gateway with the trainer: a gateway that comes back continues
+# its open sessions while the trainer resumes.
+KILLS_AT_ONCE = [("agents",), ("engine-0", "trajectory"), ("gateway", "trainer")]
+STEPS_AT_ONCE = 2 * len(KILLS_AT_ONCE) + 2
 
 
 async def test_supervision_restarts_within_the_budget_then_fails_the_run(
@@ -180,26 +188,48 @@ async def wait_until(ready: Callable[[], bool], what: str, timeout: float) -> No
         await asyncio.sleep(0.1)
 
 
-async def kill_in_turn(run: EmbeddedRun, running: asyncio.Task) -> None:  # type: ignore[type-arg]
-    """SIGKILL each of ``KILLS``; the next only once the run made a step after the kill."""
-    steps = 0
-    for label in KILLS:
-        await wait_until(lambda: len(run.metrics) > steps or running.done(), "progress", 90)  # noqa: B023
-        assert not running.done(), f"the run ended before {label} was killed: {run.status}"
-        steps = len(run.metrics)
-        os.kill(pid_of(run, label), signal.SIGKILL)
-        await wait_until(lambda: label in run.restarts or running.done(), f"{label} restart", 30)  # noqa: B023
+async def sessions_open(run: EmbeddedRun, running: asyncio.Task) -> None:  # type: ignore[type-arg]
+    """Until the run's gateway holds open sessions."""
+    port = run.launches["gateway"].env["SF_GATEWAY_PORT"]
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+        deadline = time.monotonic() + 90
+        while not running.done():
+            with contextlib.suppress(httpx.TransportError):
+                if (await http.get("/healthz")).json()["sessions"] > 0:
+                    return
+            if time.monotonic() > deadline:
+                raise AssertionError("no session open within 90s")
+            await asyncio.sleep(0.05)
 
 
-@pytest.mark.slow
-async def test_every_service_killed_in_turn_the_run_finishes_and_accounts_for_everything(
-    run_id: str, base_model_dir: Path, tmp_path: Path
+async def kill_in_turn(
+    run: EmbeddedRun,
+    running: asyncio.Task,  # type: ignore[type-arg]
+    kills: list[tuple[str, ...]],
 ) -> None:
-    config = RunConfig(
+    """SIGKILL each group of ``kills`` (its processes at once); the next only once the
+    run made a step after the kill. The agent runner and the gateway are killed while
+    sessions are open (in the middle of samples)."""
+    steps = 0
+    for labels in kills:
+        await wait_until(lambda: len(run.metrics) > steps or running.done(), "progress", 90)  # noqa: B023
+        assert not running.done(), f"the run ended before {labels} were killed: {run.status}"
+        if {"agents", "gateway"} & set(labels):
+            await sessions_open(run, running)
+        steps = len(run.metrics)
+        for label in labels:
+            os.kill(pid_of(run, label), signal.SIGKILL)
+        for label in labels:
+            restarted = lambda: label in run.restarts or running.done()  # noqa: B023, E731
+            await wait_until(restarted, f"{label} restart", 30)
+
+
+def faults_config(run_id: str, base_model_dir: Path, tmp_path: Path, steps: int) -> RunConfig:
+    return RunConfig(
         run_id=run_id,
         runs_dir=tmp_path,
         model_dir=base_model_dir,
-        steps=STEPS,
+        steps=steps,
         group_size=GROUP_SIZE,
         groups_per_batch=GROUPS_PER_BATCH,
         engines=1,
@@ -210,11 +240,16 @@ async def test_every_service_killed_in_turn_the_run_finishes_and_accounts_for_ev
         group_timeout_s=15,
         max_restarts=3,
     )
+
+
+async def run_killing(config: RunConfig, kills: list[tuple[str, ...]]) -> embedded.Summary:
+    """The run of ``config``, with each group of ``kills`` SIGKILLed in turn; it must
+    finish its steps, each killed process restarted once and nothing else."""
     run = EmbeddedRun(config)
     running = asyncio.create_task(run.run())
     try:
         async with asyncio.timeout(300):
-            await kill_in_turn(run, running)
+            await kill_in_turn(run, running, kills)
             summary = await running
     finally:
         if not running.done():
@@ -222,11 +257,37 @@ async def test_every_service_killed_in_turn_the_run_finishes_and_accounts_for_ev
             await asyncio.gather(running, return_exceptions=True)
 
     assert summary.status == "finished", summary.status
-    assert summary.final_version == STEPS
+    assert summary.final_version == config.steps
     # each killed process came back once, and nothing else had to
-    assert summary.restarts == dict.fromkeys(KILLS, 1), summary.restarts
+    killed = [label for labels in kills for label in labels]
+    assert summary.restarts == dict.fromkeys(killed, 1), summary.restarts
+    return summary
 
-    # the durable record, from the run's own JetStream store
+
+@pytest.mark.slow
+async def test_every_service_killed_in_turn_the_run_finishes_and_accounts_for_everything(
+    run_id: str, base_model_dir: Path, tmp_path: Path
+) -> None:
+    config = faults_config(run_id, base_model_dir, tmp_path, STEPS)
+    summary = await run_killing(config, [(label,) for label in KILLS])
+    await account_for_everything(config, tmp_path, summary)
+
+
+@pytest.mark.slow
+async def test_two_faults_at_once_and_the_agent_runner_killed_lose_nothing(
+    run_id: str, base_model_dir: Path, tmp_path: Path
+) -> None:
+    config = faults_config(run_id, base_model_dir, tmp_path, STEPS_AT_ONCE)
+    summary = await run_killing(config, KILLS_AT_ONCE)
+    await account_for_everything(config, tmp_path, summary)
+
+
+async def account_for_everything(
+    config: RunConfig, tmp_path: Path, summary: embedded.Summary
+) -> None:
+    """The durable record, from the run's own JetStream store, accounts for every
+    trajectory (the module's docstring)."""
+    run_id, steps_made = config.run_id, config.steps
     subjects = Subjects(run_id)
     with EmbeddedNats(tmp_path / run_id / "nats") as server:
         bus = await connect(server.url, subjects, name="faults-test")
@@ -255,9 +316,9 @@ async def test_every_service_killed_in_turn_the_run_finishes_and_accounts_for_ev
             await bus.drain()
 
     # the trainer trained every batch once, in order
-    assert [s.batch_index for s in steps] == list(range(STEPS))
-    assert [s.version for s in steps] == list(range(1, STEPS + 1))
-    assert sorted(b.batch_index for b in batches) == list(range(STEPS))
+    assert [s.batch_index for s in steps] == list(range(steps_made))
+    assert [s.version for s in steps] == list(range(1, steps_made + 1))
+    assert sorted(b.batch_index for b in batches) == list(range(steps_made))
     batched = [s.session_id for b in batches for g in b.groups for s in g.samples]
     assert len(batched) == len(set(batched)), "a session is in two batches"
     batched_groups = {g.group_id for b in batches for g in b.groups}

@@ -782,6 +782,74 @@ async def test_a_tiny_temperature_is_greedy_not_a_server_error(
     assert (await fz.state())[0] == before[0] + 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324])
+async def test_a_top_p_below_float32s_smallest_keeps_the_most_likely_token(
+    fz: Fuzzed, top_p: float, stream: bool
+) -> None:
+    """Found by the fuzzing: a top_p that float32 rounds to 0 made the engine's nucleus
+    keep no token at all, and its sampler then picked a token no nucleus holds. A
+    nucleus of any positive mass holds the most likely token, and so does this one: the
+    answer is what greedy decoding gives."""
+    messages = [{"role": "user", "content": "2 + 2?"}]
+    greedy = await fz.http.post(
+        f"/s/{fz.open_sid}/v1/chat/completions",
+        json={"model": "policy", "messages": messages, "max_tokens": 2, "temperature": 0},
+        headers=bearer(fz.open_key),
+    )
+    assert greedy.status_code == 200, greedy.text
+    before = await fz.state()
+    response = await fz.http.post(
+        f"/s/{fz.open_sid}/v1/chat/completions",
+        json={
+            "model": "policy",
+            "messages": messages,
+            "max_tokens": 2,
+            "temperature": 1.0,
+            "top_p": top_p,
+            "stream": stream,
+        },
+        headers=bearer(fz.open_key),
+    )
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [
+            json.loads(line.removeprefix("data: "))
+            for line in response.text.splitlines()
+            if line.startswith("data: {")
+        ]
+        assert not [e for e in events if "error" in e], events
+        text = "".join(
+            e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]
+        )
+    else:
+        text = response.json()["choices"][0]["message"]["content"]
+    assert text == greedy.json()["choices"][0]["message"]["content"]
+    assert (await fz.state())[0] == before[0] + 1
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, 2**64 - 2])
+async def test_the_largest_seeds_with_several_choices_answer_every_choice(
+    fz: Fuzzed, seed: int
+) -> None:
+    """Found by the fuzzing: choice i of a seeded request uses seed + i, which passed
+    2**64 - 1 (the largest seed accepted) for a later choice, which the engine's
+    generator refused (a 400 "Overflow when unpacking long long" for a valid request).
+    Seeds wrap around 2**64: each choice answers, and a repeat of the request gives the
+    same choices."""
+    body = {"model": "policy", "prompt": [5, 6, 7], "max_tokens": 3, "n": 3, "seed": seed}
+    before = await fz.state()
+    answers = []
+    for _ in range(2):
+        response = await fz.http.post(
+            f"/s/{fz.open_sid}/v1/completions", json=body, headers=bearer(fz.open_key)
+        )
+        assert response.status_code == 200, response.text
+        answers.append([c["text"] for c in response.json()["choices"]])
+    assert len(answers[0]) == 3 and answers[0] == answers[1]
+    assert (await fz.state())[0] == before[0] + 6
+
+
 async def test_the_gateway_still_serves_after_the_fuzzing(fz: Fuzzed) -> None:
     """Nothing above wedged the gateway, the engine or the session: a valid turn is
     answered and stored, exactly once."""

@@ -288,6 +288,36 @@ async def test_a_trainer_started_again_after_it_finished_keeps_the_trained_final
     assert {(f.steps, f.final_version, f.checkpoint_dir) for f in finished} == {(2, 2, str(final))}
 
 
+async def test_a_batch_that_comes_back_late_is_still_trained_in_order(
+    mesh: InProcessMesh, bus: Bus, base_model_dir: Path, tmp_path: Path
+) -> None:
+    """A trainer killed while it held batch k unacked: batch k comes back after the
+    consumer's ack wait, behind batch k + 1 (here: stored in that order). Training k + 1
+    first would skip k for good (at or before the data position) and leave the run a
+    step short forever; the trainer puts k + 1 back until k has come."""
+    from sf_tag_scheduler.service import TagScheduler
+
+    await mesh.start(TagScheduler())
+    subjects = bus.subjects
+    run = MeshSettings(
+        nats_url=mesh.mesh.nats_url,
+        run_id=mesh.mesh.run_id,
+        model_dir=base_model_dir,
+        run_dir=tmp_path,
+    )
+    await bus.js_publish(subjects.batch_ready(), BATCHES[1], msg_id="batch-1")
+    await bus.js_publish(subjects.batch_ready(), BATCHES[0], msg_id="batch-0")
+    await run_trainer(run, SETTINGS.model_copy(update={"steps": 2}))
+
+    metrics = [
+        decode(m.data, TrainStepMetrics)
+        for m in await bus.read_subject(subjects.stream_metrics(), subjects.train_metrics())
+    ]
+    assert [(m.step, m.version, m.batch_index) for m in metrics] == [(1, 1, 0), (2, 2, 1)]
+    consumer = await bus.js.consumer_info(subjects.stream_batches(), TRAINER_DURABLE)
+    assert consumer.num_pending == 0 and consumer.num_ack_pending == 0
+
+
 async def test_a_trainer_that_cannot_resume_leaves_the_final_checkpoint_alone(
     nats_url: str, run_id: str, base_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -280,6 +280,7 @@ class GenerateRequest(Message, tag="engine.generate"):
     top_p: float = 1.0
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     seed: int | None = None
+    """In ``SEEDS``."""
     top_logprobs: int = 0
     """How many most likely alternatives to report per generated token (0-20)."""
     stream_subject: str = ""
@@ -290,6 +291,15 @@ class GenerateRequest(Message, tag="engine.generate"):
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily, as in vLLM: logits divided by a temperature
 that small overflow float32 and the logprobs become NaN or -inf."""
+
+SEEDS = range(-(2**63), 2**64)
+"""The seeds a request may carry: what a 64-bit generator takes (torch's reads a
+negative seed modulo 2**64)."""
+
+TOP_P_MIN = 2.0**-126
+"""float32's smallest normal value: a smaller ``top_p`` is raised to it, since float32
+(an engine's sampler) would round it to 0, a nucleus of no token. Either keeps only the
+most likely token."""
 
 
 class TopLogprob(msgspec.Struct, array_like=True):
@@ -390,6 +400,12 @@ class TurnRecorded(Message, tag="traj.turn"):
     completion_text: str
     policy: str = DEFAULT_POLICY
     """The policy whose engine generated it (the request's ``model``)."""
+    node_depth: int = 0
+    node_digest: str = ""
+    """Where the answer sits in the session's conversation tree (a chat turn; 0 and ""
+    for a completion): messages + reply, and the sha256 chain over the tools and those
+    messages (``sf_gateway.conversation``). A restarted gateway rebuilds the tree of an
+    open session from them, with ``prompt_ids + completion_ids`` as the node's ids."""
 
     def __post_init__(self) -> None:
         # One logprob and one version per generated token, and real token ids: a turn

@@ -16,6 +16,11 @@ An agent that edits or truncates its history matches a shallower node (or none):
 new turn then starts a new branch (a fork) instead of silently mixing a re-tokenized
 history with engine tokens. n > 1 choices become sibling nodes.
 
+A node is matched by its *branch digest*: a sha256 chain over the tools and each
+message of its path (the request's messages, then the reply), so what the tree keeps of
+a node fits in a TurnRecorded (``node_digest``, ``node_depth``) and a restarted gateway
+rebuilds the tree from the stream with ``restore``.
+
 Requirements on the chat template (checked per request, with a fork as the fallback):
 rendering is prefix-stable (rendering the first k messages is a prefix of rendering
 more), and an assistant turn ends with the tokenizer's end-of-turn token.
@@ -23,6 +28,7 @@ more), and an assistant turn ends with the tokenizer's end-of-turn token.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -65,12 +71,31 @@ def tools_key(tools: Sequence[dict[str, Any]] | None) -> str:
     return json.dumps(list(tools or []), sort_keys=True, ensure_ascii=False)
 
 
+def branch_digests(tools: str, keys: Sequence[str]) -> list[str]:
+    """Digest of each prefix of a path (``keys``: normalised messages) under ``tools``:
+    element k covers the first k messages. A chain: each is sha256(previous, message)."""
+    digest = hashlib.sha256(b"tools\0" + tools.encode()).hexdigest()
+    digests = [digest]
+    for key in keys:
+        digest = hashlib.sha256(f"{digest}\0{key}".encode()).hexdigest()
+        digests.append(digest)
+    return digests
+
+
+@dataclass(frozen=True)
+class NodeKey:
+    """Where a node sits: its path's length (messages + reply) and branch digest."""
+
+    depth: int
+    digest: str
+
+
 @dataclass
 class Node:
-    """One answer: the request's messages + the reply, and the exact ids behind them."""
+    """One answer: the request's messages + the reply (as a ``NodeKey``), and the exact
+    ids behind them."""
 
-    tools: str
-    path: tuple[str, ...]
+    key: NodeKey
     ids: list[int]
     completion_text: str
     """The engine's completion decoded with special tokens (what ``ids`` end with)."""
@@ -95,16 +120,26 @@ class Conversation:
     def prompt_for(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> Prompt:
-        keys = tuple(normalize_message(m) for m in messages)
+        digests = branch_digests(tools_key(tools), [normalize_message(m) for m in messages])
         full = self.render(messages, tools, True)
-        node = self._deepest_match(keys, tools_key(tools))
+        node = self._deepest_match(digests)
         if node is not None:
             ids = self._extend(node, messages, tools, full)
             if ids is not None:
-                return Prompt(ids, len(node.ids), len(node.path))
+                return Prompt(ids, len(node.ids), node.key.depth)
         if self.nodes:
             self.forks += 1  # history edited, truncated or new: a new branch
         return Prompt(self.encode(full), 0, 0)
+
+    @staticmethod
+    def node_key(
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        reply: dict[str, Any],
+    ) -> NodeKey:
+        """The key of the node an answer ``reply`` to ``messages`` becomes."""
+        path = [*(normalize_message(m) for m in messages), normalize_message(reply)]
+        return NodeKey(len(path), branch_digests(tools_key(tools), path)[-1])
 
     def record(
         self,
@@ -115,17 +150,21 @@ class Conversation:
         completion_ids: list[int],
         completion_text: str,
     ) -> None:
-        path = (*(normalize_message(m) for m in messages), normalize_message(reply))
-        self.nodes.append(
-            Node(tools_key(tools), path, [*prompt_ids, *completion_ids], completion_text)
-        )
+        key = self.node_key(messages, tools, reply)
+        self.restore(key, [*prompt_ids, *completion_ids], completion_text)
 
-    def _deepest_match(self, keys: tuple[str, ...], tools: str) -> Node | None:
+    def restore(self, key: NodeKey, ids: list[int], completion_text: str) -> None:
+        """Add a node as recorded (by ``record``, or in a TurnRecorded)."""
+        self.nodes.append(Node(key, ids, completion_text))
+
+    def _deepest_match(self, digests: list[str]) -> Node | None:
+        """The deepest node whose path is a prefix of the request's messages
+        (``digests``: of each prefix of them)."""
         best: Node | None = None
         for node in self.nodes:
-            n = len(node.path)
-            if node.tools == tools and n <= len(keys) and keys[:n] == node.path:
-                if best is None or n > len(best.path):
+            n = node.key.depth
+            if n < len(digests) and digests[n] == node.key.digest:
+                if best is None or n > best.key.depth:
                     best = node
         return best
 
@@ -136,7 +175,7 @@ class Conversation:
         tools: list[dict[str, Any]] | None,
         full: str,
     ) -> list[int] | None:
-        k = len(node.path)
+        k = node.key.depth
         before_reply = self.render(messages[: k - 1], tools, True)
         through_reply = self.render(messages[:k], tools, False)
         if not (through_reply.startswith(before_reply) and full.startswith(through_reply)):

@@ -31,6 +31,10 @@ only that key as ``Authorization: Bearer <key>`` (what an OpenAI client sends as
 operator keys, which also export any session. The gateway keeps only sha256 digests
 of keys, and never logs them.
 
+Restarts: before serving, the gateway replays the trajectory stream and rebuilds every
+session not finished (key digest, task, turn count, conversation tree with its exact
+ids), so an agent's next call with the same base URL and key continues its session.
+
 Invariants: the recorded TurnRecorded holds exactly the ids the engine consumed and
 produced, with their logprobs and versions, and is durably stored before the agent
 gets its answer. A request that fails validation stores nothing. An engine
@@ -65,16 +69,20 @@ from starlette.types import Receive, Scope, Send
 from seamlessflow import telemetry
 from seamlessflow.bus import Bus, NoResponder, RemoteError
 from seamlessflow.protocol import (
+    SEEDS,
     AbortGeneration,
     GenerateChunk,
     GenerateReply,
     GenerateRequest,
+    GroupClosed,
     PhaseChanged,
+    ProtocolError,
     RewardReported,
     SessionExport,
     SessionExportQuery,
     SessionFinished,
     SessionOpened,
+    TrajectoryEvent,
     TurnRecorded,
     decode,
     encode,
@@ -82,7 +90,7 @@ from seamlessflow.protocol import (
 from seamlessflow.service import ServiceContext
 from sf_gateway.choice import Choice
 from sf_gateway.config import GatewaySettings
-from sf_gateway.conversation import Conversation
+from sf_gateway.conversation import Conversation, NodeKey
 from sf_gateway.openai_api import (
     ApiError,
     ChatCompletionRequest,
@@ -138,6 +146,87 @@ class Gateway:
         self.tool_parser = get_tool_parser(settings.tool_parser)
         self._turns: set[asyncio.Task[None]] = set()
         self._operator_keys = [key_digest(k) for k in settings.operator_keys()]
+
+    def _session(self, opened: SessionOpened) -> GatewaySession:
+        conversation = Conversation(
+            render=self.tokenizer.render,
+            encode=self.tokenizer.encode_text,
+            end_of_turn=self.tokenizer.end_of_turn,
+        )
+        return GatewaySession(
+            opened=opened, key_sha256=opened.key_sha256, conversation=conversation
+        )
+
+    async def restore_sessions(self) -> None:
+        """Rebuild the sessions that were open before a restart, from the trajectory
+        stream (every event is stored before its agent gets an answer), before serving:
+        each one's key digest, task, reference and reward function (SessionOpened), its
+        turn count and its conversation tree with the exact ids (TurnRecorded). An
+        agent's next call, with the same base URL and key, continues where it was.
+        Finished sessions are remembered as such (409 to late calls). Sessions of a
+        group the trajectory service closed are not rebuilt: whatever they do next is
+        ignored (a 404 tells their agent so)."""
+        subjects = self.bus.subjects
+        events, last_seq = await self.bus.follow(
+            subjects.stream_trajectory(), subjects.trajectory_events_all()
+        )
+        turns: dict[str, list[TurnRecorded]] = {}
+        """Open session -> its chat turns; trees are built once the replay is done."""
+        closed_groups: set[str] = set()
+        replayed = 0
+        try:
+            while last_seq:
+                msg = await events.next_msg(timeout=10.0)
+                replayed += 1
+                try:
+                    event = decode(msg.data, TrajectoryEvent)
+                except ProtocolError as exc:
+                    log.warning("skipping an undecodable trajectory event: %s", exc)
+                else:
+                    self._replay(event, turns, closed_groups)
+                if msg.metadata.sequence.stream >= last_seq:
+                    break
+        finally:
+            await events.unsubscribe()
+        for session_id, session in list(self.sessions.items()):
+            if session.opened.group_id in closed_groups:
+                del self.sessions[session_id]
+                continue
+            for turn in turns.get(session_id, []):
+                node = NodeKey(turn.node_depth, turn.node_digest)
+                self._add_node(session, node, turn.prompt_ids, turn.completion_ids)
+        if replayed:
+            log.info(
+                "replayed %d trajectory events: %d sessions open, %d finished remembered",
+                replayed,
+                len(self.sessions),
+                len(self.finished),
+            )
+
+    def _replay(
+        self,
+        event: TrajectoryEvent,
+        turns: dict[str, list[TurnRecorded]],
+        closed_groups: set[str],
+    ) -> None:
+        if isinstance(event, GroupClosed):
+            closed_groups.add(event.group_id)
+            return
+        if isinstance(event, SessionOpened):
+            if event.session_id not in self.sessions and event.session_id not in self.finished:
+                self.sessions[event.session_id] = self._session(event)
+            return
+        session = self.sessions.get(event.session_id)
+        if session is None:
+            return
+        if isinstance(event, TurnRecorded):
+            session.turns = max(session.turns, event.turn_index + 1)
+            if event.node_digest:
+                turns.setdefault(event.session_id, []).append(event)
+        elif isinstance(event, SessionFinished):
+            session.finished = True
+            self._retire(session)
+            turns.pop(event.session_id, None)
 
     # ------------------------------------------------------------------ HTTP app
 
@@ -213,14 +302,7 @@ class Gateway:
             key_sha256=key_digest(api_key),
         )
         await self.bus.js_publish(self.bus.subjects.trajectory_event(session_id), opened)
-        conversation = Conversation(
-            render=self.tokenizer.render,
-            encode=self.tokenizer.encode_text,
-            end_of_turn=self.tokenizer.end_of_turn,
-        )
-        self.sessions[session_id] = GatewaySession(
-            opened=opened, key_sha256=opened.key_sha256, conversation=conversation
-        )
+        self.sessions[session_id] = self._session(opened)
         return JSONResponse(
             {
                 "session_id": session_id,
@@ -304,19 +386,11 @@ class Gateway:
             logprobs=body.logprobs,
         )
 
-        def remember(choices: list[Choice]) -> None:
+        def node_of(choice: Choice) -> NodeKey:
             # each choice is a sibling node of the session's tree (same messages)
-            for choice in choices:
-                session.conversation.record(
-                    messages,
-                    tools,
-                    view.message(choice),
-                    prompt_ids,
-                    choice.token_ids,
-                    self.tokenizer.raw_text(choice.token_ids),
-                )
+            return Conversation.node_key(messages, tools, view.message(choice))
 
-        turn = Turn(session, plan, self._choices(plan), remember, "gateway.chat_completion")
+        turn = Turn(session, plan, self._choices(plan), node_of, "gateway.chat_completion")
         if body.stream:
             return self._stream(turn, view)
         await self._run_turn(turn)
@@ -466,10 +540,20 @@ class Gateway:
                         raise api_errors[0] from None
                     raise
                 for choice in turn.choices:
-                    await self._record(session, plan, choice)
-                turn.after(turn.choices)
+                    node = turn.node_of(choice)
+                    await self._record(session, plan, choice, node)
+                    if node is not None:  # stored first: a restart rebuilds the same tree
+                        self._add_node(session, node, plan.prompt_ids, choice.token_ids)
 
-    async def _record(self, session: GatewaySession, plan: Plan, choice: Choice) -> None:
+    def _add_node(
+        self, session: GatewaySession, node: NodeKey, prompt_ids: list[int], completion: list[int]
+    ) -> None:
+        ids = [*prompt_ids, *completion]
+        session.conversation.restore(node, ids, self.tokenizer.raw_text(completion))
+
+    async def _record(
+        self, session: GatewaySession, plan: Plan, choice: Choice, node: NodeKey | None
+    ) -> None:
         turn = TurnRecorded(
             session_id=session.opened.session_id,
             turn_index=session.turns,
@@ -482,6 +566,8 @@ class Gateway:
             finish_reason=choice.finish_reason,
             completion_text=choice.text,
             policy=plan.policy,
+            node_depth=node.depth if node is not None else 0,
+            node_digest=node.digest if node is not None else "",
         )
         await self.bus.js_publish(self.bus.subjects.trajectory_event(turn.session_id), turn)
         session.turns += 1
@@ -810,19 +896,23 @@ class Plan:
     include_usage: bool
 
     def seed_for(self, index: int) -> int | None:
-        """Choice i of a seeded request uses seed + i: n choices differ, and a repeat of
-        the request (streamed or not) gives the same n answers."""
-        return None if self.seed is None else self.seed + index
+        """Choice i of a seeded request uses seed + i (modulo 2**64): n choices differ,
+        and a repeat of the request (streamed or not) gives the same n answers."""
+        if self.seed is None:
+            return None
+        seed = self.seed + index  # past the largest seed it wraps around
+        return seed if seed in SEEDS else seed - 2**64
 
 
 @dataclass
 class Turn:
-    """One request in flight: its session, plan, choices, and what to do once recorded."""
+    """One request in flight: its session, plan, choices, and the tree node of each."""
 
     session: GatewaySession
     plan: Plan
     choices: list[Choice]
-    after: Callable[[list[Choice]], None]
+    node_of: Callable[[Choice], NodeKey | None]
+    """The node of the session's tree a recorded choice becomes (None: no tree)."""
     span: str
     on_update: Callable[[], None] = lambda: None
 
@@ -876,6 +966,7 @@ class GatewayService:
             raise RuntimeError("the gateway needs SF_MODEL_DIR (the tokenizer lives there)")
         tokenizer = await asyncio.to_thread(ChatTokenizer, ctx.mesh.model_dir)
         self.gateway = Gateway(self.settings, ctx.bus, tokenizer, ctx.mesh.policy_names())
+        await self.gateway.restore_sessions()
         await ctx.bus.nc.subscribe(ctx.subjects.sched_phase(), cb=self.gateway.on_phase)
         config = uvicorn.Config(
             self.gateway.app(),

@@ -19,7 +19,7 @@ from pydantic import (
 )
 from starlette.responses import JSONResponse
 
-from seamlessflow.protocol import GREEDY_BELOW
+from seamlessflow.protocol import GREEDY_BELOW, SEEDS, TOP_P_MIN
 
 
 class ApiError(Exception):
@@ -52,7 +52,10 @@ class ApiError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        # OpenAI clients retry 409 and every 5xx unless told otherwise: a refused
+        # request (a finished session included) fails the same way when repeated.
+        retry = "true" if self.status in (408, 429) or self.status >= 500 else "false"
+        return JSONResponse(self.body(), status_code=self.status, headers={"x-should-retry": retry})
 
 
 def validation_error(exc: ValidationError) -> ApiError:
@@ -81,7 +84,7 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(default=None, ge=SEEDS.start, lt=SEEDS.stop)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -90,6 +93,11 @@ class _Request(BaseModel):
     @classmethod
     def _greedy_if_tiny(cls, temperature: float) -> float:
         return 0.0 if temperature < GREEDY_BELOW else temperature
+
+    @field_validator("top_p")
+    @classmethod
+    def _nucleus_of_one_if_tiny(cls, top_p: float) -> float:
+        return max(top_p, TOP_P_MIN)
 
     @field_validator("stop")
     @classmethod

@@ -87,6 +87,13 @@ from sf_trainer.step import StepResult
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
 R = TypeVar("R", bound=Message)
+
+IN_ORDER_WAIT_S = 120.0
+"""How long a batch that arrives ahead of its turn is put back while the one before it
+is awaited. A trainer killed while it held a batch unacked leaves that batch to come
+back after the consumer's ack wait (30 s), behind the ones after it; training those
+first would skip it for good (it is then at or before the data position). Past this
+wait, the missing batch is taken as never published and the next one is trained."""
 T = TypeVar("T")
 
 
@@ -107,6 +114,8 @@ class Trainer:
         self.trained_steps = 0
         """Optimizer steps the policy's weights hold (``step`` less the steps a resume
         lost): what decides whether a checkpoint may be replaced."""
+        self._ahead_since: float | None = None
+        """Since when a batch after the next one to train has been put back."""
         self.unsaved_steps = 0
         """Steps since ``checkpoints/final`` was written: a trainer that trained nothing
         (e.g. a bad ``SF_TRAINER_RESUME``) never overwrites it on the way out."""
@@ -237,6 +246,10 @@ class Trainer:
                          batch.batch_index, self.data_position)  # fmt: skip
                 await ack_redeliverable(msg)
                 continue
+            if batch.batch_index > self.data_position + 1 and self._waits_in_order(batch):
+                await msg.nak(delay=1.0)
+                continue
+            self._ahead_since = None
             with telemetry.extracted_context(msg.headers):
                 await self._claim_slots(batch.batch_index)
                 await self._step(batch, wait_seconds)
@@ -261,6 +274,20 @@ class Trainer:
             )
             log.info("training finished after %d steps: %s holds %d trained steps "
                      "(version %d)", self.step, final, kept.trained, kept.version)  # fmt: skip
+
+    def _waits_in_order(self, batch: TrainBatch) -> bool:
+        """Whether ``batch``, ahead of the next one to train, is put back to wait for
+        it (``IN_ORDER_WAIT_S``)."""
+        now = time.monotonic()
+        if self._ahead_since is None:
+            self._ahead_since = now
+            log.info("batch %d came before batch %d (held by a trainer that stopped?): "
+                     "waiting for it", batch.batch_index, self.data_position + 1)  # fmt: skip
+        if now - self._ahead_since < IN_ORDER_WAIT_S:
+            return True
+        log.warning("batch %d never came in %.0fs: training batch %d",
+                    self.data_position + 1, IN_ORDER_WAIT_S, batch.batch_index)  # fmt: skip
+        return False
 
     async def _next_batch(self, batches):  # type: ignore[no-untyped-def]
         stop = asyncio.create_task(self.ctx.stopping.wait())

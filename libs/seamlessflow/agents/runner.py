@@ -10,6 +10,11 @@ Produces:
 Every claimed sample ends with ``/finish`` (also when the agent raised), so the
 trajectory service can always close the group.
 
+A gateway that restarts rebuilds its open sessions from the trajectory stream, so a
+call that could not reach it is tried again once it answers: the runner's own calls
+after waiting for its health check, the agents' through their OpenAI client's retries
+(``AGENT_CALL_RETRIES``). The sample goes on in the same session.
+
 HTTP costs CPU on the machine the agents share with the engines and the trainer, so
 both clients run on aiohttp: the runner's own calls use an ``aiohttp.ClientSession``
 (~0.2 ms of CPU per call here, against ~2.7 ms for an ``httpx.AsyncClient`` with 64
@@ -21,6 +26,7 @@ against ~3 ms on its default httpx transport). See docs/benchmarks.md "Against T
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -38,6 +44,19 @@ from seamlessflow.protocol import NoTask, TaskAssignment, TaskClaim
 from seamlessflow.service import ServiceContext, supervise
 
 log = logging.getLogger(__name__)
+
+AGENT_CALL_RETRIES = 8
+"""Retries of an agent's OpenAI call that found no gateway (or a 5xx): the client's
+back-off (0.5 s doubling to 8 s) spans about 40 s, longer than a gateway's restart. The
+gateway marks the errors a retry cannot fix (4xx) as not to be retried."""
+
+GATEWAY_ATTEMPTS = 5
+"""Attempts of one of the runner's own calls (open, reward, finish) that could not
+connect; each waits for the gateway's health check first."""
+
+
+class GatewayRefused(Exception):
+    """The gateway answered one of the runner's calls with an error status."""
 
 
 class AgentRunnerSettings(BaseSettings):
@@ -148,7 +167,7 @@ class AgentRunner:
                 continue
             try:
                 await self.run_sample(reply)
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except (aiohttp.ClientError, TimeoutError, GatewayRefused) as exc:
                 # The sample is lost to this runner; the trajectory service closes its
                 # group once it makes no progress (SF_TRAJECTORY_GROUP_TIMEOUT_S). No
                 # new claim before the gateway answers again: it would be lost too.
@@ -167,24 +186,25 @@ class AgentRunner:
             "reward_fn": assignment.reward_fn,
             "policy": assignment.policy,
         }
-        async with self.http.post(f"{self.gateway_url}/sessions", json=body) as response:
-            if response.status in (401, 403):
-                # every claim would fail the same way: stop the run instead of losing them
-                given = "its key" if self.settings.gateway_key.get_secret_value() else "no key"
-                raise Unrecoverable(
-                    f"the gateway at {self.gateway_url} refused {given} to open a session "
-                    f"(HTTP {response.status}): set SF_AGENTS_GATEWAY_KEY to one of the "
-                    "gateway's SF_GATEWAY_API_KEYS"
-                )
-            response.raise_for_status()
-            session = await response.json()
+        status, answer = await self._post("/sessions", body)
+        if status in (401, 403):
+            # every claim would fail the same way: stop the run instead of losing them
+            given = "its key" if self.settings.gateway_key.get_secret_value() else "no key"
+            raise Unrecoverable(
+                f"the gateway at {self.gateway_url} refused {given} to open a session "
+                f"(HTTP {status}): set SF_AGENTS_GATEWAY_KEY to one of the "
+                "gateway's SF_GATEWAY_API_KEYS"
+            )
+        if status != 201:
+            raise GatewayRefused(f"opening a session: HTTP {status} {answer[:200]!r}")
+        session = json.loads(answer)
         session_id = session["session_id"]
         # the session's own key: this agent can reach its session and no other
         session_auth = {"authorization": f"Bearer {session['api_key']}"}
         client = AsyncOpenAI(
             base_url=session["base_url"],
             api_key=session["api_key"],
-            max_retries=0,
+            max_retries=AGENT_CALL_RETRIES,
             http_client=self.openai_http,
         )
         policies = tuple(self.ctx.mesh.policy_names())
@@ -201,12 +221,10 @@ class AgentRunner:
         try:
             reward = await self.agent(client, task)
             for reward_body in _reward_bodies(reward):
-                async with self.http.post(
-                    f"{self.gateway_url}/sessions/{session_id}/reward",
-                    json=reward_body,
-                    headers=session_auth,
-                ) as response:
-                    response.raise_for_status()
+                path = f"/sessions/{session_id}/reward"
+                status, answer = await self._post(path, reward_body, session_auth)
+                if status != 200:
+                    raise GatewayRefused(f"reward: HTTP {status} {answer[:200]!r}")
             self.completed += 1
         except asyncio.CancelledError:
             raise
@@ -214,12 +232,29 @@ class AgentRunner:
             self.failed += 1
             log.exception("agent failed on %s (session %s)", assignment.task_id, session_id)
         finally:
-            async with self.http.post(
-                f"{self.gateway_url}/sessions/{session_id}/finish", headers=session_auth
-            ) as finish:
-                if finish.status not in (200, 409):
-                    log.warning("finishing %s: HTTP %d %s", session_id, finish.status,
-                                await finish.text())  # fmt: skip
+            path = f"/sessions/{session_id}/finish"
+            status, answer = await self._post(path, None, session_auth)
+            if status not in (200, 409):
+                log.warning("finishing %s: HTTP %d %s", session_id, status, answer[:200])
+
+    async def _post(
+        self, path: str, body: dict[str, object] | None, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, str]:
+        """POST to the gateway: (status, body text). A call that cannot connect (the
+        gateway restarting) is made again once the gateway answers its health check;
+        the restarted gateway knows the session."""
+        for attempt in range(1, GATEWAY_ATTEMPTS + 1):
+            try:
+                async with self.http.post(
+                    f"{self.gateway_url}{path}", json=body, headers=headers
+                ) as response:
+                    return response.status, await response.text()
+            except aiohttp.ClientConnectionError as exc:
+                if attempt == GATEWAY_ATTEMPTS:
+                    raise
+                log.warning("POST %s: %s; trying again once the gateway answers", path, exc)
+                await self._wait_for_gateway()
+        raise AssertionError("unreachable")
 
 
 def _reward_bodies(reward: AgentReward) -> list[dict[str, object]]:

@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mappi
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Self
 
-from seamlessflow.protocol import GREEDY_BELOW
+from seamlessflow.protocol import GREEDY_BELOW, SEEDS, TOP_P_MIN
 
 if TYPE_CHECKING:
     import torch
@@ -82,7 +82,8 @@ class SamplingParams:
     temperature: float = 1.0
     """Softmax temperature; 0 (or anything below ``GREEDY_BELOW``) means greedy."""
     top_p: float = 1.0
-    """Nucleus sampling mass in (0, 1]; 1 disables truncation. Ignored when greedy."""
+    """Nucleus sampling mass in (0, 1]; 1 disables truncation. Ignored when greedy.
+    Below ``TOP_P_MIN`` it is raised to it (the nucleus is the most likely token)."""
     stop_token_ids: tuple[int, ...] = ()
     """Generation stops after any of these ids; the stop token is part of the output."""
     seed: int | None = None
@@ -103,6 +104,8 @@ class SamplingParams:
             object.__setattr__(self, "temperature", 0.0)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_p < TOP_P_MIN:
+            object.__setattr__(self, "top_p", TOP_P_MIN)  # float32 would make it 0
         stop = tuple(self.stop_token_ids)
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {stop!r}")
@@ -111,6 +114,8 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and self.seed not in SEEDS:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         k = self.top_logprobs
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
