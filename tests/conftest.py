@@ -160,3 +160,22 @@ async def recorded_turns(bus: Bus) -> list:  # type: ignore[type-arg]
 def session_auth(session: dict) -> dict[str, str]:  # type: ignore[type-arg]
     """Headers carrying a session's own key (what its OpenAI client sends)."""
     return {"authorization": f"Bearer {session['api_key']}"}
+
+
+def small_embedded_run(run_id: str, runs_dir: Path, model_dir: Path, steps: int):  # type: ignore[no-untyped-def]
+    """An embedded run (``seamlessflow up``) of a few small steps on the test model."""
+    from seamlessflow.embedded import EmbeddedRun, RunConfig
+
+    return EmbeddedRun(
+        RunConfig(
+            run_id=run_id,
+            runs_dir=runs_dir,
+            model_dir=model_dir,
+            steps=steps,
+            group_size=4,
+            groups_per_batch=2,
+            agent_concurrency=8,
+            engine_batch_size=8,
+            live=False,
+        )
+    )

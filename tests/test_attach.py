@@ -15,27 +15,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import small_embedded_run
 
 from seamlessflow.connection import CONNECTION_FILE, RunConnection
-from seamlessflow.embedded import EmbeddedRun, RunConfig
 
 OWN_KEY = "my-own-operator-key"
-
-
-def small_run(run_id: str, runs_dir: Path, model_dir: Path, steps: int) -> EmbeddedRun:
-    return EmbeddedRun(
-        RunConfig(
-            run_id=run_id,
-            runs_dir=runs_dir,
-            model_dir=model_dir,
-            steps=steps,
-            group_size=4,
-            groups_per_batch=2,
-            agent_concurrency=8,
-            engine_batch_size=8,
-            live=False,
-        )
-    )
 
 
 async def connection_of(run_dir: Path, running: asyncio.Task) -> RunConnection:  # type: ignore[type-arg]
@@ -63,7 +47,7 @@ async def test_an_openai_agent_joins_a_live_run_with_its_own_key_and_its_session
     run_id: str, base_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SF_GATEWAY_API_KEYS", OWN_KEY)  # what the README tells a user
-    run = small_run(run_id, tmp_path, base_model_dir, steps=8)
+    run = small_embedded_run(run_id, tmp_path, base_model_dir, steps=8)
     running = asyncio.create_task(run.run())
     try:
         connection = await connection_of(tmp_path / run_id, running)
@@ -126,7 +110,7 @@ async def test_a_run_whose_agents_are_refused_stops_with_that_error(
 ) -> None:
     monkeypatch.setenv("SF_GATEWAY_API_KEYS", OWN_KEY)
     monkeypatch.setenv("SF_AGENTS_GATEWAY_KEY", "not-a-key-of-the-gateway")
-    run = small_run(run_id, tmp_path, base_model_dir, steps=8)
+    run = small_embedded_run(run_id, tmp_path, base_model_dir, steps=8)
     async with asyncio.timeout(600):  # today it trains nothing and never ends
         summary = await run.run()
     assert summary.status.startswith("failed: agents: the gateway"), summary.status

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import torch
 
-from seamlessflow.bus import Bus, connect
+from seamlessflow.bus import Bus, Unrecoverable, connect
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import (
     CurrentVersion,
@@ -240,7 +240,7 @@ def small_state(seed: int) -> dict[str, torch.Tensor]:
 
 async def test_a_byte_limit_the_server_cannot_reserve_is_one_clear_error(bus: Bus) -> None:
     too_much = RetentionSettings(trajectory_max_gb=1024**3)  # an exabyte
-    with pytest.raises(RuntimeError, match=r"cannot reserve .* SF_RETENTION_\*_MAX_GB"):
+    with pytest.raises(Unrecoverable, match=r"cannot reserve .* SF_RETENTION_\*_MAX_GB"):
         await bus.ensure_streams(retention=too_much)
     config = (await bus.js.stream_info(bus.subjects.stream_trajectory())).config
     assert config.max_bytes == -1  # the stream kept the limits it had

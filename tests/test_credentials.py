@@ -10,9 +10,9 @@ import os
 from pathlib import Path
 
 import pytest
+from conftest import small_embedded_run
 
 from seamlessflow.bus import connect
-from seamlessflow.embedded import EmbeddedRun, RunConfig
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import Subjects
 
@@ -66,19 +66,7 @@ async def test_a_nats_server_with_a_token_refuses_clients_without_it(tmp_path: P
 async def test_an_embedded_run_keeps_its_secrets_out_of_the_run_directory(
     run_id: str, base_model_dir: Path, tmp_path: Path
 ) -> None:
-    run = EmbeddedRun(
-        RunConfig(
-            run_id=run_id,
-            runs_dir=tmp_path,
-            model_dir=base_model_dir,
-            steps=2,
-            group_size=4,
-            groups_per_batch=2,
-            agent_concurrency=8,
-            engine_batch_size=8,
-            live=False,
-        )
-    )
+    run = small_embedded_run(run_id, tmp_path, base_model_dir, steps=2)
     summary = await run.run()
     assert summary.status == "finished", summary.status
     secrets = [run.nats_token, run.gateway_key]

@@ -150,3 +150,25 @@ def test_export_takes_the_token_from_the_environment_or_the_run_directory(
     not_a_run = export("--run-dir", str(tmp_path), env=clean_env())
     assert not_a_run.returncode == 2
     assert "connection.json" in not_a_run.stderr
+
+
+@pytest.mark.parametrize(
+    ("service", "settings", "expected"),
+    [
+        ("gateway", {"SF_GATEWAY_HOST": "0.0.0.0"}, "SF_GATEWAY_PUBLIC_URL"),
+        ("trainer", {"SF_TRAINER_STEPS": "many"}, "steps: Input should be a valid integer"),
+    ],
+)
+def test_a_service_with_invalid_settings_exits_with_one_line(
+    service: str, settings: dict[str, str], expected: str
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "seamlessflow", "serve", service],
+        env=clean_env(**settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == EXIT_UNRECOVERABLE, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"{service}: invalid settings") and expected in line

@@ -248,7 +248,7 @@ class Bus:
             await self.js.update_stream(have)
         except nats.js.errors.APIError as exc:
             if exc.err_code == INSUFFICIENT_STORAGE:
-                raise RuntimeError(
+                raise Unrecoverable(
                     f"the NATS server cannot reserve {wanted.max_bytes} bytes for stream "
                     f"{name}: lower SF_RETENTION_*_MAX_GB (0 = no byte limit) or give "
                     "JetStream more storage"

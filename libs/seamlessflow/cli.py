@@ -119,15 +119,28 @@ def serve(
     """Run one service alone against SF_NATS_URL (settings from the environment)."""
     if service not in SERVICES:
         raise typer.BadParameter(f"unknown service {service!r}; known: {', '.join(SERVICE_NAMES)}")
-    if service in PROCESS_ENTRIES:
-        module_name, _, attr = PROCESS_ENTRIES[service].partition(":")
-        getattr(importlib.import_module(module_name), attr)()
-        return
-    module_name, _, attr = SERVICES[service].partition(":")
-    service_class = getattr(importlib.import_module(module_name), attr)
-    from seamlessflow.service import main
+    from pydantic import ValidationError
 
-    main(service_class())
+    from seamlessflow.bus import EXIT_UNRECOVERABLE
+
+    try:
+        if service in PROCESS_ENTRIES:
+            module_name, _, attr = PROCESS_ENTRIES[service].partition(":")
+            getattr(importlib.import_module(module_name), attr)()
+            return
+        module_name, _, attr = SERVICES[service].partition(":")
+        service_class = getattr(importlib.import_module(module_name), attr)
+        from seamlessflow.service import main
+
+        main(service_class())
+    except ValidationError as exc:
+        # settings are read from the environment: say which, in one line, and do not let
+        # a supervisor restart into the same error
+        problems = "; ".join(
+            ".".join(map(str, error["loc"])) + ": " + error["msg"] if error["loc"] else error["msg"]
+            for error in exc.errors()
+        )
+        fail(f"{service}: invalid settings ({exc.title}): {problems}", EXIT_UNRECOVERABLE)
 
 
 CLI_NATS_WAIT_S = 5.0

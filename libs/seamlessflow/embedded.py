@@ -548,7 +548,8 @@ class EmbeddedRun:
                 gateway_key=env["SF_AGENTS_GATEWAY_KEY"],
             )
             self.connection.write(self.run_dir)
-            print(self.connection.attach_instructions(self.run_dir), flush=True)
+            # stderr: stdout is for results (`seamlessflow bench` prints its JSON there)
+            print(self.connection.attach_instructions(self.run_dir), file=sys.stderr, flush=True)
             for service in SERVICE_ORDER:
                 if service not in POLICY_SERVICES:
                     self.spawn(service, service, env)
