@@ -162,8 +162,11 @@ def session_auth(session: dict) -> dict[str, str]:  # type: ignore[type-arg]
     return {"authorization": f"Bearer {session['api_key']}"}
 
 
-def small_embedded_run(run_id: str, runs_dir: Path, model_dir: Path, steps: int):  # type: ignore[no-untyped-def]
-    """An embedded run (``seamlessflow up``) of a few small steps on the test model."""
+def small_embedded_run(  # type: ignore[no-untyped-def]
+    run_id: str, runs_dir: Path, model_dir: Path, steps: int, **config: object
+):
+    """An embedded run (``seamlessflow up``) of a few small steps on the test model;
+    ``config``: further ``RunConfig`` fields."""
     from seamlessflow.embedded import EmbeddedRun, RunConfig
 
     return EmbeddedRun(
@@ -177,5 +180,6 @@ def small_embedded_run(run_id: str, runs_dir: Path, model_dir: Path, steps: int)
             agent_concurrency=8,
             engine_batch_size=8,
             live=False,
+            **config,  # type: ignore[arg-type]
         )
     )

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import small_embedded_run
 
-from seamlessflow.embedded import EmbeddedRun, RunConfig, deployment
+from seamlessflow.embedded import RunConfig, deployment
 from seamlessflow.timeline import build_timeline, load_phase_spans
 
 pytestmark = pytest.mark.slow
@@ -37,20 +38,8 @@ async def test_a_run_lends_and_reclaims_training_slots(
     mode: str, nats_url: str, run_id: str, base_model_dir: Path, tmp_path: Path
 ) -> None:
     steps = 3
-    summary = await EmbeddedRun(
-        RunConfig(
-            run_id=run_id,
-            runs_dir=tmp_path,
-            model_dir=base_model_dir,
-            nats_url=nats_url,
-            mode=mode,  # type: ignore[arg-type]
-            steps=steps,
-            group_size=4,
-            groups_per_batch=2,
-            agent_concurrency=8,
-            engine_batch_size=8,
-            live=False,
-        )
+    summary = await small_embedded_run(
+        run_id, tmp_path, base_model_dir, steps, nats_url=nats_url, mode=mode
     ).run()
     assert summary.status == "finished" and summary.final_version == steps
     assert summary.mode == mode

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import InProcessMesh, session_auth
+from conftest import InProcessMesh, session_auth, small_embedded_run
 
 from seamlessflow.agents.runner import AgentRunner, AgentRunnerSettings
 from seamlessflow.bus import Bus, RemoteError
-from seamlessflow.embedded import EmbeddedRun, RunConfig
 from seamlessflow.protocol import (
     ResourceRegister,
     RoleAssignment,
@@ -198,22 +197,15 @@ async def test_the_two_policy_example_runs_embedded_and_lends_per_policy(
     processes, multiplexed: each policy's lendable engine serves only its own policy's
     rollout while that policy's trainer waits."""
     steps = 3
-    summary = await EmbeddedRun(
-        RunConfig(
-            run_id=run_id,
-            runs_dir=tmp_path,
-            model_dir=base_model_dir,
-            nats_url=nats_url,
-            policies=["solver", "verifier"],
-            agent="solve_and_verify",
-            mode="multiplexed",
-            steps=steps,
-            group_size=4,
-            groups_per_batch=2,
-            agent_concurrency=8,
-            engine_batch_size=8,
-            live=False,
-        )
+    summary = await small_embedded_run(
+        run_id,
+        tmp_path,
+        base_model_dir,
+        steps,
+        nats_url=nats_url,
+        policies=["solver", "verifier"],
+        agent="solve_and_verify",
+        mode="multiplexed",
     ).run()
     assert summary.status == "finished", summary.status
     run_dir = tmp_path / run_id

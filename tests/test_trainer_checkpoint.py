@@ -175,6 +175,13 @@ def test_a_save_never_replaces_a_checkpoint_holding_more_trained_steps(
 # the service against a real nats-server -------------------------------------------------
 
 
+def trainer_mesh(mesh: InProcessMesh, model_dir: Path, run_dir: Path) -> MeshSettings:
+    """The mesh settings of a trainer joining ``mesh``'s run."""
+    return MeshSettings(
+        nats_url=mesh.mesh.nats_url, run_id=mesh.mesh.run_id, model_dir=model_dir, run_dir=run_dir
+    )
+
+
 async def run_trainer(mesh: MeshSettings, settings: TrainerSettings) -> None:
     """One trainer process's life, in this event loop, until it finishes its steps."""
     trainer_bus = await connect(mesh.nats_url, Subjects(mesh.run_id), name="trainer")
@@ -192,12 +199,7 @@ async def test_a_resumed_trainer_skips_trained_batches_and_keeps_versions_monoto
 
     await mesh.start(TagScheduler())
     subjects = bus.subjects
-    run = MeshSettings(
-        nats_url=mesh.mesh.nats_url,
-        run_id=mesh.mesh.run_id,
-        model_dir=base_model_dir,
-        run_dir=tmp_path,
-    )
+    run = trainer_mesh(mesh, base_model_dir, tmp_path)
     for batch in BATCHES[:2]:
         await bus.js_publish(subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}")
     first = SETTINGS.model_copy(update={"steps": 2, "checkpoint_every": 1})
@@ -256,12 +258,7 @@ async def test_a_trainer_started_again_after_it_finished_keeps_the_trained_final
     from sf_tag_scheduler.service import TagScheduler
 
     await mesh.start(TagScheduler())
-    run = MeshSettings(
-        nats_url=mesh.mesh.nats_url,
-        run_id=mesh.mesh.run_id,
-        model_dir=base_model_dir,
-        run_dir=tmp_path,
-    )
+    run = trainer_mesh(mesh, base_model_dir, tmp_path)
     for batch in BATCHES[:2]:
         await bus.js_publish(bus.subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}")
     settings = SETTINGS.model_copy(update={"steps": 2})
@@ -299,12 +296,7 @@ async def test_a_batch_that_comes_back_late_is_still_trained_in_order(
 
     await mesh.start(TagScheduler())
     subjects = bus.subjects
-    run = MeshSettings(
-        nats_url=mesh.mesh.nats_url,
-        run_id=mesh.mesh.run_id,
-        model_dir=base_model_dir,
-        run_dir=tmp_path,
-    )
+    run = trainer_mesh(mesh, base_model_dir, tmp_path)
     await bus.js_publish(subjects.batch_ready(), BATCHES[1], msg_id="batch-1")
     await bus.js_publish(subjects.batch_ready(), BATCHES[0], msg_id="batch-0")
     await run_trainer(run, SETTINGS.model_copy(update={"steps": 2}))
