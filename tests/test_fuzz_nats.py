@@ -42,6 +42,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
+from seamlessflow import protocol
 from seamlessflow.bus import Bus, connect
 from seamlessflow.protocol import (
     SCHEMA_VERSION,
@@ -242,6 +243,23 @@ def consistent_turn(draw: st.DrawFn) -> TurnRecorded:
 
 def buildable(kind: type[Message]) -> st.SearchStrategy[Message]:
     return consistent_turn() if kind is TurnRecorded else st.builds(kind)
+
+
+def _register_nested_structs() -> None:
+    """hypothesis builds a struct nested in a message (a TrainBatch's samples) with its
+    optional fields too, and passes msgspec's default-factory marker itself as the value
+    of a field defaulted by a factory: such structs are built from their required
+    fields, as messages are."""
+    for value in vars(protocol).values():
+        nested = isinstance(value, type) and issubclass(value, msgspec.Struct)
+        if not nested or issubclass(value, Message):
+            continue
+        fields = msgspec.structs.fields(value)
+        if any(f.default_factory is not msgspec.NODEFAULT for f in fields):
+            st.register_type_strategy(value, st.builds(value))
+
+
+_register_nested_structs()
 
 
 ANY_MESSAGE = st.sampled_from(MESSAGE_TYPES).flatmap(buildable)
