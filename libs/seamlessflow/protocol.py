@@ -302,6 +302,12 @@ TOP_P_MIN = 2.0**-126
 most likely token."""
 
 
+UNRECORDED_TEMPERATURE = -1.0
+"""The temperature of a token whose turn was recorded before turns carried their
+sampling temperature (a replay of an older run's streams): the trainer recomputes its
+logprob at ``SF_TRAINER_TEMPERATURE``, as trainers did then."""
+
+
 class TopLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
@@ -406,6 +412,14 @@ class TurnRecorded(Message, tag="traj.turn"):
     for a completion): messages + reply, and the sha256 chain over the tools and those
     messages (``sf_gateway.conversation``). A restarted gateway rebuilds the tree of an
     open session from them, with ``prompt_ids + completion_ids`` as the node's ids."""
+    temperature: float | None = None
+    """The temperature the engine sampled at (0 = greedy: the request asked for less
+    than ``GREEDY_BELOW``), which defines ``logprobs``: ``log_softmax(logits /
+    temperature)``, at temperature 1 when greedy. The trainer recomputes each token's
+    logprob at it. None: recorded before turns carried it (``UNRECORDED_TEMPERATURE``)."""
+    top_p: float = 1.0
+    """The nucleus the engine sampled from. It does not enter ``logprobs``, which are
+    taken before the truncation; recorded so that every turn says how it was sampled."""
 
     def __post_init__(self) -> None:
         # One logprob and one version per generated token, and real token ids: a turn
@@ -418,6 +432,8 @@ class TurnRecorded(Message, tag="traj.turn"):
             )
         if any(t < 0 for t in self.prompt_ids) or any(t < 0 for t in self.completion_ids):
             raise ValueError("token ids must be non-negative")
+        if self.temperature is not None and not self.temperature >= 0:  # NaN too
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
 
 
 class RewardReported(Message, tag="traj.reward"):
@@ -495,8 +511,8 @@ class TrainSample(msgspec.Struct, kw_only=True):
     """One trajectory as the trainer sees it: token ids exactly as the engine saw them.
 
     ``loss_mask[i] == 1`` iff token i was produced by the engine (trained on);
-    ``behaviour_logprobs[i]`` and ``versions[i]`` are meaningful only where the mask is 1
-    (0.0 and -1 elsewhere).
+    ``behaviour_logprobs[i]``, ``versions[i]`` and ``temperatures[i]`` are meaningful only
+    where the mask is 1 (0.0, -1 and 1.0 elsewhere).
     """
 
     session_id: str
@@ -505,6 +521,11 @@ class TrainSample(msgspec.Struct, kw_only=True):
     behaviour_logprobs: list[float]
     versions: list[int]
     reward: float
+    temperatures: list[float] = msgspec.field(default_factory=list)
+    """The temperature each token was sampled at (its turn's ``TurnRecorded.temperature``,
+    0 = greedy), at which the trainer recomputes its logprob; ``UNRECORDED_TEMPERATURE``
+    for a turn recorded without one. Empty: a sample made before samples carried
+    temperatures (every token unrecorded)."""
 
 
 class SampleGroup(msgspec.Struct, kw_only=True):
@@ -530,6 +551,8 @@ class ExportedSample(msgspec.Struct, kw_only=True):
     reward: float | None = None
     policy: str = DEFAULT_POLICY
     """The policy whose turns this branch holds (one set of branches per policy used)."""
+    temperatures: list[float] = msgspec.field(default_factory=list)
+    """Per token, as ``TrainSample.temperatures``."""
 
 
 class SessionExportQuery(Message, tag="traj.export_query"):

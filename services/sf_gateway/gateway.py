@@ -36,10 +36,11 @@ session not finished (key digest, task, turn count, conversation tree with its e
 ids), so an agent's next call with the same base URL and key continues its session.
 
 Invariants: the recorded TurnRecorded holds exactly the ids the engine consumed and
-produced, with their logprobs and versions, and is durably stored before the agent
-gets its answer. A request that fails validation stores nothing. An engine
-interruption (finish_reason "abort") is resumed here: prompt + partial ids are
-re-submitted (never re-tokenized) until the answer is complete.
+produced, with their logprobs and versions and the temperature and top_p they were
+sampled with (the trainer recomputes logprobs at that temperature), and is durably
+stored before the agent gets its answer. A request that fails validation stores
+nothing. An engine interruption (finish_reason "abort") is resumed here: prompt +
+partial ids are re-submitted (never re-tokenized) until the answer is complete.
 """
 
 from __future__ import annotations
@@ -568,6 +569,10 @@ class Gateway:
             policy=plan.policy,
             node_depth=node.depth if node is not None else 0,
             node_digest=node.digest if node is not None else "",
+            # what every engine call of the choice applied: the request's validation
+            # made tiny temperatures 0 by the engines' own greedy rule (``GREEDY_BELOW``)
+            temperature=plan.temperature,
+            top_p=plan.top_p,
         )
         await self.bus.js_publish(self.bus.subjects.trajectory_event(turn.session_id), turn)
         session.turns += 1

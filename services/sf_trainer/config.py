@@ -80,9 +80,11 @@ class TrainerSettings(BaseSettings):
     """DAPO soft overlong punishment, L_cache: over the last this many tokens up to
     L_max the added reward falls linearly from 0 to -1 (reached at L_max)."""
 
-    temperature: float = 1.0
-    """Sampling temperature the agents use; logprobs are computed at this temperature
-    so they match the engine's behaviour logprobs."""
+    temperature: float = Field(default=1.0, ge=0.0)
+    """Only for tokens recorded without their sampling temperature (a replay of streams
+    recorded before turns carried it): their logprobs are recomputed at this one, so set
+    it to what that run's agents used (0 = greedy). Every other token is recomputed at
+    the temperature recorded with its turn; this setting does not apply to it."""
 
     micro_batch_tokens: int = 16384
     """Gradient accumulation: each rank's sequences are packed into micro-batches of at

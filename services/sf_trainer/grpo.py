@@ -6,9 +6,21 @@ from __future__ import annotations
 import torch
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(target) under ``softmax(logits / temperature)``; the engines' definition."""
-    scaled = logits.float() / temperature if temperature > 0 else logits.float()
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor
+) -> torch.Tensor:
+    """log p(target) under ``softmax(logits / temperature)``; the engines' definition.
+
+    ``temperature`` is one for every token, or one per target (a tensor shaped like
+    ``targets``: each row of logits is divided by its own). 0 = greedy, whose logprob
+    is taken at temperature 1, as the engines report it.
+    """
+    if isinstance(temperature, torch.Tensor):
+        per_token = temperature.to(device=logits.device, dtype=torch.float32)
+        scale = torch.where(per_token > 0, per_token, 1.0).unsqueeze(-1)
+        scaled = logits.float() / scale
+    else:
+        scaled = logits.float() / temperature if temperature > 0 else logits.float()
     return torch.log_softmax(scaled, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 

@@ -8,7 +8,8 @@ step is the one a single process would take on the whole batch (up to float summ
 order).
 
 A step: shaped rewards -> advantages (``SF_TRAINER_ADVANTAGE``) -> for each
-micro-batch, policy (and, with ``SF_TRAINER_KL_COEF`` > 0, reference) logprobs -> loss
+micro-batch, policy (and, with ``SF_TRAINER_KL_COEF`` > 0, reference) logprobs, each
+token's at the temperature it was sampled at (``TrainSample.temperatures``) -> loss
 (``SF_TRAINER_LOSS``) -> backward; then one clipped optimizer step.
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from seamlessflow.protocol import TrainBatch, TrainSample
+from seamlessflow.protocol import UNRECORDED_TEMPERATURE, TrainBatch, TrainSample
 from sf_trainer.advantages import batch_advantages
 from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup, as_float, partition_by_tokens
@@ -56,25 +57,34 @@ class PackedSamples:
     targets: torch.Tensor  # [B, T-1]: token t+1 predicted at position t
     loss_mask: torch.Tensor  # [B, T-1]
     old_logprobs: torch.Tensor  # [B, T-1]
+    temperatures: torch.Tensor  # [B, T-1]: each target's sampling temperature (0 = greedy)
     advantages: torch.Tensor  # [B, 1]
 
     def to(self, device: torch.device) -> PackedSamples:
         return PackedSamples(**{name: value.to(device) for name, value in vars(self).items()})
 
 
-def pack(samples: list[TrainSample], advantages: list[float]) -> PackedSamples:
+def pack(
+    samples: list[TrainSample], advantages: list[float], unrecorded_temperature: float = 1.0
+) -> PackedSamples:
+    """``unrecorded_temperature``: for tokens without a recorded temperature
+    (``UNRECORDED_TEMPERATURE``, or a sample without ``temperatures``)."""
     length = max(len(s.token_ids) for s in samples)
     batch = len(samples)
     ids = torch.zeros(batch, length, dtype=torch.long)
     attention = torch.zeros(batch, length, dtype=torch.long)
     mask = torch.zeros(batch, length, dtype=torch.float32)
     old = torch.zeros(batch, length, dtype=torch.float32)
+    temperatures = torch.full((batch, length), UNRECORDED_TEMPERATURE, dtype=torch.float32)
     for row, sample in enumerate(samples):
         n = len(sample.token_ids)
         ids[row, :n] = torch.tensor(sample.token_ids)
         attention[row, :n] = 1
         mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.float32)
         old[row, :n] = torch.tensor(sample.behaviour_logprobs, dtype=torch.float32)
+        if sample.temperatures:
+            temperatures[row, :n] = torch.tensor(sample.temperatures, dtype=torch.float32)
+    temperatures = temperatures.masked_fill(temperatures < 0, unrecorded_temperature)
     return PackedSamples(
         input_ids=ids,
         attention_mask=attention,
@@ -82,6 +92,7 @@ def pack(samples: list[TrainSample], advantages: list[float]) -> PackedSamples:
         # a token at position t is predicted by position t-1; position 0 is never trained
         loss_mask=mask[:, 1:],
         old_logprobs=old[:, 1:],
+        temperatures=temperatures[:, 1:],
         advantages=torch.tensor(advantages, dtype=torch.float32).unsqueeze(-1),
     )
 
@@ -171,19 +182,22 @@ def train_step(
     loss_sum = clipped = truncated = abs_diff = kl_sum = 0.0
     plan = plan_micro_batches(samples, group.world_size, settings.micro_batch_tokens)
     for micro in plan[group.rank]:
-        packed = pack([samples[i] for i in micro.indices], [advantages[i] for i in micro.indices])
-        packed = packed.to(group.device)
+        packed = pack(
+            [samples[i] for i in micro.indices],
+            [advantages[i] for i in micro.indices],
+            unrecorded_temperature=settings.temperature,
+        ).to(group.device)
         if not micro.trained:
             packed.loss_mask.zero_()
         logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
-        logprobs = token_logprobs(logits[:, :-1], packed.targets, settings.temperature)
+        logprobs = token_logprobs(logits[:, :-1], packed.targets, packed.temperatures)
         inputs = LossInputs(
             logprobs=logprobs,
             behaviour_logprobs=packed.old_logprobs,
             advantages=packed.advantages,
             mask=packed.loss_mask,
             reference_logprobs=(
-                None if reference is None else _reference_logprobs(reference, packed, settings)
+                None if reference is None else _reference_logprobs(reference, packed)
             ),
         )
         output = loss_fn(inputs, settings, totals)
@@ -219,11 +233,10 @@ def train_step(
     )
 
 
-def _reference_logprobs(
-    reference: torch.nn.Module, packed: PackedSamples, settings: TrainerSettings
-) -> torch.Tensor:
-    """The targets' logprobs under the frozen reference model. Every pass runs it, the
-    padding passes too: a sharded reference all-gathers in its forward like the policy."""
+def _reference_logprobs(reference: torch.nn.Module, packed: PackedSamples) -> torch.Tensor:
+    """The targets' logprobs under the frozen reference model, at each token's sampling
+    temperature like the policy's. Every pass runs it, the padding passes too: a sharded
+    reference all-gathers in its forward like the policy."""
     with torch.no_grad():
         logits = reference(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
-        return token_logprobs(logits[:, :-1], packed.targets, settings.temperature)
+        return token_logprobs(logits[:, :-1], packed.targets, packed.temperatures)

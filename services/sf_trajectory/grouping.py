@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from seamlessflow.protocol import (
     DEFAULT_POLICY,
+    UNRECORDED_TEMPERATURE,
     ExportedSample,
     GroupClosed,
     RewardReported,
@@ -62,12 +63,14 @@ def branch(turns: list[TurnRecorded], leaf: TurnRecorded) -> tuple[TrainSample, 
     The sequence is the leaf's prompt + completion. A turn whose prompt and completion lie
     on that sequence (same ids at the same positions) contributes its completion tokens to
     the loss mask; a turn from another branch does not. Every masked-in token is one the
-    engine produced (invariant 1), with the logprob and version it was produced with.
+    engine produced (invariant 1), with the logprob, version and temperature it was
+    produced with.
     """
     token_ids = [*leaf.prompt_ids, *leaf.completion_ids]
     loss_mask = [0] * len(token_ids)
     logprobs = [0.0] * len(token_ids)
     versions = [-1] * len(token_ids)
+    temperatures = [1.0] * len(token_ids)
     on_path = []
     for turn in turns:
         start = len(turn.prompt_ids)
@@ -78,6 +81,8 @@ def branch(turns: list[TurnRecorded], leaf: TurnRecorded) -> tuple[TrainSample, 
         loss_mask[start:end] = [1] * (end - start)
         logprobs[start:end] = turn.logprobs
         versions[start:end] = turn.versions
+        temperature = UNRECORDED_TEMPERATURE if turn.temperature is None else turn.temperature
+        temperatures[start:end] = [temperature] * (end - start)
     sample = TrainSample(
         session_id=leaf.session_id,
         token_ids=token_ids,
@@ -85,6 +90,7 @@ def branch(turns: list[TurnRecorded], leaf: TurnRecorded) -> tuple[TrainSample, 
         behaviour_logprobs=logprobs,
         versions=versions,
         reward=0.0,
+        temperatures=temperatures,
     )
     return sample, on_path
 
@@ -166,6 +172,7 @@ def export_session(events: list[TrajectoryEvent], reward_lookup: RewardLookup) -
                     loss_mask=sample.loss_mask,
                     behaviour_logprobs=sample.behaviour_logprobs,
                     versions=sample.versions,
+                    temperatures=sample.temperatures,
                     turn_indexes=on_path,
                     final=final,
                     reward=reward if final else None,

@@ -83,7 +83,9 @@ class AgentRunnerSettings(BaseSettings):
     """Completion budget per agent call."""
 
     temperature: float = 1.0
-    """Sampling temperature agents use (the trainer must use the same)."""
+    """Sampling temperature the built-in agents ask for (``AgentTask.temperature``); an
+    agent may pick its own per call. Each turn records the temperature it was sampled
+    at and the trainer uses that one: nothing else has to match it."""
 
     gateway_wait_s: float = 60.0
     """How long the runner waits for the gateway to answer the first time; then it exits
