@@ -12,6 +12,7 @@ import torch
 from conftest import small_embedded_run
 from test_trainer_distributed import BATCHES, run_ranks, spec
 from trainer_batches import make_batch
+from transformers import AutoTokenizer
 
 from seamlessflow.tasks import get_task_source
 from sf_trainer.checkpoint import TrainerState, load_model_state, load_optimizer_state
@@ -245,6 +246,43 @@ def test_the_eval_set_is_the_task_s_held_out_split(base_model_dir: Path) -> None
     evaluated = policy.evaluate()
     assert evaluated.samples == 5 and 0.0 <= evaluated.mean_reward <= 1.0
     assert policy.model.training  # back to training after the greedy answers
+
+
+SCORED: list[tuple[str, str]] = []
+
+
+def recording_reward(completion: str, reference: str) -> float:
+    """A reward that records what it scores; its value is known from its input."""
+    SCORED.append((completion, reference))
+    return len(completion) % 3 / 2
+
+
+def test_evaluation_scores_each_greedy_completion_once_against_its_reference(
+    base_model_dir: Path, tmp_path: Path
+) -> None:
+    rows = [
+        {"prompt": "What is " + " + ".join(["1"] * (n + 1)) + "?", "reference": f"ref-{n}"}
+        for n in range(40)
+    ]
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    task = f"{data}?reward=test_trainer_practice:recording_reward&eval_fraction=0.5"
+    items = get_task_source(task).items("eval")
+    assert len(items) > 16  # more than one generation batch (EVAL_BATCH)
+    policy = learner(base_model_dir, eval_every=1, eval_task=task, eval_items=0)
+    SCORED.clear()
+    evaluated = policy.evaluate()
+    # every held-out prompt (prompts of differing lengths: left-padded together) scored
+    # once, in order, against its own reference; the mean is the reward's
+    assert [reference for _, reference in SCORED] == [item.reference for item in items]
+    assert evaluated.samples == len(items)
+    values = [len(text) % 3 / 2 for text, _ in SCORED]
+    assert evaluated.mean_reward == pytest.approx(sum(values) / len(values))
+    tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
+    for text, _ in SCORED:
+        # the completion alone, within the budget
+        assert "What is" not in text
+        assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= 16
 
 
 @pytest.mark.slow
