@@ -5,7 +5,8 @@ MASTER_PORT). Every rank builds the Learner exactly as ``sf_trainer.launch`` doe
 0 drives it through its commands (restore, steps, checkpoint, stop) and the others
 follow. Usage: ``python trainer_rank.py SPEC.json``, where the spec names the model,
 the trainer settings, the batches, an optional checkpoint to resume from and the
-output directory (rank 0 writes ``results.json`` and ``checkpoint/`` there). A
+output directory (rank 0 writes ``results.json``, ``checkpoint/`` and, with
+``eval_every``, ``eval.json`` there). A
 one-process run also writes ``adam_trace.pt``: its AdamW moments after every step, from
 which the distributed tests derive how far float noise can move a weight.
 """
@@ -63,6 +64,9 @@ def lead(learner: Learner, spec: dict[str, Any]) -> None:
     if trace is not None:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(trace, out / "adam_trace.pt")
+    if learner.eval_set is not None:  # with eval_every: the trained policy, held out
+        evaluated = learner.evaluate()
+        (out / "eval.json").write_text(json.dumps(dataclasses.asdict(evaluated)))
     learner.save(out / "checkpoint", TrainerState(step=version, version=version, data_position=0))
     learner.stop()
     (out / "results.json").write_text(json.dumps(results))

@@ -7,7 +7,9 @@ started again, within a budget: ``unexpected_exit``), shows progress and writes 
 report:
 
     runs/<run-id>/summary.json      the contract: see ``Summary``
-    runs/<run-id>/metrics.jsonl     one TrainStepMetrics per line
+    runs/<run-id>/metrics.jsonl     one TrainStepMetrics per line ("type":
+                                    "train.metrics"), and with SF_TRAINER_EVAL_EVERY
+                                    a TrainEvalMetrics ("train.eval") per evaluation
     runs/<run-id>/spans.jsonl       every process's spans (also per process in spans/)
     runs/<run-id>/checkpoints/final HF layout, loadable with from_pretrained (another
                                     policy than the first: checkpoints/<policy>/final)
@@ -42,6 +44,7 @@ from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import (
     DEFAULT_POLICY,
     Subjects,
+    TrainEvalMetrics,
     TrainingFinished,
     TrainStepMetrics,
     check_policy,
@@ -343,6 +346,10 @@ class EmbeddedRun:
                 "SF_TRAINER_CHECKPOINT_EVERY": str(c.checkpoint_every),
                 "SF_TRAINER_LR": str(c.lr),
                 "SF_TRAINER_SEED": str(c.seed),
+                # what SF_TRAINER_EVAL_EVERY evaluates: the run's task, split as rolled out
+                "SF_TRAINER_EVAL_TASK": c.task,
+                "SF_TRAINER_EVAL_TASK_SEED": str(c.seed),
+                "SF_TRAINER_EVAL_MAX_TOKENS": str(c.max_tokens),
                 "SF_GATEWAY_PORT": str(gateway_port),
                 "SF_ENGINE_MAX_BATCH_SIZE": str(c.engine_batch_size),
                 "SF_AGENTS_GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
@@ -646,9 +653,15 @@ class EmbeddedRun:
                     except nats.errors.TimeoutError:
                         progress.tick(self)
                         continue
-                    message = decode(msg.data, TrainStepMetrics | TrainingFinished)
+                    message = decode(
+                        msg.data, TrainStepMetrics | TrainEvalMetrics | TrainingFinished
+                    )
                     if message.policy not in self.metrics_by_policy:
                         continue  # not a policy of this run's configuration
+                    if isinstance(message, TrainEvalMetrics):
+                        metrics_file.write(json.dumps(_struct_dict(message)) + "\n")
+                        metrics_file.flush()
+                        continue
                     if isinstance(message, TrainingFinished):
                         self.finished_by_policy[message.policy] = message
                         if len(self.finished_by_policy) == len(self.config.policies):
@@ -775,7 +788,7 @@ def count_scheduling(spans_path: Path) -> dict[str, int]:
     return counts
 
 
-def _struct_dict(message: TrainStepMetrics) -> dict[str, Any]:
+def _struct_dict(message: TrainStepMetrics | TrainEvalMetrics) -> dict[str, Any]:
     import msgspec
 
     return msgspec.to_builtins(message)

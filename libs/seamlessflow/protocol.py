@@ -138,6 +138,10 @@ class Subjects:
     def train_finished(self) -> str:
         return f"{self._root}.train.{self.policy}.finished"
 
+    def train_eval(self) -> str:
+        """The trainer's held-out evaluations (TrainEvalMetrics)."""
+        return f"{self._root}.train.{self.policy}.eval"
+
     def train_all(self) -> str:
         """Every policy's trainer progress (observers of the whole run)."""
         return f"{self._root}.train.>"
@@ -750,6 +754,27 @@ class TrainStepMetrics(Message, tag="train.metrics"):
     """Bytes this version put on the wire (per receiver); the full state is
     ``weights_state_bytes``."""
     weights_state_bytes: int = 0
+    lr: float = 0.0
+    """The learning rate this step used (``SF_TRAINER_LR_SCHEDULE``); 0: not recorded."""
+    policy: str = DEFAULT_POLICY
+    timestamp: float = msgspec.field(default_factory=time.time)
+
+
+class TrainEvalMetrics(Message, tag="train.eval"):
+    """trainer -> observers (JetStream): the policy of one version evaluated on a task's
+    held-out split (``SF_TRAINER_EVAL_EVERY``): greedy answers, mean reward."""
+
+    step: int
+    """Steps taken when evaluated (the step that published ``version``)."""
+    version: int
+    task: str
+    split: str
+    samples: int
+    """Prompts evaluated, one greedy answer each."""
+    mean_reward: float
+    """Mean reward of the answers (the accuracy for a 0/1 reward)."""
+    max_tokens: int
+    eval_seconds: float
     policy: str = DEFAULT_POLICY
     timestamp: float = msgspec.field(default_factory=time.time)
 
@@ -894,6 +919,7 @@ AnyMessage = (
     | WeightsGroupQuery
     | WeightsGroupOffer
     | TrainStepMetrics
+    | TrainEvalMetrics
     | TrainingFinished
     | ResourceRegister
     | RoleAssignment

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -19,7 +21,52 @@ class TrainerSettings(BaseSettings):
     not trained again."""
 
     lr: float = 1e-4
-    """AdamW learning rate (constant)."""
+    """AdamW peak learning rate; ``lr_schedule`` and ``warmup_steps`` shape it over the
+    run's ``steps``. The rate each step used is its metrics' ``lr``."""
+
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning rate after the warmup (``sf_trainer.schedule``): ``constant`` (``lr``),
+    ``linear`` or ``cosine`` decay from ``lr`` to ``lr x min_lr_ratio``, reached at the
+    end of the run (step ``steps``). A resume continues the schedule at its step."""
+
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warmup: step s (0-based) of the first this many uses ``lr x (s + 1) /
+    warmup_steps``; 0 = none."""
+
+    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
+    """``linear`` / ``cosine``: the rate the decay ends at, as a fraction of ``lr``."""
+
+    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    """Compute precision of forward and backward. ``fp32``: everything in float32.
+    ``bf16-mixed``: master weights, gradients as the optimizer sees them and the AdamW
+    state stay float32; forward and backward run in bfloat16 (one process: autocast;
+    several ranks: FSDP2's ``MixedPrecisionPolicy`` with bf16 parameters, gradients
+    reduced in float32). Logprobs are taken in float32 from the bf16 logits, so they
+    differ from the engine's by bf16 rounding (``logprob_abs_diff`` shows it)."""
+
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of
+    keeping them (HF gradient checkpointing, non-reentrant): less memory, about one more
+    forward per step; the gradients are the same."""
+
+    eval_every: int = Field(default=0, ge=0)
+    """Evaluate the policy on ``eval_task``'s held-out split every N steps, after the
+    step's version is published (a ``TrainEvalMetrics`` record, also in
+    ``metrics.jsonl``); 0 = never."""
+
+    eval_task: str = "arithmetic"
+    """Task source (``seamlessflow.tasks``) whose ``eval`` split is evaluated; ``seamlessflow
+    up`` sets it to the run's task."""
+
+    eval_task_seed: int = 0
+    """Seed the task source is built with (the split depends on it: the trajectory
+    service's ``SF_TRAJECTORY_SEED``); ``seamlessflow up`` sets it to the run's seed."""
+
+    eval_items: int = Field(default=64, ge=0)
+    """Prompts evaluated: the first N of the eval split (0 = all of it)."""
+
+    eval_max_tokens: int = Field(default=16, ge=1)
+    """Completion budget of each evaluated answer (greedy decoding)."""
 
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas (SRPO's choice)."""

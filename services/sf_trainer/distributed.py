@@ -24,8 +24,10 @@ tested with two gloo processes (``tests/test_trainer_distributed.py``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar, cast
@@ -40,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 # gathers: the full tensors, copied to the CPU, on rank 0 only
@@ -112,22 +114,31 @@ class TrainGroup:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
-    def shard(self, model: Model) -> Model:
+    def shard(self, model: Model, bf16_mixed: bool = False) -> Model:
         """Move ``model`` to this rank's device; with several ranks, shard it with FSDP2.
 
         Each module class the model names as unsplittable (HF's ``_no_split_modules``:
         the decoder layers) becomes one FSDP unit, then the root holds the rest
-        (embeddings, final norm, head). Every rank loaded the same weights, so sharding
-        needs no broadcast.
+        (embeddings, final norm, head; tied input and output embeddings are one
+        parameter there, kept one by FSDP2). Every rank loaded the same weights, so
+        sharding needs no broadcast. ``bf16_mixed``: the units all-gather their
+        parameters in bfloat16 and compute in it, and reduce gradients in float32 into
+        the float32 shards (``MixedPrecisionPolicy``); one process ignores it (the step
+        uses autocast, ``forward_precision``).
         """
         model.to(self.device)
         if self.mesh is None:
             return model
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16_mixed
+            else MixedPrecisionPolicy()
+        )
         unsplittable = set(getattr(model, "_no_split_modules", None) or ())
         for module in list(model.modules()):
             if module is not model and type(module).__name__ in unsplittable:
-                fully_shard(module, mesh=self.mesh)
-        fully_shard(model, mesh=self.mesh)
+                fully_shard(module, mesh=self.mesh, mp_policy=policy)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 # sum, don't average: the loss is normalised by the global token count
@@ -187,6 +198,15 @@ class TrainGroup:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.distributed)
         set_model_state_dict(model, model_state, options=options)
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
+
+def forward_precision(bf16_mixed: bool, group: TrainGroup) -> AbstractContextManager[object]:
+    """The context a forward pass runs in: bf16 autocast for ``bf16_mixed`` in one
+    process (several ranks get bf16 from FSDP2's policy, ``TrainGroup.shard``), else
+    nothing. Float32 weights stay float32; autocast computes matmuls in bf16."""
+    if bf16_mixed and not group.distributed:
+        return torch.autocast(device_type=group.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _byte_tensor(payload: bytes) -> torch.Tensor:

@@ -25,17 +25,21 @@ from sf_trainer.advantages import get_advantage_estimator
 from sf_trainer.checkpoint import TrainerState
 from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
+from sf_trainer.evaluation import EvalResult, EvalSet, evaluate
 from sf_trainer.losses import get_loss
+from sf_trainer.schedule import lr_at
 from sf_trainer.step import StepResult, train_step
 
 log = logging.getLogger(__name__)
 
 
 class Step(msgspec.Struct, tag="step"):
-    """Take one optimizer step on ``batch``; the policy was published as ``version``."""
+    """Take one optimizer step on ``batch``; the policy was published as ``version``;
+    ``step`` is the step's index in the run (0-based), which sets its learning rate."""
 
     batch: TrainBatch
     version: int
+    step: int
 
 
 class GatherWeights(msgspec.Struct, tag="gather_weights"):
@@ -50,11 +54,15 @@ class Restore(msgspec.Struct, tag="restore"):
     """Load the weights and optimizer state rank 0 read from a checkpoint."""
 
 
+class Evaluate(msgspec.Struct, tag="evaluate"):
+    """Evaluate the policy on the held-out split (``sf_trainer.evaluation``)."""
+
+
 class Stop(msgspec.Struct, tag="stop"):
     """Rank 0 is done: followers return."""
 
 
-Command = Step | GatherWeights | GatherCheckpoint | Restore | Stop
+Command = Step | GatherWeights | GatherCheckpoint | Restore | Evaluate | Stop
 
 
 class Learner:
@@ -71,10 +79,24 @@ class Learner:
         self.settings = settings
         self.group = group
         self.model_dir = model_dir
+        self.bf16_mixed = settings.precision == "bf16-mixed"
+        # float32 master weights in every precision: bf16 is only what forward and
+        # backward compute in (sf_trainer.distributed.forward_precision, TrainGroup.shard)
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         model.train()
-        self.model = group.shard(model)
-        self.reference = load_reference(model_dir, group) if settings.kl_coef > 0 else None
+        if settings.gradient_checkpointing:
+            # non-reentrant: works with FSDP2's hooks and with inputs that need no grad
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        self.model = group.shard(model, bf16_mixed=self.bf16_mixed)
+        self.reference = (
+            load_reference(model_dir, group, self.bf16_mixed) if settings.kl_coef > 0 else None
+        )
+        self.eval_set = EvalSet.from_settings(settings) if settings.eval_every else None
+        self.next_step = 0
+        """Index in the run of the next step when the caller does not name it: counts
+        this Learner's steps, from the step a restored checkpoint was taken at."""
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=settings.lr,
@@ -84,9 +106,12 @@ class Learner:
 
     # rank 0 ------------------------------------------------------------------------
 
-    def step(self, batch: TrainBatch, version: int) -> StepResult:
-        self._announce(Step(batch=batch, version=version))
-        result = self._step(batch, version)
+    def step(self, batch: TrainBatch, version: int, step: int | None = None) -> StepResult:
+        """One optimizer step; ``step``: its index in the run (default ``next_step``),
+        which sets the learning rate (``sf_trainer.schedule``)."""
+        command = Step(batch=batch, version=version, step=self.next_step if step is None else step)
+        self._announce(command)
+        result = self._step(command)
         if self.reference is not None:
             # TrainStepMetrics has no KL field yet: the log is where it shows
             log.info("step on version %d: KL to the reference %.6f (coef %g)",
@@ -114,9 +139,15 @@ class Learner:
         optimizer_state = checkpoint.load_optimizer_state(path)
         self._announce(Restore())
         self._load(model_state, optimizer_state)
+        self.next_step = state.step
         log.info("resumed from %s: step %d, version %d, data position %d",
                  path, state.step, state.version, state.data_position)  # fmt: skip
         return state
+
+    def evaluate(self) -> EvalResult:
+        """The policy on the held-out split (needs ``SF_TRAINER_EVAL_EVERY`` > 0)."""
+        self._announce(Evaluate())
+        return self._evaluate()
 
     def stop(self) -> None:
         self._announce(Stop())
@@ -135,24 +166,41 @@ class Learner:
         decoder = msgspec.msgpack.Decoder(Command)
         while True:
             match decoder.decode(self.group.broadcast_bytes(b"")):
-                case Step(batch=batch, version=version):
-                    self._step(batch, version)
+                case Step() as command:
+                    self._step(command)
                 case GatherWeights():
                     self.group.full_model_state(self.model)
                 case GatherCheckpoint():
                     self._gather_checkpoint()
                 case Restore():
                     self._load({}, {})
+                case Evaluate():
+                    self._evaluate()
                 case Stop():
                     self.group.barrier()
                     return
 
     # every rank --------------------------------------------------------------------
 
-    def _step(self, batch: TrainBatch, version: int) -> StepResult:
+    def _step(self, command: Step) -> StepResult:
+        lr = lr_at(command.step, self.settings)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
+        self.next_step = command.step + 1
         return train_step(
-            self.model, self.optimizer, batch, self.settings, version, self.group, self.reference
+            self.model,
+            self.optimizer,
+            command.batch,
+            self.settings,
+            command.version,
+            self.group,
+            self.reference,
         )
+
+    def _evaluate(self) -> EvalResult:
+        if self.eval_set is None:
+            raise RuntimeError("evaluation needs SF_TRAINER_EVAL_EVERY > 0")
+        return evaluate(self.model, self.model_dir, self.eval_set, self.settings, self.group)
 
     def _gather_checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return (
@@ -170,11 +218,11 @@ class Learner:
             )
 
 
-def load_reference(model_dir: Path, group: TrainGroup) -> torch.nn.Module:
+def load_reference(model_dir: Path, group: TrainGroup, bf16_mixed: bool = False) -> torch.nn.Module:
     """The base model as the KL term's reference: frozen (no grad, never in a checkpoint
-    or an optimizer), in eval mode, sharded like the policy (its forward all-gathers on
-    every rank, in the same passes as the policy's)."""
+    or an optimizer), in eval mode, sharded like the policy, in its precision (its
+    forward all-gathers on every rank, in the same passes as the policy's)."""
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
     model.requires_grad_(False)
-    return group.shard(model)
+    return group.shard(model, bf16_mixed=bf16_mixed)

@@ -13,7 +13,8 @@ Produces:
 - ``sf.<run>.weights.<policy>.published`` (JetStream: WeightsPublished)
 - with a push group (``SF_WEIGHTS_GROUP_*``): each payload broadcast to the group's
   engines; with ``nccl`` it answers ``sf.<run>.weights.<policy>.group`` (the NCCL id)
-- ``sf.<run>.train.<policy>.metrics`` / ``.finished`` (JetStream ``SF_<RUN>_METRICS``)
+- ``sf.<run>.train.<policy>.metrics`` / ``.finished`` (JetStream ``SF_<RUN>_METRICS``),
+  and ``.eval`` (TrainEvalMetrics, every ``SF_TRAINER_EVAL_EVERY`` steps)
 - ``sf.<run>.sched.register`` / ``sf.<run>.sched.heartbeat.<trainer>``
 - ``sf.<run>.sched.claim`` (SlotsClaim: a batch is here, reclaim engines lent from my
   slots) before each step; ``sf.<run>.sched.release`` (SlotsReleased: I wait, my
@@ -67,6 +68,7 @@ from seamlessflow.protocol import (
     SlotsGranted,
     SlotsReleased,
     TrainBatch,
+    TrainEvalMetrics,
     TrainingFinished,
     TrainStepMetrics,
     WeightsPublished,
@@ -372,6 +374,7 @@ class Trainer:
             wait_seconds=wait_seconds,
             publish_seconds=publish_seconds,
             kl_mean=result.kl_mean,
+            lr=result.lr,
             weights_kind=manifest.kind,
             weights_payload_bytes=manifest.payload_bytes,
             weights_state_bytes=manifest.state_bytes,
@@ -394,12 +397,39 @@ class Trainer:
             if self.settings.keep_checkpoints:
                 root = checkpoints_dir(self.ctx.mesh.run_dir, self.policy)
                 await asyncio.to_thread(checkpoint.prune, root, self.settings.keep_checkpoints)
+        if self.settings.eval_every and self.step % self.settings.eval_every == 0:
+            await self._evaluate()
+
+    async def _evaluate(self) -> None:
+        """The version just announced on the held-out split (``sf_trainer.evaluation``),
+        recorded as a TrainEvalMetrics."""
+        started = time.monotonic()
+        with tracer.start_as_current_span("trainer.evaluate", attributes={"version": self.version}):
+            result = await self._on_learner(self.learner.evaluate)
+        assert self.learner.eval_set is not None  # eval_every > 0 built it
+        record = TrainEvalMetrics(
+            policy=self.policy,
+            step=self.step,
+            version=self.version,
+            task=self.learner.eval_set.task,
+            split="eval",
+            samples=result.samples,
+            mean_reward=result.mean_reward,
+            max_tokens=self.settings.eval_max_tokens,
+            eval_seconds=time.monotonic() - started,
+        )
+        log.info("eval at step %d (version %d): mean reward %.4f over %d %s prompts",
+                 self.step, self.version, result.mean_reward, result.samples,
+                 record.task)  # fmt: skip
+        await self.ctx.bus.js_publish(
+            self.ctx.subjects.train_eval(), record, msg_id=f"eval-{self.policy}-v{self.version}"
+        )
 
     def _train(self, batch: TrainBatch) -> StepResult:
         """One step, on the learner thread. The counters move with the weights: a
         checkpoint queued behind a step that outlived a stop describes what it saves
         (the batch, never acked, is redelivered and then skipped, not trained twice)."""
-        result = self.learner.step(batch, self.version)
+        result = self.learner.step(batch, self.version, step=self.step)
         self.step += 1
         self.version += 1
         self.data_position = batch.batch_index

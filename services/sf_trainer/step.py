@@ -23,7 +23,7 @@ import torch
 from seamlessflow.protocol import UNRECORDED_TEMPERATURE, TrainBatch, TrainSample
 from sf_trainer.advantages import batch_advantages
 from sf_trainer.config import TrainerSettings
-from sf_trainer.distributed import TrainGroup, as_float, partition_by_tokens
+from sf_trainer.distributed import TrainGroup, as_float, forward_precision, partition_by_tokens
 from sf_trainer.grpo import token_logprobs
 from sf_trainer.losses import BatchTotals, LossInputs, get_loss
 
@@ -46,6 +46,8 @@ class StepResult:
     """Global gradient norm before clipping."""
     kl_mean: float
     """Mean k3 KL to the reference model over trained tokens (0: no KL term)."""
+    lr: float = 0.0
+    """The learning rate the optimizer step used."""
 
 
 @dataclass
@@ -189,7 +191,9 @@ def train_step(
         ).to(group.device)
         if not micro.trained:
             packed.loss_mask.zero_()
-        logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
+        with forward_precision(settings.precision == "bf16-mixed", group):
+            logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
+        # float32 from here (token_logprobs upcasts): bf16 logits, float32 log-softmax
         logprobs = token_logprobs(logits[:, :-1], packed.targets, packed.temperatures)
         inputs = LossInputs(
             logprobs=logprobs,
@@ -197,7 +201,9 @@ def train_step(
             advantages=packed.advantages,
             mask=packed.loss_mask,
             reference_logprobs=(
-                None if reference is None else _reference_logprobs(reference, packed)
+                None
+                if reference is None
+                else _reference_logprobs(reference, packed, settings, group)
             ),
         )
         output = loss_fn(inputs, settings, totals)
@@ -230,13 +236,19 @@ def train_step(
         truncated_fraction=truncated / totals.tokens,
         grad_norm=as_float(grad_norm),
         kl_mean=kl_sum / totals.tokens,
+        lr=float(optimizer.param_groups[0]["lr"]),
     )
 
 
-def _reference_logprobs(reference: torch.nn.Module, packed: PackedSamples) -> torch.Tensor:
-    """The targets' logprobs under the frozen reference model, at each token's sampling
-    temperature like the policy's. Every pass runs it, the padding passes too: a sharded
-    reference all-gathers in its forward like the policy."""
-    with torch.no_grad():
+def _reference_logprobs(
+    reference: torch.nn.Module,
+    packed: PackedSamples,
+    settings: TrainerSettings,
+    group: TrainGroup,
+) -> torch.Tensor:
+    """The targets' logprobs under the frozen reference model, in the policy's precision
+    and at each token's sampling temperature like the policy's. Every pass runs it, the
+    padding passes too: a sharded reference all-gathers in its forward like the policy."""
+    with torch.no_grad(), forward_precision(settings.precision == "bf16-mixed", group):
         logits = reference(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
         return token_logprobs(logits[:, :-1], packed.targets, packed.temperatures)
