@@ -161,7 +161,9 @@ def test_a_damaged_payload_is_a_protocol_error() -> None:
 # --------------------------------------------------------------------------- delivery
 
 
-def big_batch(batch_index: int, group_lengths: list[list[int]], policy: str = "policy") -> TrainBatch:
+def big_batch(
+    batch_index: int, group_lengths: list[list[int]], policy: str = "policy"
+) -> TrainBatch:
     """Samples of the given lengths: a third prompt, the rest completion with float32
     behaviour logprobs; ids of a 150k vocabulary."""
     rng = np.random.default_rng(batch_index)
@@ -238,7 +240,9 @@ TOKENS = 4096
 LONG_SAMPLE = 16_384
 
 
-async def play_session(bus: Bus, task: TaskAssignment, length: int, rng: np.random.Generator) -> int:
+async def play_session(
+    bus: Bus, task: TaskAssignment, length: int, rng: np.random.Generator
+) -> int:
     """What the gateway records for one agent session of ``length`` tokens (one turn:
     a quarter prompt, the rest completion); returns the completion's length."""
     session = f"s{task.group_id}-{task.sample_index}"
@@ -332,9 +336,11 @@ async def test_a_64_by_4k_token_batch_with_a_16k_sample_is_trained(
         )
         length = LONG_SAMPLE if index == 5 else TOKENS
         trained_tokens += await play_session(bus, task, length, rng)
+    service_task = mesh.running[-1][2]
     async with asyncio.timeout(60):
-        while trajectory.next_batch_index < 1:  # noqa: ASYNC110 (polling the service)
+        while trajectory.next_batch_index < 1 and not service_task.done():  # noqa: ASYNC110
             await asyncio.sleep(0.05)
+    assert not service_task.done(), f"the trajectory service stopped: {service_task!r}"
     [ready] = await batches.stored_announcements(bus)
     assert isinstance(ready, BatchReady)
     assert sorted(s.tokens for g in ready.groups for s in g.samples) == [TOKENS] * 63 + [
@@ -368,3 +374,24 @@ async def test_a_64_by_4k_token_batch_with_a_16k_sample_is_trained(
     assert finished.final_version == 1
     consumer = await bus.js.consumer_info(s.stream_batches(), TRAINER_DURABLE)
     assert consumer.num_pending == 0 and consumer.num_ack_pending == 0
+
+
+def test_the_transport_benchmark_runs_and_packed_is_the_smallest(tmp_path: Path) -> None:
+    """loadtests/batch_transport.py with a tiny shape: every way delivers the batch
+    intact (it asserts so) and the packed encoding is the smallest."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "loadtests" / "batch_transport.py"
+    spec = importlib.util.spec_from_file_location("batch_transport", script)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "figures.json"
+    assert bench.main(["--shapes", "8x256", "--repeats", "1", "--json", str(out)]) == 0
+    rows = {row["way"]: row for row in msgspec.json.decode(out.read_bytes())}
+    assert set(rows) == {"json whole", "msgpack whole", "packed whole", "packed chunks"}
+    sizes = [
+        rows[way]["bytes_per_token"] for way in ("packed whole", "msgpack whole", "json whole")
+    ]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[1]
+    assert all(row["latency_s"] is not None for row in rows.values())
