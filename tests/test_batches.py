@@ -161,11 +161,9 @@ def test_a_damaged_payload_is_a_protocol_error() -> None:
 # --------------------------------------------------------------------------- delivery
 
 
-def big_batch(
-    batch_index: int, group_lengths: list[list[int]], policy: str = "policy"
-) -> TrainBatch:
+def big_batch(batch_index: int, group_lengths: list[list[int]], vocab: int = 151_000) -> TrainBatch:
     """Samples of the given lengths: a third prompt, the rest completion with float32
-    behaviour logprobs; ids of a 150k vocabulary."""
+    behaviour logprobs; ids of a ``vocab``-token vocabulary."""
     rng = np.random.default_rng(batch_index)
     groups = []
     for g, lengths in enumerate(group_lengths):
@@ -175,7 +173,7 @@ def big_batch(
             samples.append(
                 TrainSample(
                     session_id=f"b{batch_index}-g{g}-s{s}",
-                    token_ids=rng.integers(0, 151_000, length).tolist(),
+                    token_ids=rng.integers(0, vocab, length).tolist(),
                     loss_mask=[0] * prompt + [1] * (length - prompt),
                     behaviour_logprobs=[0.0] * prompt
                     + (-rng.uniform(0, 8, length - prompt)).astype(np.float32).tolist(),
@@ -184,7 +182,7 @@ def big_batch(
                 )
             )
         groups.append(SampleGroup(group_id=f"b{batch_index}-g{g}", task_id="t", samples=samples))
-    return TrainBatch(batch_index=batch_index, groups=groups, policy=policy)
+    return TrainBatch(batch_index=batch_index, groups=groups)
 
 
 async def test_a_batch_far_above_max_payload_is_published_in_chunks_and_fetched_whole(
@@ -395,3 +393,86 @@ def test_the_transport_benchmark_runs_and_packed_is_the_smallest(tmp_path: Path)
     ]
     assert sizes == sorted(sizes) and sizes[0] < sizes[1]
     assert all(row["latency_s"] is not None for row in rows.values())
+
+
+async def test_a_batch_left_unacked_is_fetched_whole_by_the_next_trainer(
+    mesh: InProcessMesh, bus: Bus, narrow_model_dir: Path, tmp_path: Path
+) -> None:
+    """A trainer that stops after one step leaves the second batch in the consumer; the
+    next trainer process fetches its payload and trains it (the payload outlives the
+    process that did not ack it)."""
+    from sf_tag_scheduler.service import TagScheduler
+
+    await mesh.start(TagScheduler())
+    sent = [big_batch(0, [[300, 200], [250, 100]], 400), big_batch(1, [[400, 150], [120, 90]], 400)]
+    for batch in sent:
+        await batches.publish_batch(bus, batch)
+    run = MeshSettings(
+        nats_url=mesh.mesh.nats_url, run_id=mesh.mesh.run_id, model_dir=narrow_model_dir,
+        run_dir=tmp_path,
+    )  # fmt: skip
+    for steps in (1, 2):
+        trainer_bus = await connect(run.nats_url, Subjects(run.run_id), name="trainer")
+        try:
+            trainer = Trainer(TrainerSettings(steps=steps, resume="latest"))
+            await asyncio.wait_for(trainer.run(ServiceContext(mesh=run, bus=trainer_bus)), 60)
+        finally:
+            await trainer_bus.drain()
+
+    s = bus.subjects
+    metrics = [
+        decode(m.data, TrainStepMetrics)
+        for m in await bus.read_subject(s.stream_metrics(), s.train_metrics())
+    ]
+    assert [(m.step, m.batch_index) for m in metrics] == [(1, 0), (2, 1)]
+    assert [m.tokens_trained for m in metrics] == [
+        sum(sum(x.loss_mask) for g in b.groups for x in g.samples) for b in sent
+    ]
+    consumer = await bus.js.consumer_info(s.stream_batches(), TRAINER_DURABLE)
+    assert consumer.num_pending == 0 and consumer.num_ack_pending == 0
+
+
+async def test_a_batch_whose_payload_is_gone_is_terminated_with_one_error(
+    mesh: InProcessMesh,
+    bus: Bus,
+    narrow_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Retention dropped batch 0's payload: the trainer says so and terminates it (no
+    retry can bring it back), then trains batch 1 once it stops waiting for batch 0."""
+    import sf_trainer.service
+    from sf_tag_scheduler.service import TagScheduler
+
+    monkeypatch.setattr(sf_trainer.service, "IN_ORDER_WAIT_S", 0.0)
+    await mesh.start(TagScheduler())
+    lost = await batches.publish_batch(bus, big_batch(0, [[300, 200]], 400))
+    await batches.publish_batch(bus, big_batch(1, [[250, 100]], 400))
+    await bus.js.purge_stream(
+        bus.subjects.stream_batch_payloads(), subject=bus.subjects.batch_payload(0)
+    )
+    run = MeshSettings(
+        nats_url=mesh.mesh.nats_url, run_id=mesh.mesh.run_id, model_dir=narrow_model_dir,
+        run_dir=tmp_path,
+    )  # fmt: skip
+    trainer_bus = await connect(run.nats_url, Subjects(run.run_id), name="trainer")
+    try:
+        trainer = Trainer(TrainerSettings(steps=1))
+        await asyncio.wait_for(trainer.run(ServiceContext(mesh=run, bus=trainer_bus)), 60)
+    finally:
+        await trainer_bus.drain()
+
+    s = bus.subjects
+    metrics = [
+        decode(m.data, TrainStepMetrics)
+        for m in await bus.read_subject(s.stream_metrics(), s.train_metrics())
+    ]
+    assert [(m.step, m.batch_index) for m in metrics] == [(1, 1)]
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [
+        f"terminating batch 0: batch 0: chunk {lost.payload.chunk_seqs[0]} is no longer in "
+        f"{s.stream_batch_payloads()} (dropped by SF_RETENTION_BATCHES_*?)"
+    ]
+    consumer = await bus.js.consumer_info(s.stream_batches(), TRAINER_DURABLE)
+    assert consumer.num_pending == 0 and consumer.num_ack_pending == 0
