@@ -176,6 +176,8 @@ async def test_the_retention_settings_reach_the_streams(
         s.stream_trajectory(): (2 * 3600, GiB // 2),
         s.stream_batches(): (3 * 3600, GiB // 4),
         solver.stream_batches(): (3 * 3600, GiB // 4),
+        s.stream_batch_payloads(): (3 * 3600, GiB // 4),  # a batch's payload lives as long
+        solver.stream_batch_payloads(): (3 * 3600, GiB // 4),
         s.stream_metrics(): (0, GiB // 8),
         s.stream_weights(): (0, -1),  # announcements: weight-sync rebuilds its chain there
     }

@@ -404,17 +404,17 @@ def any_group_with_signal(env: Mapping[str, str]) -> bool:
     """Whether a trained batch of the run had a group whose rewards differ."""
     import asyncio
 
+    from seamlessflow.batches import stored_batches
     from seamlessflow.bus import connect
-    from seamlessflow.protocol import Subjects, TrainBatch, decode
+    from seamlessflow.protocol import Subjects, TrainBatch
 
     async def trained_batches() -> list[TrainBatch]:
         subjects = Subjects(env["SF_RUN_ID"])
         bus = await connect(env["SF_NATS_URL"], subjects, name="test", token=env["SF_NATS_TOKEN"])
         try:
-            stored = await bus.read_all(subjects.stream_batches(), subjects.batch_ready())
+            return await stored_batches(bus)
         finally:
             await bus.drain()
-        return [decode(m.data, TrainBatch) for m in stored]
 
     batches = asyncio.run(trained_batches())
     assert len(batches) >= STEPS

@@ -33,6 +33,7 @@ import pytest
 from conftest import InProcessMesh
 
 from seamlessflow import embedded
+from seamlessflow.batches import stored_batches
 from seamlessflow.bus import Bus, ack_redeliverable, connect
 from seamlessflow.embedded import EmbeddedRun, RunConfig
 from seamlessflow.natsserver import EmbeddedNats
@@ -45,7 +46,6 @@ from seamlessflow.protocol import (
     SessionFinished,
     SessionOpened,
     Subjects,
-    TrainBatch,
     TrainStepMetrics,
     TrajectoryEvent,
     decode,
@@ -298,10 +298,7 @@ async def account_for_everything(
                     subjects.stream_trajectory(), subjects.trajectory_events_all()
                 )
             ]
-            batches = [
-                decode(m.data, TrainBatch)
-                for m in await bus.read_all(subjects.stream_batches(), subjects.batch_ready())
-            ]
+            batches = await stored_batches(bus)
             steps = [
                 decode(m.data, TrainStepMetrics)
                 for m in await bus.read_subject(subjects.stream_metrics(), subjects.train_metrics())

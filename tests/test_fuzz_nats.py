@@ -43,6 +43,7 @@ from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
 from seamlessflow import protocol
+from seamlessflow.batches import stored_batches
 from seamlessflow.bus import Bus, connect
 from seamlessflow.protocol import (
     SCHEMA_VERSION,
@@ -71,7 +72,6 @@ from seamlessflow.protocol import (
     Subjects,
     TaskAssignment,
     TaskClaim,
-    TrainBatch,
     TrainStepMetrics,
     TrajectoryEvent,
     TurnRecorded,
@@ -700,8 +700,8 @@ async def test_inconsistent_turns_never_reach_a_batch(
         await asyncio.sleep(0.1)  # a batch, if any, is published
         assert not task.done(), f"the trajectory service stopped: {task!r}"
         assert trajectory.malformed_events == malformed_before + (0 if consistent else 1)
-        for msg in await bus.read_all(s.stream_batches(), s.batch_ready()):
-            for group in decode(msg.data, TrainBatch).groups:
+        for batch in await stored_batches(bus):
+            for group in batch.groups:
                 for sample in group.samples:
                     n = len(sample.token_ids)
                     assert len(sample.loss_mask) == len(sample.behaviour_logprobs) == n, sample

@@ -20,8 +20,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from seamlessflow.batches import stored_batches
+from seamlessflow.bus import connect
 from seamlessflow.embedded import EmbeddedRun, RunConfig
-from seamlessflow.protocol import BatchFilterReport, Subjects, TrainBatch, decode
+from seamlessflow.protocol import BatchFilterReport, Subjects, decode
 
 pytestmark = pytest.mark.slow
 
@@ -56,11 +58,11 @@ async def test_full_mesh_trains_and_every_trained_token_came_from_an_engine(
     # what the trainer consumed, read back from the durable batch stream
     tap = await nats.connect(nats_url)
     js = tap.jetstream()
-    info = await js.stream_info(subjects.stream_batches())
-    batches = [
-        decode((await js.get_msg(subjects.stream_batches(), seq)).data, TrainBatch)
-        for seq in range(1, info.state.last_seq + 1)
-    ]
+    reader = await connect(nats_url, subjects, name="test")
+    try:
+        batches = await stored_batches(reader)
+    finally:
+        await reader.drain()
     drops = await js.subscribe(subjects.data_batch_report(), ordered_consumer=True)
     reports = []
     with contextlib.suppress(nats.errors.TimeoutError):

@@ -19,12 +19,12 @@ import pytest
 from conftest import InProcessMesh, session_auth, small_embedded_run
 
 from seamlessflow.agents.runner import AgentRunner, AgentRunnerSettings
+from seamlessflow.batches import stored_batches
 from seamlessflow.bus import Bus, RemoteError
 from seamlessflow.protocol import (
     ResourceRegister,
     RoleAssignment,
     Subjects,
-    TrainBatch,
     TrainingFinished,
     TrajectoryEvent,
     TurnRecorded,
@@ -142,7 +142,7 @@ async def test_two_policies_train_together_each_on_its_own_version_line(
     turns = [e for e in events if isinstance(e, TurnRecorded)]
     for policy, steps in STEPS.items():
         s = subjects[policy]
-        batches = await stored(bus, s.stream_batches(), s.batch_ready(), TrainBatch)
+        batches = await stored_batches(bus, policy)
         assert len(batches) >= steps and all(b.policy == policy for b in batches)
         own = {
             (tuple(t.prompt_ids), tuple(t.completion_ids))

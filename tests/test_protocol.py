@@ -2,6 +2,7 @@ import msgspec
 import pytest
 
 from seamlessflow import protocol as p
+from seamlessflow.batches import publish_batch
 
 MANIFEST = p.WeightManifest(
     version=2,
@@ -85,6 +86,19 @@ def examples() -> list[p.Message]:
         p.NoTask(reason="exhausted"),
         p.TrainBatch(
             batch_index=0, groups=[p.SampleGroup(group_id="g", task_id="t", samples=[sample])]
+        ),
+        p.BatchReady(
+            batch_index=0,
+            groups=[
+                p.GroupSummary(
+                    group_id="g",
+                    task_id="t",
+                    samples=[p.SampleSummary(session_id="s1", reward=1.0, tokens=3)],
+                )
+            ],
+            payload=p.BatchPayload(
+                encoding="packed-msgpack-1", chunk_seqs=[4, 5], payload_bytes=9, sha256="ab" * 32
+            ),
         ),
         p.BatchFilterReport(
             batch_index=3,
@@ -210,6 +224,10 @@ def test_subjects_are_namespaced_by_run_and_validated() -> None:
     assert s.sched_heartbeat("engine-0") == "sf.run-1.sched.heartbeat.engine-0"
     assert s.stream_trajectory() == "SF_RUN_1_TRAJ"
     assert s.stream_batches() == "SF_RUN_1_BATCH-policy"
+    assert s.stream_batch_payloads() == "SF_RUN_1_BATCHDATA-policy"
+    assert s.batch_payload(12) == "sf.run-1.batch.policy.payload.12"
+    with pytest.raises(p.ProtocolError):
+        s.batch_payload(-1)
     assert s.object_store_weights() == "sf_run_1_weights-policy"
     with pytest.raises(p.ProtocolError):
         s.trajectory_event("a.b")  # a dot would open another subject level
@@ -240,10 +258,12 @@ def test_policies_share_the_run_subjects_and_own_their_version_line() -> None:
         "weights_published",
         "weights_current",
         "batch_ready",
+        "batch_payloads_all",
         "train_metrics",
         "train_eval",
         "data_batch_report",
         "stream_batches",
+        "stream_batch_payloads",
         "stream_weights",
         "object_store_weights",
     )
@@ -278,9 +298,10 @@ async def test_two_policies_streams_coexist_and_capture_only_their_own(
         await bus.ensure_streams(["solver", "verifier"])
         verifier = bus.subjects.for_policy("verifier")
         batch = p.TrainBatch(batch_index=0, groups=[], policy="verifier")
-        await bus.js_publish(verifier.batch_ready(), batch)
-        assert (await bus.js.stream_info(verifier.stream_batches())).state.messages == 1
-        assert (await bus.js.stream_info(bus.subjects.stream_batches())).state.messages == 0
+        await publish_batch(bus, batch)
+        for stream in ("stream_batches", "stream_batch_payloads"):
+            assert (await bus.js.stream_info(getattr(verifier, stream)())).state.messages == 1
+            assert (await bus.js.stream_info(getattr(bus.subjects, stream)())).state.messages == 0
         metrics = p.TrainStepMetrics(
             policy="verifier", step=1, version=1, batch_index=0, mean_reward=0.0, loss=0.0,
             clip_fraction=0.0, samples=0, tokens_generated=0, tokens_trained=0,

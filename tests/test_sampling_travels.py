@@ -23,6 +23,7 @@ from conftest import InProcessMesh, recorded_turns, session_auth
 from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM
 
+from seamlessflow.batches import stored_batches
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import (
     UNRECORDED_TEMPERATURE,
@@ -59,12 +60,11 @@ MAX_TOKENS = 12
 
 async def published_batches(bus: Bus, count: int) -> list[TrainBatch]:
     """The first ``count`` batches the trajectory service published for the trainer."""
-    s = bus.subjects
     async with asyncio.timeout(60):
         while True:
-            stored = await bus.read_all(s.stream_batches(), s.batch_ready())
+            stored = await stored_batches(bus)
             if len(stored) >= count:
-                return [decode(m.data, TrainBatch) for m in stored[:count]]
+                return stored[:count]
             await asyncio.sleep(0.1)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 from conftest import InProcessMesh
 
+from seamlessflow.batches import stored_batches
 from seamlessflow.bus import Bus, connect
 from seamlessflow.protocol import (
     BatchFilterReport,
@@ -185,10 +186,7 @@ async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
 
 
 async def batches(bus: Bus) -> list[TrainBatch]:
-    s = bus.subjects
-    return [
-        decode(m.data, TrainBatch) for m in await bus.read_all(s.stream_batches(), s.batch_ready())
-    ]
+    return await stored_batches(bus)
 
 
 async def reports(bus: Bus, subject: str, report_type: type) -> list:  # type: ignore[type-arg]

@@ -207,17 +207,25 @@ class Bus:
             self.subjects.stream_metrics(): retention.metrics(),
         }
         streams = self.subjects.streams()
+        direct = {self.subjects.stream_batch_payloads()}
         for policy in (self.subjects.policy, *policies):
             policy_subjects = self.subjects.for_policy(policy)
             streams.update(policy_subjects.policy_streams())
+            # a batch and its payload live as long as each other
             limits[policy_subjects.stream_batches()] = retention.batches()
+            limits[policy_subjects.stream_batch_payloads()] = retention.batches()
+            direct.add(policy_subjects.stream_batch_payloads())
         for name, subjects in streams.items():
-            await self._ensure_stream(name, subjects, limits.get(name))
+            await self._ensure_stream(name, subjects, limits.get(name), direct=name in direct)
 
     async def _ensure_stream(
-        self, name: str, subjects: list[str], limits: StreamLimits | None
+        self, name: str, subjects: list[str], limits: StreamLimits | None, *, direct: bool = False
     ) -> None:
-        wanted = StreamConfig(name=name, subjects=subjects, duplicate_window=600.0)
+        """``direct``: messages are read by sequence with direct get (raw bytes, no JSON
+        envelope), e.g. batch payload chunks."""
+        wanted = StreamConfig(
+            name=name, subjects=subjects, duplicate_window=600.0, allow_direct=direct or None
+        )
         if limits is not None:
             wanted.max_age = limits.max_age_s
             wanted.max_bytes = limits.max_bytes or -1
@@ -263,13 +271,17 @@ class Bus:
         was written just before the client noticed) is retried for up to
         ``JS_PUBLISH_RETRY_S``, so a broker restart does not fail the publisher. Without
         one it raises at once: a retry could store the message twice."""
+        return await self.js_publish_bytes(subject, encode(message), msg_id=msg_id)
+
+    async def js_publish_bytes(self, subject: str, data: bytes, *, msg_id: str = "") -> int:
+        """``js_publish`` of a payload that is not a message (batch payload chunks)."""
         headers = telemetry.inject_headers()
         if msg_id:
             headers["Nats-Msg-Id"] = msg_id
         deadline = asyncio.get_running_loop().time() + (JS_PUBLISH_RETRY_S if msg_id else 0)
         while True:
             try:
-                ack = await self.js.publish(subject, encode(message), headers=headers)
+                ack = await self.js.publish(subject, data, headers=headers)
                 return ack.seq
             except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError) as exc:
                 if asyncio.get_running_loop().time() >= deadline:

@@ -113,7 +113,17 @@ class Subjects:
 
     # batches (trajectory -> the policy's trainer, durable)
     def batch_ready(self) -> str:
+        """BatchReady: a batch's payload is stored (``seamlessflow.batches``)."""
         return f"{self._root}.batch.{self.policy}.ready"
+
+    def batch_payload(self, batch_index: int) -> str:
+        """The chunks of one batch's encoded payload."""
+        if batch_index < 0:
+            raise ProtocolError(f"batch index {batch_index} is negative")
+        return f"{self._root}.batch.{self.policy}.payload.{batch_index}"
+
+    def batch_payloads_all(self) -> str:
+        return f"{self._root}.batch.{self.policy}.payload.*"
 
     # weights (the policy's trainer -> weight-sync -> engines)
     def weights_published(self) -> str:
@@ -191,6 +201,10 @@ class Subjects:
     def stream_batches(self) -> str:
         return f"SF_{self._upper}_BATCH-{self.policy}"
 
+    def stream_batch_payloads(self) -> str:
+        """The chunks of the policy's batch payloads (read by sequence: direct get)."""
+        return f"SF_{self._upper}_BATCHDATA-{self.policy}"
+
     def stream_weights(self) -> str:
         return f"SF_{self._upper}_WEIGHTS-{self.policy}"
 
@@ -222,6 +236,7 @@ class Subjects:
         """This policy's durable streams."""
         return {
             self.stream_batches(): [self.batch_ready()],
+            self.stream_batch_payloads(): [self.batch_payloads_all()],
             self.stream_weights(): [self.weights_published()],
         }
 
@@ -575,12 +590,54 @@ class SessionExport(Message, tag="traj.export"):
 
 
 class TrainBatch(Message, tag="batch"):
-    """trajectory -> trainer (JetStream, durable consumer): one optimizer step's worth."""
+    """trajectory -> trainer: one optimizer step's worth. Travels as the payload a
+    BatchReady names (``seamlessflow.batches``); a trainer also takes one published
+    whole on the batch subject (a small batch, as published before payloads existed)."""
 
     batch_index: int
     groups: list[SampleGroup]
     policy: str = DEFAULT_POLICY
     """The policy this batch trains (each policy has its own batch stream and indexes)."""
+    created_at: float = msgspec.field(default_factory=time.time)
+
+
+class SampleSummary(msgspec.Struct, array_like=True):
+    """A sample of a batch, without its tokens."""
+
+    session_id: str
+    reward: float
+    tokens: int
+
+
+class GroupSummary(msgspec.Struct, kw_only=True):
+    """A group of a batch, without its samples' tokens."""
+
+    group_id: str
+    task_id: str
+    samples: list[SampleSummary]
+
+
+class BatchPayload(msgspec.Struct, kw_only=True):
+    """Where a batch's encoded ``TrainBatch`` is: chunk messages of the policy's batch
+    payload stream, by stream sequence, in order."""
+
+    encoding: str
+    """``packed-msgpack-1`` (``seamlessflow.batches``)."""
+    chunk_seqs: list[int]
+    payload_bytes: int
+    sha256: str
+
+
+class BatchReady(Message, tag="batch.ready"):
+    """trajectory -> trainer (JetStream, durable consumer): batch ``batch_index`` is
+    complete in its payload stream (stored before this message exists). ``groups``
+    names its groups and sessions: what a restarted trajectory service reads back,
+    without the payloads."""
+
+    batch_index: int
+    groups: list[GroupSummary]
+    payload: BatchPayload
+    policy: str = DEFAULT_POLICY
     created_at: float = msgspec.field(default_factory=time.time)
 
 
@@ -909,6 +966,7 @@ AnyMessage = (
     | TaskAssignment
     | NoTask
     | TrainBatch
+    | BatchReady
     | BatchFilterReport
     | EpochFilterReport
     | SessionExportQuery

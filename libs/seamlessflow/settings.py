@@ -146,14 +146,16 @@ class RetentionSettings(BaseSettings):
     limit). Keep it far above what is written within the group time-out."""
 
     batches_max_age_h: float = 72.0
-    """Training batches older than this are dropped, trained or not (0 = never). At least
-    ``trajectory_max_age_h``: a restarted trajectory service learns from the batches
-    which sessions were batched already, for as long as their events exist."""
+    """Training batches (and their payloads) older than this are dropped, trained or not
+    (0 = never). At least ``trajectory_max_age_h``: a restarted trajectory service
+    learns from the batches which sessions were batched already, for as long as their
+    events exist."""
 
     batches_max_gb: float = 0.0
-    """Byte limit of each policy's batch stream; past it the oldest batches (trained
-    first: the trainer's backlog is ``SF_TRAJECTORY_MAX_BATCHES_AHEAD``) are dropped
-    (0 = no limit). Keep it no lower than ``trajectory_max_gb``, for the same reason."""
+    """Byte limit of each policy's batch stream and of its batch payload stream (the
+    server reserves it for each); past it the oldest batches (trained first: the
+    trainer's backlog is ``SF_TRAJECTORY_MAX_BATCHES_AHEAD``) are dropped (0 = no
+    limit). Keep it no lower than ``trajectory_max_gb``, for the same reason."""
 
     metrics_max_age_h: float = 720.0
     """Trainer metrics, batch and epoch reports older than this are dropped (0 = never).

@@ -5,7 +5,9 @@ the ``<policy>`` in the names below is its own.
 
 Consumes:
 - ``sf.<run>.batch.<policy>.ready`` (JetStream ``SF_<RUN>_BATCH-<policy>``, durable
-  consumer ``trainer``: TrainBatch; acked only after the step's weights are published)
+  consumer ``trainer``: BatchReady, whose TrainBatch it reads from
+  ``SF_<RUN>_BATCHDATA-<policy>`` (``seamlessflow.batches``), or a TrainBatch published
+  whole; acked only after the step's weights are published)
 - ``sf.<run>.sched.assign.<trainer>`` (RoleAssignment)
 Produces:
 - weight payloads (``seamlessflow.weights``: full or delta, in the NATS Object Store or
@@ -59,9 +61,11 @@ import nats.js.errors
 import torch
 
 from seamlessflow import telemetry
+from seamlessflow.batches import TRANSIENT_ERRORS, BatchPayloadMissing, fetch_batch
 from seamlessflow.bus import NoResponder, RemoteError, ack_redeliverable
 from seamlessflow.protocol import (
     TRAINER_DURABLE,
+    BatchReady,
     LendReport,
     Message,
     SlotsClaim,
@@ -232,23 +236,36 @@ class Trainer:
                 continue
             wait_seconds = time.monotonic() - wait_started
             try:
-                batch = decode(msg.data, TrainBatch)
+                announced = decode(msg.data, BatchReady | TrainBatch)
             except ValueError as exc:
                 log.error("terminating malformed batch: %s", exc)
                 await msg.term()
                 continue
-            if batch.policy != self.policy:
+            if announced.policy != self.policy:
                 log.error("terminating batch %d of policy %r on %r's stream",
-                          batch.batch_index, batch.policy, self.policy)  # fmt: skip
+                          announced.batch_index, announced.policy, self.policy)  # fmt: skip
                 await msg.term()
                 continue
-            if batch.batch_index <= self.data_position:
+            if announced.batch_index <= self.data_position:
                 # trained before the checkpoint this trainer resumed from
                 log.info("batch %d is at or before data position %d: acked, not trained",
-                         batch.batch_index, self.data_position)  # fmt: skip
+                         announced.batch_index, self.data_position)  # fmt: skip
                 await ack_redeliverable(msg)
                 continue
-            if batch.batch_index > self.data_position + 1 and self._waits_in_order(batch):
+            if announced.batch_index > self.data_position + 1 and self._waits_in_order(
+                announced.batch_index
+            ):
+                await msg.nak(delay=1.0)
+                continue
+            try:
+                batch = await fetch_batch(self.ctx.bus, announced)
+            except BatchPayloadMissing as exc:
+                log.error("terminating batch %d: %s", announced.batch_index, exc)
+                await msg.term()
+                continue
+            except TRANSIENT_ERRORS as exc:
+                log.warning("batch %d: payload not readable now (%r): retrying",
+                            announced.batch_index, exc)  # fmt: skip
                 await msg.nak(delay=1.0)
                 continue
             self._ahead_since = None
@@ -277,18 +294,18 @@ class Trainer:
             log.info("training finished after %d steps: %s holds %d trained steps "
                      "(version %d)", self.step, final, kept.trained, kept.version)  # fmt: skip
 
-    def _waits_in_order(self, batch: TrainBatch) -> bool:
-        """Whether ``batch``, ahead of the next one to train, is put back to wait for
-        it (``IN_ORDER_WAIT_S``)."""
+    def _waits_in_order(self, batch_index: int) -> bool:
+        """Whether batch ``batch_index``, ahead of the next one to train, is put back to
+        wait for it (``IN_ORDER_WAIT_S``)."""
         now = time.monotonic()
         if self._ahead_since is None:
             self._ahead_since = now
             log.info("batch %d came before batch %d (held by a trainer that stopped?): "
-                     "waiting for it", batch.batch_index, self.data_position + 1)  # fmt: skip
+                     "waiting for it", batch_index, self.data_position + 1)  # fmt: skip
         if now - self._ahead_since < IN_ORDER_WAIT_S:
             return True
         log.warning("batch %d never came in %.0fs: training batch %d",
-                    self.data_position + 1, IN_ORDER_WAIT_S, batch.batch_index)  # fmt: skip
+                    self.data_position + 1, IN_ORDER_WAIT_S, batch_index)  # fmt: skip
         return False
 
     async def _next_batch(self, batches):  # type: ignore[no-untyped-def]

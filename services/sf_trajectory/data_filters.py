@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-from seamlessflow.protocol import SampleGroup
+from seamlessflow.protocol import GroupSummary, SampleGroup
 from seamlessflow.tasks import TaskItem
 from sf_trajectory.dispatch import group_index
 
@@ -155,7 +155,7 @@ class PromptSelection:
 class PromptSetFilter(Protocol):
     name: str
 
-    def observe(self, group: SampleGroup) -> None:
+    def observe(self, group: SampleGroup | GroupSummary) -> None:
         """A complete group of a dispatched prompt, before any group filter."""
         ...
 
@@ -181,7 +181,7 @@ class HistoryResampling:
         self.latest: dict[str, tuple[int, Outcome]] = {}
         """task id -> (dispatch index, outcome) of its latest complete group."""
 
-    def observe(self, group: SampleGroup) -> None:
+    def observe(self, group: SampleGroup | GroupSummary) -> None:
         index = group_index(group.group_id)
         if index < 0 or not group.samples:
             return  # not dispatched by us, or nothing to learn from
@@ -189,7 +189,7 @@ class HistoryResampling:
         if seen is None or seen[0] <= index:
             self.latest[group.task_id] = (index, self.outcome(group))
 
-    def outcome(self, group: SampleGroup) -> Outcome:
+    def outcome(self, group: SampleGroup | GroupSummary) -> Outcome:
         correct = sum(s.reward >= self.correct_reward for s in group.samples)
         if correct == len(group.samples):
             return "all_correct"
@@ -264,7 +264,7 @@ class DataFilters:
             group = verdict.group
         return verdicts
 
-    def observe(self, group: SampleGroup) -> None:
+    def observe(self, group: SampleGroup | GroupSummary) -> None:
         for prompt_filter in self.prompt_filters:
             prompt_filter.observe(group)
 

@@ -15,7 +15,9 @@ Consumes:
   ``sf.<run>.data.<policy>.batch`` (its own BatchFilterReports, read once on start-up:
   what was reported dropped is not reported again)
 Produces, for each policy of the run (``SF_POLICIES``):
-- ``sf.<run>.batch.<policy>.ready`` (JetStream ``SF_<RUN>_BATCH-<policy>``: TrainBatch,
+- ``sf.<run>.batch.<policy>.payload.<index>`` (JetStream ``SF_<RUN>_BATCHDATA-<policy>``:
+  the batch's TrainBatch, packed and in chunks, ``seamlessflow.batches``), then
+  ``sf.<run>.batch.<policy>.ready`` (JetStream ``SF_<RUN>_BATCH-<policy>``: BatchReady,
   message id ``batch-<index>`` so a re-publish after a restart lands once)
 - ``sf.<run>.data.<policy>.batch`` (JetStream ``SF_<RUN>_METRICS``: BatchFilterReport
   after each batch, message id ``data-batch-<policy>-<index>``)
@@ -63,6 +65,7 @@ import nats.errors
 import nats.js.errors
 
 from seamlessflow import telemetry
+from seamlessflow.batches import publish_batch, stored_announcements
 from seamlessflow.bus import NotFound, Unrecoverable
 from seamlessflow.protocol import (
     BatchFilterReport,
@@ -537,9 +540,7 @@ class TrajectoryService:
                 **_prefixed("batch.groups_waived", report.groups_waived),
             },
         ):
-            await self.ctx.bus.js_publish(
-                line.subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}"
-            )
+            await publish_batch(self.ctx.bus, batch)
             # the metrics stream holds every policy's reports: the id names the policy
             await self.ctx.bus.js_publish(
                 line.subjects.data_batch_report(),
@@ -572,11 +573,7 @@ class TrajectoryService:
 
     async def _load_batched_sessions(self, line: PolicyLine) -> None:
         """What the policy's batch stream holds: never batched again (invariant 4)."""
-        subjects = line.subjects
-        batches = await self.ctx.bus.read_decoded(
-            subjects.stream_batches(), subjects.batch_ready(), TrainBatch
-        )
-        for batch in batches:
+        for batch in await stored_announcements(self.ctx.bus, line.policy):
             for group in batch.groups:
                 line.grouper.already_batched.update(s.session_id for s in group.samples)
                 line.grouper.finished_groups.add(group.group_id)
