@@ -19,6 +19,7 @@ import msgspec
 import torch
 from transformers import AutoModelForCausalLM
 
+from seamlessflow.assets.model_check import ModelNeeds, check_model
 from seamlessflow.protocol import TrainBatch
 from sf_trainer import checkpoint
 from sf_trainer.advantages import get_advantage_estimator
@@ -71,6 +72,8 @@ class Learner:
         self.settings = settings
         self.group = group
         self.model_dir = model_dir
+        # every rank, before loading: one line naming all the model lacks (exit 78)
+        check_model(model_dir, ModelNeeds(chat=False))
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         model.train()
         self.model = group.shard(model)
