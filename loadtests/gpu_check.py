@@ -6,8 +6,9 @@ Checks (each in a process of its own, so a crash or a CUDA error fails that chec
   random model of each family (``seamlessflow.assets.families``; tied embeddings for
   all but ``qwen2``) is started in bf16, new weights are loaded as the trainer sends
   them (``named_parameters()``: a tied model's output matrix is its embedding, sent
-  once, in bf16), then greedy completions' logprobs are compared with a float64
-  forward pass over the same (bf16-rounded) weights. See "Bounds" below.
+  once, in bf16, through the weight codec), then greedy completions' logprobs are
+  compared with a float64 forward pass over the same (bf16-rounded) weights. See
+  "Bounds" below.
 - ``sleep-wake``: a vLLM engine in sleep mode gives device memory back while asleep and,
   awake, serves the weights it held before (the reloaded ones, not the checkpoint's):
   the same greedy tokens, within the reload bound.
@@ -187,6 +188,17 @@ def reference_logprobs(
     return out
 
 
+def through_codec(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` after the trip every weight payload makes (``WeightEncoder`` ->
+    bytes -> ``WeightMirror``, as pulled from the store or pushed over the group)."""
+    from seamlessflow.weights import WeightEncoder, WeightMirror
+
+    encoded = WeightEncoder(bucket_bytes=1 << 20).encode(1, state)
+    mirror = WeightMirror()
+    mirror.apply(encoded.manifest, bytes(encoded.payload))
+    return {name: tensor.clone() for name, tensor in mirror.tensors().items()}
+
+
 def output_matrix_name(model_dir: Path, weights: dict[str, Any]) -> str:
     """The parameter that is the output matrix (the embedding of a tied model)."""
     config = json.loads((model_dir / "config.json").read_text())
@@ -270,8 +282,9 @@ def check_reload(family: str) -> Callable[[Context], dict[str, Any]]:
         model_dir = ctx.model(family)
         engine, dtype = make_engine(ctx, model_dir)
         old, new = new_weights(model_dir, seed=1)
-        # the trainer's form: named_parameters (a tied head once), in the engine's dtype
-        sent = {name: tensor.to(dtype) for name, tensor in new.items()}
+        # the trainer's form: named_parameters (a tied head once), in the engine's dtype,
+        # through the weight codec
+        sent = through_codec({name: tensor.to(dtype) for name, tensor in new.items()})
 
         async def drive() -> list[tuple[list[int], list[int], list[float]]]:
             await engine.start()
@@ -300,7 +313,7 @@ def check_sleep_wake(ctx: Context) -> dict[str, Any]:
     model_dir = ctx.model("qwen2-tied")
     engine, dtype = make_engine(ctx, model_dir, sleep_mode=True)
     old, new = new_weights(model_dir, seed=2)
-    sent = {name: tensor.to(dtype) for name, tensor in new.items()}
+    sent = through_codec({name: tensor.to(dtype) for name, tensor in new.items()})
 
     async def drive() -> tuple[Any, Any, int, int]:
         await engine.start()
