@@ -345,7 +345,7 @@ def check_sleep_wake(ctx: Context) -> dict[str, Any]:
         problems.append(f"after wake: {why}")
     if problems:
         raise CheckFailed("; ".join(problems))
-    return figures
+    return {**figures, "why": f"freed {figures['freed_mib']:.0f} MiB asleep; awake: {why}"}
 
 
 def check_cupy_nccl(ctx: Context) -> dict[str, Any]:
@@ -369,10 +369,12 @@ def check_cupy_nccl(ctx: Context) -> dict[str, Any]:
     started = time.perf_counter()
     collective.send(group, encoded)
     collective.send_stop(group)
+    buckets = -(-len(encoded.payload) // (1 << 16))
     return {
         "payload_bytes": len(encoded.payload),
-        "buckets": -(-len(encoded.payload) // (1 << 16)),
+        "buckets": buckets,
         "send_seconds": time.perf_counter() - started,
+        "why": f"one rank: broadcast in place, {len(encoded.payload)} bytes in {buckets} buckets",
     }
 
 
@@ -416,7 +418,7 @@ def check_cupy_nccl_two_gpus(ctx: Context) -> dict[str, Any]:
     result = json.loads(out.read_text())
     if result != {"version": 2, "exact": True}:
         raise CheckFailed(f"GPU 1 holds {result}, not version 2 bit for bit")
-    return result
+    return {**result, "why": "a full and a delta payload, version 2 bit for bit on GPU 1"}
 
 
 def check_fsdp2_bf16_step(ctx: Context) -> dict[str, Any]:
@@ -493,7 +495,8 @@ def check_fsdp2_bf16_step(ctx: Context) -> dict[str, Any]:
         problems.append(f"master weights are {master_dtypes}, not fp32")
     if problems:
         raise CheckFailed("; ".join(problems))
-    return figures
+    why = f"losses {losses[0]:.3f} -> {losses[-1]:.3f}, gradient cosine to fp32 {cosine:.4f}"
+    return {**figures, "why": f"{why}, bf16 compute, fp32 master weights"}
 
 
 def registry() -> dict[str, Check]:
