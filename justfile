@@ -29,6 +29,14 @@ test-portability *ARGS: _cpu-only
 _cpu-only:
     @{{bin}}/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>&1 | grep -v "not installed" || true
 
+# GPU acceptance, for a machine with a CUDA GPU after the README's GPU install: vLLM on
+# CUDA with each model family (tied ones too) in bf16, the logprob gap after a weight
+# reload, sleep/wake, the CuPy NCCL layer, a bf16 FSDP2 step. Pass/fail per check; every
+# check "skipped: no CUDA" without one (exit 0); exit 1 if any check fails.
+# `just gpu-check --device cpu`: the checks' CPU forms (what CI runs)
+gpu-check *ARGS:
+    {{bin}}/python loadtests/gpu_check.py {{ARGS}}
+
 # lint, format check and type check of libs/
 check:
     {{bin}}/ruff check .

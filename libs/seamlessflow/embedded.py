@@ -262,6 +262,17 @@ class Summary:
     config: dict[str, Any] = field(default_factory=dict)
 
 
+def is_users_model(model_dir: Path) -> bool:
+    """A ``--model-dir`` with a config.json, or with any files and no trace of a
+    built-in build (``build_info.json``), is the user's model: used as it is, after the
+    check. A missing or empty one (or an unfinished build) gets the built-in model."""
+    if (model_dir / "config.json").exists():
+        return True
+    if not model_dir.is_dir() or (model_dir / "build_info.json").exists():
+        return False
+    return any(model_dir.iterdir())
+
+
 def default_run_id() -> str:
     return time.strftime("r%Y%m%d-%H%M%S", time.localtime()).lower()
 
@@ -500,8 +511,14 @@ class EmbeddedRun:
 
         c = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if c.model_dir is not None and (c.model_dir / "config.json").exists():
+        if c.model_dir is not None and is_users_model(c.model_dir):
             model_dir = c.model_dir  # the user's model, used as it is
+            problem = await asyncio.to_thread(self.check_users_model, model_dir)
+            if problem:
+                # before any process starts: one line, all of it, as the run's status
+                self.status = f"failed: {problem}"
+                log.error("%s", problem)
+                return self.write_report()
         else:
             # The built-in model is warmed up on a built-in task; a data file (or any other
             # task without a teacher) gets the arithmetic one: bring a real model for it.
@@ -571,6 +588,30 @@ class EmbeddedRun:
             await asyncio.to_thread(self.stop_processes)
             nats_server.stop()
         return self.write_report()
+
+    def check_users_model(self, model_dir: Path) -> str | None:
+        """What the model lacks for this run (every service's needs, and a context for
+        the task's longest prompt plus ``max_tokens``), as one line; None if usable."""
+        from seamlessflow.assets.model_check import (
+            ModelNeeds,
+            ModelUnfit,
+            check_model,
+            task_context_tokens,
+        )
+
+        c = self.config
+        context = task_context_tokens(model_dir, c.task, c.seed, c.max_tokens) or 0
+        needs = ModelNeeds(
+            # the engines' backend comes from the environment, as their processes read it
+            backend=os.environ.get("SF_ENGINE_BACKEND", "hf"),
+            context_tokens=context,
+            context_reason=f"the longest {c.task} prompt + max_tokens {c.max_tokens}",
+        )
+        try:
+            check_model(model_dir, needs)
+        except ModelUnfit as exc:
+            return str(exc)
+        return None
 
     def spawn_for_policy(self, policy: str, service: str, run_env: dict[str, str]) -> None:
         """One policy's weight-sync, trainer or engines, laid out by the mode."""

@@ -45,6 +45,7 @@ import torch
 from nats.aio.subscription import Subscription
 
 from seamlessflow import telemetry, weights
+from seamlessflow.assets.model_check import ModelNeeds, check_model, context_need
 from seamlessflow.bus import DomainError, NoResponder
 from seamlessflow.protocol import (
     ENGINE_QUEUE,
@@ -172,6 +173,13 @@ class EngineWorker:
         self.ctx = ctx
         self.transfer = WeightTransferSettings()
         self.receiver = weights.WeightReceiver(payload_stores(ctx.bus, self.transfer))
+        needs = ModelNeeds(
+            tokenizer=False,
+            chat=False,
+            backend=self.settings.backend,
+            **context_need(self.settings, "SF_ENGINE_MAX_CONTEXT"),
+        )
+        await asyncio.to_thread(check_model, ctx.mesh.model_dir, needs)
         self.engine = build_engine(self.settings, str(ctx.mesh.model_dir))
         await self.engine.start()
         self.membership = ResourceMembership(

@@ -68,6 +68,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from seamlessflow import telemetry
+from seamlessflow.assets.model_check import ModelNeeds, check_model, context_need
 from seamlessflow.bus import Bus, NoResponder, RemoteError
 from seamlessflow.protocol import (
     SEEDS,
@@ -969,6 +970,11 @@ class GatewayService:
     async def run(self, ctx: ServiceContext) -> None:
         if ctx.mesh.model_dir is None:
             raise RuntimeError("the gateway needs SF_MODEL_DIR (the tokenizer lives there)")
+        await asyncio.to_thread(
+            check_model,
+            ctx.mesh.model_dir,
+            ModelNeeds(weights=False, **context_need(self.settings, "SF_GATEWAY_MAX_CONTEXT")),
+        )
         tokenizer = await asyncio.to_thread(ChatTokenizer, ctx.mesh.model_dir)
         self.gateway = Gateway(self.settings, ctx.bus, tokenizer, ctx.mesh.policy_names())
         await self.gateway.restore_sessions()

@@ -19,6 +19,7 @@ import msgspec
 import torch
 from transformers import AutoModelForCausalLM
 
+from seamlessflow.assets.model_check import ModelNeeds, check_model
 from seamlessflow.protocol import TrainBatch
 from sf_trainer import checkpoint
 from sf_trainer.advantages import get_advantage_estimator
@@ -80,6 +81,8 @@ class Learner:
         self.group = group
         self.model_dir = model_dir
         self.bf16_mixed = settings.precision == "bf16-mixed"
+        # every rank, before loading: one line naming all the model lacks (exit 78)
+        check_model(model_dir, ModelNeeds(chat=False))
         # float32 master weights in every precision: bf16 is only what forward and
         # backward compute in (sf_trainer.distributed.forward_precision, TrainGroup.shard)
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
