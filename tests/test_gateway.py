@@ -17,6 +17,7 @@ from pydantic import SecretStr
 from transformers import AutoTokenizer
 
 from seamlessflow.bus import Bus
+from seamlessflow.embedded import free_port
 from seamlessflow.protocol import SessionOpened, TrajectoryEvent, TurnRecorded, decode
 from sf_gateway.config import EngineSettings, GatewaySettings
 from sf_gateway.engine_worker import EngineWorker
@@ -584,3 +585,45 @@ async def test_finished_sessions_leave_memory_and_still_answer(mesh, bus: Bus) -
         )
         assert forgotten.status_code == 404
     assert list(gateway.gateway.finished) == [s["session_id"] for s in kept]
+
+
+async def test_a_session_opened_the_moment_the_gateway_listens_gets_a_callable_base_url(
+    mesh,
+) -> None:  # type: ignore[no-untyped-def]
+    """The public URL is known before the first request can arrive (it was set by a task
+    polling uvicorn's `started`, so a session opened at once got a relative base_url)."""
+    port = free_port()
+    await mesh.start(TagScheduler())
+    service = await mesh.start(GatewayService(GatewaySettings(port=port, max_context=128)))
+    async with asyncio.timeout(60):
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                await asyncio.sleep(0.001)
+                continue
+            writer.close()
+            await writer.wait_closed()
+            break
+    assert service.gateway.public_url == f"http://127.0.0.1:{port}"
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+        session = await new_session(http)
+    assert session["base_url"] == (f"http://127.0.0.1:{port}/s/{session['session_id']}/v1")
+
+
+async def test_a_port_in_use_is_one_unrecoverable_line(mesh) -> None:  # type: ignore[no-untyped-def]
+    import socket
+
+    from seamlessflow.bus import Unrecoverable
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        await mesh.start(GatewayService(GatewaySettings(port=port)))
+        _, ctx, running = mesh.running.pop()
+        with pytest.raises(
+            Unrecoverable, match=f"cannot listen on 127.0.0.1:{port}.*SF_GATEWAY_PORT"
+        ):
+            await asyncio.wait_for(running, 60)
+        await ctx.bus.drain()

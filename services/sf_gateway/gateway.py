@@ -51,6 +51,7 @@ import hashlib
 import hmac
 import logging
 import secrets
+import socket
 import time
 import uuid
 from collections import OrderedDict
@@ -69,7 +70,7 @@ from starlette.types import Receive, Scope, Send
 
 from seamlessflow import telemetry
 from seamlessflow.assets.model_check import ModelNeeds, check_model, context_need
-from seamlessflow.bus import Bus, NoResponder, RemoteError
+from seamlessflow.bus import Bus, NoResponder, RemoteError, Unrecoverable
 from seamlessflow.protocol import (
     SEEDS,
     AbortGeneration,
@@ -959,6 +960,22 @@ class _Server(uvicorn.Server):
         yield
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """The gateway's bound socket; a port taken or a host not on this machine is a
+    setting to change, not a fault to retry."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise Unrecoverable(
+            f"cannot listen on {host}:{port} ({exc.strerror}): set SF_GATEWAY_HOST/SF_GATEWAY_PORT"
+        ) from exc
+    sock.set_inheritable(True)
+    return sock
+
+
 class GatewayService:
     name = "gateway"
 
@@ -989,6 +1006,13 @@ class GatewayService:
             timeout_keep_alive=int(self.settings.keep_alive_s),
         )
         server = _Server(config)
+        # Bound before serving, so that the public URL (port 0 picks one) is known before
+        # the first request: a session opened at once must get a callable base_url.
+        listening = _listen(self.settings.host, self.settings.port)
+        self.bound_port = listening.getsockname()[1]
+        self.gateway.public_url = (
+            self.settings.public_url.rstrip("/") or f"http://{self.settings.host}:{self.bound_port}"
+        )
 
         async def exit_on_stop() -> None:
             # uvicorn finishes in-flight requests when asked to exit; cancelling it would not
@@ -998,15 +1022,10 @@ class GatewayService:
         async def announce() -> None:
             while not server.started:  # noqa: ASYNC110 (uvicorn offers no started event)
                 await asyncio.sleep(0.02)
-            self.bound_port = server.servers[0].sockets[0].getsockname()[1]
-            self.gateway.public_url = (
-                self.settings.public_url.rstrip("/")
-                or f"http://{self.settings.host}:{self.bound_port}"
-            )
             log.info("gateway listening on %s", self.gateway.public_url)
             self.ready.set()
 
         async with asyncio.TaskGroup() as group:
-            group.create_task(server.serve())
+            group.create_task(server.serve(sockets=[listening]))
             group.create_task(announce())
             group.create_task(exit_on_stop())
