@@ -1,0 +1,214 @@
+"""The model families built locally: each loads with transformers, tied ones share one
+matrix and save no separate lm_head, builds are deterministic, templates prefix-stable."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from seamlessflow.assets.families import (
+    FAMILIES,
+    build_family_model,
+    family_spec,
+    tied_parameter_names,
+)
+
+CHAT = [
+    {"role": "system", "content": "You add numbers."},
+    {"role": "user", "content": "What is 7 + 12?"},
+    {"role": "assistant", "content": "19"},
+    {"role": "user", "content": "And 1 + 2?"},
+    {"role": "assistant", "content": " The answer is 3.\n"},
+    {"role": "user", "content": "Thanks!"},
+    {"role": "assistant", "content": "You are welcome."},
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            },
+        },
+    }
+]
+CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 7, "b": 12}}}
+TOOL_CHAT = [
+    {"role": "user", "content": "What is 7 + 12?"},
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "tool", "content": "19"},
+    {"role": "tool", "content": "ok"},
+    {"role": "assistant", "content": "19"},
+]
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {family: build_family_model(family, root / family, seed=0) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_loads_and_ties_as_configured(family: str, family_dirs: dict[str, Path]) -> None:
+    spec = family_spec(family)
+    model = AutoModelForCausalLM.from_pretrained(family_dirs[family], dtype=torch.float32)
+    assert type(model).__name__ == spec.architecture
+    assert model.config.tie_word_embeddings is spec.tied
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    with safe_open(str(family_dirs[family] / "model.safetensors"), "pt") as saved:
+        saved_names = set(saved.keys())
+    if spec.tied:
+        assert head is embed
+        assert tied_parameter_names(model) == {"lm_head.weight": "model.embed_tokens.weight"}
+        # As transformers saves tied models: the shared matrix once, under its input name.
+        assert "lm_head.weight" not in saved_names
+        assert "model.embed_tokens.weight" in saved_names
+    else:
+        assert head.data_ptr() != embed.data_ptr()
+        assert not torch.equal(head, embed)
+        assert tied_parameter_names(model) == {}
+        assert {"lm_head.weight", "model.embed_tokens.weight"} <= saved_names
+    if family == "qwen3":
+        assert any(name.endswith("self_attn.q_norm.weight") for name in saved_names)
+        assert model.config.num_attention_heads * model.config.head_dim != (
+            model.config.hidden_size
+        )
+    if family == "llama3-tied":
+        assert model.config.rope_parameters["rope_type"] == "llama3"
+    # A forward pass runs and gives a distribution over the whole vocabulary.
+    tokenizer = AutoTokenizer.from_pretrained(family_dirs[family])
+    ids = tokenizer.apply_chat_template(
+        CHAT[:2], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), len(tokenizer))
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokenizer_ids_and_generation_config(family: str, family_dirs: dict[str, Path]) -> None:
+    spec = family_spec(family)
+    tokenizer = AutoTokenizer.from_pretrained(family_dirs[family])
+    config = json.loads((family_dirs[family] / "config.json").read_text())
+    generation = json.loads((family_dirs[family] / "generation_config.json").read_text())
+    assert tokenizer.eos_token == spec.eos_token
+    assert tokenizer.pad_token == spec.pad_token
+    stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in spec.stop_tokens]
+    assert tokenizer.eos_token_id in stop_ids
+    assert generation["eos_token_id"] == stop_ids
+    assert generation["pad_token_id"] == tokenizer.pad_token_id == config["pad_token_id"]
+    # No sampling defaults that an engine reading generation_config would pick up.
+    assert not {"top_k", "top_p", "temperature", "do_sample"} & set(generation)
+    for token in spec.special_tokens + spec.added_tokens:
+        assert len(tokenizer.encode(token, add_special_tokens=False)) == 1, token
+    text = "What is 123 + 4567? <tool_call> done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    if spec.bos_token is not None:
+        assert tokenizer.encode("hi")[0] == tokenizer.bos_token_id
+    else:
+        assert tokenizer.encode("hi") == tokenizer.encode("hi", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("chat", [CHAT, TOOL_CHAT], ids=["plain", "tools"])
+def test_chat_template_is_prefix_stable(
+    family: str, chat: list[dict], family_dirs: dict[str, Path]
+) -> None:
+    """Prompt for turn k + the assistant's completion + end of turn == render of k+1."""
+    spec = family_spec(family)
+    tokenizer = AutoTokenizer.from_pretrained(family_dirs[family])
+    tools = TOOLS if chat is TOOL_CHAT else None
+    completions = {
+        # What the model emits for the tool-calling turn.
+        1: '<tool_call>\n{"name": "add", "arguments": {"a": 7, "b": 12}}\n</tool_call>'
+        if not family.startswith("llama")
+        else '{"name": "add", "parameters": {"a": 7, "b": 12}}'
+    }
+    checked = 0
+    for k, message in enumerate(chat):
+        if message["role"] != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(
+            chat[:k], tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        full = tokenizer.apply_chat_template(chat[: k + 1], tools=tools, tokenize=False)
+        completion = completions.get(k, message["content"]) if tools else message["content"]
+        assert prompt + completion + spec.end_of_turn == full
+        checked += 1
+    assert checked >= 2
+
+
+def test_qwen3_think_blocks_are_kept_only_after_the_last_user_turn(
+    family_dirs: dict[str, Path],
+) -> None:
+    """The documented exception to prefix stability (as the real Qwen3 template)."""
+    tokenizer = AutoTokenizer.from_pretrained(family_dirs["qwen3"])
+    answer = "<think>\n7 plus 12.\n</think>\n\n19"
+    chat = [
+        {"role": "user", "content": "What is 7 + 12?"},
+        {"role": "assistant", "content": answer},
+    ]
+    prompt = tokenizer.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(chat, tokenize=False)
+    assert prompt + answer + "<|im_end|>\n" == full
+    later = tokenizer.apply_chat_template(
+        [*chat, {"role": "user", "content": "ok"}], tokenize=False
+    )
+    assert "7 plus 12" not in later and "<|im_start|>assistant\n19<|im_end|>" in later
+    no_think = tokenizer.apply_chat_template(
+        chat[:1], add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
+    assert no_think == prompt + "<think>\n\n</think>\n\n"
+
+
+def test_build_is_deterministic_given_the_seed(tmp_path: Path) -> None:
+    def weights(seed: int, name: str) -> dict[str, torch.Tensor]:
+        out = build_family_model("qwen3", tmp_path / name, seed=seed)
+        with safe_open(str(out / "model.safetensors"), "pt") as saved:
+            return {k: saved.get_tensor(k) for k in saved.keys()}
+
+    first, again, other = weights(0, "a"), weights(0, "b"), weights(1, "c")
+    assert first.keys() == again.keys() == other.keys()
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (
+        tmp_path / "b" / "tokenizer.json"
+    ).read_bytes()
+
+
+def test_unknown_family_and_cli(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"unknown model family 'gpt2'.*qwen2-tied"):
+        build_family_model("gpt2", tmp_path / "x")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "seamlessflow.assets.families",
+            "--family",
+            "llama3-tied",
+            "--out",
+            str(tmp_path / "llama"),
+            "--seed",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    info = json.loads(out.stdout)
+    assert info["family"] == "llama3-tied" and info["seed"] == 3
+    assert info["tie_word_embeddings"] is True
+    assert (tmp_path / "llama" / "model.safetensors").exists()
