@@ -387,6 +387,8 @@ def test_vllm_engine_takes_a_tied_matrix_under_either_name_or_both() -> None:
     tied = _tied_names({"tie_word_embeddings": True}, shapes)
     assert tied == {"lm_head.weight": "model.embed_tokens.weight"}
     assert _tied_names({"tie_word_embeddings": False}, shapes) == {}
+    # A checkpoint that lists both names (e.g. saved from a gathered state) maps the same.
+    assert _tied_names({"tie_word_embeddings": True}, {**shapes, "lm_head.weight": (8, 4)}) == tied
     matrix, norm = torch.randn(8, 4), torch.ones(4)
     both = {"model.embed_tokens.weight": matrix, "lm_head.weight": matrix.clone(), "n": norm}
     assert _untie(both, tied).keys() == {"model.embed_tokens.weight", "n"}
