@@ -123,6 +123,52 @@ def test_encoder_without_deltas_and_after_a_layout_change_sends_full() -> None:
     assert encoder.encode(2, grown).manifest.kind == "full"
 
 
+def test_versions_after_a_layout_change_are_encoded_in_their_own_layout() -> None:
+    """The encoder reuses the buffer of two versions ago only if it has the new layout
+    (after fp32 -> bf16 it used to reuse the fp32-sized one: the next delta raised)."""
+    encoder = WeightEncoder(bucket_bytes=4096, deltas=True, full_every=100)
+    mirror = WeightMirror()
+    state = model_state()
+    kinds = []
+    for version, dtype in enumerate([None, None, torch.float32, torch.float32, None, None], 1):
+        state = one_step(state, 0.001, seed=version)
+        sent = state if dtype is None else {k: v.to(dtype) for k, v in state.items()}
+        encoded = encoder.encode(version, sent)
+        assert encoded.manifest.payload_bytes <= encoded.manifest.state_bytes
+        kinds.append(encoded.manifest.kind)
+        mirror.apply(encoded.manifest, encoded.payload)
+        assert_same_state(mirror.tensors(), sent)
+    assert kinds == ["full", "delta", "full", "delta", "full", "delta"]
+
+
+@pytest.mark.parametrize("names", ["one tensor", "two copies", "input name only"])
+def test_a_tied_matrix_travels_under_the_names_it_was_given(names: str) -> None:
+    """A tied model's state dict lists its one matrix under two names (the same tensor
+    from ``state_dict()``, or two copies from a gathered state) or one name
+    (``named_parameters()``); full and delta versions rebuild exactly that."""
+    generator = torch.Generator().manual_seed(0)
+    matrix = torch.randn(64, 16, generator=generator)
+    norm = torch.ones(16)
+    encoder = WeightEncoder(bucket_bytes=1000, deltas=True, full_every=100)
+    mirror = WeightMirror()
+    for version in (1, 2, 3):
+        with torch.no_grad():
+            matrix[version::8] += 1.0  # a few rows per step: a delta
+        state = {"model.embed_tokens.weight": matrix, "model.norm.weight": norm}
+        if names == "one tensor":
+            state["lm_head.weight"] = matrix
+        elif names == "two copies":
+            state["lm_head.weight"] = matrix.clone()
+        encoded = encoder.encode(version, state)
+        assert encoded.manifest.kind == ("full" if version == 1 else "delta")
+        mirror.apply(encoded.manifest, encoded.payload)
+        got = mirror.tensors()
+        assert got.keys() == state.keys()
+        assert_same_state(got, state)
+        if names != "input name only":
+            assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
+
+
 def test_mirror_follows_full_and_deltas_across_buckets_smaller_than_a_tensor() -> None:
     """Buckets of 1000 bytes: the 38 KB embedding spans many of them."""
     encoder = WeightEncoder(bucket_bytes=1000, deltas=True, full_every=100)

@@ -2,8 +2,8 @@
 
 No model hub is reachable, so `build_base_model` makes everything from scratch, given a
 seed: a byte-level BPE tokenizer trained on text from the "arithmetic" task, a small
-untied Qwen2 model (untied because vLLM's in-place weight reload leaves a tied lm_head
-stale), and a short supervised warm-up, then writes a directory that
+untied Qwen2 model (tied ones and the other families: `assets.families`), and a short
+supervised warm-up, then writes a directory that
 `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load.
 
 SFT recipe: a correct teacher, then a noisy one. The base model exists to show RL

@@ -72,6 +72,7 @@ class WeightEncoder:
         self._spare: torch.Tensor | None = None
         """The buffer of two versions ago, reused: allocating (and zeroing) a new one per
         version costs about half a second per GB."""
+        self._spare_layout: list[TensorSpec] | None = None
 
     def encode(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> EncodedWeights:
         """Flatten ``state_dict`` and encode it; blocking (call it in a worker thread).
@@ -101,16 +102,18 @@ class WeightEncoder:
             self._deltas_since_full += 1
         else:
             self._deltas_since_full = 0
-        self._spare = self._previous
+        self._spare, self._spare_layout = self._previous, self._previous_layout
         self._previous, self._previous_version, self._previous_layout = flat, version, layout
         return EncodedWeights(manifest=manifest, payload=payload)
 
     def _buffer(self, layout: list[TensorSpec]) -> torch.Tensor:
         """A buffer for ``layout``. The spare one (its payload was stored and pushed
-        before this call, so nobody reads it) only if the layout is the same: then the
-        alignment gaps, which no tensor overwrites, are still zero."""
+        before this call, so nobody reads it) only if it was laid out the same: then it
+        has the right size and the alignment gaps, which no tensor overwrites, are still
+        zero. (The spare is two versions old: the previous version's layout says nothing
+        about it after a layout change.)"""
         spare, self._spare = self._spare, None
-        if spare is not None and layout == self._previous_layout:
+        if spare is not None and layout == self._spare_layout:
             return spare
         return torch.zeros(layout_bytes(layout), dtype=torch.uint8)
 

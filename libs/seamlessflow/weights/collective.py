@@ -23,6 +23,7 @@ fetches it from there.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -100,11 +101,20 @@ def send(collective: Collective, encoded: EncodedWeights, src: int = 0) -> None:
     staging = torch.empty(
         encoded.manifest.bucket_bytes, dtype=torch.uint8, device=collective.device
     )
-    source = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else None
+    source = _read_only_bytes(payload) if len(payload) else None
     for start, end in bucket_ranges(len(payload), encoded.manifest.bucket_bytes):
         assert source is not None
         staging[: end - start].copy_(source[start:end])
         collective.broadcast(staging[: end - start], src)
+
+
+def _read_only_bytes(payload: memoryview) -> torch.Tensor:
+    """`payload` as a uint8 tensor without a copy. A delta's payload is immutable
+    `bytes`; torch warns that it cannot mark the tensor read-only, but `send` only reads
+    it (into the staging buffer)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        return torch.frombuffer(payload, dtype=torch.uint8)
 
 
 def send_stop(collective: Collective, src: int = 0) -> None:

@@ -14,7 +14,9 @@ event loop stays free for NATS heartbeats.
 
 Weights. Steps and weight copies hold one `asyncio.Lock`, and a step reads `version`
 under it, so every token is labelled with the complete weight set that computed it and
-no step ever sees a partial copy (a cancelled holder still waits for its thread).
+no step ever sees a partial copy (a cancelled holder still waits for its thread). A tied
+model's one matrix is in `state_dict()` under two names (`lm_head.weight` and
+`model.embed_tokens.weight`); a load may give either or both (both: equal values).
 
 Padding. Rows are left-padded; `attention_mask` marks real tokens and `position_ids`
 count real tokens only, so a row's logits do not depend on its batch mates (up to float
@@ -115,6 +117,8 @@ class TransformersEngine(BatchingEngine[_Request]):
 
         self._model: PreTrainedModel | None = None
         self._params: dict[str, torch.Tensor] = {}
+        self._tied: dict[str, str] = {}
+        """{alias: name} of state-dict entries that are one tensor (tied embeddings)."""
         self._vocab_size = 0
         self._can_merge = False
         self._compute_lock = asyncio.Lock()
@@ -130,6 +134,7 @@ class TransformersEngine(BatchingEngine[_Request]):
         model.eval()
         self._model = model
         self._params = dict(model.state_dict())
+        self._tied = _tied_aliases(self._params)
         self._vocab_size = int(model.config.get_text_config().vocab_size)
         self._max_context = self._max_context_arg or model.config.max_position_embeddings
         # Merging caches of different lengths edits plain per-layer K/V tensors; other
@@ -292,13 +297,40 @@ class TransformersEngine(BatchingEngine[_Request]):
                 raise ValueError(
                     f"weight {name!r}: expected shape {tuple(target.shape)}, got {shape}"
                 )
+        # A tied matrix may come under one name or both; both must then be the same values
+        # (else the one copied last would silently win).
+        for alias, name in self._tied.items():
+            if alias in state_dict and name in state_dict:
+                if not torch.equal(state_dict[alias], state_dict[name]):
+                    raise ValueError(
+                        f"tied weights {alias!r} and {name!r} differ; "
+                        "the model has one matrix for both"
+                    )
 
     def _copy_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         with torch.no_grad():
             for name, tensor in state_dict.items():
+                if self._tied.get(name) in state_dict:
+                    continue  # the same tensor, copied under its first name
                 self._params[name].copy_(tensor)
         # Written under the compute lock, which every step reads `version` under.
         self._version = version
+
+
+def _tied_aliases(params: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """{alias: first name} for state-dict entries sharing one storage (a tied model's
+    `lm_head.weight` is its `model.embed_tokens.weight`)."""
+    first: dict[tuple[int, int], str] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in params.items():
+        if tensor.numel() == 0:
+            continue
+        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
 
 
 def _load_pretrained(path: Path, dtype: torch.dtype) -> PreTrainedModel:

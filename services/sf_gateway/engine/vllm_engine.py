@@ -46,6 +46,13 @@ paused and raises `EngineError`, so a partial set is never served. Prefix cachin
 after a "keep" load vLLM cannot drop cached blocks that running requests hold, and a new
 request could reuse KV computed with old weights.
 
+Tied embeddings (`tie_word_embeddings`, e.g. Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B):
+the checkpoint holds one matrix, `model.embed_tokens.weight`. `load_weights` takes it
+under either name or both (`state_dict()` lists `lm_head.weight` too; both must then be
+equal) and sends it once. After vLLM's reload the worker re-runs the processing of the
+layers that share it (the lm_head: on CPU its prepacked GEMM copy of the matrix would
+otherwise keep serving the old output matrix, see `_refresh_shared_weight_layers`).
+
 Chunked prefill is off: on vLLM 0.32 CPU a seeded request whose prompt is prefilled in
 chunks crashes the engine core (`CPU Generator does not use offset`).
 
@@ -130,7 +137,39 @@ class _SfWorkerExtension:
             (name, _tensor_from_bytes(data, dtype, shape)) for name, dtype, shape, data in blobs
         ]
         self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
-        return len(weights)
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return _refresh_shared_weight_layers(model)
+
+
+def _refresh_shared_weight_layers(model: Any) -> int:
+    """Re-run the weight processing of every layer whose weight is another layer's
+    parameter; returns how many layers were refreshed.
+
+    vLLM's layerwise reload processes a layer (`process_weights_after_loading`) only when
+    one of its own checkpoint weights arrives. A tied lm_head holds the embedding's
+    parameter and gets no weight of its own (the checkpoint has no `lm_head.weight` and
+    the model's loader skips it): the shared storage receives the new values, but what
+    the lm_head's processing derived from the old ones stays. On CPU that is a prepacked
+    GEMM copy of the matrix (oneDNN / sgl), so the logits kept coming from the old
+    output matrix. Only unquantized embedding layers are refreshed: their processing is
+    idempotent (a no-op on GPU), a quantized method's is not.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    owners: dict[int, list[Any]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(module)
+    refreshed = 0
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, UnquantizedEmbeddingMethod):
+                method.process_weights_after_loading(module)
+                refreshed += 1
+    return refreshed
 
 
 class VllmEngine(InferenceEngine):
@@ -179,6 +218,8 @@ class VllmEngine(InferenceEngine):
         self._vocab_size = 0
         self._max_context = 0
         self._weight_shapes: dict[str, tuple[int, ...]] = {}
+        self._tied: dict[str, str] = {}
+        """{output name: input name} of tied weights (one matrix, loaded by its input name)."""
         self._exact_top_p = False
         self._started = False
         self._closed = False
@@ -220,6 +261,7 @@ class VllmEngine(InferenceEngine):
                 model_max,
             )
         self._weight_shapes = await asyncio.to_thread(_checkpoint_shapes, self._model_dir)
+        self._tied = _tied_names(text, self._weight_shapes)
         build = asyncio.ensure_future(asyncio.to_thread(self._build))
         try:
             self._llm = await asyncio.shield(build)
@@ -451,6 +493,7 @@ class VllmEngine(InferenceEngine):
 
     async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         self._require_running()
+        state_dict = _untie(state_dict, self._tied)
         self._check_weights(state_dict)
         blobs = [_tensor_to_blob(name, tensor) for name, tensor in state_dict.items()]
         self._loads_pending += 1
@@ -471,7 +514,10 @@ class VllmEngine(InferenceEngine):
                     # The running batch finishes on the old weights; new requests queue.
                     await self._llm.pause_generation(mode="wait", clear_cache=True)
                 try:
-                    await self._llm.collective_rpc("sf_reload_weights", args=(blobs,))
+                    refreshed = await self._llm.collective_rpc("sf_reload_weights", args=(blobs,))
+                    if self._tied and not all(refreshed):
+                        # the tie was broken: the lm_head would serve its old matrix
+                        raise RuntimeError("no layer shares the tied embedding after reload")
                     await self._llm.engine_core.set_weight_version_async(str(version))
                 except Exception as exc:
                     self._failed = f"weight load of version {version} failed: {exc!r}"
@@ -499,7 +545,7 @@ class VllmEngine(InferenceEngine):
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape:
                 got = getattr(tensor, "shape", type(tensor).__name__)
                 raise ValueError(f"weight {name!r}: expected shape {shape}, got {got}")
-        missing = self._weight_shapes.keys() - state_dict.keys()
+        missing = self._weight_shapes.keys() - state_dict.keys() - self._tied.keys()
         if missing:
             raise ValueError(
                 f"the vLLM engine loads complete weight sets; missing {len(missing)} "
@@ -561,6 +607,48 @@ def _tensor_from_bytes(data: bytes, dtype: str, shape: list[int]) -> torch.Tenso
         return torch.empty(shape, dtype=getattr(torch, dtype))
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return raw.view(getattr(torch, dtype)).reshape(shape)
+
+
+def _tied_names(config: Mapping[str, Any], shapes: Mapping[str, Any]) -> dict[str, str]:
+    """{"lm_head.weight": "model.embed_tokens.weight"} for a model with tied embeddings
+    (its one matrix is loaded by the input name; vLLM's loaders skip the lm_head of a
+    tied model), else {}."""
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if config.get("tie_word_embeddings") and embed in shapes:
+        return {head: embed}
+    return {}
+
+
+def _untie(
+    state_dict: Mapping[str, torch.Tensor], tied: Mapping[str, str]
+) -> Mapping[str, torch.Tensor]:
+    """`state_dict` with each tied matrix under its input name only.
+
+    A tied model's weights come with both names (`state_dict()`, as trainers send them)
+    or one (`named_parameters()` gives the input name); given both, they must be equal:
+    a tied model has one matrix, and serving either would silently drop the other.
+    """
+    if not tied or not tied.keys() & state_dict.keys():
+        return state_dict
+    import torch
+
+    untied = dict(state_dict)
+    for head, embed in tied.items():
+        if head not in untied:
+            continue
+        matrix = untied.pop(head)
+        if embed not in untied:
+            untied[embed] = matrix
+        elif not (
+            isinstance(matrix, torch.Tensor)
+            and isinstance(untied[embed], torch.Tensor)
+            and matrix.shape == untied[embed].shape
+            and torch.equal(matrix, untied[embed])
+        ):
+            raise ValueError(
+                f"tied weights {head!r} and {embed!r} differ; the model has one matrix for both"
+            )
+    return untied
 
 
 def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
