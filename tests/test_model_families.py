@@ -55,7 +55,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from seamlessflow.assets.families import FAMILIES, build_family_model, tied_parameter_names
+from seamlessflow.assets.families import FAMILIES, build_family_model
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import WeightManifest
 from seamlessflow.weights import (
@@ -65,6 +65,7 @@ from seamlessflow.weights import (
     WeightReceiver,
     collective,
 )
+from seamlessflow.weights.tied import tied_aliases
 from sf_gateway.engine import GenerationResult, InferenceEngine, SamplingParams
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.grpo import token_logprobs
@@ -190,7 +191,7 @@ def _trainer_state(model: PreTrainedModel, variant: str) -> dict[str, torch.Tens
         return TrainGroup(device=torch.device("cpu")).full_model_state(model)
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     if variant == "input-only":
-        for alias in tied_parameter_names(model):
+        for alias in tied_aliases(model.state_dict(keep_vars=True)):
             del state[alias]
     return state
 
@@ -200,7 +201,7 @@ def _reference(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> PreTra
     whichever of its names `state` has."""
     reference: PreTrainedModel = AutoModelForCausalLM.from_config(model.config)
     full = dict(state)
-    for alias, name in tied_parameter_names(model).items():
+    for alias, name in tied_aliases(model.state_dict(keep_vars=True)).items():
         if name not in full:
             full[name] = full[alias]
         full.setdefault(alias, full[name])
@@ -330,7 +331,7 @@ async def test_family_weights_travel_every_transport_and_engines_serve_them(
     trainer: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32
     ).eval()
-    tied = tied_parameter_names(trainer)
+    tied = tied_aliases(trainer.state_dict(keep_vars=True))
     stores = {
         "object": ObjectStorePayloads(bus),
         "shm": SharedMemoryPayloads(run_id, tmp_path),

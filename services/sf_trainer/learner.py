@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from seamlessflow.assets.model_check import ModelNeeds, check_model
 from seamlessflow.protocol import TrainBatch
+from seamlessflow.weights.tied import tied_aliases, with_aliases, without_aliases
 from sf_trainer import checkpoint
 from sf_trainer.advantages import get_advantage_estimator
 from sf_trainer.checkpoint import TrainerState
@@ -92,6 +93,9 @@ class Learner:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+        self.tied = tied_aliases(model.state_dict(keep_vars=True))
+        """{alias: name} of tied matrices: published and checkpointed once, under the
+        first name (``seamlessflow.weights.tied``)."""
         self.model = group.shard(model, bf16_mixed=self.bf16_mixed)
         self.reference = (
             load_reference(model_dir, group, self.bf16_mixed) if settings.kl_coef > 0 else None
@@ -124,7 +128,7 @@ class Learner:
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The unsharded weights, a CPU copy (the state published as a version)."""
         self._announce(GatherWeights())
-        return self.group.full_model_state(self.model)
+        return without_aliases(self.group.full_model_state(self.model), self.tied)
 
     def save(self, out: Path, state: TrainerState) -> Path:
         self._announce(GatherCheckpoint())
@@ -207,11 +211,14 @@ class Learner:
 
     def _gather_checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         return (
-            self.group.full_model_state(self.model),
+            without_aliases(self.group.full_model_state(self.model), self.tied),
             self.group.full_optimizer_state(self.model, self.optimizer),
         )
 
     def _load(self, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> None:
+        # a checkpoint holds a tied matrix once; the loader matches every registered name
+        if model_state:
+            with_aliases(model_state, self.tied)
         self.group.load_full_state(self.model, self.optimizer, model_state, optimizer_state)
         for param_group in self.optimizer.param_groups:
             param_group.update(

@@ -53,7 +53,6 @@ from seamlessflow.assets.base_model import _GENERIC_TEXT
 from seamlessflow.assets.base_model import CHAT_TEMPLATE as QWEN2_CHAT_TEMPLATE
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedTokenizerFast
 
 FAMILIES: tuple[str, ...] = ("qwen2", "qwen2-tied", "qwen3", "llama3-tied")
@@ -503,19 +502,6 @@ def build_family_model(family: str, out_dir: Path, *, seed: int = 0) -> Path:
     }
     (out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     return out_dir
-
-
-def tied_parameter_names(model: torch.nn.Module) -> dict[str, str]:
-    """{alias: name} for parameters registered under two names (e.g. "lm_head.weight" ->
-    "model.embed_tokens.weight" in a tied model); empty for an untied one."""
-    first: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            aliases[name] = first[id(param)]
-        else:
-            first[id(param)] = name
-    return aliases
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from seamlessflow.weights.tied import tied_aliases
+
 from .base import (
     GeneratedToken,
     GenerationStream,
@@ -134,7 +136,7 @@ class TransformersEngine(BatchingEngine[_Request]):
         model.eval()
         self._model = model
         self._params = dict(model.state_dict())
-        self._tied = _tied_aliases(self._params)
+        self._tied = tied_aliases(self._params)
         self._vocab_size = int(model.config.get_text_config().vocab_size)
         self._max_context = self._max_context_arg or model.config.max_position_embeddings
         # Merging caches of different lengths edits plain per-layer K/V tensors; other
@@ -315,22 +317,6 @@ class TransformersEngine(BatchingEngine[_Request]):
                 self._params[name].copy_(tensor)
         # Written under the compute lock, which every step reads `version` under.
         self._version = version
-
-
-def _tied_aliases(params: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """{alias: first name} for state-dict entries sharing one storage (a tied model's
-    `lm_head.weight` is its `model.embed_tokens.weight`)."""
-    first: dict[tuple[int, int], str] = {}
-    aliases: dict[str, str] = {}
-    for name, tensor in params.items():
-        if tensor.numel() == 0:
-            continue
-        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
-        if key in first:
-            aliases[name] = first[key]
-        else:
-            first[key] = name
-    return aliases
 
 
 def _load_pretrained(path: Path, dtype: torch.dtype) -> PreTrainedModel:

@@ -624,7 +624,7 @@ def _untie(
 ) -> Mapping[str, torch.Tensor]:
     """`state_dict` with each tied matrix under its input name only.
 
-    A tied model's weights come with both names (`state_dict()`, as trainers send them)
+    A tied model's weights come with both names (`state_dict()`; this trainer sends one)
     or one (`named_parameters()` gives the input name); given both, they must be equal:
     a tied model has one matrix, and serving either would silently drop the other.
     """
