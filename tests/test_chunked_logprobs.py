@@ -279,17 +279,18 @@ def test_a_head_with_a_softcap_is_refused_and_falls_back_to_whole_logits() -> No
 
 
 def test_two_ranks_with_chunked_logprobs_step_as_one_process_with_whole_logits(
-    base_model_dir: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path
 ) -> None:
     """FSDP2 shards the head with the root; the chunks use the root's gathered output
-    embedding after the forward, and its gradient is reduce-scattered with the root's.
-    With the KL reference (sharded too) and checkpointed layers, per-token temperatures,
-    2 ranks chunking equal one process on whole logits up to float summation order."""
+    embedding after the forward, and its gradient is reduce-scattered with the root's
+    (tied: with the embedding's, one parameter). With the KL reference (sharded too)
+    and checkpointed layers, per-token temperatures, 2 ranks chunking equal one process
+    on whole logits up to float summation order."""
     common = {**SETTINGS, "kl_coef": 0.1, "gradient_checkpointing": True}
     batches = [with_temperatures(b) for b in BATCHES]
     chunked = {**common, "logprob_chunk_tokens": 5}
     whole = {**common, "logprob_chunk_tokens": 0}
-    ranks = run_ranks(2, spec(base_model_dir, batches, tmp_path / "ranks", settings=chunked))
-    alone = run_one_process(spec(base_model_dir, batches, tmp_path / "alone", settings=whole))
+    ranks = run_ranks(2, spec(model_dir, batches, tmp_path / "ranks", settings=chunked))
+    alone = run_one_process(spec(model_dir, batches, tmp_path / "alone", settings=whole))
     assert_same_results(ranks, alone, tmp_path / "alone")
     assert_same_checkpoint(tmp_path / "ranks" / "checkpoint", tmp_path / "alone")

@@ -9,7 +9,8 @@ order).
 
 A step: shaped rewards -> advantages (``SF_TRAINER_ADVANTAGE``) -> for each
 micro-batch, policy (and, with ``SF_TRAINER_KL_COEF`` > 0, reference) logprobs, each
-token's at the temperature it was sampled at (``TrainSample.temperatures``) -> loss
+token's at the temperature it was sampled at (``TrainSample.temperatures``), from the
+final hidden states in chunks of ``SF_TRAINER_LOGPROB_CHUNK_TOKENS`` -> loss
 (``SF_TRAINER_LOSS``) -> backward; then one clipped optimizer step.
 """
 
