@@ -16,10 +16,12 @@ Checks (each in a process of its own, so a crash or a CUDA error fails that chec
   an in-place broadcast, the bucketed send path (``seamlessflow.weights.collective``).
 - ``cupy-nccl-2gpu``: a full and a delta payload from GPU 0 to GPU 1 over NCCL, received
   bit for bit (skipped with fewer than two GPUs).
-- ``fsdp2-bf16-step``: FSDP2 on one rank (NCCL) with a bf16 mixed-precision policy
-  (bf16 compute, fp32 master weights and gradient reduction): three optimizer steps on
-  one batch, finite and falling loss, fp32 master weights, and a first gradient in the
-  direction of an fp32 unsharded model's (cosine >= ``MIN_GRADIENT_COSINE``).
+- ``fsdp2-bf16-step``: FSDP2 on one rank (NCCL) sharded and run by the trainer's own
+  code (``TrainGroup.shard`` with ``SF_TRAINER_PRECISION=bf16-mixed``'s policy: bf16
+  compute, fp32 master weights and gradient reduction; the trainer's chunked logprobs):
+  three optimizer steps on one batch, finite and falling loss, fp32 master weights, and
+  a first gradient in the direction of an fp32 unsharded model's (cosine >=
+  ``MIN_GRADIENT_COSINE``).
 
 Bounds. The reload gap (largest |engine - reference| logprob over the generated
 tokens) passes below ``bound = max(8 x reference_gap, 4 x eps(dtype) x max|logprob|)``,
@@ -422,20 +424,41 @@ def check_cupy_nccl_two_gpus(ctx: Context) -> dict[str, Any]:
 
 
 def check_fsdp2_bf16_step(ctx: Context) -> dict[str, Any]:
+    """The trainer's own code path: ``TrainGroup.shard(model, bf16_mixed=True)`` (what
+    ``SF_TRAINER_PRECISION=bf16-mixed`` shards with), ``forward_precision`` and the
+    trainer's logprobs (chunked from the final hidden states at its default
+    ``SF_TRAINER_LOGPROB_CHUNK_TOKENS``); the loss is the targets' mean negative logprob."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
+
+    from sf_trainer.config import TrainerSettings
+    from sf_trainer.distributed import TrainGroup, forward_precision
+    from sf_trainer.logprobs import target_logprobs
 
     model_dir = ctx.model("qwen2-tied")
     device = torch.device("cuda", 0) if ctx.device == "cuda" else torch.device("cpu")
     generator = torch.Generator().manual_seed(0)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     batch = torch.randint(0, vocab, (4, 32), generator=generator).to(device)
+    attention = torch.ones_like(batch)
+    settings = TrainerSettings(precision="bf16-mixed")
+    # several chunks per batch, so the chunked head is what the check exercises
+    chunk = min(settings.logprob_chunk_tokens, 40)
 
+    bf16_mixed = settings.precision == "bf16-mixed"
+
+    def loss_of(model: torch.nn.Module, group: TrainGroup, chunk_tokens: int, bf16: bool) -> Any:
+        logprobs = target_logprobs(
+            model, batch, attention, batch[:, 1:], 1.0, chunk_tokens,
+            lambda: forward_precision(bf16, group),
+        )  # fmt: skip
+        return -logprobs.mean()
+
+    # the direction to compare with: float32, unsharded, whole logits
     reference = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
-    reference(input_ids=batch, labels=batch).loss.backward()
+    loss_of(reference, TrainGroup(device=device), 0, False).backward()
     reference_grad = torch.cat([p.grad.flatten() for p in reference.parameters()])
 
     with socket.socket() as sock:
@@ -448,14 +471,9 @@ def check_fsdp2_bf16_step(ctx: Context) -> dict[str, Any]:
         world_size=1,
     )
     try:
-        mesh = init_device_mesh(device.type, (1,))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
-        unsplittable = set(getattr(model, "_no_split_modules", None) or ())
-        for module in list(model.modules()):
-            if module is not model and type(module).__name__ in unsplittable:
-                fully_shard(module, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        group = TrainGroup(device=device, mesh=init_device_mesh(device.type, (1,)))
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model = group.shard(model, bf16_mixed=bf16_mixed)
         compute_dtypes: set[str] = set()
         first_linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
         first_linear.register_forward_hook(
@@ -465,7 +483,7 @@ def check_fsdp2_bf16_step(ctx: Context) -> dict[str, Any]:
         losses = []
         cosine = float("nan")
         for step in range(3):
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = loss_of(model, group, chunk, bf16_mixed)
             loss.backward()
             if step == 0:
                 grad = torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])

@@ -28,6 +28,7 @@ from sf_trainer.checkpoint import TrainerState
 from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.evaluation import EvalResult, EvalSet, evaluate
+from sf_trainer.logprobs import chunked_head_refusal
 from sf_trainer.losses import get_loss
 from sf_trainer.schedule import lr_at
 from sf_trainer.step import StepResult, train_step
@@ -88,6 +89,10 @@ class Learner:
         # backward compute in (sf_trainer.distributed.forward_precision, TrainGroup.shard)
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         model.train()
+        refusal = chunked_head_refusal(model)
+        if settings.logprob_chunk_tokens and refusal is not None:
+            log.warning("logprobs from whole logits (SF_TRAINER_LOGPROB_CHUNK_TOKENS "
+                        "does not apply): %s", refusal)  # fmt: skip
         if settings.gradient_checkpointing:
             # non-reentrant: works with FSDP2's hooks and with inputs that need no grad
             model.gradient_checkpointing_enable(

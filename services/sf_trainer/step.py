@@ -9,7 +9,8 @@ order).
 
 A step: shaped rewards -> advantages (``SF_TRAINER_ADVANTAGE``) -> for each
 micro-batch, policy (and, with ``SF_TRAINER_KL_COEF`` > 0, reference) logprobs, each
-token's at the temperature it was sampled at (``TrainSample.temperatures``) -> loss
+token's at the temperature it was sampled at (``TrainSample.temperatures``), from the
+final hidden states in chunks of ``SF_TRAINER_LOGPROB_CHUNK_TOKENS`` -> loss
 (``SF_TRAINER_LOSS``) -> backward; then one clipped optimizer step.
 """
 
@@ -24,7 +25,7 @@ from seamlessflow.protocol import UNRECORDED_TEMPERATURE, TrainBatch, TrainSampl
 from sf_trainer.advantages import batch_advantages
 from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup, as_float, forward_precision, partition_by_tokens
-from sf_trainer.grpo import token_logprobs
+from sf_trainer.logprobs import target_logprobs
 from sf_trainer.losses import BatchTotals, LossInputs, get_loss
 
 
@@ -191,10 +192,7 @@ def train_step(
         ).to(group.device)
         if not micro.trained:
             packed.loss_mask.zero_()
-        with forward_precision(settings.precision == "bf16-mixed", group):
-            logits = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
-        # float32 from here (token_logprobs upcasts): bf16 logits, float32 log-softmax
-        logprobs = token_logprobs(logits[:, :-1], packed.targets, packed.temperatures)
+        logprobs = _logprobs(model, packed, settings, group)
         inputs = LossInputs(
             logprobs=logprobs,
             behaviour_logprobs=packed.old_logprobs,
@@ -249,6 +247,21 @@ def _reference_logprobs(
     """The targets' logprobs under the frozen reference model, in the policy's precision
     and at each token's sampling temperature like the policy's. Every pass runs it, the
     padding passes too: a sharded reference all-gathers in its forward like the policy."""
-    with torch.no_grad(), forward_precision(settings.precision == "bf16-mixed", group):
-        logits = reference(input_ids=packed.input_ids, attention_mask=packed.attention_mask).logits
-        return token_logprobs(logits[:, :-1], packed.targets, packed.temperatures)
+    with torch.no_grad():
+        return _logprobs(reference, packed, settings, group)
+
+
+def _logprobs(
+    model: torch.nn.Module, packed: PackedSamples, settings: TrainerSettings, group: TrainGroup
+) -> torch.Tensor:
+    """The targets' logprobs, float32, chunked by ``logprob_chunk_tokens``
+    (``sf_trainer.logprobs``), the forward in the step's precision."""
+    return target_logprobs(
+        model,
+        packed.input_ids,
+        packed.attention_mask,
+        packed.targets,
+        packed.temperatures,
+        settings.logprob_chunk_tokens,
+        lambda: forward_precision(settings.precision == "bf16-mixed", group),
+    )

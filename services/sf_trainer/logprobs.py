@@ -1,0 +1,98 @@
+"""The targets' logprobs under a causal LM, without a [tokens, vocab] tensor when the
+model's head allows it (``SF_TRAINER_LOGPROB_CHUNK_TOKENS``).
+
+The whole-logits path runs the model and log-softmaxes its logits: its forward keeps
+tokens x vocab floats several times over (the logits, their float32 copy, the
+log-softmax), about 10 GB per tensor for a 16k-token micro-batch at a 152k vocabulary.
+The chunked path runs the same model with ``logits_to_keep`` set to no position (the
+head projects nothing), takes the decoder's final hidden states from a forward hook,
+and projects them through the output embedding chunk by chunk
+(``sf_trainer.grpo.chunked_token_logprobs``).
+
+That is the model's own head only where the head is exactly ``lm_head(final hidden
+states)``: the families in :data:`PLAIN_HEAD_MODEL_TYPES`, whose ``*ForCausalLM.forward``
+applies the linear head and nothing else (no final logit soft-capping as in Gemma 2, no
+logit scale as in Cohere or Granite). Any other model type gets the whole-logits path
+(:func:`chunked_head_refusal` says why).
+
+Under FSDP2 the root module (embeddings, final norm, head) does not reshard after its
+forward, so right after the full model's forward the output embedding is the unsharded
+(all-gathered, in the policy's compute dtype) parameter, and its gradient from the
+chunks is reduce-scattered with the root's other gradients at the end of the backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from sf_trainer.grpo import chunked_token_logprobs, token_logprobs
+
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""``config.model_type`` of the families whose logits are ``lm_head(final hidden
+states)`` exactly (read in transformers' modeling files)."""
+
+
+def chunked_head_refusal(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s logits cannot be computed chunk by chunk from its hidden states
+    (``None``: they can)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in PLAIN_HEAD_MODEL_TYPES:
+        return (
+            f"model type {model_type!r} is not one whose logits are known to be the output "
+            f"embedding of the final hidden states ({', '.join(sorted(PLAIN_HEAD_MODEL_TYPES))})"
+        )
+    for attribute in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, attribute, None) not in (None, 1, 1.0):
+            return f"its config sets {attribute}: the head is more than the output embedding"
+    if model.get_output_embeddings() is None:  # type: ignore[operator]
+        return "it has no output embedding"
+    return None
+
+
+def target_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    targets: torch.Tensor,
+    temperatures: float | torch.Tensor,
+    chunk_tokens: int,
+    precision: Callable[[], AbstractContextManager[object]],
+) -> torch.Tensor:
+    """log p(targets[:, t]) at position t (``targets`` = ``input_ids[:, 1:]``), each at
+    its temperature, float32 (at least). ``chunk_tokens`` > 0 and a plain head: chunk
+    by chunk from the final hidden states; else from the whole logits. ``precision``:
+    makes the context the forward and the head's projection run in
+    (``sf_trainer.distributed.forward_precision``)."""
+    if chunk_tokens <= 0 or chunked_head_refusal(model) is not None:
+        with precision():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        # float32 from here (token_logprobs upcasts): bf16 logits, float32 log-softmax
+        return token_logprobs(logits[:, :-1], targets, temperatures)
+    captured: list[torch.Tensor] = []
+
+    def keep_hidden(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        captured.append(output.last_hidden_state)
+
+    decoder = model.get_decoder()  # type: ignore[operator]
+    handle = decoder.register_forward_hook(keep_hidden)
+    try:
+        with precision():
+            # the full model (so FSDP2's root gathers the head) projecting no position
+            model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                logits_to_keep=torch.empty(0, dtype=torch.long, device=input_ids.device),
+            )
+    finally:
+        handle.remove()
+    (hidden,) = captured
+    head_weight = model.get_output_embeddings().weight  # type: ignore[operator]
+    with precision():
+        return chunked_token_logprobs(
+            hidden[:, :-1], head_weight, targets, temperatures, chunk_tokens
+        )

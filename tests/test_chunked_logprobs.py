@@ -1,0 +1,303 @@
+"""Logprobs from the final hidden states chunk by chunk (``SF_TRAINER_LOGPROB_CHUNK_TOKENS``):
+the same numbers and gradients as the whole logits, without a [tokens, vocab] tensor kept
+for the backward."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from test_trainer_distributed import (
+    BATCHES,
+    SETTINGS,
+    assert_same_checkpoint,
+    assert_same_results,
+    run_one_process,
+    run_ranks,
+    spec,
+)
+from transformers import AutoModelForCausalLM, Gemma2Config, PreTrainedModel, Qwen2Config
+
+from seamlessflow.protocol import TrainBatch
+from sf_trainer.config import TrainerSettings
+from sf_trainer.distributed import TrainGroup
+from sf_trainer.grpo import chunked_token_logprobs, token_logprobs
+from sf_trainer.learner import Learner
+from sf_trainer.logprobs import chunked_head_refusal, target_logprobs
+
+FP32_UNIT_ROUNDOFF = torch.finfo(torch.float32).eps / 2
+BF16_UNIT_ROUNDOFF = 2.0**-8
+
+
+def gamma(terms: int, unit: float = FP32_UNIT_ROUNDOFF) -> float:
+    """Higham's gamma_n: a float sum of n products, in any order, is within gamma_n x
+    (the sum of the products' magnitudes) of the exact sum."""
+    return terms * unit / (1 - terms * unit)
+
+
+# the head alone: bounds derived from the two paths' float operations -------------------
+
+
+@pytest.mark.parametrize("compute", ["float32", "bf16-autocast"])
+def test_chunked_logprobs_and_gradients_equal_the_whole_logits_within_summation_order(
+    compute: str,
+) -> None:
+    """The two paths take the same row operations on the same inputs; what may differ:
+    (a) each logit is a dot product over H, which a GEMM with another row count may sum
+    in another order: two orders differ by at most 2 gamma_H (|h| |W|^T); under bf16
+    autocast each side also rounds its logit to bf16 (u |z| each);
+    (b) a logprob (z_t - logsumexp z, z = logits / T) moves by at most twice the row's
+    largest logit change (it is 1-Lipschitz in each of the two terms), plus the
+    log-softmax's own few roundings of the row's magnitudes;
+    (c) the gradients: with g = dL/dz = c / T (onehot - p), grad_h = g W sums over V and
+    grad_W = g^T h over the N tokens (chunk by chunk in the chunked path): two orders
+    differ by 2 gamma_K (|g| |.|) (K = V or N), and g itself moves by |c| / T (2 p delta +
+    a few roundings of (onehot + p)) when the row's scaled logits move by delta;
+    bf16 autocast rounds g and each GEMM's output to bf16 as well."""
+    generator = torch.Generator().manual_seed(3)
+    tokens, hidden_size, vocab, chunk = 53, 32, 97, 7  # chunk divides nothing
+    hidden = torch.randn(tokens, hidden_size, generator=generator)
+    weight = torch.randn(vocab, hidden_size, generator=generator) / hidden_size**0.5
+    targets = torch.randint(0, vocab, (tokens,), generator=generator)
+    temperatures = torch.tensor([0.0, 0.7, 1.0, 1.3]).repeat(tokens // 4 + 1)[:tokens]
+    upstream = torch.randn(tokens, generator=generator)
+    autocast = compute == "bf16-autocast"
+    out_unit = BF16_UNIT_ROUNDOFF if autocast else 0.0
+
+    def run(chunked: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            if chunked:
+                logprobs = chunked_token_logprobs(h, w, targets, temperatures, chunk)
+            else:
+                logprobs = token_logprobs(h @ w.T, targets, temperatures)
+        (logprobs * upstream).sum().backward()
+        assert h.grad is not None and w.grad is not None
+        return logprobs.detach(), h.grad, w.grad
+
+    whole, chunked = run(False), run(True)
+    assert whole[0].dtype == chunked[0].dtype == torch.float32
+
+    h64, w64 = hidden.double(), weight.double()
+    scale = torch.where(temperatures > 0, temperatures, 1.0).double().unsqueeze(-1)
+    z = h64 @ w64.T
+    magnitudes = h64.abs() @ w64.abs().T * (1 + out_unit) ** 2  # bf16 inputs: |x| (1 + u)
+    logit_gap = 2 * gamma(hidden_size) * magnitudes + 2 * out_unit * z.abs() * 1.01
+    delta = (logit_gap / scale).amax(-1, keepdim=True)  # the row's largest scaled change
+    eps = torch.finfo(torch.float32).eps
+    row_size = (z / scale).abs().amax(-1) + torch.log(torch.tensor(float(vocab)))
+    value_bound = 2 * delta.squeeze(-1) + 8 * eps * row_size
+    assert ((whole[0] - chunked[0]).abs() <= value_bound).all()
+
+    p = torch.softmax(z / scale, dim=-1)
+    onehot = torch.nn.functional.one_hot(targets, vocab).double()
+    c = upstream.double().unsqueeze(-1) / scale
+    g = c * (onehot - p)
+    g_gap = c.abs() * (2 * p * delta + 8 * eps * (onehot + p)) + 2 * out_unit * g.abs()
+    g_abs = g.abs() + g_gap
+    hidden_bound = 2 * gamma(vocab) * g_abs @ w64.abs() + g_gap @ w64.abs()
+    hidden_bound += 2 * out_unit * g_abs @ w64.abs()
+    weight_bound = 2 * gamma(tokens) * g_abs.T @ h64.abs() + g_gap.T @ h64.abs()
+    weight_bound += 2 * out_unit * g_abs.T @ h64.abs()
+    assert ((whole[1] - chunked[1]).abs().double() <= hidden_bound).all()
+    assert ((whole[2] - chunked[2]).abs().double() <= weight_bound).all()
+    # and the gradients are not trivially small next to their bounds
+    assert whole[2].abs().max() > 10 * weight_bound.max()
+
+
+def test_without_grad_the_chunks_keep_no_graph_and_an_empty_batch_is_empty() -> None:
+    generator = torch.Generator().manual_seed(5)
+    hidden, weight = (
+        torch.randn(2, 5, 8, generator=generator),
+        torch.randn(11, 8, generator=generator),
+    )
+    weight.requires_grad_()
+    targets = torch.randint(0, 11, (2, 5), generator=generator)
+    with torch.no_grad():
+        logprobs = chunked_token_logprobs(hidden, weight, targets, 1.0, 3)
+        whole = token_logprobs(hidden @ weight.T, targets, 1.0)
+        # as in the test above: two dot-product orders, then the log-softmax's roundings
+        magnitudes = hidden.abs() @ weight.abs().T
+        eps = torch.finfo(torch.float32).eps
+        bound = 4 * gamma(8) * magnitudes.amax(-1) + 8 * eps * (magnitudes.amax(-1) + 3)
+    assert logprobs.shape == (2, 5) and not logprobs.requires_grad
+    assert ((logprobs - whole).abs() <= bound).all()
+    empty = chunked_token_logprobs(hidden[:, :0], weight, targets[:, :0], 1.0, 3)
+    assert empty.shape == (2, 0)
+    with pytest.raises(ValueError):
+        chunked_token_logprobs(hidden, weight, targets, 1.0, 0)
+
+
+# whole models: tied and untied, the trainer's own path ---------------------------------
+
+
+def tiny_model(tied: bool, vocab: int = 512, seed: int = 7) -> PreTrainedModel:
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def model_dir(
+    request: pytest.FixtureRequest, base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A tiny random Qwen2 (tied or untied) with the base model's tokenizer."""
+    out = tmp_path_factory.mktemp("tied" if request.param else "untied")
+    for name in base_model_dir.iterdir():
+        if "token" in name.name or name.suffix == ".jinja":
+            shutil.copy(name, out / name.name)
+    tiny_model(request.param).save_pretrained(out)
+    return out
+
+
+def with_temperatures(batch: TrainBatch) -> TrainBatch:
+    """Every sample's completion sampled at 0.7 on its first half, 1.3 after (greedy on
+    one sample): tokens of one row at different temperatures."""
+    groups = []
+    for g_index, group in enumerate(batch.groups):
+        samples = []
+        for s_index, sample in enumerate(group.samples):
+            n = len(sample.token_ids)
+            temps = [0.7 if i < n // 2 else 1.3 for i in range(n)]
+            if g_index == 0 and s_index == 0:
+                temps = [0.0] * n
+            samples.append(msgspec.structs.replace(sample, temperatures=temps))
+        groups.append(msgspec.structs.replace(group, samples=samples))
+    return msgspec.structs.replace(batch, groups=groups)
+
+
+FLOAT64_REORDERING = 1e-9
+"""Relative to a gradient's largest entry: in float64 two summation orders of n terms
+differ by at most 2 n u sum|terms| (u = 1.1e-16); the longest sums here have n < 10^4
+terms (tokens x vocabulary chunks, hidden sizes), so 1e-9 leaves the terms' magnitudes
+room to exceed the gradient's by 10^2 through cancellation. A wrong position,
+temperature or a missing gradient path moves gradients by far more (> 1e-3)."""
+
+
+def test_a_step_with_chunked_logprobs_has_the_whole_logits_gradients(model_dir: Path) -> None:
+    """The trainer's own step (policy and KL reference, per-token temperatures, several
+    micro-batches and chunks per micro-batch), run in float64 so that the only
+    difference left is summation order; lr 0 keeps the gradients on the parameters."""
+    batch = with_temperatures(BATCHES[0])
+    steps = {}
+    for chunk in (0, 5):
+        overrides = {"lr": 0.0, "kl_coef": 0.1, "logprob_chunk_tokens": chunk}
+        settings = TrainerSettings(**{**SETTINGS, **overrides})  # type: ignore[arg-type]
+        learner = Learner(settings, TrainGroup(device=torch.device("cpu")), model_dir)
+        assert learner.reference is not None
+        learner.model.double()
+        learner.reference.double()
+        # the policy a little away from the reference, the same way in both runs: the KL
+        # term (and its gradient) is not zero
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for parameter in learner.model.parameters():
+                noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float64)
+                parameter.add_(0.05 * noise)
+        result = learner.step(batch, version=0)
+        parameters = learner.model.named_parameters()
+        grads = {n: p.grad.clone() for n, p in parameters if p.grad is not None}
+        steps[chunk] = (result, grads)
+    (whole, whole_grads), (chunked, chunked_grads) = steps[0], steps[5]
+    assert whole_grads.keys() == chunked_grads.keys()
+    assert len(whole_grads) == len(list(learner.model.parameters()))
+    for key in ("loss", "logprob_abs_diff", "kl_mean", "grad_norm"):
+        assert getattr(chunked, key) == pytest.approx(getattr(whole, key), rel=FLOAT64_REORDERING)
+    assert whole.kl_mean > 1e-4  # the reference's logprobs entered the loss
+    for name, expected in whole_grads.items():
+        gap = (chunked_grads[name] - expected).abs().max()
+        assert gap <= FLOAT64_REORDERING * expected.abs().max(), name
+
+
+def test_the_chunked_path_keeps_a_fraction_of_the_whole_logits_bytes_for_backward() -> None:
+    """Bytes the autograd graph holds for the backward after the forward, counted once per
+    storage (views of one tensor, and the weight every chunk saves, are one allocation):
+    at a 32k vocabulary the whole path keeps several [tokens, vocab] tensors, the
+    chunked one the hidden states and one chunk's outputs at most."""
+    model = tiny_model(tied=True, vocab=32_000)
+    ids = torch.randint(0, 32_000, (4, 128), generator=torch.Generator().manual_seed(0))
+    temperatures = torch.full((4, 127), 0.8)
+
+    def saved_bytes(chunk: int) -> int:
+        storages: dict[int, int] = {}
+
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            logprobs = target_logprobs(
+                model, ids, torch.ones_like(ids), ids[:, 1:], temperatures, chunk,
+                contextlib.nullcontext,
+            )  # fmt: skip
+        assert logprobs.requires_grad
+        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        return sum(size for ptr, size in storages.items() if ptr not in parameters)
+
+    whole, chunked = saved_bytes(0), saved_bytes(64)
+    logits_bytes = 4 * 127 * 32_000 * 4
+    assert whole > logits_bytes  # the log-softmax of the whole logits, at least
+    assert chunked < whole / 4
+
+
+def test_a_head_with_a_softcap_is_refused_and_falls_back_to_whole_logits() -> None:
+    assert chunked_head_refusal(tiny_model(tied=False)) is None
+    config = Gemma2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=30.0,
+    )
+    torch.manual_seed(0)
+    gemma = AutoModelForCausalLM.from_config(config)
+    reason = chunked_head_refusal(gemma)
+    assert reason is not None and "gemma2" in reason
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        fallback = target_logprobs(
+            gemma, ids, torch.ones_like(ids), ids[:, 1:], 1.0, 4, contextlib.nullcontext
+        )
+        soft_capped = gemma(input_ids=ids).logits[:, :-1]
+    # the model's own (soft-capped) logits: exactly the whole-logits path
+    assert torch.equal(fallback, token_logprobs(soft_capped, ids[:, 1:], 1.0))
+
+
+# two FSDP2 ranks --------------------------------------------------------------------------
+
+
+def test_two_ranks_with_chunked_logprobs_step_as_one_process_with_whole_logits(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """FSDP2 shards the head with the root; the chunks use the root's gathered output
+    embedding after the forward, and its gradient is reduce-scattered with the root's
+    (tied: with the embedding's, one parameter). With the KL reference (sharded too)
+    and checkpointed layers, per-token temperatures, 2 ranks chunking equal one process
+    on whole logits up to float summation order."""
+    common = {**SETTINGS, "kl_coef": 0.1, "gradient_checkpointing": True}
+    batches = [with_temperatures(b) for b in BATCHES]
+    chunked = {**common, "logprob_chunk_tokens": 5}
+    whole = {**common, "logprob_chunk_tokens": 0}
+    ranks = run_ranks(2, spec(model_dir, batches, tmp_path / "ranks", settings=chunked))
+    alone = run_one_process(spec(model_dir, batches, tmp_path / "alone", settings=whole))
+    assert_same_results(ranks, alone, tmp_path / "alone")
+    assert_same_checkpoint(tmp_path / "ranks" / "checkpoint", tmp_path / "alone")
