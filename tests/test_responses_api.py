@@ -4,7 +4,6 @@ is `tool_script.ToolScriptEngine` (it calls tools when asked, so tool loops run)
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,21 +11,15 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import InProcessMesh, session_auth
+from conftest import session_auth
 from openai import AsyncOpenAI
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from tool_script import scripted_reply, use_tool_script_engine
+from tool_script import scripted_reply, tool_script_gateway
 from transformers import AutoTokenizer
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
-from sf_gateway.config import EngineSettings, GatewaySettings
-from sf_gateway.engine_worker import EngineWorker
-from sf_gateway.gateway import GatewayService
-from sf_tag_scheduler.service import TagScheduler
-from sf_trajectory.service import TrajectoryService
-from sf_weight_sync.service import WeightSync
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 TOOLS = [
@@ -54,22 +47,8 @@ CHAT_TOOLS = [
 async def gateway_url(
     nats_url: str, run_id: str, base_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[str]:
-    use_tool_script_engine(monkeypatch)
-    mesh = InProcessMesh(nats_url, run_id, base_model_dir)
-    try:
-        await mesh.start(TagScheduler())
-        await mesh.start(WeightSync())
-        await mesh.start(TrajectoryService())
-        engine = await mesh.start(
-            EngineWorker(EngineSettings(engine_id="engine-r", backend="scripted"))
-        )
-        gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
-        async with asyncio.timeout(60):
-            await engine.ready.wait()
-            await gateway.ready.wait()
-        yield f"http://127.0.0.1:{gateway.bound_port}"
-    finally:
-        await mesh.stop()
+    async with tool_script_gateway(nats_url, run_id, base_model_dir, monkeypatch) as url:
+        yield url
 
 
 async def new_session(url: str) -> dict[str, Any]:

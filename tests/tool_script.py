@@ -17,9 +17,12 @@ logprob log(0.9) per token, so what the agent receives is exactly known.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +81,36 @@ def use_tool_script_engine(monkeypatch: Any) -> None:
         return ToolScriptEngine(model_dir, max_batch_size=settings.max_batch_size)
 
     monkeypatch.setattr(sf_gateway.engine_worker, "build_engine", build)
+
+
+@contextlib.asynccontextmanager
+async def tool_script_gateway(
+    nats_url: str, run_id: str, model_dir: Path, monkeypatch: Any
+) -> AsyncIterator[str]:
+    """A live mesh (scheduler, weight-sync, trajectory, a `ToolScriptEngine` worker,
+    gateway) on ``nats_url``; yields the gateway's URL."""
+    from conftest import InProcessMesh
+
+    from sf_gateway.config import EngineSettings, GatewaySettings
+    from sf_gateway.engine_worker import EngineWorker
+    from sf_gateway.gateway import GatewayService
+    from sf_tag_scheduler.service import TagScheduler
+    from sf_trajectory.service import TrajectoryService
+    from sf_weight_sync.service import WeightSync
+
+    use_tool_script_engine(monkeypatch)
+    mesh = InProcessMesh(nats_url, run_id, model_dir)
+    try:
+        await mesh.start(TagScheduler())
+        await mesh.start(WeightSync())
+        await mesh.start(TrajectoryService())
+        engine = await mesh.start(
+            EngineWorker(EngineSettings(engine_id="engine-tools", backend="scripted"))
+        )
+        gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
+        async with asyncio.timeout(60):
+            await engine.ready.wait()
+            await gateway.ready.wait()
+        yield f"http://127.0.0.1:{gateway.bound_port}"
+    finally:
+        await mesh.stop()
