@@ -232,3 +232,30 @@ def test_the_scripted_model_calls_the_offered_tool() -> None:
     assert scripted_reply(prompt) == (
         '<tool_call>\n{"name": "mul", "arguments": {"x": 3, "y": 4}}\n</tool_call>'
     )
+
+
+async def test_a_text_answer_sent_back_as_its_message_item_continues_the_branch(
+    gateway_url: str, bus: Bus
+) -> None:
+    session = await new_session(gateway_url)
+    client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
+    question = [{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]  # fmt: skip
+    async with client:
+        first = await client.responses.create(model="policy", input=question)  # type: ignore[arg-type]
+        [message] = first.output
+        assert message.type == "message" and message.content[0].type == "output_text"
+        history = [
+            *question,
+            message.model_dump(exclude_none=True),
+            {"role": "user", "content": "And 1 + 2?"},
+        ]
+        await client.responses.create(model="policy", input=history)  # type: ignore[arg-type]
+    first_turn, second_turn = await turns_of(bus, session["session_id"])
+    async with httpx.AsyncClient(headers=session_auth(session)) as http:
+        exported = await http.get(f"{gateway_url}/sessions/{session['session_id']}/export")
+    # one branch through both turns: the second prompt reused the first turn's ids
+    [sample] = exported.json()["samples"]
+    assert sample["turn_indexes"] == [0, 1]
+    assert sample["token_ids"] == [*second_turn.prompt_ids, *second_turn.completion_ids]
+    assert sample["token_ids"][: len(first_turn.prompt_ids)] == first_turn.prompt_ids
