@@ -33,8 +33,13 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-def build_graph(base_url: str, api_key: str, model: str = "policy") -> Any:
-    llm = ChatOpenAI(model=model, base_url=base_url, api_key=api_key).bind_tools([add])
+def build_graph(
+    base_url: str, api_key: str, model: str = "policy", *, responses_api: bool = False
+) -> Any:
+    """``responses_api``: ChatOpenAI talks the Responses API instead of chat completions."""
+    llm = ChatOpenAI(
+        model=model, base_url=base_url, api_key=api_key, use_responses_api=responses_api
+    ).bind_tools([add])
 
     async def agent(state: MessagesState) -> dict[str, Any]:
         return {"messages": [await llm.ainvoke(state["messages"])]}
@@ -48,14 +53,15 @@ def build_graph(base_url: str, api_key: str, model: str = "policy") -> Any:
     return graph.compile()
 
 
-async def solve(base_url: str, api_key: str, question: str) -> str:
+async def solve(base_url: str, api_key: str, question: str, *, responses_api: bool = False) -> str:
     """Run the graph on ``question`` to its final answer."""
     messages = [
         SystemMessage("You add numbers. Use the add tool, then state the result."),
         HumanMessage(question),
     ]
-    state = await build_graph(base_url, api_key).ainvoke({"messages": messages})
-    return str(state["messages"][-1].content)
+    graph = build_graph(base_url, api_key, responses_api=responses_api)
+    state = await graph.ainvoke({"messages": messages})
+    return str(state["messages"][-1].text)
 
 
 async def main() -> None:

@@ -96,8 +96,13 @@ async def test_the_agents_sdk_example_uses_its_tool_and_is_recorded(
     await check_export(gateway_url, bus, session, base_model_dir)
 
 
+@pytest.mark.parametrize("responses_api", [False, True])
 async def test_the_langgraph_example_uses_its_tool_and_is_recorded(
-    gateway_url: str, bus: Bus, base_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    gateway_url: str,
+    bus: Bus,
+    base_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    responses_api: bool,
 ) -> None:
     from langchain_openai.chat_models import _client_utils
 
@@ -113,7 +118,9 @@ async def test_the_langgraph_example_uses_its_tool_and_is_recorded(
     session = await open_session(gateway_url)
     langgraph = example("langgraph_agent")
     try:
-        answer = await langgraph.solve(session["base_url"], session["api_key"], "What is 7 + 12?")
+        answer = await langgraph.solve(
+            session["base_url"], session["api_key"], "What is 7 + 12?", responses_api=responses_api
+        )
     finally:
         for client in clients:
             await client.aclose()
