@@ -207,6 +207,13 @@ async def test_streamed_events_are_sdk_events_and_match_the_record(
          "input[0].content[0]"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"temperature": 3}, "temperature"),
+        ({"input": [{"type": "function_call_output", "call_id": "c1"}]}, "input[0].output"),
+        ({"input": [{"type": "function_call", "call_id": "c1", "arguments": "{}"}]},
+         "input[0].name"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
+         "tools.0.parameters"),
         ({"seed": 3}, "seed"),
     ],
 )  # fmt: skip

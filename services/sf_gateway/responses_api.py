@@ -149,7 +149,10 @@ class ResponsesRequest(BaseModel):
             if text_format.type == "json_object":
                 body["response_format"] = {"type": "json_object"}
             else:
-                schema = {"name": text_format.name or "response", "schema": text_format.schema_}
+                schema: dict[str, Any] = {
+                    "name": text_format.name or "response",
+                    "schema": text_format.schema_,
+                }
                 if text_format.description is not None:
                     schema["description"] = text_format.description
                 if text_format.strict is not None:
@@ -253,7 +256,12 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
         first = exc.errors()[0]
         parts = [str(part) for part in first["loc"]]
         if parts and model is ChatCompletionRequest:
-            parts[0] = _CHAT_TO_RESPONSES.get(parts[0], parts[0])
+            # chat message indexes are not input item indexes: name the input only
+            parts = [_CHAT_TO_RESPONSES.get(parts[0], parts[0])] + (
+                [] if parts[0] == "messages" else parts[1:]
+            )
+            if parts[0] == "tools" and parts[2:3] == ["function"]:
+                del parts[2]  # a chat tool's function fields are a Responses tool's own
         param = ".".join(parts) or None
         if first["type"] == "extra_forbidden":
             message = f"{param} is not supported by this gateway's Responses API"
