@@ -4,6 +4,7 @@ is `tool_script.ToolScriptEngine` (it calls tools when asked, so tool loops run)
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import session_auth
+from conftest import InProcessMesh, session_auth
 from openai import AsyncOpenAI
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -20,6 +21,8 @@ from transformers import AutoTokenizer
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
+from sf_gateway.config import GatewaySettings
+from sf_gateway.gateway import GatewayService
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 TOOLS = [
@@ -266,3 +269,22 @@ async def test_a_text_answer_sent_back_as_its_message_item_continues_the_branch(
     assert sample["turn_indexes"] == [0, 1]
     assert sample["token_ids"] == [*second_turn.prompt_ids, *second_turn.completion_ids]
     assert sample["token_ids"][: len(first_turn.prompt_ids)] == first_turn.prompt_ids
+
+
+async def test_an_engine_failure_after_the_stream_started_is_an_error_event(
+    mesh: InProcessMesh, bus: Bus
+) -> None:
+    """No engine serves: the 503 comes once the events have started, as an ``error``
+    event the SDK's union accepts, and nothing is recorded."""
+    gateway = await mesh.start(GatewayService(GatewaySettings(port=0, engine_wait_s=0.2)))
+    await asyncio.wait_for(gateway.ready.wait(), 30)
+    session = await new_session(f"http://127.0.0.1:{gateway.bound_port}")
+    async with httpx.AsyncClient(headers=session_auth(session)) as http:
+        answer = await http.post(
+            f"{session['base_url']}/responses",
+            json={"model": "policy", "input": "hi", "stream": True},
+        )
+    events = sse_events(answer.text)
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error"]
+    assert events[-1]["code"] == "engine_unavailable"
+    assert await turns_of(bus, session["session_id"]) == []
