@@ -178,6 +178,8 @@ async def post_and_check(
     elif path.endswith("completions") and response.headers["content-type"] == "application/json":
         choices = len(response.json()["choices"])
         assert after[0] == before[0] + choices, "an answer stores one turn per choice"
+    elif path.endswith("responses") and response.headers["content-type"] == "application/json":
+        assert after[0] == before[0] + 1, "a response stores one turn"
     return response
 
 
@@ -311,6 +313,49 @@ COMPLETION_BODY = st.fixed_dictionaries(
 )
 
 
+RESPONSE_ITEM = st.one_of(
+    MESSAGE,
+    st.fixed_dictionaries(
+        {"type": junk_or(st.sampled_from(["message", "function_call", "function_call_output",
+                                          "reasoning"]))},
+        optional={
+            "role": junk_or(st.sampled_from(["user", "assistant", "tool"])),
+            "content": junk_or(st.one_of(SMALL_TEXT, st.lists(st.fixed_dictionaries(
+                {"type": st.sampled_from(["input_text", "output_text", "input_image"]),
+                 "text": SMALL_TEXT}), max_size=2))),
+            "call_id": junk_or(SMALL_TEXT),
+            "name": junk_or(SMALL_TEXT),
+            "arguments": junk_or(SMALL_TEXT),
+            "output": junk_or(SMALL_TEXT),
+        },
+    ),
+)  # fmt: skip
+RESPONSES_TOOL = st.fixed_dictionaries(
+    {"type": junk_or(st.sampled_from(["function", "web_search"])),
+     "name": junk_or(st.sampled_from(["add", "has space", ""]))},
+    optional={"parameters": junk_or(st.sampled_from([{"type": "object"}, {"type": "string"}])),
+              "strict": junk_or(st.booleans())},
+)  # fmt: skip
+RESPONSES_BODY = st.fixed_dictionaries(
+    {"model": MODEL, "input": junk_or(SMALL_TEXT | st.lists(RESPONSE_ITEM, max_size=3))},
+    optional={
+        "instructions": junk_or(SMALL_TEXT),
+        "max_output_tokens": junk_or(st.integers(-1, 3)),
+        "temperature": COMMON_FIELDS["temperature"],
+        "top_p": COMMON_FIELDS["top_p"],
+        "stream": junk_or(st.booleans()),
+        "tools": junk_or(st.lists(RESPONSES_TOOL, max_size=2)),
+        "tool_choice": junk_or(st.sampled_from(["auto", "none", "required",
+                                                {"type": "function", "name": "add"}])),
+        "previous_response_id": junk_or(SMALL_TEXT),
+        "include": junk_or(st.lists(SMALL_TEXT, max_size=1)),
+        "store": junk_or(st.booleans()),
+        "metadata": junk_or(st.dictionaries(SMALL_TEXT, SMALL_TEXT, max_size=2)),
+        "n": JSON_VALUES,  # not a Responses parameter: refused by name
+    },
+)  # fmt: skip
+
+
 @st.composite
 def one_or_two_off(
     draw: st.DrawFn, valid: dict[str, st.SearchStrategy[Any]], junk: st.SearchStrategy[Any]
@@ -346,6 +391,18 @@ NEAR_VALID_CHAT = one_or_two_off(
         "logprobs": st.booleans(),
         "tools": st.just([{"type": "function", "function": {"name": "add"}}]),
         "user": ASCII_TEXT,
+    },
+    JSON_VALUES,
+)
+NEAR_VALID_RESPONSES = one_or_two_off(
+    {
+        "model": st.just("policy"),
+        "input": ASCII_TEXT | SIMPLE_MESSAGES,
+        "max_output_tokens": st.integers(1, 3),
+        "temperature": st.sampled_from([0.0, 0.7, 1.0]),
+        "stream": st.booleans(),
+        "instructions": ASCII_TEXT,
+        "tools": st.just([{"type": "function", "name": "add"}]),
     },
     JSON_VALUES,
 )
@@ -425,6 +482,7 @@ def body_route(fz: Fuzzed, route: str) -> tuple[str, dict[str, str]]:
         "sessions": ("/sessions", bearer(OPERATOR_KEY)),
         "chat": (f"/s/{fz.open_sid}/v1/chat/completions", bearer(fz.open_key)),
         "completions": (f"/s/{fz.open_sid}/v1/completions", bearer(fz.open_key)),
+        "responses": (f"/s/{fz.open_sid}/v1/responses", bearer(fz.open_key)),
         "reward": (f"/sessions/{fz.open_sid}/reward", bearer(fz.open_key)),
         "finished_chat": (f"/s/{fz.finished_sid}/v1/chat/completions", bearer(fz.finished_key)),
         "finished_finish": (f"/sessions/{fz.finished_sid}/finish", bearer(fz.finished_key)),
@@ -435,6 +493,7 @@ STRUCTURED = {
     "sessions": SESSION_BODY,
     "chat": CHAT_BODY | NEAR_VALID_CHAT,
     "completions": COMPLETION_BODY | NEAR_VALID_COMPLETION,
+    "responses": RESPONSES_BODY | NEAR_VALID_RESPONSES,
     "reward": REWARD_BODY,
     "finished_chat": CHAT_BODY | NEAR_VALID_CHAT,
     "finished_finish": REWARD_BODY,
@@ -460,7 +519,7 @@ async def test_structured_junk_never_5xx_and_refusals_store_nothing(
 
 @settings(FUZZ, max_examples=150)
 @given(
-    route=st.sampled_from(["sessions", "chat", "completions", "reward"]),
+    route=st.sampled_from(["sessions", "chat", "completions", "responses", "reward"]),
     body=st.one_of(RAW_BODIES, json_body(TOP_LEVEL), json_body(JSON_VALUES)),
     content_type=CONTENT_TYPES,
 )
@@ -479,6 +538,7 @@ KEYED_ROUTES = [
     ("GET", "/v1/models"),
     ("POST", "/s/{}/v1/chat/completions"),
     ("POST", "/s/{}/v1/completions"),
+    ("POST", "/s/{}/v1/responses"),
     ("GET", "/s/{}/v1/models"),
     ("POST", "/sessions/{}/reward"),
     ("POST", "/sessions/{}/finish"),
