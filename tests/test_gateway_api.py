@@ -18,6 +18,7 @@ from openai_shapes import check_body, documented_paths, kinds_for
 from openapi_spec_validator import validate
 from starlette.routing import Route
 
+from seamlessflow.assets.families import FAMILIES, build_tokenizer, family_spec
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TopLogprob, TrajectoryEvent, TurnRecorded, decode
 from sf_gateway.choice import Choice
@@ -236,6 +237,40 @@ def test_logprob_bytes_are_each_tokens_raw_bytes(base_model_dir: Path) -> None:
         assert check_body(ChatCompletionChunk, json.dumps(chunk).encode()) == []
         streamed += (chunk["choices"][0]["logprobs"] or {}).get("content") or []
     assert streamed == entries
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_token_bytes_of_every_family_spell_the_text(family: str, tmp_path: Path) -> None:
+    build_tokenizer(family_spec(family)).save_pretrained(tmp_path)
+    tokenizer = ChatTokenizer(tmp_path)
+    text = SPLIT_TEXT + " <tool_call>{}</tool_call>"
+    ids = tokenizer.encode_text(text)
+    assert len(ids) > len(text.encode()) // 4, "the text is not split into small pieces"
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == text.encode()
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary(tmp_path: Path) -> None:
+    """SentencePiece-style (Llama 2, Mistral): pieces spell a space as U+2581 and bytes
+    without a piece of their own as ``<0xNN>`` (byte fallback)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", *byte_pieces])
+    backend.train_from_iterator(["hello world café, the quick brown fox"] * 20, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>").save_pretrained(tmp_path)
+    tokenizer = ChatTokenizer(tmp_path)
+    text = "hello 日本 café🙂 world"
+    ids = tokenizer.encode_text(text)
+    assert "<0xE6>" in tokenizer.tokenizer.convert_ids_to_tokens(ids)
+    # every piece as written: the one leading space SentencePiece adds included
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == (" " + text).encode()
 
 
 # ------------------------------------------------------------------ the checker itself

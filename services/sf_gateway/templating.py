@@ -14,6 +14,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 """A SentencePiece byte-fallback piece: one raw byte."""
+METASPACE = "\u2581"
 
 
 class ChatTokenizer:
@@ -30,9 +31,11 @@ class ChatTokenizer:
         # Byte-level BPE (GPT-2, Qwen, Llama 3) spells each byte as one printable
         # character; a vocabulary whose every piece is in that alphabet is byte-level.
         alphabet = {char: byte for byte, char in bytes_to_unicode().items()}
-        pieces = (p for p, i in self.tokenizer.get_vocab().items() if i not in self._added)
+        pieces = [p for p, i in self.tokenizer.get_vocab().items() if i not in self._added]
         byte_level = all(char in alphabet for piece in pieces for char in piece)
         self._byte_of: dict[str, int] | None = alphabet if byte_level else None
+        # SentencePiece spells a space as U+2581 and bytes without a piece as <0xNN>
+        self._metaspace = not byte_level and any(METASPACE in piece for piece in pieces)
         self._bytes: dict[int, bytes] = {}
 
     @property
@@ -83,14 +86,17 @@ class ChatTokenizer:
         return raw
 
     def _raw_bytes(self, token_id: int) -> bytes:
+        piece = str(self.tokenizer.convert_ids_to_tokens(token_id))
+        if self._metaspace:
+            fallback = BYTE_FALLBACK.fullmatch(piece)
+            if fallback is not None:
+                return bytes([int(fallback.group(1), 16)])
         added = self._added.get(token_id)
         if added is not None:
             return added.encode()
-        piece = str(self.tokenizer.convert_ids_to_tokens(token_id))
         if self._byte_of is not None:
             return bytes(self._byte_of[char] for char in piece)
-        fallback = BYTE_FALLBACK.fullmatch(piece)
-        if fallback is not None:
-            return bytes([int(fallback.group(1), 16)])
-        # other vocabularies: the piece's text is whole characters
+        if self._metaspace:  # the piece as written (a leading space included)
+            return piece.replace(METASPACE, " ").encode()
+        # other vocabularies: the token's text is whole characters
         return self.token_text(token_id).encode()
