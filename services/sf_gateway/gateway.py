@@ -467,9 +467,11 @@ class Gateway:
             self._check_model(body.model)
         if body.messages is not None:
             # the chat route's own request model: the same messages and tools for the template
-            chat = ChatCompletionRequest(
-                model=body.model or self.models[0], messages=body.messages, tools=body.tools
-            )
+            chat = parse(
+                ChatCompletionRequest,
+                {"model": body.model or self.models[0], "messages": body.messages,
+                 "tools": body.tools},
+            )  # fmt: skip
             messages, tools = chat.template_messages(), chat.template_tools()
             if session is None:
                 ids = self.tokenizer.encode_text(self.tokenizer.render(messages, tools, True))
