@@ -157,6 +157,21 @@ async def recorded_turns(bus: Bus) -> list:  # type: ignore[type-arg]
     return [e for e in events if isinstance(e, TurnRecorded)]
 
 
+@pytest.fixture
+def openai_shapes(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """Every answer of every gateway the test starts is checked against the ``openai``
+    package's types (tests/openai_shapes.py); any mismatch fails the test."""
+    from openai_shapes import ShapeChecker
+
+    from sf_gateway.gateway import Gateway
+
+    checker = ShapeChecker()
+    serve = Gateway.app
+    monkeypatch.setattr(Gateway, "app", lambda gateway: checker.wrap(serve(gateway)))
+    yield checker
+    assert not checker.problems, "answers that do not conform:\n" + "\n".join(checker.problems)
+
+
 def session_auth(session: dict) -> dict[str, str]:  # type: ignore[type-arg]
     """Headers carrying a session's own key (what its OpenAI client sends)."""
     return {"authorization": f"Bearer {session['api_key']}"}

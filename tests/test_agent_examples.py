@@ -21,6 +21,8 @@ from transformers import AutoTokenizer
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
 
+pytestmark = pytest.mark.usefixtures("openai_shapes")
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 7, "b": 12}}\n</tool_call>'
 ANSWER = "The result is 19."

@@ -11,7 +11,8 @@ oversized requests at it. Properties, for every request:
   as before and the gateway's sessions (ids, turns, finished) are unchanged;
 - an accepted ``POST /sessions`` stores exactly its SessionOpened, an accepted turn one
   TurnRecorded per choice;
-- a body past 4 MiB gets 413 however its size is (or is not) announced.
+- a body past 4 MiB gets 413 however its size is (or is not) announced;
+- every answer conforms to the ``openai`` types (tests/openai_shapes.py).
 
 Bodies are of three kinds: shaped like the route's request with fields of wrong types
 and out-of-range values; a valid request with one or two fields off (so each check is
@@ -30,7 +31,7 @@ import contextlib
 import json
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, assume, event, example, given, settings
 from hypothesis import strategies as st
+from openai_shapes import ShapeChecker
 
 from seamlessflow.bus import Bus, connect
 from seamlessflow.protocol import PhaseChanged, Subjects, encode
@@ -76,6 +78,8 @@ class Fuzzed:
     finished_key: str
     tasks: list[asyncio.Task[None]]
     """The services' tasks: none may end while the tests run."""
+    shapes: ShapeChecker
+    """Every answer of the gateway, checked against the openai types."""
 
     async def state(self) -> tuple[int, tuple[tuple[str, int, bool], ...]]:
         """What a request could have stored: trajectory events, gateway sessions."""
@@ -93,6 +97,10 @@ async def fz(nats_url: str, base_model_dir: Path) -> AsyncIterator[Fuzzed]:
     run_id = "f" + uuid.uuid4().hex[:12]
     mesh = InProcessMesh(nats_url, run_id, base_model_dir)
     bus = await connect(nats_url, Subjects(run_id), name="fuzz")
+    shapes = ShapeChecker()
+    serve = Gateway.app
+    patch = pytest.MonkeyPatch()
+    patch.setattr(Gateway, "app", lambda gateway: shapes.wrap(serve(gateway)))
     try:
         await bus.ensure_streams()
         services = [
@@ -137,10 +145,20 @@ async def fz(nats_url: str, base_model_dir: Path) -> AsyncIterator[Fuzzed]:
                 finished["session_id"],
                 finished["api_key"],
                 [task for _, _, task in mesh.running],
+                shapes,
             )
     finally:
+        patch.undo()
         await mesh.stop()
         await bus.drain()
+
+
+@pytest.fixture(autouse=True)
+def answers_conform(fz: Fuzzed) -> Iterator[None]:
+    """Whatever a property threw at the gateway, each answer conformed to its type."""
+    fz.shapes.problems.clear()
+    yield
+    assert not fz.shapes.problems, "\n".join(fz.shapes.problems[:5])
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -175,6 +193,8 @@ async def post_and_check(
         assert response.status_code == 201
         assert after[0] == before[0] + 1, "a new session stores exactly its SessionOpened"
         assert len(after[1]) == len(before[1]) + 1
+    elif path.endswith("tokenize"):
+        assert after == before, "tokenizing stores nothing"
     elif path.endswith("completions") and response.headers["content-type"] == "application/json":
         choices = len(response.json()["choices"])
         assert after[0] == before[0] + choices, "an answer stores one turn per choice"
@@ -431,6 +451,21 @@ SESSION_BODY = st.fixed_dictionaries(
 REWARD_BODY = st.fixed_dictionaries(
     {}, optional={"reward": junk_or(st.floats(-2, 2)), "extra": JSON_VALUES}
 )
+TOKENIZE_BODY = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": MODEL,
+        "messages": junk_or(SIMPLE_MESSAGES | st.lists(MESSAGE, max_size=3)),
+        "tools": junk_or(st.lists(TOOL, max_size=2)),
+        "prompt": junk_or(SMALL_TEXT),
+        "return_token_strs": junk_or(st.booleans()),
+        "add_special_tokens": st.booleans(),  # unknown here: refused (extra="forbid")
+    },
+)
+DETOKENIZE_BODY = st.fixed_dictionaries(
+    {},
+    optional={"model": MODEL, "tokens": junk_or(st.lists(st.integers(-2, 600), max_size=6))},
+)
 TOP_LEVEL = JSON_VALUES.filter(lambda v: not isinstance(v, dict))  # arrays, strings, null...
 
 # Bytes that are not (valid) JSON: random bytes, invalid UTF-8 inside a plausible body,
@@ -486,6 +521,10 @@ def body_route(fz: Fuzzed, route: str) -> tuple[str, dict[str, str]]:
         "reward": (f"/sessions/{fz.open_sid}/reward", bearer(fz.open_key)),
         "finished_chat": (f"/s/{fz.finished_sid}/v1/chat/completions", bearer(fz.finished_key)),
         "finished_finish": (f"/sessions/{fz.finished_sid}/finish", bearer(fz.finished_key)),
+        "tokenize": (f"/s/{fz.open_sid}/tokenize", bearer(fz.open_key)),
+        "detokenize": (f"/s/{fz.open_sid}/detokenize", bearer(fz.open_key)),
+        "top_tokenize": ("/tokenize", bearer(OPERATOR_KEY)),
+        "top_detokenize": ("/detokenize", bearer(OPERATOR_KEY)),
     }[route]
 
 
@@ -497,6 +536,10 @@ STRUCTURED = {
     "reward": REWARD_BODY,
     "finished_chat": CHAT_BODY | NEAR_VALID_CHAT,
     "finished_finish": REWARD_BODY,
+    "tokenize": TOKENIZE_BODY,
+    "detokenize": DETOKENIZE_BODY,
+    "top_tokenize": TOKENIZE_BODY,
+    "top_detokenize": DETOKENIZE_BODY,
 }
 
 
@@ -543,6 +586,10 @@ KEYED_ROUTES = [
     ("POST", "/sessions/{}/reward"),
     ("POST", "/sessions/{}/finish"),
     ("GET", "/sessions/{}/export"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("POST", "/s/{}/tokenize"),
+    ("POST", "/s/{}/detokenize"),
 ]
 PATH_TEMPLATES = [(method, route) for method, route in KEYED_ROUTES if "{}" in route]
 """The routes that name a session."""

@@ -25,6 +25,9 @@ from sf_gateway.gateway import GatewayService
 from sf_tag_scheduler.service import TagScheduler
 from sf_weight_sync.service import WeightSync
 
+# every answer the gateway gives in these tests is checked against the openai types
+pytestmark = pytest.mark.usefixtures("openai_shapes")
+
 
 @pytest.fixture
 async def gateway_url(mesh) -> str:  # type: ignore[no-untyped-def]

@@ -29,6 +29,9 @@ from sf_tag_scheduler.service import TagScheduler
 from sf_trajectory.service import TrajectoryService
 from sf_weight_sync.service import WeightSync
 
+# every answer the gateway gives here is checked against the openai types
+pytestmark = pytest.mark.usefixtures("openai_shapes")
+
 
 async def start_gateway(
     nats_url: str, run_id: str, model_dir: Path, port: int

@@ -28,6 +28,9 @@ from sf_gateway.gateway import GatewayService
 from sf_tag_scheduler.service import TagScheduler
 from sf_weight_sync.service import WeightSync
 
+# every answer the gateway gives in these tests is checked against the openai types
+pytestmark = pytest.mark.usefixtures("openai_shapes")
+
 
 class Mesh:
     def __init__(self, engine: EngineWorker, url: str) -> None:
@@ -254,3 +257,47 @@ async def test_tools_are_templated_and_answers_have_the_tool_call_shape(
     assert "<tools>" in prompt and json.dumps(TOOLS[0]) in prompt
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 40}}' in prompt
     assert "<tool_response>\n42\n</tool_response>" in prompt
+
+
+async def test_logprob_bytes_spell_the_answer_streamed_or_not(
+    chatty: Mesh, bus: Bus, chatty_model_dir: Path
+) -> None:
+    """The chatty model emits byte tokens that split characters: each logprob entry's
+    ``bytes`` are its token's raw bytes, so together they spell the recorded completion
+    (decoded as the tokenizer decodes: invalid sequences replaced), streamed or not."""
+    sid, client = await open_client(chatty.url)
+    ask: dict[str, Any] = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": "日本語 🙂 ?"}],
+        "max_tokens": 48,
+        "seed": 4,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    async with client:
+        whole = await client.chat.completions.create(**ask)
+        stream = await client.chat.completions.create(**ask, stream=True)
+        streamed = [
+            entry
+            async for chunk in stream
+            if chunk.choices and chunk.choices[0].logprobs
+            for entry in chunk.choices[0].logprobs.content or []
+        ]
+    tokenizer = AutoTokenizer.from_pretrained(str(chatty_model_dir))
+    turns = await turns_of(bus, sid)
+    assert whole.choices[0].logprobs is not None
+    for entries, turn in (
+        (whole.choices[0].logprobs.content or [], turns[0]),
+        (streamed, turns[1]),
+    ):
+        assert len(entries) == len(turn.completion_ids)
+        raw = b"".join(bytes(entry.bytes or []) for entry in entries)
+        spelled = tokenizer.decode(turn.completion_ids, skip_special_tokens=False)
+        assert raw.decode("utf-8", errors="replace") == spelled
+        for entry in entries:
+            for top in entry.top_logprobs:
+                assert top.bytes is not None
+                if top.token.startswith("bytes:"):
+                    assert top.token == "bytes:" + "".join(f"\\x{b:02x}" for b in top.bytes)
+                else:
+                    assert top.token.encode() == bytes(top.bytes)

@@ -41,6 +41,9 @@ from sf_trajectory.config import TrajectorySettings
 from sf_trajectory.service import TrajectoryService
 from sf_weight_sync.service import WeightSync
 
+# every answer the gateway gives here is checked against the openai types
+pytestmark = pytest.mark.usefixtures("openai_shapes")
+
 STEPS = {"solver": 2, "verifier": 4}
 
 

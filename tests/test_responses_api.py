@@ -24,6 +24,8 @@ from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
 from sf_gateway.config import GatewaySettings
 from sf_gateway.gateway import GatewayService
 
+pytestmark = pytest.mark.usefixtures("openai_shapes")
+
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 TOOLS = [
     {

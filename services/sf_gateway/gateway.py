@@ -8,7 +8,10 @@ HTTP (agents):
   ``GET /s/<session>/v1/models``, ``GET /v1/models``
 - ``POST /sessions/<session>/reward``, ``POST /sessions/<session>/finish``
 - ``GET /sessions/<session>/export``: every branch of the session as training samples
-- ``GET /healthz``
+- ``POST /s/<session>/tokenize``, ``POST /s/<session>/detokenize`` (the session's
+  key; ``POST /tokenize``, ``/detokenize`` like ``/v1/models``): a chat request's prompt
+  ids exactly as its turn would record them, and ids back to text
+- ``GET /healthz``; ``GET /openapi.json``: this API as an OpenAPI 3.1 document
 
 Multi-policy: the run's policies (``SF_POLICIES``) are served as models of the same
 names; a request's ``model`` picks the policy whose engines answer it, and the turn is
@@ -99,11 +102,16 @@ from sf_gateway.openai_api import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     RewardBody,
     SessionCreate,
+    TokenizeRequest,
+    TokenizeResponse,
     parse,
 )
-from sf_gateway.responses import ChatFormat, CompletionFormat
+from sf_gateway.openapi import openapi_document
+from sf_gateway.responses import ChatFormat, CompletionFormat, logprob_token
 from sf_gateway.responses_api import create_response
 from sf_gateway.templating import ChatTokenizer
 from sf_gateway.tool_parsers import get_tool_parser
@@ -238,6 +246,9 @@ class Gateway:
     def app(self) -> Starlette:
         routes = [
             Route("/healthz", self.healthz, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/sessions", self.create_session, methods=["POST"]),
             Route("/sessions/{session_id}/reward", self.report_reward, methods=["POST"]),
@@ -247,6 +258,8 @@ class Gateway:
             Route("/s/{session_id}/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/s/{session_id}/v1/completions", self.completions, methods=["POST"]),
             Route("/s/{session_id}/v1/responses", self.responses, methods=["POST"]),
+            Route("/s/{session_id}/tokenize", self.tokenize_in_session, methods=["POST"]),
+            Route("/s/{session_id}/detokenize", self.detokenize_in_session, methods=["POST"]),
         ]
         app = Starlette(routes=routes)
         app.add_exception_handler(ApiError, self._api_error)
@@ -273,6 +286,9 @@ class Gateway:
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "sessions": len(self.sessions)})
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_document())
 
     async def list_models(self, request: Request) -> Response:
         self._require_operator(request)
@@ -402,6 +418,7 @@ class Gateway:
         view = ChatFormat(
             model=body.model,
             token_text=self.tokenizer.token_text,
+            token_bytes=self.tokenizer.token_bytes,
             include_usage=body.include_usage,
             parser=parser,
             logprobs=body.logprobs,
@@ -439,6 +456,65 @@ class Gateway:
             return self._stream(turn, view)
         await self._run_turn(turn)
         return JSONResponse(view.response(len(prompt_ids), turn.choices))
+
+    async def tokenize(self, request: Request) -> Response:
+        """Outside a session: a chat prompt is tokenized as a session's first turn."""
+        self._require_operator(request)
+        return await self._tokenize(request, None)
+
+    async def tokenize_in_session(self, request: Request) -> Response:
+        """In a session: a chat prompt's ids are the ones its next turn would record
+        (the stored ids of the history it continues, then its new messages)."""
+        return await self._tokenize(request, self._open_session(request))
+
+    async def detokenize(self, request: Request) -> Response:
+        self._require_operator(request)
+        return await self._detokenize(request)
+
+    async def detokenize_in_session(self, request: Request) -> Response:
+        self._open_session(request)
+        return await self._detokenize(request)
+
+    async def _tokenize(self, request: Request, session: GatewaySession | None) -> Response:
+        body = parse(TokenizeRequest, await self._json(request))
+        if body.model is not None:
+            self._check_model(body.model)
+        if body.messages is not None:
+            # the chat route's own request model: the same messages and tools for the template
+            chat = parse(
+                ChatCompletionRequest,
+                {"model": body.model or self.models[0], "messages": body.messages,
+                 "tools": body.tools},
+            )  # fmt: skip
+            messages, tools = chat.template_messages(), chat.template_tools()
+            if session is None:
+                ids = self.tokenizer.encode_text(self.tokenizer.render(messages, tools, True))
+            else:
+                forks = session.conversation.forks  # a look, not a turn: no fork is counted
+                ids = self._chat_prompt_ids(session, messages, tools)
+                session.conversation.forks = forks
+        else:
+            ids = self.tokenizer.encode_text(body.prompt or "")
+        answer = TokenizeResponse(
+            count=len(ids),
+            max_model_len=self.settings.max_context,
+            tokens=ids,
+            token_strs=[logprob_token(self.tokenizer.token_bytes(t)) for t in ids]
+            if body.return_token_strs
+            else None,
+        )
+        return JSONResponse(answer.model_dump(exclude_none=True))
+
+    async def _detokenize(self, request: Request) -> Response:
+        body = parse(DetokenizeRequest, await self._json(request))
+        if body.model is not None:
+            self._check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < self.tokenizer.vocab_size]
+        if bad:
+            raise ApiError(400, f"tokens has ids outside the vocabulary: {bad[:5]}", param="tokens")
+        return JSONResponse(
+            DetokenizeResponse(prompt=self.tokenizer.raw_text(body.tokens)).model_dump()
+        )
 
     # ------------------------------------------------------------------ internals
 

@@ -275,3 +275,47 @@ def parse(model: type[Any], body: Any) -> Any:
         return model.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+class TokenizeRequest(BaseModel):
+    """Body of ``POST /tokenize`` (as vLLM's server): chat ``messages`` (and ``tools``),
+    tokenized exactly as a chat turn would be, or a ``prompt`` string, as a completion."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    """Checked against the served models when given (one tokenizer serves them all)."""
+    messages: list[ChatMessageIn] | None = Field(default=None, min_length=1)
+    tools: list[ToolDef] | None = None
+    prompt: str | None = None
+    return_token_strs: bool = False
+    """Also answer each token's string (``token_strs``, as chat logprobs spell tokens)."""
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of messages and prompt")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools need messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    """The context: prompt plus completion tokens may not exceed it."""
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of ``POST /detokenize``: token ids back to text (special tokens kept)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -19,6 +19,17 @@ from sf_gateway.choice import Choice
 from sf_gateway.tool_parsers import ParsedCompletion, ToolParser
 
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
+
+
+def logprob_token(raw: bytes) -> str:
+    """A token's ``token`` string in chat logprobs: its text if its bytes are whole
+    UTF-8 characters, else (part of a character) ``bytes:`` and each byte as ``\\xNN``,
+    the form OpenAI and vLLM use; the exact bytes are in ``bytes`` either way."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
 
 
 def usage(prompt_tokens: int, choices: Sequence[Choice]) -> dict[str, int]:
@@ -35,6 +46,8 @@ class _Format:
     model: str
     token_text: TokenText
     include_usage: bool = False
+    token_bytes: TokenBytes | None = None
+    """A token's raw bytes (None: the UTF-8 of its decoded text)."""
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -174,8 +187,11 @@ class ChatFormat(_Format):
         }
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        if self.token_bytes is not None:
+            raw = self.token_bytes(token_id)
+        else:
+            raw = self.token_text(token_id).encode()
+        return {"token": logprob_token(raw), "logprob": logprob, "bytes": list(raw)}
 
 
 @dataclass

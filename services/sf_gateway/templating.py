@@ -5,10 +5,16 @@ Engines and the trainer only ever see token ids; text exists at the agent bounda
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+"""A SentencePiece byte-fallback piece: one raw byte."""
+METASPACE = "\u2581"
 
 
 class ChatTokenizer:
@@ -21,6 +27,16 @@ class ChatTokenizer:
                 stops.add(token_id)
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(t for t in stops if t is not None))
         self.vocab_size = len(self.tokenizer)
+        self._added = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()}
+        # Byte-level BPE (GPT-2, Qwen, Llama 3) spells each byte as one printable
+        # character; a vocabulary whose every piece is in that alphabet is byte-level.
+        alphabet = {char: byte for byte, char in bytes_to_unicode().items()}
+        pieces = [p for p, i in self.tokenizer.get_vocab().items() if i not in self._added]
+        byte_level = all(char in alphabet for piece in pieces for char in piece)
+        self._byte_of: dict[str, int] | None = alphabet if byte_level else None
+        # SentencePiece spells a space as U+2581 and bytes without a piece as <0xNN>
+        self._metaspace = not byte_level and any(METASPACE in piece for piece in pieces)
+        self._bytes: dict[int, bytes] = {}
 
     @property
     def end_of_turn(self) -> str:
@@ -59,3 +75,28 @@ class ChatTokenizer:
 
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for: a token may hold part of a multi-byte
+        UTF-8 character, which decoding it alone would turn into U+FFFD. The bytes of a
+        completion's tokens concatenate to the UTF-8 of its text."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = self._raw_bytes(token_id)
+        return raw
+
+    def _raw_bytes(self, token_id: int) -> bytes:
+        piece = str(self.tokenizer.convert_ids_to_tokens(token_id))
+        if self._metaspace:
+            fallback = BYTE_FALLBACK.fullmatch(piece)
+            if fallback is not None:
+                return bytes([int(fallback.group(1), 16)])
+        added = self._added.get(token_id)
+        if added is not None:
+            return added.encode()
+        if self._byte_of is not None:
+            return bytes(self._byte_of[char] for char in piece)
+        if self._metaspace:  # the piece as written (a leading space included)
+            return piece.replace(METASPACE, " ").encode()
+        # other vocabularies: the token's text is whole characters
+        return self.token_text(token_id).encode()
