@@ -336,7 +336,6 @@ class ResponseView:
             "tool_choice": tool_choice,
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "previous_response_id": None,
-            "store": bool(body.store),
             "text": {"format": {"type": "text"}}
             if body.text is None or body.text.format is None
             else {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)},
@@ -476,7 +475,7 @@ class ResponseView:
             yield self._event("response.function_call_arguments.delta", **where,
                               delta=call.arguments)  # fmt: skip
             yield self._event("response.function_call_arguments.done", **where,
-                              name=call.name, arguments=call.arguments)  # fmt: skip
+                              arguments=call.arguments)  # fmt: skip
             yield self._event("response.output_item.done", output_index=index, item=item)
             index += 1
         final = self.response("final")
