@@ -102,9 +102,10 @@ from sf_gateway.openai_api import (
     SessionCreate,
     parse,
 )
+from sf_gateway.reasoning import reasoning_parser_for
 from sf_gateway.responses import ChatFormat, CompletionFormat
 from sf_gateway.templating import ChatTokenizer
-from sf_gateway.tool_parsers import get_tool_parser
+from sf_gateway.tool_parsers import tool_parser_for
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -146,15 +147,22 @@ class Gateway:
         self._engine_calls: dict[str, dict[str, asyncio.Future[Any]]] = {}
         self._lost: dict[str, str] = {}
         self.reroutes = 0
-        self.tool_parser = get_tool_parser(settings.tool_parser)
+        self.tool_parser = tool_parser_for(
+            settings.tool_parser, tokenizer.chat_template, tokenizer.model_type
+        )
+        self.reasoning_parser = reasoning_parser_for(
+            settings.reasoning_parser, tokenizer.chat_template
+        )
         self._turns: set[asyncio.Task[None]] = set()
         self._operator_keys = [key_digest(k) for k in settings.operator_keys()]
 
     def _session(self, opened: SessionOpened) -> GatewaySession:
+        reasoning = self.reasoning_parser
         conversation = Conversation(
             render=self.tokenizer.render,
             encode=self.tokenizer.encode_text,
             end_of_turn=self.tokenizer.end_of_turn,
+            reasoning=(lambda text: reasoning.split(text)[0]) if reasoning else None,
         )
         return GatewaySession(
             opened=opened, key_sha256=opened.key_sha256, conversation=conversation
@@ -378,14 +386,17 @@ class Gateway:
         policy = self._check_model(body.model)
         body.check()
         messages, tools = body.template_messages(), body.template_tools()
-        prompt_ids = self._chat_prompt_ids(session, messages, tools)
+        prompt = session.conversation.prompt_for(messages, tools)
+        prompt_ids = prompt.ids
         parser = self.tool_parser if body.parses_tool_calls else None
-        plan = self._plan(body, policy, prompt_ids, hold_from=parser.start_marker if parser else "")
+        # what may still become reasoning or a tool call is held back by the view
+        plan = self._plan(body, policy, prompt_ids, hold_from="")
         view = ChatFormat(
             model=body.model,
             token_text=self.tokenizer.token_text,
             include_usage=body.include_usage,
             parser=parser,
+            reasoning=self.reasoning_parser,
             logprobs=body.logprobs,
         )
 
@@ -394,6 +405,7 @@ class Gateway:
             return Conversation.node_key(messages, tools, view.message(choice))
 
         turn = Turn(session, plan, self._choices(plan), node_of, "gateway.chat_completion")
+        turn.parent_digest = prompt.parent.digest if prompt.parent is not None else ""
         if body.stream:
             return self._stream(turn, view)
         await self._run_turn(turn)
@@ -427,16 +439,6 @@ class Gateway:
         return JSONResponse(view.response(len(prompt_ids), turn.choices))
 
     # ------------------------------------------------------------------ internals
-
-    def _chat_prompt_ids(
-        self,
-        session: GatewaySession,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-    ) -> list[int]:
-        """The stored ids of the longest matching history + the new messages templated
-        (the session's prefix tree; history is never re-tokenized)."""
-        return session.conversation.prompt_for(messages, tools).ids
 
     def _plan(
         self,
@@ -544,7 +546,7 @@ class Gateway:
                     raise
                 for choice in turn.choices:
                     node = turn.node_of(choice)
-                    await self._record(session, plan, choice, node)
+                    await self._record(session, plan, choice, node, turn.parent_digest)
                     if node is not None:  # stored first: a restart rebuilds the same tree
                         self._add_node(session, node, plan.prompt_ids, choice.token_ids)
 
@@ -552,10 +554,16 @@ class Gateway:
         self, session: GatewaySession, node: NodeKey, prompt_ids: list[int], completion: list[int]
     ) -> None:
         ids = [*prompt_ids, *completion]
-        session.conversation.restore(node, ids, self.tokenizer.raw_text(completion))
+        raw = self.tokenizer.raw_text(completion)
+        session.conversation.restore(node, ids, raw, prompt_length=len(prompt_ids))
 
     async def _record(
-        self, session: GatewaySession, plan: Plan, choice: Choice, node: NodeKey | None
+        self,
+        session: GatewaySession,
+        plan: Plan,
+        choice: Choice,
+        node: NodeKey | None,
+        parent_digest: str = "",
     ) -> None:
         turn = TurnRecorded(
             session_id=session.opened.session_id,
@@ -575,6 +583,7 @@ class Gateway:
             # made tiny temperatures 0 by the engines' own greedy rule (``GREEDY_BELOW``)
             temperature=plan.temperature,
             top_p=plan.top_p,
+            parent_digest=parent_digest,
         )
         await self.bus.js_publish(self.bus.subjects.trajectory_event(turn.session_id), turn)
         session.turns += 1
@@ -922,6 +931,8 @@ class Turn:
     """The node of the session's tree a recorded choice becomes (None: no tree)."""
     span: str
     on_update: Callable[[], None] = lambda: None
+    parent_digest: str = ""
+    """The tree node whose messages this request continues (``Prompt.parent``)."""
 
 
 class EventStream(StreamingResponse):

@@ -5,6 +5,7 @@ Engines and the trainer only ever see token ids; text exists at the agent bounda
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,11 @@ class ChatTokenizer:
                 stops.add(token_id)
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(t for t in stops if t is not None))
         self.vocab_size = len(self.tokenizer)
+        template = self.tokenizer.chat_template
+        self.chat_template: str = template if isinstance(template, str) else ""
+        """The default chat template's source (tool and reasoning parsers are picked
+        from its markers)."""
+        self.model_type = _model_type(model_dir)
 
     @property
     def end_of_turn(self) -> str:
@@ -59,3 +65,12 @@ class ChatTokenizer:
 
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
+
+
+def _model_type(model_dir: Path) -> str:
+    """``model_type`` of the directory's config.json ("" without one)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return str(config.get("model_type", "")) if isinstance(config, dict) else ""

@@ -59,7 +59,8 @@ def keep(group: SampleGroup) -> Verdict:
 
 
 def drop(group: SampleGroup, reason: str) -> Verdict:
-    return Verdict(None, reason, tuple(s.session_id for s in group.samples))
+    # a session may give several samples (``grouping.trained_branches``): named once
+    return Verdict(None, reason, tuple(dict.fromkeys(s.session_id for s in group.samples)))
 
 
 def waive(group: SampleGroup, reason: str) -> Verdict:
