@@ -83,6 +83,31 @@ def test_auto_picks_the_family_format() -> None:
         reasoning_parser_for("deepthought", llama)
 
 
+def test_a_prompt_that_opens_the_think_block() -> None:
+    """Templates that end the generation prompt with ``<think>`` (Qwen3-2507 thinking,
+    DeepSeek-R1 distills): the answer starts inside the block."""
+    from sf_gateway.choice import Choice
+    from sf_gateway.gateway import reasoning_of
+    from sf_gateway.responses import ChatFormat
+
+    parser = Qwen3ReasoningParser()
+    view = ChatFormat(model="m", token_text=str, reasoning=parser, reasoning_opened=True)
+    choice = Choice(0, lambda ids: "".join(chr(i) for i in ids))
+    streamed = ""
+    for ch in "\nHmm.\n</think>\n\n42":
+        choice.extend([ord(ch)], [0.0], [0], [])
+        chunk = view.progress(choice)
+        if chunk is not None:
+            streamed += chunk["choices"][0]["delta"].get("reasoning_content", "")
+    choice.finish_reason = "stop"
+    assert view.message(choice)["reasoning_content"] == streamed == "Hmm."
+    assert view.message(choice)["content"] == "42"
+    # the stored completion (special tokens kept) has its reasoning found the same way
+    assert reasoning_of(parser, "\nHmm.\n</think>\n\n42<|im_end|>") == "Hmm."
+    assert reasoning_of(parser, "<think>\nHmm.\n</think>\n\n42<|im_end|>") == "Hmm."
+    assert reasoning_of(parser, "42<|im_end|>") is None
+
+
 ANSWERS = [
     "<think>\nLet me add.\n</think>\n\n7 + 12 = 19",
     '<think>\nA tool.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 7}}\n'
@@ -96,43 +121,53 @@ ANSWERS = [
 ]
 
 
+@pytest.mark.parametrize("opened", [False, True], ids=["plain", "opened"])
 @pytest.mark.parametrize("answer", ANSWERS)
-def test_streamed_prefixes_are_prefixes_of_the_final_split(answer: str) -> None:
-    """Whatever is streamed at any point is a prefix of the final reasoning and content."""
+def test_streamed_prefixes_are_prefixes_of_the_final_split(answer: str, opened: bool) -> None:
+    """Whatever is streamed at any point is a prefix of the final reasoning and content,
+    and a whole stream concatenates to the final message, for every tool parser."""
     from sf_gateway.choice import Choice
     from sf_gateway.responses import ChatFormat
 
+    def chars(ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
     for parser in (QwenToolParser(), Llama3JsonToolParser(), None):
-        view = ChatFormat(model="m", token_text=str, parser=parser,
-                          reasoning=Qwen3ReasoningParser())  # fmt: skip
-        choice = Choice(0, lambda ids: "".join(chr(i) for i in ids))
+
+        def view(parser: Any = parser) -> ChatFormat:
+            return ChatFormat(
+                model="m",
+                token_text=str,
+                parser=parser,
+                reasoning=Qwen3ReasoningParser(),
+                reasoning_opened=opened,
+            )
+
+        growing, choice = view(), Choice(0, chars)
         for ch in answer:
             choice.extend([ord(ch)], [0.0], [0], [])
-            reasoning, content = view.streamable(choice)
-            final = ChatFormat(model="m", token_text=str, parser=parser,
-                               reasoning=Qwen3ReasoningParser()).parsed(choice)  # fmt: skip
+            reasoning, content = growing.streamable(choice)
+            final = view().parsed(choice)
             assert (final.reasoning or "").startswith(reasoning), (choice.text, reasoning)
             assert (final.content or "").startswith(content), (choice.text, content)
-        # and what a whole stream sends concatenates to the final message
+
+        stream, choice = view(), Choice(0, chars)
         sent_reasoning = sent_content = ""
-        choice = Choice(0, lambda ids: "".join(chr(i) for i in ids))
-        stream_view = ChatFormat(model="m", token_text=str, parser=parser,
-                                 reasoning=Qwen3ReasoningParser())  # fmt: skip
         cuts = sorted(random.Random(answer).sample(range(len(answer)), min(3, len(answer))))
         for start, end in zip([0, *cuts], [*cuts, len(answer)], strict=True):
-            choice.extend([ord(c) for c in answer[start:end]], [0.0] * (end - start),
-                          [0] * (end - start), [])  # fmt: skip
-            chunk = stream_view.progress(choice)
+            n = end - start
+            choice.extend([ord(c) for c in answer[start:end]], [0.0] * n, [0] * n, [])
+            chunk = stream.progress(choice)
             if chunk is not None:
                 delta = chunk["choices"][0]["delta"]
                 sent_reasoning += delta.get("reasoning_content", "")
                 sent_content += delta.get("content", "")
         choice.finish_reason = "stop"
-        for chunk in stream_view.closing(choice):
+        for chunk in stream.closing(choice):
             delta = chunk["choices"][0]["delta"]
             sent_reasoning += delta.get("reasoning_content", "")
             sent_content += delta.get("content") or ""
-        message = stream_view.message(choice)
+        message = stream.message(choice)
         assert sent_reasoning == (message["reasoning_content"] or "")
         assert sent_content == (message["content"] or "")
 

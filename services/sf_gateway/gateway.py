@@ -102,7 +102,7 @@ from sf_gateway.openai_api import (
     SessionCreate,
     parse,
 )
-from sf_gateway.reasoning import reasoning_parser_for
+from sf_gateway.reasoning import ReasoningParser, reasoning_parser_for
 from sf_gateway.responses import ChatFormat, CompletionFormat
 from sf_gateway.templating import ChatTokenizer
 from sf_gateway.tool_parsers import tool_parser_for
@@ -162,7 +162,7 @@ class Gateway:
             render=self.tokenizer.render,
             encode=self.tokenizer.encode_text,
             end_of_turn=self.tokenizer.end_of_turn,
-            reasoning=(lambda text: reasoning.split(text)[0]) if reasoning else None,
+            reasoning=(lambda text: reasoning_of(reasoning, text)) if reasoning else None,
         )
         return GatewaySession(
             opened=opened, key_sha256=opened.key_sha256, conversation=conversation
@@ -397,6 +397,7 @@ class Gateway:
             include_usage=body.include_usage,
             parser=parser,
             reasoning=self.reasoning_parser,
+            reasoning_opened=self._opens_reasoning(prompt_ids),
             logprobs=body.logprobs,
         )
 
@@ -439,6 +440,14 @@ class Gateway:
         return JSONResponse(view.response(len(prompt_ids), turn.choices))
 
     # ------------------------------------------------------------------ internals
+
+    def _opens_reasoning(self, prompt_ids: list[int]) -> bool:
+        """The prompt ends inside an opened reasoning block (a template that opens it in
+        the generation prompt): the answer starts with reasoning."""
+        parser = self.reasoning_parser
+        if parser is None:
+            return False
+        return self.tokenizer.raw_text(prompt_ids[-8:]).rstrip().endswith(parser.start)
 
     def _plan(
         self,
@@ -860,6 +869,13 @@ class Gateway:
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return body
+
+
+def reasoning_of(parser: ReasoningParser, completion_text: str) -> str | None:
+    """The reasoning of a stored completion (its text with special tokens): a closing
+    tag without an opening one means the prompt opened the block."""
+    opened = parser.start not in completion_text and parser.end in completion_text
+    return parser.split(parser.start + completion_text if opened else completion_text)[0]
 
 
 def key_digest(key: str) -> str:

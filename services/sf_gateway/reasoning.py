@@ -10,7 +10,10 @@ The tool parser then reads tool calls from that rest only.
 up to ``</think>`` (newlines around it stripped, as the Qwen3 template renders it); the
 content is what follows, leading newlines stripped. An answer cut by ``max_tokens``
 inside the block is all reasoning (content ``None``). An answer that does not start with
-``<think>`` has no reasoning.
+``<think>`` has no reasoning. A template that opens the block in the generation prompt
+(Qwen3-2507 thinking models, DeepSeek-R1 distills: the prompt ends with ``<think>``)
+makes the answer start inside it: the gateway then parses the answer as if it started
+with ``<think>`` (``ChatFormat.reasoning_opened``).
 
 Only the split is the parser's: the recorded turn keeps the engine's exact tokens,
 think block included.
@@ -26,6 +29,11 @@ REASONING_PARSER_CHOICES = ("auto", "qwen3", "none")
 
 
 class ReasoningParser(Protocol):
+    start: str
+    """What opens the reasoning (a prompt ending with it opened it for the answer)."""
+    end: str
+    """What closes it."""
+
     def split(self, text: str) -> tuple[str | None, str]:
         """(reasoning or None, the rest of the answer) of a complete answer."""
         ...

@@ -73,6 +73,9 @@ class ChatFormat(_Format):
 
     parser: ToolParser | None = None
     reasoning: ReasoningParser | None = None
+    reasoning_opened: bool = False
+    """The prompt opened the reasoning block (it ends with the parser's ``start``): the
+    answer is read as if it began with it."""
     logprobs: bool = False
     _parsed: dict[int, ParsedCompletion] = field(default_factory=dict)
     _sent_reasoning: dict[int, int] = field(default_factory=dict)
@@ -89,7 +92,7 @@ class ChatFormat(_Format):
         if choice.index not in self._parsed:
             reasoning, rest = (None, choice.text)
             if self.reasoning is not None:
-                reasoning, rest = self.reasoning.split(choice.text)
+                reasoning, rest = self.reasoning.split(self._opened(choice.text))
             if self.parser is not None:
                 parsed = self.parser.parse(rest)
                 content, calls = parsed.content, parsed.tool_calls
@@ -144,11 +147,16 @@ class ChatFormat(_Format):
         text = choice.safe_text()
         reasoning, rest = "", text
         if self.reasoning is not None:
-            reasoning, rest_or_none = self.reasoning.streamable(text)
+            reasoning, rest_or_none = self.reasoning.streamable(self._opened(text))
             rest = rest_or_none or ""
         if self.parser is not None:
             rest = self.parser.streamable(rest)
         return reasoning, rest
+
+    def _opened(self, text: str) -> str:
+        if self.reasoning is not None and self.reasoning_opened:
+            return self.reasoning.start + text
+        return text
 
     def progress(self, choice: Choice) -> dict[str, Any] | None:
         """What is new and final in ``choice`` since the last chunk, if anything."""
