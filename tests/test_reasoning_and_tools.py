@@ -87,7 +87,7 @@ def test_a_prompt_that_opens_the_think_block() -> None:
     """Templates that end the generation prompt with ``<think>`` (Qwen3-2507 thinking,
     DeepSeek-R1 distills): the answer starts inside the block."""
     from sf_gateway.choice import Choice
-    from sf_gateway.gateway import reasoning_of
+    from sf_gateway.reasoning import reasoning_of
     from sf_gateway.responses import ChatFormat
 
     parser = Qwen3ReasoningParser()

@@ -102,7 +102,7 @@ from sf_gateway.openai_api import (
     SessionCreate,
     parse,
 )
-from sf_gateway.reasoning import ReasoningParser, reasoning_parser_for
+from sf_gateway.reasoning import reasoning_of, reasoning_parser_for
 from sf_gateway.responses import ChatFormat, CompletionFormat
 from sf_gateway.templating import ChatTokenizer
 from sf_gateway.tool_parsers import tool_parser_for
@@ -869,13 +869,6 @@ class Gateway:
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return body
-
-
-def reasoning_of(parser: ReasoningParser, completion_text: str) -> str | None:
-    """The reasoning of a stored completion (its text with special tokens): a closing
-    tag without an opening one means the prompt opened the block."""
-    opened = parser.start not in completion_text and parser.end in completion_text
-    return parser.split(parser.start + completion_text if opened else completion_text)[0]
 
 
 def key_digest(key: str) -> str:

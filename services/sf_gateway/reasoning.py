@@ -76,6 +76,13 @@ class Qwen3ReasoningParser:
         return body[len(self.start) :]
 
 
+def reasoning_of(parser: ReasoningParser, completion_text: str) -> str | None:
+    """The reasoning of a stored completion (its text with special tokens): a closing
+    tag without an opening one means the prompt opened the block."""
+    opened = parser.start not in completion_text and parser.end in completion_text
+    return parser.split(parser.start + completion_text if opened else completion_text)[0]
+
+
 def reasoning_parser_for(setting: str, chat_template: str) -> ReasoningParser | None:
     """The parser ``setting`` names (``auto``: ``qwen3`` if the template has ``<think>``
     blocks); None: reasoning stays in the content."""
