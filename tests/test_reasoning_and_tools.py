@@ -346,7 +346,7 @@ async def test_qwen3_reasoning_and_tool_calls_streamed_and_not(
 async def test_llama3_json_tool_calls_both_ways(start_run: Any, run_id: str, nats_url: str) -> None:
     """A Llama 3 call is parsed; sent back, the template renders it as the model wrote
     it, so the next turn continues the turn's exact ids."""
-    answers = ['{"name": "add", "parameters": {"a": 7, "b": 12}}', "It is 19."]
+    answers = ['{"name": "add", "parameters": {"a": 7, "b": 12}}'] * 2 + ["It is 19."]
     run = await start_run("llama3-tied", answers)
     question = [{"role": "user", "content": "What is 7 + 12?"}]
     async with httpx.AsyncClient(base_url=run.url) as http:
@@ -366,6 +366,18 @@ async def test_llama3_json_tool_calls_both_ways(start_run: Any, run_id: str, nat
         arguments = "".join(tc.function.arguments or "" for tc in calls)
         assert json.loads(arguments) == {"a": 7, "b": 12}
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # the SDK's own stream accumulator rebuilds the same message from the deltas
+        async with client.chat.completions.stream(
+            model="policy",
+            messages=question,
+            tools=TOOLS,
+            max_tokens=64,  # type: ignore[arg-type]
+        ) as accumulating:
+            rebuilt = await accumulating.get_final_completion()
+        [rebuilt_call] = rebuilt.choices[0].message.tool_calls or []
+        assert rebuilt_call.function.name == "add" and rebuilt_call.id
+        assert json.loads(rebuilt_call.function.arguments) == {"a": 7, "b": 12}
+        assert rebuilt.choices[0].finish_reason == "tool_calls"
         history = [
             *question,
             {
@@ -391,7 +403,7 @@ async def test_llama3_json_tool_calls_both_ways(start_run: Any, run_id: str, nat
         assert answer.choices[0].finish_reason == "stop"
         assert "reasoning_content" not in (answer.choices[0].message.model_extra or {})
         await client.close()
-    first, second = await turns_of(run_id, nats_url, session["session_id"])
+    first, _, second = await turns_of(run_id, nats_url, session["session_id"])
     on_path = [*first.prompt_ids, *first.completion_ids]
     assert second.prompt_ids[: len(on_path)] == on_path
 
