@@ -238,12 +238,12 @@ class Conversation:
         before_reply = self.render(messages[: k - 1], tools, True)
         through_reply = self.render(messages[:k], tools, False)
         if not (through_reply.startswith(before_reply) and full.startswith(through_reply)):
-            log.warning("chat template is not prefix-stable here; starting a new branch")
+            log.warning("chat template is not prefix-stable here; the stored reply forks off")
             return None
         reply_rendered = through_reply[len(before_reply) :]
         end = reply_rendered.rfind(self.end_of_turn)
         if end < 0:
-            log.warning("assistant turn has no %r; starting a new branch", self.end_of_turn)
+            log.warning("assistant turn has no %r; the stored reply forks off", self.end_of_turn)
             return None
         if node.completion_text.endswith(self.end_of_turn):
             junction = reply_rendered[end + len(self.end_of_turn) :]
