@@ -315,3 +315,20 @@ def test_the_stage_switch_waits_for_the_last_batch_of_the_stage_before() -> None
     assert (switched.task_id[0], switched.reward_fn) == ("b", "reward_b")
     report = dispatcher.unrecorded_epochs[-1]
     assert (report.stage, report.stage_index, report.epoch, report.first_group) == ("b", 1, 0, 3)
+
+
+def test_staleness_keeps_or_drops_a_session_with_several_samples_whole() -> None:
+    """A session whose rewritten turns gave several samples: one stale sample drops the
+    session's other samples with it (a group member is a session), named once."""
+    from seamlessflow.protocol import SampleGroup, TrainSample
+
+    def of(session: str, version: int) -> TrainSample:
+        return TrainSample(session_id=session, token_ids=[1, 2], loss_mask=[0, 1],
+                           behaviour_logprobs=[0.0, -0.5], versions=[-1, version],
+                           reward=1.0)  # fmt: skip
+
+    group = SampleGroup(group_id="g", task_id="t", samples=[of("a", 5), of("a", 1), of("b", 5)])
+    verdict = Staleness(max_staleness=2).judge(group, batch_index=5)
+    assert verdict.group is not None and verdict.reason == "stale"
+    assert [s.session_id for s in verdict.group.samples] == ["b"]
+    assert verdict.dropped_sessions == ("a",)

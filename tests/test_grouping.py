@@ -318,3 +318,57 @@ def test_lost_groups_are_replaced_so_the_last_batch_still_fills() -> None:
     # without the loss the budget is two groups
     plain = two_batches_of_one_group()
     assert isinstance([plain.claim(0) for _ in range(3)][-1], NoTask)
+
+
+def chained(session: str, index: int, prompt: list[int], completion: list[int], parent: str):  # type: ignore[no-untyped-def]
+    """A chat turn at node ``n<index>`` continuing node ``parent`` by messages."""
+    import msgspec
+
+    return msgspec.structs.replace(
+        turn(session, index, prompt, completion, "4"),
+        node_digest=f"n{index}",
+        node_depth=2 * index + 2,
+        parent_digest=parent,
+    )
+
+
+def test_turns_the_template_rewrote_are_trained_once_each_with_the_session() -> None:
+    """Turn 1 forked off turn 0's tokens (its think block was dropped from the next
+    prompt), turn 2 continued turn 1's exact ids, turn 3 forked off again; a sibling of
+    turn 2 the agent did not continue is not trained. Every kept turn is masked in
+    exactly once, across the session's samples, and the group waits for sessions."""
+    from sf_trajectory.grouping import trained_branches
+
+    turns = [
+        chained("a", 0, [1, 2], [3, 4, 9], ""),
+        chained("a", 1, [1, 2, 5, 6], [7, 9], "n0"),  # prompt ids of turn 0, then new
+        chained("a", 2, [1, 2, 5, 6, 7, 9, 8], [10, 9], "n1"),  # extends turn 1's ids
+        chained("a", 3, [1, 2, 5, 6, 7, 9, 8], [11, 9], "n1"),  # a sibling left behind
+        chained("a", 4, [1, 2, 5, 6, 7, 9, 8, 12], [13, 9], "n2"),  # turn 2's prompt
+    ]
+    branches = trained_branches(turns)
+    assert [(end.turn_index, on_path) for end, _, on_path in branches] == [
+        (4, [1, 4]),  # turn 1's ids are on turn 4's prompt too (via turn 2's)
+        (2, [2]),  # turn 1 is masked in once, in the first branch that holds it
+        (0, [0]),
+    ]
+    masked = sorted(
+        t
+        for _, sample, _ in branches
+        for t, m in zip(sample.token_ids, sample.loss_mask, strict=True)
+        if m
+    )
+    assert masked == sorted([3, 4, 9, 7, 9, 10, 9, 13, 9])  # turns 0, 1, 2, 4; not 3
+
+    grouper = Grouper(lookup)
+    grouper.apply(opened("a", "g0", 0, 2))
+    grouper.apply(opened("b", "g0", 1, 2))
+    for recorded in turns:
+        grouper.apply(recorded)
+    grouper.apply(SessionFinished(session_id="a"))
+    assert grouper.take_batch(1) is None  # three samples, one session of two
+    grouper.apply(turn("b", 0, [1, 2], [3, 9], "5"))
+    grouper.apply(SessionFinished(session_id="b"))
+    [group] = grouper.take_batch(1) or []
+    assert [s.session_id for s in group.samples] == ["a", "a", "a", "b"]
+    assert [s.reward for s in group.samples] == [1.0, 1.0, 1.0, 0.0]

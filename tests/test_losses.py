@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from pydantic import ValidationError
@@ -372,3 +373,25 @@ def test_a_name_cannot_be_registered_twice() -> None:
     with pytest.raises(ValueError, match="'a' is already registered"):
         registry.add("a", 2)
     assert registry.get("a") == 1
+
+
+def test_a_session_with_several_samples_counts_once_in_its_group() -> None:
+    """A session whose rewritten turns became samples of their own
+    (``grouping.trained_branches``) is one member of its group: its samples share its
+    advantage, and the other sessions' advantages are as if it had one sample."""
+
+    def of(session: str, reward: float, trained: int) -> TrainSample:
+        return msgspec.structs.replace(sample(reward, trained), session_id=session)
+
+    several = [of("a", 1.0, 2), of("a", 1.0, 3), of("a", 1.0, 1), of("b", 0.0, 2)]
+    once = [of("a", 1.0, 6), of("b", 0.0, 2)]
+    grpo = TrainerSettings(advantage="grpo")
+    a, b = batch_advantages([SampleGroup(group_id="g", task_id="t", samples=once)], grpo)
+    assert a > 0 > b
+    advantages = batch_advantages([SampleGroup(group_id="g", task_id="t", samples=several)], grpo)
+    assert advantages == pytest.approx([a, a, a, b])
+    # shaped over all of a session's trained tokens: 6 here as in ``once``
+    shaped = TrainerSettings(advantage="dr_grpo", overlong_max_tokens=6, overlong_cache_tokens=4)
+    a, b = batch_advantages([SampleGroup(group_id="g", task_id="t", samples=once)], shaped)
+    advantages = batch_advantages([SampleGroup(group_id="g", task_id="t", samples=several)], shaped)
+    assert advantages == pytest.approx([a, a, a, b])

@@ -439,6 +439,12 @@ class TurnRecorded(Message, tag="traj.turn"):
     top_p: float = 1.0
     """The nucleus the engine sampled from. It does not enter ``logprobs``, which are
     taken before the truncation; recorded so that every turn says how it was sampled."""
+    parent_digest: str = ""
+    """The ``node_digest`` of the earlier turn whose messages (request + reply) this
+    chat request continued, "" for none. Usually that turn's ids are a prefix of this
+    prompt; when the chat template rewrites its reply (Qwen3 drops a ``<think>`` block
+    once a later user message follows) they are not, and the trajectory service trains
+    that turn as a sample of its own (``sf_trajectory.grouping.trained_branches``)."""
 
     def __post_init__(self) -> None:
         # One logprob and one version per generated token, and real token ids: a turn

@@ -58,9 +58,17 @@ class GatewaySettings(BaseSettings):
     engine_wait_s: float = 60.0
     """How long a request waits for any engine to come up before failing with 503."""
 
-    tool_parser: str = "qwen"
-    """How tool calls are read from completions (a registered name in
-    ``sf_gateway.tool_parsers``; ``qwen``: ``<tool_call>{json}</tool_call>`` blocks)."""
+    tool_parser: str = "auto"
+    """How tool calls are read from chat answers: ``hermes`` (alias ``qwen``;
+    ``<tool_call>{json}</tool_call>`` blocks, Qwen2.5/Qwen3), ``llama3_json`` (Llama
+    3.1/3.2: the answer is ``{"name", "parameters"}`` JSON), ``none`` (not parsed), another
+    name registered in ``sf_gateway.tool_parsers``, or ``auto``: from the model's chat
+    template (its tool-call markers), else its ``model_type``."""
+
+    reasoning_parser: str = "auto"
+    """How a thinking model's reasoning is split off its answer (``reasoning_content``):
+    ``qwen3`` (a leading ``<think>...</think>`` block), ``none`` (reasoning stays in the
+    content), or ``auto``: ``qwen3`` if the chat template has ``<think>`` blocks."""
 
     @model_validator(mode="after")
     def _public_url_is_callable(self) -> "GatewaySettings":

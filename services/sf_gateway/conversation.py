@@ -24,6 +24,17 @@ rebuilds the tree from the stream with ``restore``.
 Requirements on the chat template (checked per request, with a fork as the fallback):
 rendering is prefix-stable (rendering the first k messages is a prefix of rendering
 more), and an assistant turn ends with the tokenizer's end-of-turn token.
+
+Templates that rewrite history (Qwen3 drops an earlier turn's ``<think>`` block once a
+later user message follows): whether the template keeps a stored reply as the engine
+wrote it is checked by rendering the reply *with* the reasoning the engine produced
+(``reasoning``: the reasoning parser's split of the stored completion), whatever the
+agent sent back. If the template rewrites it, continuing from the node's ids would give
+the engine a history the template never renders; the prompt is then the node's own
+*prompt* ids followed by the rest of the template's rendering (the rewritten reply and
+the new messages), and the reply's exact tokens fork off (``Prompt.rewritten``). The
+node is still this request's parent by messages (``Prompt.parent``); the trajectory
+service trains such forked turns as samples of their own (``sf_trajectory.grouping``).
 """
 
 from __future__ import annotations
@@ -99,6 +110,8 @@ class Node:
     ids: list[int]
     completion_text: str
     """The engine's completion decoded with special tokens (what ``ids`` end with)."""
+    prompt_length: int = 0
+    """How many leading ``ids`` are the request's prompt (0: unknown)."""
 
 
 @dataclass
@@ -107,6 +120,11 @@ class Prompt:
     reused_tokens: int
     """How many leading ids come from a stored node (0 = a new root or a fork)."""
     parent_path_length: int
+    parent: NodeKey | None = None
+    """The node whose messages (request + reply) this request continues."""
+    rewritten: bool = False
+    """The template rewrites the parent's reply: the prompt continues the parent's prompt
+    ids, not its completion's (which fork off)."""
 
 
 @dataclass
@@ -114,19 +132,28 @@ class Conversation:
     render: Render
     encode: Encode
     end_of_turn: str
+    reasoning: Callable[[str], str | None] | None = None
+    """The reasoning the engine wrote in a stored completion (its text with special
+    tokens), None if none; None: the model has no reasoning format."""
     nodes: list[Node] = field(default_factory=list)
     forks: int = 0
+    rewrites: int = 0
+    """Requests whose parent's reply the template rewrites (see the module docstring)."""
 
     def prompt_for(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> Prompt:
         digests = branch_digests(tools_key(tools), [normalize_message(m) for m in messages])
         full = self.render(messages, tools, True)
-        node = self._deepest_match(digests)
-        if node is not None:
-            ids = self._extend(node, messages, tools, full)
+        for node in self._matches(digests):
+            if self._keeps_reply(node, messages, tools):
+                ids = self._extend(node, messages, tools, full)
+                if ids is not None:
+                    return Prompt(ids, len(node.ids), node.key.depth, node.key)
+            ids = self._continue_prompt(node, messages, tools, full)
             if ids is not None:
-                return Prompt(ids, len(node.ids), node.key.depth)
+                self.rewrites += 1
+                return Prompt(ids, node.prompt_length, node.key.depth, node.key, rewritten=True)
         if self.nodes:
             self.forks += 1  # history edited, truncated or new: a new branch
         return Prompt(self.encode(full), 0, 0)
@@ -151,22 +178,54 @@ class Conversation:
         completion_text: str,
     ) -> None:
         key = self.node_key(messages, tools, reply)
-        self.restore(key, [*prompt_ids, *completion_ids], completion_text)
+        self.restore(key, [*prompt_ids, *completion_ids], completion_text, len(prompt_ids))
 
-    def restore(self, key: NodeKey, ids: list[int], completion_text: str) -> None:
+    def restore(
+        self, key: NodeKey, ids: list[int], completion_text: str, prompt_length: int = 0
+    ) -> None:
         """Add a node as recorded (by ``record``, or in a TurnRecorded)."""
-        self.nodes.append(Node(key, ids, completion_text))
+        self.nodes.append(Node(key, ids, completion_text, prompt_length))
 
-    def _deepest_match(self, digests: list[str]) -> Node | None:
-        """The deepest node whose path is a prefix of the request's messages
-        (``digests``: of each prefix of them)."""
-        best: Node | None = None
-        for node in self.nodes:
-            n = node.key.depth
-            if n < len(digests) and digests[n] == node.key.digest:
-                if best is None or n > best.key.depth:
-                    best = node
-        return best
+    def _matches(self, digests: list[str]) -> list[Node]:
+        """The nodes whose path is a prefix of the request's messages (``digests``: of
+        each prefix of them), deepest first (the latest first among equals)."""
+        found = [
+            (node.key.depth, i, node)
+            for i, node in enumerate(self.nodes)
+            if node.key.depth < len(digests) and digests[node.key.depth] == node.key.digest
+        ]
+        return [node for _, _, node in sorted(found, key=lambda f: (-f[0], -f[1]))]
+
+    def _keeps_reply(
+        self, node: Node, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> bool:
+        """Whether the template renders the node's reply, with the reasoning the engine
+        wrote, the same when more messages follow (False: it rewrites history)."""
+        reasoning = self.reasoning(node.completion_text) if self.reasoning else None
+        if not reasoning:
+            return True
+        k = node.key.depth
+        produced = [*messages[: k - 1], {**messages[k - 1], "reasoning_content": reasoning}]
+        alone = self.render(produced, tools, False)
+        followed = self.render([*produced, *messages[k:]], tools, True)
+        return followed.startswith(alone)
+
+    def _continue_prompt(
+        self,
+        node: Node,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        full: str,
+    ) -> list[int] | None:
+        """The node's prompt ids + the tokens of the rest of ``full`` (the reply as the
+        template renders it now, then the new messages); None if the node's prompt is
+        not a prefix of ``full``."""
+        if not node.prompt_length:
+            return None
+        before_reply = self.render(messages[: node.key.depth - 1], tools, True)
+        if not full.startswith(before_reply):
+            return None
+        return [*node.ids[: node.prompt_length], *self.encode(full[len(before_reply) :])]
 
     def _extend(
         self,
@@ -179,12 +238,12 @@ class Conversation:
         before_reply = self.render(messages[: k - 1], tools, True)
         through_reply = self.render(messages[:k], tools, False)
         if not (through_reply.startswith(before_reply) and full.startswith(through_reply)):
-            log.warning("chat template is not prefix-stable here; starting a new branch")
+            log.warning("chat template is not prefix-stable here; the stored reply forks off")
             return None
         reply_rendered = through_reply[len(before_reply) :]
         end = reply_rendered.rfind(self.end_of_turn)
         if end < 0:
-            log.warning("assistant turn has no %r; starting a new branch", self.end_of_turn)
+            log.warning("assistant turn has no %r; the stored reply forks off", self.end_of_turn)
             return None
         if node.completion_text.endswith(self.end_of_turn):
             junction = reply_rendered[end + len(self.end_of_turn) :]

@@ -111,10 +111,11 @@ from sf_gateway.openai_api import (
     parse,
 )
 from sf_gateway.openapi import openapi_document
+from sf_gateway.reasoning import reasoning_of, reasoning_parser_for
 from sf_gateway.responses import ChatFormat, CompletionFormat, logprob_token
 from sf_gateway.responses_api import create_response
 from sf_gateway.templating import ChatTokenizer
-from sf_gateway.tool_parsers import get_tool_parser
+from sf_gateway.tool_parsers import tool_parser_for
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -156,15 +157,22 @@ class Gateway:
         self._engine_calls: dict[str, dict[str, asyncio.Future[Any]]] = {}
         self._lost: dict[str, str] = {}
         self.reroutes = 0
-        self.tool_parser = get_tool_parser(settings.tool_parser)
+        self.tool_parser = tool_parser_for(
+            settings.tool_parser, tokenizer.chat_template, tokenizer.model_type
+        )
+        self.reasoning_parser = reasoning_parser_for(
+            settings.reasoning_parser, tokenizer.chat_template
+        )
         self._turns: set[asyncio.Task[None]] = set()
         self._operator_keys = [key_digest(k) for k in settings.operator_keys()]
 
     def _session(self, opened: SessionOpened) -> GatewaySession:
+        reasoning = self.reasoning_parser
         conversation = Conversation(
             render=self.tokenizer.render,
             encode=self.tokenizer.encode_text,
             end_of_turn=self.tokenizer.end_of_turn,
+            reasoning=(lambda text: reasoning_of(reasoning, text)) if reasoning else None,
         )
         return GatewaySession(
             opened=opened, key_sha256=opened.key_sha256, conversation=conversation
@@ -412,15 +420,19 @@ class Gateway:
         policy = self._check_model(body.model)
         body.check()
         messages, tools = body.template_messages(), body.template_tools()
-        prompt_ids = self._chat_prompt_ids(session, messages, tools)
+        prompt = session.conversation.prompt_for(messages, tools)
+        prompt_ids = prompt.ids
         parser = self.tool_parser if body.parses_tool_calls else None
-        plan = self._plan(body, policy, prompt_ids, hold_from=parser.start_marker if parser else "")
+        # what may still become reasoning or a tool call is held back by the view
+        plan = self._plan(body, policy, prompt_ids, hold_from="")
         view = ChatFormat(
             model=body.model,
             token_text=self.tokenizer.token_text,
             token_bytes=self.tokenizer.token_bytes,
             include_usage=body.include_usage,
             parser=parser,
+            reasoning=self.reasoning_parser,
+            reasoning_opened=self._opens_reasoning(prompt_ids),
             logprobs=body.logprobs,
         )
 
@@ -428,7 +440,9 @@ class Gateway:
             # each choice is a sibling node of the session's tree (same messages)
             return Conversation.node_key(messages, tools, view.message(choice))
 
-        return Turn(session, plan, self._choices(plan), node_of, span), view
+        turn = Turn(session, plan, self._choices(plan), node_of, span)
+        turn.parent_digest = prompt.parent.digest if prompt.parent is not None else ""
+        return turn, view
 
     async def completions(self, request: Request) -> Response:
         session = self._open_session(request)
@@ -491,7 +505,7 @@ class Gateway:
                 ids = self.tokenizer.encode_text(self.tokenizer.render(messages, tools, True))
             else:
                 forks = session.conversation.forks  # a look, not a turn: no fork is counted
-                ids = self._chat_prompt_ids(session, messages, tools)
+                ids = session.conversation.prompt_for(messages, tools).ids
                 session.conversation.forks = forks
         else:
             ids = self.tokenizer.encode_text(body.prompt or "")
@@ -518,15 +532,13 @@ class Gateway:
 
     # ------------------------------------------------------------------ internals
 
-    def _chat_prompt_ids(
-        self,
-        session: GatewaySession,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-    ) -> list[int]:
-        """The stored ids of the longest matching history + the new messages templated
-        (the session's prefix tree; history is never re-tokenized)."""
-        return session.conversation.prompt_for(messages, tools).ids
+    def _opens_reasoning(self, prompt_ids: list[int]) -> bool:
+        """The prompt ends inside an opened reasoning block (a template that opens it in
+        the generation prompt): the answer starts with reasoning."""
+        parser = self.reasoning_parser
+        if parser is None:
+            return False
+        return self.tokenizer.raw_text(prompt_ids[-8:]).rstrip().endswith(parser.start)
 
     def _plan(
         self,
@@ -630,7 +642,7 @@ class Gateway:
                     raise
                 for choice in turn.choices:
                     node = turn.node_of(choice)
-                    await self._record(session, plan, choice, node)
+                    await self._record(session, plan, choice, node, turn.parent_digest)
                     if node is not None:  # stored first: a restart rebuilds the same tree
                         self._add_node(session, node, plan.prompt_ids, choice.token_ids)
 
@@ -638,10 +650,16 @@ class Gateway:
         self, session: GatewaySession, node: NodeKey, prompt_ids: list[int], completion: list[int]
     ) -> None:
         ids = [*prompt_ids, *completion]
-        session.conversation.restore(node, ids, self.tokenizer.raw_text(completion))
+        raw = self.tokenizer.raw_text(completion)
+        session.conversation.restore(node, ids, raw, prompt_length=len(prompt_ids))
 
     async def _record(
-        self, session: GatewaySession, plan: Plan, choice: Choice, node: NodeKey | None
+        self,
+        session: GatewaySession,
+        plan: Plan,
+        choice: Choice,
+        node: NodeKey | None,
+        parent_digest: str = "",
     ) -> None:
         turn = TurnRecorded(
             session_id=session.opened.session_id,
@@ -661,6 +679,7 @@ class Gateway:
             # made tiny temperatures 0 by the engines' own greedy rule (``GREEDY_BELOW``)
             temperature=plan.temperature,
             top_p=plan.top_p,
+            parent_digest=parent_digest,
         )
         await self.bus.js_publish(self.bus.subjects.trajectory_event(turn.session_id), turn)
         session.turns += 1
@@ -1027,6 +1046,8 @@ class Turn:
     """The node of the session's tree a recorded choice becomes (None: no tree)."""
     span: str
     on_update: Callable[[], None] = lambda: None
+    parent_digest: str = ""
+    """The tree node whose messages this request continues (``Prompt.parent``)."""
 
 
 class EventStream(StreamingResponse):

@@ -16,6 +16,7 @@ from typing import Any
 
 from seamlessflow.protocol import TopLogprob
 from sf_gateway.choice import Choice
+from sf_gateway.reasoning import ReasoningParser
 from sf_gateway.tool_parsers import ParsedCompletion, ToolParser
 
 TokenText = Callable[[int], str]
@@ -77,26 +78,47 @@ class _Format:
 
 @dataclass
 class ChatFormat(_Format):
+    """Chat answers. With a reasoning parser, an answer's reasoning is split off first
+    (``reasoning_content``), then the tool parser reads calls from the rest. Streamed,
+    reasoning deltas come first, then content; text that may become a tool call is held
+    until the answer is complete, then each call is sent as OpenAI streams them (its
+    index, id and name with empty arguments, then the arguments)."""
+
     parser: ToolParser | None = None
+    reasoning: ReasoningParser | None = None
+    reasoning_opened: bool = False
+    """The prompt opened the reasoning block (it ends with the parser's ``start``): the
+    answer is read as if it began with it."""
     logprobs: bool = False
     _parsed: dict[int, ParsedCompletion] = field(default_factory=dict)
+    _sent_reasoning: dict[int, int] = field(default_factory=dict)
+    """Characters of each choice's reasoning streamed so far (its content's are
+    ``Choice.sent_chars``)."""
 
     def __post_init__(self) -> None:
         self.id = self.id or "chatcmpl-" + uuid.uuid4().hex
 
     # -- whole response ----------------------------------------------------------------
     def parsed(self, choice: Choice) -> ParsedCompletion:
-        """The finished choice's content and tool calls (parsed once: call ids are stable)."""
+        """The finished choice's reasoning, content and tool calls (parsed once: call
+        ids are stable)."""
         if choice.index not in self._parsed:
-            if self.parser is None:
-                self._parsed[choice.index] = ParsedCompletion(choice.text, [])
+            reasoning, rest = (None, choice.text)
+            if self.reasoning is not None:
+                reasoning, rest = self.reasoning.split(self._opened(choice.text))
+            if self.parser is not None:
+                parsed = self.parser.parse(rest)
+                content, calls = parsed.content, parsed.tool_calls
             else:
-                self._parsed[choice.index] = self.parser.parse(choice.text)
+                content, calls = (None if reasoning is not None and not rest else rest), []
+            self._parsed[choice.index] = ParsedCompletion(content, calls, reasoning)
         return self._parsed[choice.index]
 
     def message(self, choice: Choice) -> dict[str, Any]:
         parsed = self.parsed(choice)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if self.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
         if parsed.tool_calls:
             message["tool_calls"] = [
                 {
@@ -133,30 +155,60 @@ class ChatFormat(_Format):
     def opening(self, choices: Sequence[Choice]) -> list[dict[str, Any]]:
         return [self._delta(c, {"role": "assistant", "content": ""}) for c in choices]
 
+    def streamable(self, choice: Choice) -> tuple[str, str]:
+        """The prefixes of the choice's reasoning and content that are final now."""
+        text = choice.safe_text()
+        reasoning, rest = "", text
+        if self.reasoning is not None:
+            reasoning, rest_or_none = self.reasoning.streamable(self._opened(text))
+            rest = rest_or_none or ""
+        if self.parser is not None:
+            rest = self.parser.streamable(rest)
+        return reasoning, rest
+
+    def _opened(self, text: str) -> str:
+        if self.reasoning is not None and self.reasoning_opened:
+            return self.reasoning.start + text
+        return text
+
     def progress(self, choice: Choice) -> dict[str, Any] | None:
         """What is new and final in ``choice`` since the last chunk, if anything."""
-        text = choice.safe_text()[choice.sent_chars :]
-        if not text and not (self.logprobs and choice.sent_tokens < len(choice.token_ids)):
+        reasoning, content = self.streamable(choice)
+        new_reasoning = reasoning[self._sent_reasoning.get(choice.index, 0) :]
+        new_content = content[choice.sent_chars :]
+        pending_logprobs = self.logprobs and choice.sent_tokens < len(choice.token_ids)
+        if not new_reasoning and not new_content and not pending_logprobs:
             return None
-        return self._advance(choice, text, len(choice.token_ids))
+        return self._advance(choice, new_reasoning, new_content, len(choice.token_ids))
 
     def closing(self, choice: Choice) -> list[dict[str, Any]]:
         parsed = self.parsed(choice)
         chunks = []
+        reasoning = (parsed.reasoning or "")[self._sent_reasoning.get(choice.index, 0) :]
         rest = (parsed.content or "")[choice.sent_chars :]
-        if rest or (self.logprobs and choice.sent_tokens < len(choice.token_ids)):
-            chunks.append(self._advance(choice, rest, len(choice.token_ids)))
-        if parsed.tool_calls:
-            calls = self.message(choice)["tool_calls"]
-            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-            chunks.append(self._delta(choice, delta))
+        if reasoning or rest or (self.logprobs and choice.sent_tokens < len(choice.token_ids)):
+            chunks.append(self._advance(choice, reasoning, rest, len(choice.token_ids)))
+        for index, call in enumerate(self.message(choice).get("tool_calls", [])):
+            function = call["function"]
+            opening = {**call, "function": {"name": function["name"], "arguments": ""}}
+            arguments = {"index": index, "function": {"arguments": function["arguments"]}}
+            chunks.append(self._delta(choice, {"tool_calls": [{"index": index, **opening}]}))
+            chunks.append(self._delta(choice, {"tool_calls": [arguments]}))
         chunks.append(self._delta(choice, {}, finish_reason=self.finish_reason(choice)))
         return chunks
 
-    def _advance(self, choice: Choice, text: str, tokens_to: int) -> dict[str, Any]:
-        chunk = self._delta(choice, {"content": text})
+    def _advance(self, choice: Choice, reasoning: str, text: str, tokens_to: int) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if text or not reasoning:
+            delta["content"] = text
+        chunk = self._delta(choice, delta)
         if self.logprobs:
             chunk["choices"][0]["logprobs"] = self._logprobs(choice, choice.sent_tokens, tokens_to)
+        self._sent_reasoning[choice.index] = self._sent_reasoning.get(choice.index, 0) + len(
+            reasoning
+        )
         choice.sent_chars += len(text)
         choice.sent_tokens = tokens_to
         return chunk

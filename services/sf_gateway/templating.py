@@ -5,6 +5,7 @@ Engines and the trainer only ever see token ids; text exists at the agent bounda
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,11 @@ class ChatTokenizer:
         # SentencePiece spells a space as U+2581 and bytes without a piece as <0xNN>
         self._metaspace = not byte_level and any(METASPACE in piece for piece in pieces)
         self._bytes: dict[int, bytes] = {}
+        template = self.tokenizer.chat_template
+        self.chat_template: str = template if isinstance(template, str) else ""
+        """The default chat template's source (tool and reasoning parsers are picked
+        from its markers)."""
+        self.model_type = _model_type(model_dir)
 
     @property
     def end_of_turn(self) -> str:
@@ -100,3 +106,12 @@ class ChatTokenizer:
             return piece.replace(METASPACE, " ").encode()
         # other vocabularies: the token's text is whole characters
         return self.token_text(token_id).encode()
+
+
+def _model_type(model_dir: Path) -> str:
+    """``model_type`` of the directory's config.json ("" without one)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return str(config.get("model_type", "")) if isinstance(config, dict) else ""

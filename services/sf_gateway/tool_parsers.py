@@ -1,14 +1,27 @@
 """Tool-call parsers: turn a completion's text into OpenAI ``tool_calls``, per model family.
 
-A parser is a small class registered by name (``SF_GATEWAY_TOOL_PARSER``, default
-``qwen``); another model family adds its own with ``@register_tool_parser("name")``.
-Each parser says where a tool call starts (``start_marker``): while streaming, text from
-that marker on is held back until the answer is complete and parsed.
+A parser is a small class registered by name; ``SF_GATEWAY_TOOL_PARSER`` picks one, or
+``auto`` picks it from the model's chat template (``tool_parser_for``). Another family
+adds its own with ``@register_tool_parser("name")``.
+
+- ``hermes`` (alias ``qwen``; Qwen2.5, Qwen3, Hermes): ``<tool_call>{"name": ...,
+  "arguments": {...}}</tool_call>`` blocks anywhere in the answer, text around them is
+  content.
+- ``llama3_json`` (Llama 3.1/3.2): the whole answer is one or more JSON objects
+  ``{"name": ..., "parameters": {...}}`` separated by ``;``, optionally after
+  ``<|python_tag|>`` (a special token, which the decoded text usually no longer holds).
+  What the family's template renders for an assistant's tool call is exactly that JSON,
+  so a parsed call sent back renders as the model wrote it.
 
 Contract of ``parse(text)``: every well-formed call becomes a ``ToolCall`` (arguments as
 a JSON string); a malformed block (bad JSON, no name, unclosed) stays in the content
 untouched; the content is the text outside the well-formed blocks, ``None`` if that is
 empty or only whitespace.
+
+Contract of ``streamable(text)`` (``text``: a prefix of the answer): the prefix of
+``text`` that may be streamed as content now, i.e. that is a prefix of the content of
+every answer starting with ``text``. Text that may become a tool call is held back
+until the answer is complete and parsed.
 """
 
 from __future__ import annotations
@@ -33,15 +46,21 @@ class ToolCall:
 class ParsedCompletion:
     content: str | None
     tool_calls: list[ToolCall]
+    reasoning: str | None = None
+    """A thinking model's reasoning (``reasoning_content``), split off by a reasoning
+    parser (``sf_gateway.reasoning``); None: none."""
 
 
 class ToolParser(Protocol):
-    start_marker: str
-
     def parse(self, text: str) -> ParsedCompletion: ...
+
+    def streamable(self, text: str) -> str: ...
 
 
 _PARSERS: dict[str, Callable[[], ToolParser]] = {}
+
+TOOL_PARSER_CHOICES = ("auto", "hermes", "qwen", "llama3_json", "none")
+"""What ``SF_GATEWAY_TOOL_PARSER`` may name (plus any parser registered later)."""
 
 
 def register_tool_parser(name: str) -> Callable[[type[Any]], type[Any]]:
@@ -60,13 +79,33 @@ def get_tool_parser(name: str) -> ToolParser:
         raise ValueError(f"unknown tool parser {name!r} (known: {sorted(_PARSERS)})") from None
 
 
+def tool_parser_for(setting: str, chat_template: str, model_type: str = "") -> ToolParser | None:
+    """The parser ``setting`` names; ``auto``: the one the chat template writes tool
+    calls in (``<tool_call>`` blocks: hermes; Llama 3 headers or a ``"parameters"`` JSON
+    call: llama3_json), else by the config's ``model_type``, else hermes. ``none``: tool
+    calls are not parsed (answers stay text)."""
+    if setting == "none":
+        return None
+    if setting != "auto":
+        return get_tool_parser(setting)
+    if "<tool_call>" in chat_template:
+        return get_tool_parser("hermes")
+    if "<|start_header_id|>" in chat_template or "<|python_tag|>" in chat_template:
+        return get_tool_parser("llama3_json")
+    if model_type.startswith("llama"):
+        return get_tool_parser("llama3_json")
+    return get_tool_parser("hermes")
+
+
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
 @register_tool_parser("qwen")
+@register_tool_parser("hermes")
 class QwenToolParser:
-    """Qwen2.5 / Hermes style: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
+    """Qwen2.5 / Qwen3 / Hermes style:
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
 
     start_marker: ClassVar[str] = "<tool_call>"
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -86,6 +125,71 @@ class QwenToolParser:
         content = "".join(outside)
         return ParsedCompletion(content if content.strip() else None, calls)
 
+    def streamable(self, text: str) -> str:
+        marker = text.find(self.start_marker)
+        text = text[:marker] if marker >= 0 else drop_partial(text, [self.start_marker])
+        return text if text.strip() else ""  # whitespace alone may be no content at all
+
+
+HermesToolParser = QwenToolParser
+
+
+@register_tool_parser("llama3_json")
+class Llama3JsonToolParser:
+    """Llama 3.1/3.2 JSON calls: the answer is ``{"name": ..., "parameters": {...}}``
+    (``"arguments"`` is accepted too), several separated by ``;``, optionally after
+    ``<|python_tag|>``. Anything else, or any malformed part, is content as a whole."""
+
+    python_tag: ClassVar[str] = "<|python_tag|>"
+
+    def parse(self, text: str) -> ParsedCompletion:
+        body = text.strip()
+        if body.startswith(self.python_tag):
+            body = body[len(self.python_tag) :].lstrip()
+        calls = self._calls(body) if body.startswith("{") else None
+        if not calls:
+            return ParsedCompletion(text if text.strip() else None, [])
+        return ParsedCompletion(None, calls)
+
+    def streamable(self, text: str) -> str:
+        body = text.lstrip()
+        if not body or body.startswith(("{", self.python_tag)) or self.python_tag.startswith(body):
+            return ""  # may still become (or is) a call: held until the answer is parsed
+        return text
+
+    @staticmethod
+    def _calls(body: str) -> list[ToolCall] | None:
+        decoder = json.JSONDecoder()
+        calls: list[ToolCall] = []
+        position = 0
+        while True:
+            try:
+                obj, position = decoder.raw_decode(body, position)
+            except json.JSONDecodeError:
+                return None
+            if isinstance(obj, dict) and "arguments" not in obj and "parameters" in obj:
+                obj = {"name": obj.get("name"), "arguments": obj["parameters"]}
+            call = _call_from_obj(obj)
+            if call is None:
+                return None
+            calls.append(call)
+            rest = body[position:].lstrip()
+            if not rest:
+                return calls
+            if not rest.startswith(";"):
+                return None
+            rest = rest[1:].lstrip()
+            position = len(body) - len(rest)
+
+
+def drop_partial(text: str, markers: list[str] | tuple[str, ...]) -> str:
+    """``text`` without its longest tail that is a proper prefix of one of ``markers``."""
+    for length in range(min(len(text), max(len(m) for m in markers) - 1), 0, -1):
+        tail = text[-length:]
+        if any(m.startswith(tail) for m in markers):
+            return text[:-length]
+    return text
+
 
 def _call_from_json(body: str) -> ToolCall | None:
     """``{"name": str, "arguments": object}`` (arguments may also be a JSON string of an
@@ -94,6 +198,10 @@ def _call_from_json(body: str) -> ToolCall | None:
         call = json.loads(body)
     except json.JSONDecodeError:
         return None
+    return _call_from_obj(call)
+
+
+def _call_from_obj(call: Any) -> ToolCall | None:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return None
     arguments = call.get("arguments", {})

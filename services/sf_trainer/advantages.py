@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import torch
 
 from seamlessflow.plugins import Registry
@@ -131,10 +132,37 @@ def shaped_reward(sample: TrainSample, settings: TrainerSettings) -> float:
 
 
 def batch_advantages(groups: list[SampleGroup], settings: TrainerSettings) -> list[float]:
-    """Every sample's advantage from its shaped reward, in batch order (group by group)."""
+    """Every sample's advantage from its shaped reward, in batch order (group by group).
+
+    The estimator sees one reward per session: a session that gave several samples
+    (turns the chat template rewrote, see ``sf_trajectory.grouping.trained_branches``)
+    counts once in its group's statistics, and each of its samples gets the session's
+    advantage; its reward is shaped over all its samples' trained tokens."""
     estimate = get_advantage_estimator(settings.advantage)
-    rewards = [
-        torch.tensor([shaped_reward(s, settings) for s in group.samples], dtype=torch.float32)
-        for group in groups
-    ]
-    return [a for advantages in estimate(rewards) for a in advantages.tolist()]
+    rewards: list[torch.Tensor] = []
+    sessions: list[dict[str, list[TrainSample]]] = []
+    for group in groups:
+        per_session: dict[str, list[TrainSample]] = {}
+        for sample in group.samples:
+            per_session.setdefault(sample.session_id, []).append(sample)
+        sessions.append(per_session)
+        rewards.append(
+            torch.tensor(
+                [_session_reward(samples, settings) for samples in per_session.values()],
+                dtype=torch.float32,
+            )
+        )
+    result: list[float] = []
+    for group, per_session, advantages in zip(groups, sessions, estimate(rewards), strict=True):
+        of_session = dict(zip(per_session, advantages.tolist(), strict=True))
+        result.extend(of_session[sample.session_id] for sample in group.samples)
+    return result
+
+
+def _session_reward(samples: list[TrainSample], settings: TrainerSettings) -> float:
+    if len(samples) == 1:
+        return shaped_reward(samples[0], settings)
+    merged = msgspec.structs.replace(
+        samples[0], loss_mask=[m for s in samples for m in s.loss_mask]
+    )
+    return shaped_reward(merged, settings)

@@ -59,7 +59,8 @@ def keep(group: SampleGroup) -> Verdict:
 
 
 def drop(group: SampleGroup, reason: str) -> Verdict:
-    return Verdict(None, reason, tuple(s.session_id for s in group.samples))
+    # a session may give several samples (``grouping.trained_branches``): named once
+    return Verdict(None, reason, tuple(dict.fromkeys(s.session_id for s in group.samples)))
 
 
 def waive(group: SampleGroup, reason: str) -> Verdict:
@@ -86,13 +87,15 @@ class Staleness:
         self.max_staleness = max_staleness
 
     def judge(self, group: SampleGroup, batch_index: int) -> Verdict:
-        fresh, stale = [], []
+        # judged per session: a session's samples (``grouping.trained_branches``) go or
+        # stay together
+        stale: list[str] = []
         for sample in group.samples:
             produced = [v for v, m in zip(sample.versions, sample.loss_mask, strict=True) if m]
             if produced and batch_index - min(produced) > self.max_staleness:
                 stale.append(sample.session_id)
-            else:
-                fresh.append(sample)
+        stale = list(dict.fromkeys(stale))
+        fresh = [sample for sample in group.samples if sample.session_id not in stale]
         if not stale:
             return keep(group)
         if not fresh:

@@ -57,14 +57,17 @@ class Session:
     verification_failed: bool = False
 
 
-def branch(turns: list[TurnRecorded], leaf: TurnRecorded) -> tuple[TrainSample, list[int]]:
+def branch(
+    turns: list[TurnRecorded], leaf: TurnRecorded, exclude: frozenset[int] = frozenset()
+) -> tuple[TrainSample, list[int]]:
     """The token sequence ending at ``leaf``, with every turn on it masked in.
 
     The sequence is the leaf's prompt + completion. A turn whose prompt and completion lie
     on that sequence (same ids at the same positions) contributes its completion tokens to
-    the loss mask; a turn from another branch does not. Every masked-in token is one the
-    engine produced (invariant 1), with the logprob, version and temperature it was
-    produced with.
+    the loss mask; a turn from another branch does not, nor one in ``exclude`` (turn
+    indexes already trained in another sample of the session). Every masked-in token is
+    one the engine produced (invariant 1), with the logprob, version and temperature it
+    was produced with.
     """
     token_ids = [*leaf.prompt_ids, *leaf.completion_ids]
     loss_mask = [0] * len(token_ids)
@@ -76,6 +79,8 @@ def branch(turns: list[TurnRecorded], leaf: TurnRecorded) -> tuple[TrainSample, 
         start = len(turn.prompt_ids)
         end = start + len(turn.completion_ids)
         if token_ids[:start] != turn.prompt_ids or token_ids[start:end] != turn.completion_ids:
+            continue
+        if turn.turn_index in exclude:
             continue
         on_path.append(turn.turn_index)
         loss_mask[start:end] = [1] * (end - start)
@@ -106,13 +111,59 @@ def leaves(turns: list[TurnRecorded]) -> list[TurnRecorded]:
     return result
 
 
+def message_chain(turns: list[TurnRecorded], last: TurnRecorded) -> list[TurnRecorded]:
+    """``last`` and the turns it continued by messages (``parent_digest``), nearest first:
+    the conversation the agent kept, whatever the template did to its tokens."""
+    chain = [last]
+    position = turns.index(last)
+    while chain[-1].parent_digest:
+        wanted = chain[-1].parent_digest
+        parents = [i for i in range(position) if turns[i].node_digest == wanted]
+        if not parents:
+            break  # continued a turn of another policy, or one not stored
+        position = parents[-1]
+        chain.append(turns[position])
+    return chain
+
+
+def trained_branches(
+    turns: list[TurnRecorded],
+) -> list[tuple[TurnRecorded, TrainSample, list[int]]]:
+    """The samples a session trains: each with the turn it ends at and the turn
+    indexes it masks in.
+
+    First the branch ending at the session's last turn. Then, for each earlier turn
+    that conversation continued by messages (``message_chain``) whose tokens are not on
+    a branch already taken (its reply was rewritten by the chat template, so the next
+    prompt continued its prompt, not its completion), the branch ending at that turn.
+    Every turn the agent kept is thus trained, each exactly once (a turn already masked
+    in is left out of later branches); turns on branches the agent abandoned (edited
+    history, n > 1 siblings not continued) are not."""
+    if not turns:
+        return []
+    taken: set[int] = set()
+    samples = []
+    for turn in message_chain(turns, turns[-1]):
+        if turn.turn_index in taken:
+            continue
+        sample, on_path = branch(turns, turn, frozenset(taken))
+        taken.update(on_path)
+        samples.append((turn, sample, on_path))
+    return samples
+
+
+def build_samples(session: Session, reward: float) -> list[TrainSample]:
+    """The session's trained samples (``trained_branches``), each with its reward."""
+    samples = [sample for _, sample, _ in trained_branches(session.turns)]
+    for sample in samples:
+        sample.reward = reward
+    return samples
+
+
 def build_sample(session: Session, reward: float) -> TrainSample | None:
     """The trajectory ending at the session's last turn (see ``branch``)."""
-    if not session.turns:
-        return None
-    sample, _ = branch(session.turns, session.turns[-1])
-    sample.reward = reward
-    return sample
+    samples = build_samples(session, reward)
+    return samples[0] if samples else None
 
 
 def session_reward(session: Session, reward_lookup: RewardLookup) -> float | None:
@@ -163,9 +214,17 @@ def export_session(events: list[TrajectoryEvent], reward_lookup: RewardLookup) -
             except Exception as exc:  # the batch path logs it and drops the sample too
                 log.warning("reward %r failed on session %s: %s",
                             opened.reward_fn, opened.session_id, exc)  # fmt: skip
-        for leaf in leaves(session.turns):
-            sample, on_path = branch(session.turns, leaf)
-            final = leaf is session.turns[-1]
+        trained = {
+            end.turn_index: (sample, on_path)
+            for end, sample, on_path in trained_branches(session.turns)
+        }
+        ends = {t.turn_index for t in leaves(session.turns)} | set(trained)
+        for end in (t for t in session.turns if t.turn_index in ends):
+            if end.turn_index in trained:  # as the trainer gets it
+                sample, on_path = trained[end.turn_index]
+            else:
+                sample, on_path = branch(session.turns, end)
+            final = end is session.turns[-1]
             samples.append(
                 ExportedSample(
                     token_ids=sample.token_ids,
@@ -175,7 +234,7 @@ def export_session(events: list[TrajectoryEvent], reward_lookup: RewardLookup) -
                     temperatures=sample.temperatures,
                     turn_indexes=on_path,
                     final=final,
-                    reward=reward if final else None,
+                    reward=reward if end.turn_index in trained else None,
                     policy=policy,
                 )
             )
@@ -193,13 +252,16 @@ class Group:
     task_id: str
     size: int
     samples: list[TrainSample] = field(default_factory=list)
+    """A finished session gives one sample or more (``trained_branches``)."""
+    done: int = 0
+    """Sessions that gave samples."""
     failed: int = 0
     opened: set[int] = field(default_factory=set)
     """Sample indexes whose session opened."""
 
     @property
     def complete(self) -> bool:
-        return len(self.samples) + self.failed >= self.size
+        return self.done + self.failed >= self.size
 
 
 @dataclass
@@ -326,13 +388,14 @@ class Grouper:
             self._count_dropped_samples("surplus", [opened.session_id])
             return
         reward = self._reward(session)
-        sample = build_sample(session, reward) if reward is not None else None
-        if sample is None:
+        samples = build_samples(session, reward) if reward is not None else []
+        if not samples:
             group.failed += 1
             reason = "no_turns" if not session.turns else "no_reward"
             self._count_dropped_samples(reason, [opened.session_id])
         else:
-            group.samples.append(sample)
+            group.samples.extend(samples)
+            group.done += 1
         if group.complete:
             self._complete(group)
 
