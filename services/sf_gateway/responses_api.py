@@ -432,7 +432,9 @@ class ResponseView:
         choice = self.choice
         opened = False
         async for _ in turn_updates(producer, updated):
-            text = choice.safe_text()[choice.sent_chars :]
+            # the chat view's final content so far: without reasoning, held from
+            # anything that may still become a tool call
+            text = self.view.streamable(choice)[1][choice.sent_chars :]
             if text:
                 if not opened:
                     for event in self._open_message():
