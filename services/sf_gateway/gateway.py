@@ -450,7 +450,7 @@ class Gateway:
             policy=policy,
             prompt_ids=prompt_ids,
             max_tokens=self._check_budget(
-                prompt_ids, body.token_budget(self.settings.default_max_tokens)
+                prompt_ids, body.token_budget(self.settings.default_max_tokens), body.budget_param
             ),
             n=body.n,
             temperature=body.temperature,
@@ -815,7 +815,10 @@ class Gateway:
             )
         return model
 
-    def _check_budget(self, prompt_ids: list[int], max_tokens: int) -> int:
+    def _check_budget(self, prompt_ids: list[int], max_tokens: int, param: str | None) -> int:
+        """The engine budget: the agent's (``param``), which must fit in the context
+        with the prompt (a 400 naming it otherwise, as vLLM's server answers), or the
+        default clipped to the room the prompt leaves."""
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
         limit = self.settings.max_context
@@ -825,7 +828,14 @@ class Gateway:
                 f"prompt has {len(prompt_ids)} tokens; the context is {limit}",
                 code="context_length_exceeded",
             )
-        # Like vLLM: a budget that would overflow the context is clipped, not refused.
+        if param is not None and len(prompt_ids) + max_tokens > limit:
+            raise ApiError(
+                400,
+                f"{param}: the context is {limit} tokens; the prompt has {len(prompt_ids)}, "
+                f"so at most {limit - len(prompt_ids)} can be generated, not {max_tokens}",
+                param=param,
+                code="context_length_exceeded",
+            )
         return min(max_tokens, limit - len(prompt_ids))
 
     async def _json(self, request: Request, *, allow_empty: bool = False) -> Any:
