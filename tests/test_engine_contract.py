@@ -186,6 +186,37 @@ async def test_top_logprobs_match_forward(
                 assert lp == pytest.approx(logp[len(prompt) - 1 + j, token_id].item(), abs=1e-4)
 
 
+async def test_top_k_samples_among_the_k_most_likely_and_reports_full_logprobs(
+    engine: InferenceEngine, base_model: PreTrainedModel
+) -> None:
+    """top_k (alone, and with top_p inside the k as vLLM applies them): every sampled
+    token is among the k most likely (and in the nucleus of those k), while its logprob
+    is still the untruncated one the trainer recomputes. A high temperature flattens the
+    distribution, so ignoring top_k would sample outside the k."""
+    _skip_unless_computes(engine)
+    prompt = [4, 40, 400]
+    cases = [SamplingParams(max_tokens=10, temperature=2.0, top_k=2, seed=s) for s in range(4)]
+    cases.append(SamplingParams(max_tokens=10, temperature=2.0, top_k=6, top_p=0.5, seed=9))
+    results = await asyncio.gather(
+        *(engine.generate(f"topk{i}", prompt, p) for i, p in enumerate(cases))
+    )
+    margin = 1e-3  # far above the 1e-4 engine/forward agreement: ties cannot flip a rank
+    for params, res in zip(cases, results, strict=True):
+        assert res.logprobs == pytest.approx(
+            _reference_logprobs(base_model, prompt, res, params), abs=1e-4
+        )
+        with torch.no_grad():
+            logits = base_model(torch.tensor([prompt + res.token_ids])).logits[0].float()
+        logp = torch.log_softmax(logits / params.temperature, dim=-1)
+        for j, token in enumerate(res.token_ids):
+            row = logp[len(prompt) - 1 + j]
+            above = row > row[token] + margin  # surely more likely than the sampled token
+            assert int(above.sum()) < params.top_k
+            kept = row.topk(params.top_k).values.exp()
+            before = float(row[above].exp().sum() / kept.sum())  # nucleus mass before it
+            assert before < params.top_p + margin
+
+
 async def test_seeded_and_greedy_are_reproducible(engine: InferenceEngine) -> None:
     prompt = [5, 6, 7]
     greedy = SamplingParams(max_tokens=16, temperature=0)

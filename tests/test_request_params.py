@@ -66,7 +66,6 @@ REFUSED_VALUES: dict[str, Any] = {
     "frequency_penalty": 0.5,
     "presence_penalty": -0.5,
     "logit_bias": {"5": 10},
-    "top_k": 5,
     "min_p": 0.1,
     "repetition_penalty": 1.2,
     "min_tokens": 2,
@@ -99,7 +98,6 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "frequency_penalty": 0,
     "presence_penalty": 0.0,
     "logit_bias": {"5": 0},
-    "top_k": -1,
     "min_p": 0,
     "repetition_penalty": 1.0,
     "min_tokens": 0,
@@ -213,7 +211,7 @@ async def test_refused_and_unknown_parameters_are_400s_naming_them_and_store_not
             await expect_400(complete(client, **{name: REFUSED_VALUES[name]}), name)
         message = await expect_400(chat(client, frobnicate=1), "frobnicate")
         assert "unknown parameter" in message
-        await expect_400(complete(client, top_k=3, frobnicate=1), "top_k")  # the first one
+        await expect_400(complete(client, min_p=0.3, frobnicate=1), "min_p")  # the first one
         # a response_format or tool_choice the gateway cannot enforce is refused, named
         await expect_400(
             chat(client, response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
@@ -279,3 +277,16 @@ async def test_a_budget_beyond_the_context_is_a_400_naming_it(gateway_url: str, 
     turns = [e for e in await stored_events(bus) if isinstance(e, TurnRecorded)]
     assert len(turns) == 3 and all(len(t.completion_ids) <= room for t in turns)
     assert all(t.session_id == session["session_id"] for t in turns)
+
+
+async def test_top_k_is_applied_and_recorded_with_the_turn(gateway_url: str, bus: Bus) -> None:
+    async with httpx.AsyncClient(base_url=gateway_url) as http:
+        _session, client = await open_client(http)
+        for bad in (-2, 1.5, "x"):
+            await expect_400(chat(client, top_k=bad), "top_k")
+        await chat(client, top_k=3, temperature=0.8, seed=1)
+        await complete(client, top_k=-1)
+        await chat(client)
+        await client.close()
+    turns = [e for e in await stored_events(bus) if isinstance(e, TurnRecorded)]
+    assert [(t.top_k, t.temperature) for t in turns] == [(3, 0.8), (0, 1.0), (0, 1.0)]

@@ -297,6 +297,9 @@ class GenerateRequest(Message, tag="engine.generate"):
     temperature: float = 1.0
     """0 = greedy; so is any temperature below ``GREEDY_BELOW``."""
     top_p: float = 1.0
+    top_k: int = 0
+    """Sample among the k most likely tokens (0 = all); like top_p, it does not change
+    the reported logprobs (taken before truncation)."""
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     seed: int | None = None
     """In ``SEEDS``."""
@@ -439,6 +442,9 @@ class TurnRecorded(Message, tag="traj.turn"):
     top_p: float = 1.0
     """The nucleus the engine sampled from. It does not enter ``logprobs``, which are
     taken before the truncation; recorded so that every turn says how it was sampled."""
+    top_k: int = 0
+    """The top-k the engine sampled from (0 = none); like ``top_p``, it does not enter
+    ``logprobs`` and is recorded so that every turn says how it was sampled."""
 
     def __post_init__(self) -> None:
         # One logprob and one version per generated token, and real token ids: a turn

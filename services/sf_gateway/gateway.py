@@ -455,6 +455,7 @@ class Gateway:
             n=body.n,
             temperature=body.temperature,
             top_p=body.top_p,
+            top_k=body.top_k,
             seed=body.seed,
             top_logprobs=body.k_top_logprobs,
             stop=stop,
@@ -575,6 +576,7 @@ class Gateway:
             # made tiny temperatures 0 by the engines' own greedy rule (``GREEDY_BELOW``)
             temperature=plan.temperature,
             top_p=plan.top_p,
+            top_k=plan.top_k,
         )
         await self.bus.js_publish(self.bus.subjects.trajectory_event(turn.session_id), turn)
         session.turns += 1
@@ -598,6 +600,7 @@ class Gateway:
                 max_tokens=plan.max_tokens - len(choice.token_ids),
                 temperature=plan.temperature,
                 top_p=plan.top_p,
+                top_k=plan.top_k,
                 stop_token_ids=list(self.tokenizer.stop_token_ids),
                 seed=plan.seed_for(choice.index),
                 top_logprobs=plan.top_logprobs,
@@ -903,6 +906,7 @@ class Plan:
     n: int
     temperature: float
     top_p: float
+    top_k: int
     seed: int | None
     top_logprobs: int
     stop: tuple[str, ...]

@@ -109,10 +109,6 @@ def _no_bias(value: Any, body: Mapping[str, Any]) -> bool:
     return isinstance(value, dict) and all(_number(v) and v == 0 for v in value.values())
 
 
-def _top_k_off(value: Any, body: Mapping[str, Any]) -> bool:
-    return _number(value) and value in (-1, 0)
-
-
 def _text_format(value: Any, body: Mapping[str, Any]) -> bool:
     return isinstance(value, dict) and value.get("type") == "text"
 
@@ -186,7 +182,10 @@ _COMMON: dict[str, Param] = {
 }
 
 VLLM_EXTRAS: dict[str, Param] = {
-    "top_k": _refused(f"not applied by the engines; {_SAME_DISTRIBUTION}", _top_k_off),
+    "top_k": _honoured(
+        "applied by both engines (then top_p within the k, as vLLM does); recorded with "
+        "the turn; like top_p it does not change the logprobs, taken before truncation"
+    ),
     "min_p": _refused(f"not applied by the engines; {_SAME_DISTRIBUTION}", _equals(0)),
     "repetition_penalty": _refused(_PENALTY, _equals(1)),
     "min_tokens": _refused(
@@ -318,6 +317,8 @@ class _Request(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    """vLLM's extra; -1 and 0 are off (made 0)."""
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     seed: int | None = Field(default=None, ge=SEEDS.start, lt=SEEDS.stop)
     stream: bool = False
@@ -333,6 +334,11 @@ class _Request(BaseModel):
     @classmethod
     def _nucleus_of_one_if_tiny(cls, top_p: float) -> float:
         return max(top_p, TOP_P_MIN)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, top_k: int) -> int:
+        return max(top_k, 0)
 
     @field_validator("stop")
     @classmethod

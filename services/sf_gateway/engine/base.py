@@ -18,6 +18,8 @@ prompt + completion, so engines must match it to ~1e-4 in fp32):
     temperature > 0:  log_softmax(logits / temperature)[token]   (before top-p truncation)
     temperature == 0: log_softmax(logits)[token]                  (greedy)
 
+(top-k and top-p truncate what is sampled from, not what is reported.)
+
 `top_logprobs` (if asked for) are the k largest entries of that same distribution, so
 the chosen token's logprob equals its entry whenever it is among the k.
 
@@ -84,6 +86,10 @@ class SamplingParams:
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]; 1 disables truncation. Ignored when greedy.
     Below ``TOP_P_MIN`` it is raised to it (the nucleus is the most likely token)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only (then top-p within them, as vLLM
+    does); 0 (or -1, made 0) disables it. Ignored when greedy. Like top-p it does not
+    change the reported logprobs, which are taken before truncation."""
     stop_token_ids: tuple[int, ...] = ()
     """Generation stops after any of these ids; the stop token is part of the output."""
     seed: int | None = None
@@ -106,6 +112,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_p < TOP_P_MIN:
             object.__setattr__(self, "top_p", TOP_P_MIN)  # float32 would make it 0
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, int) or k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (0 or -1 = off), got {k!r}")
+        if k == -1:
+            object.__setattr__(self, "top_k", 0)
         stop = tuple(self.stop_token_ids)
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {stop!r}")
@@ -123,6 +134,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def truncated(self) -> bool:
+        """Sampled from a top-k and/or top-p truncation of the distribution."""
+        return not self.greedy and (self.top_p < 1 or self.top_k > 0)
 
 
 @dataclass(frozen=True)

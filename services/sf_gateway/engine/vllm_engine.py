@@ -372,6 +372,7 @@ class VllmEngine(InferenceEngine):
             max_tokens=params.max_tokens,
             temperature=params.temperature,
             top_p=1.0 if params.greedy else params.top_p,
+            top_k=0 if params.greedy else params.top_k,  # 0: off
             seed=params.seed,
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=True,
