@@ -378,9 +378,18 @@ class Gateway:
         policy = self._check_model(body.model)
         body.check()
         messages, tools = body.template_messages(), body.template_tools()
+        opening = self._forced_call_opening(body)
         prompt_ids = self._chat_prompt_ids(session, messages, tools)
+        if opening:
+            prompt_ids = prompt_ids + self.tokenizer.encode_text(opening)
         parser = self.tool_parser if body.parses_tool_calls else None
-        plan = self._plan(body, policy, prompt_ids, hold_from=parser.start_marker if parser else "")
+        plan = self._plan(
+            body,
+            policy,
+            prompt_ids,
+            hold_from=parser.start_marker if parser else "",
+            forced_text=opening,
+        )
         view = ChatFormat(
             model=body.model,
             token_text=self.tokenizer.token_text,
@@ -438,12 +447,32 @@ class Gateway:
         (the session's prefix tree; history is never re-tokenized)."""
         return session.conversation.prompt_for(messages, tools).ids
 
+    def _forced_call_opening(self, body: ChatCompletionRequest) -> str:
+        """For tool_choice 'required' or a named function: the opening of a call in the
+        tool parser's format, which the gateway appends to the prompt so that the model
+        continues it (a named one up to its arguments). Those ids are inserted, not
+        sampled: they are recorded as prompt ids (never trained), and every completion
+        id is the engine's own sample of the unconstrained distribution, so its
+        recorded logprob is exactly what the trainer recomputes."""
+        if not body.forces_tool_call:
+            return ""
+        opening = getattr(self.tool_parser, "call_opening", None)
+        if opening is None:
+            raise ApiError(
+                400,
+                f"tool_choice {body.tool_choice!r} is not supported with the tool parser "
+                f"{self.settings.tool_parser!r} (it cannot open a call)",
+                param="tool_choice",
+            )
+        return str(opening(body.forced_tool_name))
+
     def _plan(
         self,
         body: ChatCompletionRequest | CompletionRequest,
         policy: str,
         prompt_ids: list[int],
         hold_from: str,
+        forced_text: str = "",
     ) -> Plan:
         stop = body.stop_strings
         return Plan(
@@ -462,10 +491,13 @@ class Gateway:
             hold_from=hold_from if body.stream else "",
             engine_stream=body.stream or bool(stop),
             include_usage=body.include_usage,
+            forced_text=forced_text,
         )
 
     def _choices(self, plan: Plan) -> list[Choice]:
         decode = self.tokenizer.decode_completion
+        if plan.forced_text:  # the agent's text: the inserted opening, then the samples
+            decode = _after(plan.forced_text, decode)
         return [Choice(i, decode, plan.stop, plan.hold_from) for i in range(plan.n)]
 
     def _stream(self, turn: Turn, view: ChatFormat | CompletionFormat) -> Response:
@@ -891,6 +923,10 @@ def bearer_key(request: Request) -> str | None:
     return key.strip()
 
 
+def _after(opening: str, decode: Callable[[list[int]], str]) -> Callable[[list[int]], str]:
+    return lambda ids: opening + decode(ids)
+
+
 def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
@@ -915,6 +951,9 @@ class Plan:
     engine_stream: bool
     """Engines stream chunks: for SSE, and to catch stop strings early."""
     include_usage: bool
+    forced_text: str = ""
+    """The opening of a forced tool call, whose ids end ``prompt_ids``: the start of
+    every choice's text (the agent's answer), not of its engine-generated ids."""
 
     def seed_for(self, index: int) -> int | None:
         """Choice i of a seeded request uses seed + i (modulo 2**64): n choices differ,

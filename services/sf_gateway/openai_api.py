@@ -225,8 +225,8 @@ CHAT_PARAMS: dict[str, Param] = {
     "top_logprobs": _honoured("from the engines, under the sampled token's distribution"),
     "tools": _honoured("passed to the chat template; replies parsed for tool calls"),
     "tool_choice": _honoured(
-        "'auto' and 'none'; 'required' or a named function is a 400 (no constrained "
-        "decoding, and a forced call's tokens would not be the engine's samples)"
+        "'auto', 'none', and 'required' or a named function by a forced opening of the "
+        "call appended to the prompt (inserted, not sampled: recorded as prompt ids)"
     ),
     "parallel_tool_calls": _refused(
         "every tool call the model writes is returned; limiting them to one would need "
@@ -443,17 +443,48 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto"] | dict[str, Any] | str | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     def check(self) -> None:
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ApiError(400, "only tool_choice 'auto' and 'none' are supported",
-                           param="tool_choice")  # fmt: skip
-        if self.tool_choice is not None and not self.tools:
+        choice = self.tool_choice
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise ApiError(
+                400,
+                "tool_choice must be 'none', 'auto', 'required' or "
+                '{"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
+        if choice is not None and not self.tools:
             raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise ApiError(
+                    400,
+                    'a named tool_choice is {"type": "function", "function": {"name": ...}} '
+                    "(other kinds are not supported)",
+                    param="tool_choice",
+                )
+            if name not in {t.function.name for t in self.tools or []}:
+                raise ApiError(
+                    400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
+                )
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """tool_choice 'required' or a named function."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+
+    @property
+    def forced_tool_name(self) -> str | None:
+        """The function a named tool_choice forces (None: 'required' or not forced)."""
+        if isinstance(self.tool_choice, dict):
+            return str(self.tool_choice["function"]["name"])
+        return None
 
     def token_budget(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default

@@ -41,6 +41,15 @@ class ToolParser(Protocol):
     def parse(self, text: str) -> ParsedCompletion: ...
 
 
+class ForcesCalls(Protocol):
+    """A parser that can also write the opening of a call, for a forced ``tool_choice``."""
+
+    def call_opening(self, name: str | None) -> str:
+        """The text that opens a call of ``name`` up to its arguments (None: up to the
+        function's name, which the model writes)."""
+        ...
+
+
 _PARSERS: dict[str, Callable[[], ToolParser]] = {}
 
 
@@ -70,6 +79,13 @@ class QwenToolParser:
 
     start_marker: ClassVar[str] = "<tool_call>"
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+    def call_opening(self, name: str | None) -> str:
+        # as Qwen2.5's chat template writes an assistant's tool call, cut before a space
+        # (a trailing space would be a token of its own, where the model writes " {")
+        if name is None:
+            return '<tool_call>\n{"name": "'
+        return '<tool_call>\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments":'
 
     def parse(self, text: str) -> ParsedCompletion:
         calls: list[ToolCall] = []
