@@ -495,7 +495,7 @@ class Gateway:
         )
 
     def _choices(self, plan: Plan) -> list[Choice]:
-        decode = self.tokenizer.decode_completion
+        decode: Callable[[list[int]], str] = self.tokenizer.decode_completion
         if plan.forced_text:  # the agent's text: the inserted opening, then the samples
             decode = _after(plan.forced_text, decode)
         return [Choice(i, decode, plan.stop, plan.hold_from) for i in range(plan.n)]
