@@ -160,6 +160,7 @@ BAD_CHAT_REQUESTS += [
     (_chat(tools=[_tool(parameters=[1])]), 400, "tools.0.function.parameters"),
     (_chat(tools=[_tool()], tool_choice="sometimes"), 400, "tool_choice"),
     (_chat(tool_choice="required"), 400, "tool_choice"),
+    (_chat(tools=[_tool()], tool_choice="required", stop=["\n"]), 400, "stop"),
     (
         _chat(tools=[_tool()], tool_choice={"type": "function", "function": {"name": "mul"}}),
         400,

@@ -426,6 +426,8 @@ class TurnRecorded(Message, tag="traj.turn"):
     versions: list[int]
     finish_reason: str
     completion_text: str
+    """The answer's text as the agent got it: ``completion_ids`` decoded (after a forced
+    tool call's opening, which ends ``prompt_ids``, that opening and then them)."""
     policy: str = DEFAULT_POLICY
     """The policy whose engine generated it (the request's ``model``)."""
     node_depth: int = 0

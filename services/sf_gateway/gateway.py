@@ -464,7 +464,16 @@ class Gateway:
                 f"{self.settings.tool_parser!r} (it cannot open a call)",
                 param="tool_choice",
             )
-        return str(opening(body.forced_tool_name))
+        text = str(opening(body.forced_tool_name))
+        # stop strings are searched in the answer's text, which starts with the opening
+        inside = [stop for stop in body.stop_strings if stop in text]
+        if inside:
+            raise ApiError(
+                400,
+                f"stop string {inside[0]!r} occurs in the forced tool call's opening {text!r}",
+                param="stop",
+            )
+        return text
 
     def _plan(
         self,
