@@ -17,13 +17,14 @@ weight-name checks are tested like any engine's).
 from __future__ import annotations
 
 import asyncio
+import json
 import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from sf_gateway.engine import GenerationResult, InferenceEngine, SamplingParams, ScriptedEngine
 
@@ -215,6 +216,39 @@ async def test_top_k_samples_among_the_k_most_likely_and_reports_full_logprobs(
             kept = row.topk(params.top_k).values.exp()
             before = float(row[above].exp().sum() / kept.sum())  # nucleus mass before it
             assert before < params.top_p + margin
+
+
+async def test_structured_output_gives_schema_json_on_vllm_and_is_refused_elsewhere(
+    engine: InferenceEngine, model_dir: Path
+) -> None:
+    """response_format's constraint: vLLM's structured outputs make the completion JSON
+    of the schema; an engine that cannot constrain raises ValueError naming itself."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    params = SamplingParams(
+        max_tokens=40,
+        seed=3,
+        stop_token_ids=(tokenizer.eos_token_id,),
+        structured_output=json.dumps({"json": schema, "disable_any_whitespace": True}),
+    )
+    if not type(engine).__name__.startswith("Vllm"):
+        with pytest.raises(ValueError, match="SF_ENGINE_BACKEND=vllm"):
+            engine.stream("so-refused", [1, 2, 3], params)
+        return
+    results = await asyncio.gather(
+        *(engine.generate(f"so{i}", [1, 2, 3 + i], params) for i in range(3))
+    )
+    for res in results:
+        assert res.finish_reason == "stop"
+        text = tokenizer.decode(res.token_ids[:-1])
+        value = json.loads(text)
+        assert isinstance(value["ok"], bool) and value["n"] in (1, 2, 3), text
+        assert set(value) == {"ok", "n"}
 
 
 async def test_seeded_and_greedy_are_reproducible(engine: InferenceEngine) -> None:

@@ -162,6 +162,11 @@ BAD_CHAT_REQUESTS += [
     (_chat(tool_choice="required"), 400, "tool_choice"),
     (_chat(tools=[_tool()], tool_choice="required", stop=["\n"]), 400, "stop"),
     (
+        _chat(tools=[_tool()], tool_choice="required", response_format={"type": "json_object"}),
+        400,
+        "response_format",
+    ),
+    (
         _chat(tools=[_tool()], tool_choice={"type": "function", "function": {"name": "mul"}}),
         400,
         "tool_choice",

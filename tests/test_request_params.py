@@ -78,7 +78,6 @@ REFUSED_VALUES: dict[str, Any] = {
     "guided_grammar": "root ::= 'a'",
     "structured_outputs": {"json": {"type": "object"}},
     "parallel_tool_calls": False,
-    "response_format": {"type": "json_object"},
     "functions": [{"name": "add", "parameters": {"type": "object"}}],
     "function_call": "auto",
     "audio": {"voice": "alloy", "format": "wav"},
@@ -105,7 +104,6 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "skip_special_tokens": True,
     "include_stop_str_in_output": False,
     "parallel_tool_calls": True,
-    "response_format": {"type": "text"},
     "modalities": ["text"],
     "chat_template_kwargs": {},
     "echo": False,
@@ -212,11 +210,20 @@ async def test_refused_and_unknown_parameters_are_400s_naming_them_and_store_not
         message = await expect_400(chat(client, frobnicate=1), "frobnicate")
         assert "unknown parameter" in message
         await expect_400(complete(client, min_p=0.3, frobnicate=1), "min_p")  # the first one
-        # a response_format or tool_choice the gateway cannot enforce is refused, named
-        await expect_400(
-            chat(client, response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
-            "response_format",
-        )
+        # JSON output needs an engine that constrains (vLLM): the transformers engine
+        # (this mesh's) refuses it, named; malformed formats are refused by the gateway
+        for form in (
+            {"type": "json_object"},
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+        ):
+            message = await expect_400(chat(client, response_format=form), "response_format")
+            assert "transformers engine" in message and "SF_ENGINE_BACKEND=vllm" in message
+        for form in (
+            {"type": "yaml"},
+            {"type": "json_schema"},
+            {"type": "json_schema", "json_schema": {"schema": 3}},
+        ):
+            await expect_400(chat(client, response_format=form), "response_format")
         assert await stored_events(bus) == before  # no turn, no session change
 
         # Null, the neutral values and the parameters without effect are accepted: the
@@ -224,8 +231,8 @@ async def test_refused_and_unknown_parameters_are_400s_naming_them_and_store_not
         nulls = {name: None for name in refused(CHAT_PARAMS)}
         chat_neutral = {k: v for k, v in NEUTRAL_VALUES.items() if k in CHAT_PARAMS}
         chat_inert = {k: v for k, v in NO_EFFECT_VALUES.items() if k in CHAT_PARAMS}
-        reply = await chat(client, **nulls)
-        reply2 = await chat(client, **chat_neutral, **chat_inert)
+        reply = await chat(client, **nulls, response_format=None)
+        reply2 = await chat(client, **chat_neutral, **chat_inert, response_format={"type": "text"})
         completion_neutral = {k: v for k, v in NEUTRAL_VALUES.items() if k in COMPLETION_PARAMS}
         reply3 = await complete(client, **completion_neutral, user="agent-7")
         await client.close()

@@ -300,6 +300,10 @@ class GenerateRequest(Message, tag="engine.generate"):
     top_k: int = 0
     """Sample among the k most likely tokens (0 = all); like top_p, it does not change
     the reported logprobs (taken before truncation)."""
+    structured_output: str = ""
+    """Constrained decoding (``response_format``), as the fields of vLLM's
+    ``StructuredOutputsParams`` in JSON; empty: none. Engines that cannot constrain
+    answer it with a bad_request error."""
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     seed: int | None = None
     """In ``SEEDS``."""
@@ -447,6 +451,10 @@ class TurnRecorded(Message, tag="traj.turn"):
     top_k: int = 0
     """The top-k the engine sampled from (0 = none); like ``top_p``, it does not enter
     ``logprobs`` and is recorded so that every turn says how it was sampled."""
+    constrained: bool = False
+    """Sampled under constrained decoding (``response_format``): its ``logprobs`` are of
+    the constrained distribution, which the trainer cannot recompute from the weights,
+    so its tokens are context for later turns but never trained (loss mask 0)."""
 
     def __post_init__(self) -> None:
         # One logprob and one version per generated token, and real token ids: a turn

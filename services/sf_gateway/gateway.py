@@ -389,6 +389,7 @@ class Gateway:
             prompt_ids,
             hold_from=parser.start_marker if parser else "",
             forced_text=opening,
+            structured_output=body.structured_output,
         )
         view = ChatFormat(
             model=body.model,
@@ -482,6 +483,7 @@ class Gateway:
         prompt_ids: list[int],
         hold_from: str,
         forced_text: str = "",
+        structured_output: str = "",
     ) -> Plan:
         stop = body.stop_strings
         return Plan(
@@ -501,6 +503,7 @@ class Gateway:
             engine_stream=body.stream or bool(stop),
             include_usage=body.include_usage,
             forced_text=forced_text,
+            structured_output=structured_output,
         )
 
     def _choices(self, plan: Plan) -> list[Choice]:
@@ -618,6 +621,7 @@ class Gateway:
             temperature=plan.temperature,
             top_p=plan.top_p,
             top_k=plan.top_k,
+            constrained=bool(plan.structured_output),
         )
         await self.bus.js_publish(self.bus.subjects.trajectory_event(turn.session_id), turn)
         session.turns += 1
@@ -642,6 +646,7 @@ class Gateway:
                 temperature=plan.temperature,
                 top_p=plan.top_p,
                 top_k=plan.top_k,
+                structured_output=plan.structured_output,
                 stop_token_ids=list(self.tokenizer.stop_token_ids),
                 seed=plan.seed_for(choice.index),
                 top_logprobs=plan.top_logprobs,
@@ -662,8 +667,9 @@ class Gateway:
                     code="engine_unavailable",
                 ) from None
             except RemoteError as exc:
-                if exc.code == "bad_request":
-                    raise ApiError(400, exc.message) from None
+                if exc.code == "bad_request":  # e.g. an engine that cannot constrain
+                    param = "response_format" if plan.structured_output else None
+                    raise ApiError(400, exc.message, param=param) from None
                 raise ApiError(503, f"engine error: {exc.message}", type_="server_error") from None
             except EngineLost as lost:
                 # The tokens streamed so far are in ``choice``: re-submit the rest elsewhere.
@@ -963,6 +969,9 @@ class Plan:
     forced_text: str = ""
     """The opening of a forced tool call, whose ids end ``prompt_ids``: the start of
     every choice's text (the agent's answer), not of its engine-generated ids."""
+    structured_output: str = ""
+    """The engines' constraint for ``response_format`` (empty: none); its turns are
+    recorded as ``constrained``."""
 
     def seed_for(self, index: int) -> int | None:
         """Choice i of a seeded request uses seed + i (modulo 2**64): n choices differ,

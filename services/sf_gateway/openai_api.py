@@ -14,6 +14,7 @@ disagree with what the agent asked for.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -107,10 +108,6 @@ def _is(*neutral: Any) -> Neutral:
 
 def _no_bias(value: Any, body: Mapping[str, Any]) -> bool:
     return isinstance(value, dict) and all(_number(v) and v == 0 for v in value.values())
-
-
-def _text_format(value: Any, body: Mapping[str, Any]) -> bool:
-    return isinstance(value, dict) and value.get("type") == "text"
 
 
 def _text_only(value: Any, body: Mapping[str, Any]) -> bool:
@@ -233,11 +230,10 @@ CHAT_PARAMS: dict[str, Param] = {
         "constrained decoding",
         _is(True),
     ),
-    "response_format": _refused(
-        "json_object and json_schema need constrained decoding, which the engines do "
-        "not apply (and whose constrained tokens the trainer could not recompute); "
-        "only {'type': 'text'} is accepted",
-        _text_format,
+    "response_format": _honoured(
+        "json_object / json_schema by the vLLM engine's structured outputs (the "
+        "transformers engine answers 400); such turns are recorded as constrained and "
+        "not trained: a constrained token's logprob is not the weights' distribution"
     ),
     "functions": _refused("deprecated by OpenAI: use tools"),
     "function_call": _refused("deprecated by OpenAI: use tool_choice"),
@@ -444,11 +440,41 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_format(cls, form: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = form.get("type") if form is not None else "text"
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError("type must be 'text', 'json_object' or 'json_schema'")
+        if kind == "json_schema":
+            spec = form.get("json_schema") if form is not None else None
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError("json_schema needs {'name': ..., 'schema': {...}}")
+        return form
+
+    @property
+    def structured_output(self) -> str:
+        """The engines' constraint for ``response_format`` (empty: none)."""
+        form = self.response_format or {"type": "text"}
+        if form["type"] == "json_object":
+            return json.dumps({"json_object": True})
+        if form["type"] == "json_schema":
+            return json.dumps({"json": form["json_schema"].get("schema", {})})
+        return ""
 
     def check(self) -> None:
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.structured_output and self.forces_tool_call:
+            raise ApiError(
+                400,
+                "response_format json_object/json_schema cannot be combined with a forced "
+                "tool_choice",
+                param="response_format",
+            )
         choice = self.tool_choice
         if isinstance(choice, str) and choice not in ("none", "auto", "required"):
             raise ApiError(

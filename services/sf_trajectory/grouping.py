@@ -62,9 +62,10 @@ def branch(turns: list[TurnRecorded], leaf: TurnRecorded) -> tuple[TrainSample, 
 
     The sequence is the leaf's prompt + completion. A turn whose prompt and completion lie
     on that sequence (same ids at the same positions) contributes its completion tokens to
-    the loss mask; a turn from another branch does not. Every masked-in token is one the
-    engine produced (invariant 1), with the logprob, version and temperature it was
-    produced with.
+    the loss mask; a turn from another branch does not, nor a ``constrained`` one (its
+    logprobs are not the weights' distribution: it is context only). Every masked-in
+    token is one the engine produced (invariant 1), with the logprob, version and
+    temperature it was produced with.
     """
     token_ids = [*leaf.prompt_ids, *leaf.completion_ids]
     loss_mask = [0] * len(token_ids)
@@ -78,6 +79,8 @@ def branch(turns: list[TurnRecorded], leaf: TurnRecorded) -> tuple[TrainSample, 
         if token_ids[:start] != turn.prompt_ids or token_ids[start:end] != turn.completion_ids:
             continue
         on_path.append(turn.turn_index)
+        if turn.constrained:  # its logprobs are not the weights' distribution: context only
+            continue
         loss_mask[start:end] = [1] * (end - start)
         logprobs[start:end] = turn.logprobs
         versions[start:end] = turn.versions

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Self
@@ -90,6 +91,12 @@ class SamplingParams:
     """Sample among the k most likely tokens only (then top-p within them, as vLLM
     does); 0 (or -1, made 0) disables it. Ignored when greedy. Like top-p it does not
     change the reported logprobs, which are taken before truncation."""
+    structured_output: str = ""
+    """Constrained decoding, as the fields of vLLM's ``StructuredOutputsParams`` in JSON
+    (``{"json_object": true}``, ``{"json": <schema>}``); empty: none. Only engines that
+    constrain (vLLM) accept it; the others raise ValueError. Under a constraint the
+    reported logprobs are of the constrained distribution, which the trainer cannot
+    recompute: such turns are recorded as ``constrained`` and not trained."""
     stop_token_ids: tuple[int, ...] = ()
     """Generation stops after any of these ids; the stop token is part of the output."""
     seed: int | None = None
@@ -112,6 +119,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_p < TOP_P_MIN:
             object.__setattr__(self, "top_p", TOP_P_MIN)  # float32 would make it 0
+        if self.structured_output:
+            try:
+                constraint = json.loads(self.structured_output)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"structured_output is not JSON: {exc}") from None
+            if not isinstance(constraint, dict) or not constraint:
+                raise ValueError("structured_output must be a non-empty JSON object")
         k = self.top_k
         if isinstance(k, bool) or not isinstance(k, int) or k < -1:
             raise ValueError(f"top_k must be an int >= -1 (0 or -1 = off), got {k!r}")
@@ -171,8 +185,12 @@ def check_request(
     live: Container[str],
     vocab_size: int,
     max_context: int,
+    constrains: str = "",
 ) -> list[int]:
     """Validate one submission for any engine; returns the prompt as a list.
+
+    ``constrains``: empty for an engine that applies ``structured_output``, else the
+    engine's name, for the error that refuses it.
 
     Raises ValueError (and so changes no engine state) for a wrong params type, an empty
     or duplicate request id, an empty prompt, ids outside the vocabulary, or a prompt +
@@ -184,6 +202,11 @@ def check_request(
         raise ValueError("request_id must be a non-empty string")
     if request_id in live:
         raise ValueError(f"request {request_id!r} is already running")
+    if params.structured_output and constrains:
+        raise ValueError(
+            f"response_format json_object/json_schema (constrained decoding) is not "
+            f"supported by the {constrains} engine; use SF_ENGINE_BACKEND=vllm"
+        )
     prompt = list(prompt_ids)
     if not prompt:
         raise ValueError("prompt_ids must not be empty")

@@ -159,6 +159,7 @@ class TransformersEngine(BatchingEngine[_Request]):
             live=self._live,
             vocab_size=self._vocab_size,
             max_context=self._max_context,
+            constrains="transformers",
         )
         generator = torch.Generator(device=self._device)
         if params.seed is None:
