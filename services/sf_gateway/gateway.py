@@ -36,11 +36,14 @@ session not finished (key digest, task, turn count, conversation tree with its e
 ids), so an agent's next call with the same base URL and key continues its session.
 
 Invariants: the recorded TurnRecorded holds exactly the ids the engine consumed and
-produced, with their logprobs and versions and the temperature and top_p they were
-sampled with (the trainer recomputes logprobs at that temperature), and is durably
-stored before the agent gets its answer. A request that fails validation stores
-nothing. An engine interruption (finish_reason "abort") is resumed here: prompt +
-partial ids are re-submitted (never re-tokenized) until the answer is complete.
+produced, with their logprobs and versions and the temperature, top_p and top_k they
+were sampled with (the trainer recomputes logprobs at that temperature; a turn sampled
+under a constraint, ``response_format``, is marked ``constrained`` and not trained), and
+is durably stored before the agent gets its answer. Ids the gateway inserts (a forced
+tool call's opening) end ``prompt_ids``: they are never recorded as generated. A
+request that fails validation stores nothing. An engine interruption (finish_reason
+"abort") is resumed here: prompt + partial ids are re-submitted (never re-tokenized)
+until the answer is complete.
 """
 
 from __future__ import annotations
