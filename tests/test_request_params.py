@@ -238,6 +238,7 @@ async def test_refused_and_unknown_parameters_are_400s_naming_them_and_store_not
         await client.close()
     turns = [e for e in await stored_events(bus) if isinstance(e, TurnRecorded)]
     assert [t.session_id for t in turns] == [session["session_id"]] * 3
+    assert [t.turn_index for t in turns] == [0, 1, 2]  # the refusals counted no turn
     assert [t.completion_text for t in turns] == [
         reply.choices[0].message.content,
         reply2.choices[0].message.content,
