@@ -17,13 +17,14 @@ weight-name checks are tested like any engine's).
 from __future__ import annotations
 
 import asyncio
+import json
 import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from sf_gateway.engine import GenerationResult, InferenceEngine, SamplingParams, ScriptedEngine
 
@@ -184,6 +185,70 @@ async def test_top_logprobs_match_forward(
             assert values == pytest.approx(ref_values.tolist(), abs=1e-4)
             for token_id, lp in top:
                 assert lp == pytest.approx(logp[len(prompt) - 1 + j, token_id].item(), abs=1e-4)
+
+
+async def test_top_k_samples_among_the_k_most_likely_and_reports_full_logprobs(
+    engine: InferenceEngine, base_model: PreTrainedModel
+) -> None:
+    """top_k (alone, and with top_p inside the k as vLLM applies them): every sampled
+    token is among the k most likely (and in the nucleus of those k), while its logprob
+    is still the untruncated one the trainer recomputes. A high temperature flattens the
+    distribution, so ignoring top_k would sample outside the k."""
+    _skip_unless_computes(engine)
+    prompt = [4, 40, 400]
+    cases = [SamplingParams(max_tokens=10, temperature=2.0, top_k=2, seed=s) for s in range(4)]
+    cases.append(SamplingParams(max_tokens=10, temperature=2.0, top_k=6, top_p=0.5, seed=9))
+    results = await asyncio.gather(
+        *(engine.generate(f"topk{i}", prompt, p) for i, p in enumerate(cases))
+    )
+    margin = 1e-3  # far above the 1e-4 engine/forward agreement: ties cannot flip a rank
+    for params, res in zip(cases, results, strict=True):
+        assert res.logprobs == pytest.approx(
+            _reference_logprobs(base_model, prompt, res, params), abs=1e-4
+        )
+        with torch.no_grad():
+            logits = base_model(torch.tensor([prompt + res.token_ids])).logits[0].float()
+        logp = torch.log_softmax(logits / params.temperature, dim=-1)
+        for j, token in enumerate(res.token_ids):
+            row = logp[len(prompt) - 1 + j]
+            above = row > row[token] + margin  # surely more likely than the sampled token
+            assert int(above.sum()) < params.top_k
+            kept = row.topk(params.top_k).values.exp()
+            before = float(row[above].exp().sum() / kept.sum())  # nucleus mass before it
+            assert before < params.top_p + margin
+
+
+async def test_structured_output_gives_schema_json_on_vllm_and_is_refused_elsewhere(
+    engine: InferenceEngine, model_dir: Path
+) -> None:
+    """response_format's constraint: vLLM's structured outputs make the completion JSON
+    of the schema; an engine that cannot constrain raises ValueError naming itself."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    params = SamplingParams(
+        max_tokens=40,
+        seed=3,
+        stop_token_ids=(tokenizer.eos_token_id,),
+        structured_output=json.dumps({"json": schema, "disable_any_whitespace": True}),
+    )
+    if not type(engine).__name__.startswith("Vllm"):
+        with pytest.raises(ValueError, match="SF_ENGINE_BACKEND=vllm"):
+            engine.stream("so-refused", [1, 2, 3], params)
+        return
+    results = await asyncio.gather(
+        *(engine.generate(f"so{i}", [1, 2, 3 + i], params) for i in range(3))
+    )
+    for res in results:
+        assert res.finish_reason == "stop"
+        text = tokenizer.decode(res.token_ids[:-1])
+        value = json.loads(text)
+        assert isinstance(value["ok"], bool) and value["n"] in (1, 2, 3), text
+        assert set(value) == {"ok", "n"}
 
 
 async def test_seeded_and_greedy_are_reproducible(engine: InferenceEngine) -> None:

@@ -161,7 +161,24 @@ BAD_CHAT_REQUESTS += [
     (_chat(tools=[_tool(name="has space")]), 400, "tools.0.function.name"),
     (_chat(tools=[_tool(parameters={"type": "string"})]), 400, "tools.0.function.parameters"),
     (_chat(tools=[_tool(parameters=[1])]), 400, "tools.0.function.parameters"),
-    (_chat(tools=[_tool()], tool_choice="required"), 400, "tool_choice"),
+    (_chat(tools=[_tool()], tool_choice="sometimes"), 400, "tool_choice"),
+    (_chat(tool_choice="required"), 400, "tool_choice"),
+    (_chat(tools=[_tool()], tool_choice="required", stop=["\n"]), 400, "stop"),
+    (
+        _chat(tools=[_tool()], tool_choice="required", response_format={"type": "json_object"}),
+        400,
+        "response_format",
+    ),
+    (
+        _chat(tools=[_tool()], tool_choice={"type": "function", "function": {"name": "mul"}}),
+        400,
+        "tool_choice",
+    ),
+    (
+        _chat(tools=[_tool()], tool_choice={"type": "custom", "custom": {"name": "add"}}),
+        400,
+        "tool_choice",
+    ),
     (_chat(tool_choice="auto"), 400, "tool_choice"),
     (
         _chat(messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "1"}]),

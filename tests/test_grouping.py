@@ -1,3 +1,5 @@
+import msgspec
+
 from seamlessflow.protocol import (
     GroupClosed,
     NoTask,
@@ -178,6 +180,24 @@ def test_multi_turn_masks_every_engine_turn_and_skips_abandoned_branches() -> No
     assert sample.token_ids == [1, 2, 3, 4, 5, 6, 7, 9]
     assert sample.loss_mask == [0, 0, 1, 1, 0, 0, 1, 1]
     assert sample.versions == [-1, -1, 0, 0, -1, -1, 2, 2]
+
+
+def test_a_constrained_turn_is_context_and_not_trained() -> None:
+    """A turn sampled under constrained decoding (response_format) has logprobs of the
+    constrained distribution, which the trainer cannot recompute: its tokens stay in the
+    sequence but out of the loss; the unconstrained turns around it are trained."""
+    grouper = Grouper(lookup)
+    grouper.apply(opened("s", "g", 0, 1))
+    constrained = msgspec.structs.replace(turn("s", 0, [1, 2], [3, 4], "{}"), constrained=True)
+    grouper.apply(constrained)
+    grouper.apply(turn("s", 1, [1, 2, 3, 4, 5], [6, 7], "4"))
+    grouper.apply(SessionFinished(session_id="s"))
+    batch = grouper.take_batch(1)
+    assert batch is not None
+    sample = batch[0].samples[0]
+    assert sample.token_ids == [1, 2, 3, 4, 5, 6, 7]
+    assert sample.loss_mask == [0, 0, 0, 0, 0, 1, 1]
+    assert sample.versions == [-1, -1, -1, -1, -1, 1, 1]
 
 
 def test_sessions_already_batched_are_skipped_on_replay() -> None:

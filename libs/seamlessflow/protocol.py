@@ -297,6 +297,13 @@ class GenerateRequest(Message, tag="engine.generate"):
     temperature: float = 1.0
     """0 = greedy; so is any temperature below ``GREEDY_BELOW``."""
     top_p: float = 1.0
+    top_k: int = 0
+    """Sample among the k most likely tokens (0 = all); like top_p, it does not change
+    the reported logprobs (taken before truncation)."""
+    structured_output: str = ""
+    """Constrained decoding (``response_format``), as the fields of vLLM's
+    ``StructuredOutputsParams`` in JSON; empty: none. Engines that cannot constrain
+    answer it with a bad_request error."""
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     seed: int | None = None
     """In ``SEEDS``."""
@@ -423,6 +430,8 @@ class TurnRecorded(Message, tag="traj.turn"):
     versions: list[int]
     finish_reason: str
     completion_text: str
+    """The answer's text as the agent got it: ``completion_ids`` decoded (after a forced
+    tool call's opening, which ends ``prompt_ids``, that opening and then them)."""
     policy: str = DEFAULT_POLICY
     """The policy whose engine generated it (the request's ``model``)."""
     node_depth: int = 0
@@ -445,6 +454,13 @@ class TurnRecorded(Message, tag="traj.turn"):
     prompt; when the chat template rewrites its reply (Qwen3 drops a ``<think>`` block
     once a later user message follows) they are not, and the trajectory service trains
     that turn as a sample of its own (``sf_trajectory.grouping.trained_branches``)."""
+    top_k: int = 0
+    """The top-k the engine sampled from (0 = none); like ``top_p``, it does not enter
+    ``logprobs`` and is recorded so that every turn says how it was sampled."""
+    constrained: bool = False
+    """Sampled under constrained decoding (``response_format``): its ``logprobs`` are of
+    the constrained distribution, which the trainer cannot recompute from the weights,
+    so its tokens are context for later turns but never trained (loss mask 0)."""
 
     def __post_init__(self) -> None:
         # One logprob and one version per generated token, and real token ids: a turn

@@ -296,6 +296,8 @@ class EngineWorker:
                 max_tokens=request.max_tokens,
                 temperature=request.temperature,
                 top_p=request.top_p,
+                top_k=request.top_k,
+                structured_output=request.structured_output,
                 stop_token_ids=tuple(request.stop_token_ids),
                 seed=request.seed,
                 top_logprobs=request.top_logprobs,

@@ -40,11 +40,14 @@ session not finished (key digest, task, turn count, conversation tree with its e
 ids), so an agent's next call with the same base URL and key continues its session.
 
 Invariants: the recorded TurnRecorded holds exactly the ids the engine consumed and
-produced, with their logprobs and versions and the temperature and top_p they were
-sampled with (the trainer recomputes logprobs at that temperature), and is durably
-stored before the agent gets its answer. A request that fails validation stores
-nothing. An engine interruption (finish_reason "abort") is resumed here: prompt +
-partial ids are re-submitted (never re-tokenized) until the answer is complete.
+produced, with their logprobs and versions and the temperature, top_p and top_k they
+were sampled with (the trainer recomputes logprobs at that temperature; a turn sampled
+under a constraint, ``response_format``, is marked ``constrained`` and not trained), and
+is durably stored before the agent gets its answer. Ids the gateway inserts (a forced
+tool call's opening) end ``prompt_ids``: they are never recorded as generated. A
+request that fails validation stores nothing. An engine interruption (finish_reason
+"abort") is resumed here: prompt + partial ids are re-submitted (never re-tokenized)
+until the answer is complete.
 """
 
 from __future__ import annotations
@@ -420,11 +423,21 @@ class Gateway:
         policy = self._check_model(body.model)
         body.check()
         messages, tools = body.template_messages(), body.template_tools()
+        opening = self._forced_call_opening(body)
         prompt = session.conversation.prompt_for(messages, tools)
         prompt_ids = prompt.ids
+        if opening:  # inserted, not sampled: part of the prompt, never trained
+            prompt_ids = prompt_ids + self.tokenizer.encode_text(opening)
         parser = self.tool_parser if body.parses_tool_calls else None
         # what may still become reasoning or a tool call is held back by the view
-        plan = self._plan(body, policy, prompt_ids, hold_from="")
+        plan = self._plan(
+            body,
+            policy,
+            prompt_ids,
+            hold_from="",
+            forced_text=opening,
+            structured_output=body.structured_output,
+        )
         view = ChatFormat(
             model=body.model,
             token_text=self.tokenizer.token_text,
@@ -540,33 +553,68 @@ class Gateway:
             return False
         return self.tokenizer.raw_text(prompt_ids[-8:]).rstrip().endswith(parser.start)
 
+    def _forced_call_opening(self, body: ChatCompletionRequest) -> str:
+        """For tool_choice 'required' or a named function: the opening of a call in the
+        tool parser's format, which the gateway appends to the prompt so that the model
+        continues it (a named one up to its arguments). Those ids are inserted, not
+        sampled: they are recorded as prompt ids (never trained), and every completion
+        id is the engine's own sample of the unconstrained distribution, so its
+        recorded logprob is exactly what the trainer recomputes."""
+        if not body.forces_tool_call:
+            return ""
+        opening = getattr(self.tool_parser, "call_opening", None)
+        if opening is None:
+            raise ApiError(
+                400,
+                f"tool_choice {body.tool_choice!r} is not supported with the tool parser "
+                f"{self.settings.tool_parser!r} (it cannot open a call)",
+                param="tool_choice",
+            )
+        text = str(opening(body.forced_tool_name))
+        # stop strings are searched in the answer's text, which starts with the opening
+        inside = [stop for stop in body.stop_strings if stop in text]
+        if inside:
+            raise ApiError(
+                400,
+                f"stop string {inside[0]!r} occurs in the forced tool call's opening {text!r}",
+                param="stop",
+            )
+        return text
+
     def _plan(
         self,
         body: ChatCompletionRequest | CompletionRequest,
         policy: str,
         prompt_ids: list[int],
         hold_from: str,
+        forced_text: str = "",
+        structured_output: str = "",
     ) -> Plan:
         stop = body.stop_strings
         return Plan(
             policy=policy,
             prompt_ids=prompt_ids,
             max_tokens=self._check_budget(
-                prompt_ids, body.token_budget(self.settings.default_max_tokens)
+                prompt_ids, body.token_budget(self.settings.default_max_tokens), body.budget_param
             ),
             n=body.n,
             temperature=body.temperature,
             top_p=body.top_p,
+            top_k=body.top_k,
             seed=body.seed,
             top_logprobs=body.k_top_logprobs,
             stop=stop,
             hold_from=hold_from if body.stream else "",
             engine_stream=body.stream or bool(stop),
             include_usage=body.include_usage,
+            forced_text=forced_text,
+            structured_output=structured_output,
         )
 
     def _choices(self, plan: Plan) -> list[Choice]:
-        decode = self.tokenizer.decode_completion
+        decode: Callable[[list[int]], str] = self.tokenizer.decode_completion
+        if plan.forced_text:  # the agent's text: the inserted opening, then the samples
+            decode = _after(plan.forced_text, decode)
         return [Choice(i, decode, plan.stop, plan.hold_from) for i in range(plan.n)]
 
     def _stream(
@@ -680,6 +728,8 @@ class Gateway:
             temperature=plan.temperature,
             top_p=plan.top_p,
             parent_digest=parent_digest,
+            top_k=plan.top_k,
+            constrained=bool(plan.structured_output),
         )
         await self.bus.js_publish(self.bus.subjects.trajectory_event(turn.session_id), turn)
         session.turns += 1
@@ -703,6 +753,8 @@ class Gateway:
                 max_tokens=plan.max_tokens - len(choice.token_ids),
                 temperature=plan.temperature,
                 top_p=plan.top_p,
+                top_k=plan.top_k,
+                structured_output=plan.structured_output,
                 stop_token_ids=list(self.tokenizer.stop_token_ids),
                 seed=plan.seed_for(choice.index),
                 top_logprobs=plan.top_logprobs,
@@ -723,8 +775,9 @@ class Gateway:
                     code="engine_unavailable",
                 ) from None
             except RemoteError as exc:
-                if exc.code == "bad_request":
-                    raise ApiError(400, exc.message) from None
+                if exc.code == "bad_request":  # e.g. an engine that cannot constrain
+                    param = "response_format" if plan.structured_output else None
+                    raise ApiError(400, exc.message, param=param) from None
                 raise ApiError(503, f"engine error: {exc.message}", type_="server_error") from None
             except EngineLost as lost:
                 # The tokens streamed so far are in ``choice``: re-submit the rest elsewhere.
@@ -920,7 +973,10 @@ class Gateway:
             )
         return model
 
-    def _check_budget(self, prompt_ids: list[int], max_tokens: int) -> int:
+    def _check_budget(self, prompt_ids: list[int], max_tokens: int, param: str | None) -> int:
+        """The engine budget: the agent's (``param``), which must fit in the context
+        with the prompt (a 400 naming it otherwise, as vLLM's server answers), or the
+        default clipped to the room the prompt leaves."""
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
         limit = self.settings.max_context
@@ -930,7 +986,14 @@ class Gateway:
                 f"prompt has {len(prompt_ids)} tokens; the context is {limit}",
                 code="context_length_exceeded",
             )
-        # Like vLLM: a budget that would overflow the context is clipped, not refused.
+        if param is not None and len(prompt_ids) + max_tokens > limit:
+            raise ApiError(
+                400,
+                f"{param}: the context is {limit} tokens; the prompt has {len(prompt_ids)}, "
+                f"so at most {limit - len(prompt_ids)} can be generated, not {max_tokens}",
+                param=param,
+                code="context_length_exceeded",
+            )
         return min(max_tokens, limit - len(prompt_ids))
 
     async def _json(self, request: Request, *, allow_empty: bool = False) -> Any:
@@ -1002,6 +1065,10 @@ async def turn_updates(producer: asyncio.Task[None], updated: asyncio.Event) -> 
             waiter.cancel()
 
 
+def _after(opening: str, decode: Callable[[list[int]], str]) -> Callable[[list[int]], str]:
+    return lambda ids: opening + decode(ids)
+
+
 def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
@@ -1017,6 +1084,7 @@ class Plan:
     n: int
     temperature: float
     top_p: float
+    top_k: int
     seed: int | None
     top_logprobs: int
     stop: tuple[str, ...]
@@ -1025,6 +1093,12 @@ class Plan:
     engine_stream: bool
     """Engines stream chunks: for SSE, and to catch stop strings early."""
     include_usage: bool
+    forced_text: str = ""
+    """The opening of a forced tool call, whose ids end ``prompt_ids``: the start of
+    every choice's text (the agent's answer), not of its engine-generated ids."""
+    structured_output: str = ""
+    """The engines' constraint for ``response_format`` (empty: none); its turns are
+    recorded as ``constrained``."""
 
     def seed_for(self, index: int) -> int | None:
         """Choice i of a seeded request uses seed + i (modulo 2**64): n choices differ,

@@ -57,6 +57,15 @@ class ToolParser(Protocol):
     def streamable(self, text: str) -> str: ...
 
 
+class ForcesCalls(Protocol):
+    """A parser that can also write the opening of a call, for a forced ``tool_choice``."""
+
+    def call_opening(self, name: str | None) -> str:
+        """The text that opens a call of ``name`` up to its arguments (None: up to the
+        function's name, which the model writes)."""
+        ...
+
+
 _PARSERS: dict[str, Callable[[], ToolParser]] = {}
 
 TOOL_PARSER_CHOICES = ("auto", "hermes", "qwen", "llama3_json", "none")
@@ -109,6 +118,13 @@ class QwenToolParser:
 
     start_marker: ClassVar[str] = "<tool_call>"
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+    def call_opening(self, name: str | None) -> str:
+        # as Qwen2.5's chat template writes an assistant's tool call, cut before a space
+        # (a trailing space would be a token of its own, where the model writes " {")
+        if name is None:
+            return '<tool_call>\n{"name": "'
+        return '<tool_call>\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments":'
 
     def parse(self, text: str) -> ParsedCompletion:
         calls: list[ToolCall] = []

@@ -65,9 +65,10 @@ def branch(
     The sequence is the leaf's prompt + completion. A turn whose prompt and completion lie
     on that sequence (same ids at the same positions) contributes its completion tokens to
     the loss mask; a turn from another branch does not, nor one in ``exclude`` (turn
-    indexes already trained in another sample of the session). Every masked-in token is
-    one the engine produced (invariant 1), with the logprob, version and temperature it
-    was produced with.
+    indexes already trained in another sample of the session), nor a ``constrained`` one
+    (its logprobs are not the weights' distribution: it is context only). Every
+    masked-in token is one the engine produced (invariant 1), with the logprob, version
+    and temperature it was produced with.
     """
     token_ids = [*leaf.prompt_ids, *leaf.completion_ids]
     loss_mask = [0] * len(token_ids)
@@ -83,6 +84,8 @@ def branch(
         if turn.turn_index in exclude:
             continue
         on_path.append(turn.turn_index)
+        if turn.constrained:  # its logprobs are not the weights' distribution: context only
+            continue
         loss_mask[start:end] = [1] * (end - start)
         logprobs[start:end] = turn.logprobs
         versions[start:end] = turn.versions

@@ -18,6 +18,8 @@ prompt + completion, so engines must match it to ~1e-4 in fp32):
     temperature > 0:  log_softmax(logits / temperature)[token]   (before top-p truncation)
     temperature == 0: log_softmax(logits)[token]                  (greedy)
 
+(top-k and top-p truncate what is sampled from, not what is reported.)
+
 `top_logprobs` (if asked for) are the k largest entries of that same distribution, so
 the chosen token's logprob equals its entry whenever it is among the k.
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Self
@@ -84,6 +87,16 @@ class SamplingParams:
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]; 1 disables truncation. Ignored when greedy.
     Below ``TOP_P_MIN`` it is raised to it (the nucleus is the most likely token)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only (then top-p within them, as vLLM
+    does); 0 (or -1, made 0) disables it. Ignored when greedy. Like top-p it does not
+    change the reported logprobs, which are taken before truncation."""
+    structured_output: str = ""
+    """Constrained decoding, as the fields of vLLM's ``StructuredOutputsParams`` in JSON
+    (``{"json_object": true}``, ``{"json": <schema>}``); empty: none. Only engines that
+    constrain (vLLM) accept it; the others raise ValueError. Under a constraint the
+    reported logprobs are of the constrained distribution, which the trainer cannot
+    recompute: such turns are recorded as ``constrained`` and not trained."""
     stop_token_ids: tuple[int, ...] = ()
     """Generation stops after any of these ids; the stop token is part of the output."""
     seed: int | None = None
@@ -106,6 +119,18 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_p < TOP_P_MIN:
             object.__setattr__(self, "top_p", TOP_P_MIN)  # float32 would make it 0
+        if self.structured_output:
+            try:
+                constraint = json.loads(self.structured_output)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"structured_output is not JSON: {exc}") from None
+            if not isinstance(constraint, dict) or not constraint:
+                raise ValueError("structured_output must be a non-empty JSON object")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, int) or k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (0 or -1 = off), got {k!r}")
+        if k == -1:
+            object.__setattr__(self, "top_k", 0)
         stop = tuple(self.stop_token_ids)
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stop):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {stop!r}")
@@ -123,6 +148,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def truncated(self) -> bool:
+        """Sampled from a top-k and/or top-p truncation of the distribution."""
+        return not self.greedy and (self.top_p < 1 or self.top_k > 0)
 
 
 @dataclass(frozen=True)
@@ -155,8 +185,12 @@ def check_request(
     live: Container[str],
     vocab_size: int,
     max_context: int,
+    constrains: str = "",
 ) -> list[int]:
     """Validate one submission for any engine; returns the prompt as a list.
+
+    ``constrains``: empty for an engine that applies ``structured_output``, else the
+    engine's name, for the error that refuses it.
 
     Raises ValueError (and so changes no engine state) for a wrong params type, an empty
     or duplicate request id, an empty prompt, ids outside the vocabulary, or a prompt +
@@ -168,6 +202,11 @@ def check_request(
         raise ValueError("request_id must be a non-empty string")
     if request_id in live:
         raise ValueError(f"request {request_id!r} is already running")
+    if params.structured_output and constrains:
+        raise ValueError(
+            f"response_format json_object/json_schema (constrained decoding) is not "
+            f"supported by the {constrains} engine; use SF_ENGINE_BACKEND=vllm"
+        )
     prompt = list(prompt_ids)
     if not prompt:
         raise ValueError("prompt_ids must not be empty")

@@ -159,6 +159,7 @@ class TransformersEngine(BatchingEngine[_Request]):
             live=self._live,
             vocab_size=self._vocab_size,
             max_context=self._max_context,
+            constrains="transformers",
         )
         generator = torch.Generator(device=self._device)
         if params.seed is None:
@@ -346,17 +347,23 @@ def _sample(
     temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=logits.device)
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
     tokens = logits.argmax(dim=-1)
-    full = [i for i, r in enumerate(rows) if not r.params.greedy and r.params.top_p == 1]
-    nucleus = [i for i, r in enumerate(rows) if not r.params.greedy and r.params.top_p < 1]
+    full = [i for i, r in enumerate(rows) if not r.params.greedy and not r.params.truncated]
+    cut = [i for i, r in enumerate(rows) if r.params.truncated]
     if full:
         idx = torch.tensor(full, device=logits.device)
         tokens[idx] = _invert_cdf(logp[idx].exp(), [rows[i] for i in full])
-    if nucleus:
-        idx = torch.tensor(nucleus, device=logits.device)
+    if cut:
+        # vLLM's order: keep the k most likely, then the nucleus of that renormalised set
+        idx = torch.tensor(cut, device=logits.device)
         probs, order = logp[idx].exp().sort(dim=-1, descending=True)
-        top_p = torch.tensor([rows[i].params.top_p for i in nucleus], device=logits.device)
-        probs = probs * ((probs.cumsum(dim=-1) - probs) < top_p[:, None])  # keeps >= 1 token
-        picked = _invert_cdf(probs, [rows[i] for i in nucleus])
+        vocab = probs.shape[-1]
+        k = torch.tensor([rows[i].params.top_k or vocab for i in cut], device=logits.device)
+        rank = torch.arange(vocab, device=logits.device)
+        probs = probs * (rank[None, :] < k[:, None])
+        top_p = torch.tensor([rows[i].params.top_p for i in cut], device=logits.device)
+        mass = probs.sum(dim=-1, keepdim=True)
+        probs = probs * ((probs.cumsum(dim=-1) - probs) < top_p[:, None] * mass)  # keeps >= 1
+        picked = _invert_cdf(probs, [rows[i] for i in cut])
         tokens[idx] = order.gather(1, picked[:, None]).squeeze(1)
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1), _top_logprobs(logp, rows)
 

@@ -197,6 +197,7 @@ class ScriptedEngine(BatchingEngine[_Request]):
             live=self._live,
             vocab_size=self._shape.vocab_size,
             max_context=self._max_context,
+            constrains="scripted",
         )
         req = _Request(
             request_id=request_id,

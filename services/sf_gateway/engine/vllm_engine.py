@@ -12,9 +12,12 @@ default: with 2 cores the model runs on 1); the KV cache size comes from
 `VLLM_CPU_KVCACHE_SPACE` (GiB), which `start` sets to `kv_cache_gib` unless already set.
 
 Requests. `stream` validates the input, then one adapter task per request iterates
-`AsyncLLM.generate` (delta outputs, token ids only: no tokenizer is loaded) and puts each
-token into the request's `GenerationStream`. Generation stops only at `stop_token_ids`
-or `max_tokens` (`ignore_eos=True`; the model's generation config is not applied).
+`AsyncLLM.generate` (delta outputs, token ids only: nothing is detokenized) and puts each
+token into the request's `GenerationStream`. The model directory's tokenizer, if it has
+one, is loaded only for structured outputs (``SamplingParams.structured_output``, whose
+grammar is compiled over the vocabulary); without one they are refused. Generation stops
+only at `stop_token_ids` or `max_tokens` (`ignore_eos=True`; the model's generation config
+is not applied).
 
 Logprobs. vLLM runs with `logprobs_mode="processed_logprobs"`: log_softmax of the logits
 after temperature (and penalties, which we never set), which is the definition in
@@ -208,6 +211,8 @@ class VllmEngine(InferenceEngine):
         self._version = version
         self._kv_cache_gib = kv_cache_gib
         self._enforce_eager = enforce_eager
+        self._has_tokenizer = (Path(model) / "tokenizer_config.json").is_file()
+        """Structured outputs compile their grammar over the tokenizer's vocabulary."""
         self._engine_kwargs = dict(engine_kwargs or {})
         # sleep/wake give device memory back to a colocated trainer: CUDA only
         self._sleep_mode = bool(self._engine_kwargs.get("enable_sleep_mode", False))
@@ -297,7 +302,7 @@ class VllmEngine(InferenceEngine):
             "enforce_eager": self._enforce_eager,
             "max_model_len": self._max_context,
             "max_num_seqs": self._max_batch_size,
-            "skip_tokenizer_init": True,
+            "skip_tokenizer_init": not self._has_tokenizer,
             "logprobs_mode": "processed_logprobs",
             "generation_config": "vllm",
             "enable_prefix_caching": False,
@@ -356,6 +361,7 @@ class VllmEngine(InferenceEngine):
             live=self._live,
             vocab_size=self._vocab_size,
             max_context=self._max_context,
+            constrains="" if self._has_tokenizer else "vLLM (no tokenizer in the model directory)",
         )
         top_k = params.top_logprobs
         sampling = self._sampling_params(params, top_k)
@@ -368,10 +374,18 @@ class VllmEngine(InferenceEngine):
 
     def _sampling_params(self, params: SamplingParams, top_k: int) -> Any:
         vllm_params, _, output_kind = self._vllm
+        from vllm.sampling_params import StructuredOutputsParams as structured
+
         return vllm_params(
             max_tokens=params.max_tokens,
             temperature=params.temperature,
             top_p=1.0 if params.greedy else params.top_p,
+            top_k=0 if params.greedy else params.top_k,  # 0: off
+            structured_outputs=(
+                structured(**json.loads(params.structured_output))
+                if params.structured_output
+                else None
+            ),
             seed=params.seed,
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=True,

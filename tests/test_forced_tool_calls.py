@@ -1,0 +1,195 @@
+"""tool_choice 'required' and a named function, through the real gateway and HF engine
+on the tied family model, with the official SDK as the agent.
+
+The gateway appends the opening of a call (the tool parser's format) to the prompt: the
+model continues it. Those ids are inserted, not sampled, so they are recorded as prompt
+ids; every completion id is the engine's own sample, and its recorded logprob is what
+the trainer recomputes over prompt + completion at the recorded temperature.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from conftest import InProcessMesh
+from openai import AsyncOpenAI
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from seamlessflow.assets.families import build_family_model
+from seamlessflow.bus import Bus
+from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
+from sf_gateway.choice import Choice
+from sf_gateway.config import EngineSettings, GatewaySettings
+from sf_gateway.engine_worker import EngineWorker
+from sf_gateway.gateway import GatewayService
+from sf_gateway.tool_parsers import QwenToolParser
+from sf_tag_scheduler.service import TagScheduler
+from sf_weight_sync.service import WeightSync
+
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}},
+]
+MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3?"}]
+NAMED = {"type": "function", "function": {"name": "add"}}
+
+
+@pytest.mark.parametrize(
+    ("name", "generated", "expected"),
+    [
+        ("add", ' {"a": 2, "b": 3}}\n</tool_call>', ("add", {"a": 2, "b": 3})),
+        (None, 'now", "arguments": {}}\n</tool_call>', ("now", {})),
+    ],
+)
+def test_the_opening_and_the_model_s_continuation_parse_as_one_call(
+    name: str | None, generated: str, expected: tuple[str, dict[str, Any]]
+) -> None:
+    parser = QwenToolParser()
+    opening = parser.call_opening(name)
+    assert opening.startswith(parser.start_marker)
+    choice = Choice(0, lambda ids: opening + generated[: len(ids)], hold_from=parser.start_marker)
+    choice.extend(list(range(len(generated))), [0.0] * len(generated), [0] * len(generated), [])
+    assert choice.safe_text() == ""  # held from the opening on while streaming
+    [call] = parser.parse(choice.text).tool_calls
+    assert (call.name, json.loads(call.arguments)) == expected
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_family_model("qwen2-tied", tmp_path_factory.mktemp("tied") / "model", seed=0)
+
+
+@pytest.fixture
+async def gateway_url(nats_url: str, run_id: str, tied_model_dir: Path) -> AsyncIterator[str]:
+    mesh = InProcessMesh(nats_url, run_id, tied_model_dir)
+    try:
+        await mesh.start(TagScheduler())
+        await mesh.start(WeightSync())
+        await mesh.start(EngineWorker(EngineSettings(engine_id="engine-f", max_batch_size=4)))
+        gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
+        await asyncio.wait_for(gateway.ready.wait(), 30)
+        yield f"http://127.0.0.1:{gateway.bound_port}"
+    finally:
+        await mesh.stop()
+
+
+async def turns(bus: Bus) -> list[TurnRecorded]:
+    s = bus.subjects
+    events = [
+        decode(m.data, TrajectoryEvent)
+        for m in await bus.read_all(s.stream_trajectory(), s.trajectory_events_all())
+    ]
+    return [e for e in events if isinstance(e, TurnRecorded)]
+
+
+def recomputed_logprobs(model: Any, turn: TurnRecorded) -> list[float]:
+    """The trainer's recomputation: one forward over prompt + completion at the turn's
+    temperature."""
+    with torch.no_grad():
+        logits = model(torch.tensor([turn.prompt_ids + turn.completion_ids])).logits[0].float()
+    logp = torch.log_softmax(logits / (turn.temperature or 1.0), dim=-1)
+    start = len(turn.prompt_ids) - 1
+    return [logp[start + j, t].item() for j, t in enumerate(turn.completion_ids)]
+
+
+async def test_forced_tool_calls_are_opened_in_the_prompt_and_trained_exactly(
+    gateway_url: str, bus: Bus, tied_model_dir: Path
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(tied_model_dir))
+    parser = QwenToolParser()
+    templated = tokenizer(
+        tokenizer.apply_chat_template(
+            MESSAGES, tools=TOOLS, tokenize=False, add_generation_prompt=True
+        ),
+        add_special_tokens=False,
+    )["input_ids"]
+    async with httpx.AsyncClient(base_url=gateway_url) as http:
+        session = (await http.post("/sessions", json={})).json()
+        client = AsyncOpenAI(
+            base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+        )
+        replies = []
+        for tool_choice, stream in ((NAMED, False), ("required", False), (NAMED, True)):
+            request: dict[str, Any] = {
+                "model": "policy",
+                "messages": MESSAGES,
+                "tools": TOOLS,
+                "tool_choice": tool_choice,
+                "max_tokens": 16,
+                "temperature": 0.9,
+                "seed": 5,
+            }
+            if not stream:
+                replies.append(await client.chat.completions.create(**request, logprobs=True))
+                continue
+            chunks = [c async for c in await client.chat.completions.create(**request, stream=True)]
+            replies.append(chunks)
+        recorded = await turns(bus)
+
+        # the agent sends its answer back (as it got it) and goes on: the next prompt
+        # continues the exact ids of the forced turn, opening included
+        message = replies[0].choices[0].message
+        history = [*MESSAGES, message.model_dump(exclude_none=True)]
+        if message.tool_calls:
+            history.append(
+                {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"}
+            )
+        else:
+            history.append({"role": "user", "content": "Go on."})
+        await client.chat.completions.create(
+            model="policy", messages=history, tools=TOOLS, max_tokens=4
+        )
+        await client.close()
+    model = AutoModelForCausalLM.from_pretrained(str(tied_model_dir), dtype=torch.float32)
+    assert len(recorded) == 3
+    for turn, tool_choice, reply in zip(recorded, (NAMED, "required", NAMED), replies, strict=True):
+        name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+        opening = parser.call_opening(name)
+        assert (
+            turn.prompt_ids == templated + tokenizer(opening, add_special_tokens=False)["input_ids"]
+        )
+        assert turn.completion_text.startswith(opening)  # what the agent's answer is made of
+        assert turn.logprobs == pytest.approx(recomputed_logprobs(model, turn), abs=1e-4)
+        parsed = parser.parse(turn.completion_text)
+        if isinstance(reply, list):  # streamed: nothing before the call is parsed
+            content = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+            calls = [
+                call.function.name
+                for c in reply
+                if c.choices
+                for call in c.choices[0].delta.tool_calls or []
+            ]
+        else:
+            got = reply.choices[0]
+            content, calls = (
+                got.message.content or "",
+                [call.function.name for call in got.message.tool_calls or []],
+            )
+            assert [t.logprob for t in got.logprobs.content] == pytest.approx(turn.logprobs)
+        # the answer is the parse of opening + samples: a call when the model closed it
+        assert calls == [c.name for c in parsed.tool_calls]
+        assert content == (parsed.content or "")
+        if name is not None and calls:
+            assert calls == [name] * len(calls)
+    [follow_up] = [t for t in await turns(bus) if t not in recorded]
+    first = recorded[0]
+    assert follow_up.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == (
+        first.prompt_ids + first.completion_ids
+    )
