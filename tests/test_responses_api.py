@@ -1,6 +1,7 @@
 """`/v1/responses` over real HTTP, NATS and engine worker: the Responses API as the
 `openai` client and the OpenAI Agents SDK use it, recorded like chat turns. The engine
-is `tool_script.ToolScriptEngine` (it calls tools when asked, so tool loops run)."""
+is `tool_script.ToolScriptEngine` (it calls tools when asked, so tool loops run), on a
+tied-embedding model's tokenizer and template."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pydantic import TypeAdapter
 from tool_script import scripted_reply, tool_script_gateway
 from transformers import AutoTokenizer
 
+from seamlessflow.assets.families import build_family_model
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
 from sf_gateway.config import GatewaySettings
@@ -48,11 +50,17 @@ CHAT_TOOLS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tied-embedding model (Qwen2.5-0.5B's shape, its ChatML template with tools)."""
+    return build_family_model("qwen2-tied", tmp_path_factory.mktemp("tied") / "model")
+
+
 @pytest.fixture
 async def gateway_url(
-    nats_url: str, run_id: str, base_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    nats_url: str, run_id: str, tied_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[str]:
-    async with tool_script_gateway(nats_url, run_id, base_model_dir, monkeypatch) as url:
+    async with tool_script_gateway(nats_url, run_id, tied_model_dir, monkeypatch) as url:
         yield url
 
 
@@ -84,7 +92,7 @@ def sse_events(raw: str) -> list[dict[str, Any]]:
 
 
 async def test_a_string_input_is_a_chat_turn_with_an_sdk_valid_response(
-    gateway_url: str, bus: Bus, base_model_dir: Path
+    gateway_url: str, bus: Bus, tied_model_dir: Path
 ) -> None:
     session = await new_session(gateway_url)
     body = {"model": "policy", "input": "Hello there", "instructions": "Be brief.",
@@ -98,7 +106,7 @@ async def test_a_string_input_is_a_chat_turn_with_an_sdk_valid_response(
     assert response.status == "completed" and response.metadata == {"k": "v"}
     assert response.output_text == "No tool needed."
     [turn] = await turns_of(bus, session["session_id"])
-    tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(tied_model_dir))
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hello there"},
@@ -112,7 +120,7 @@ async def test_a_string_input_is_a_chat_turn_with_an_sdk_valid_response(
 
 
 async def test_tool_calls_round_trip_as_items_and_continue_the_branch(
-    gateway_url: str, bus: Bus, base_model_dir: Path
+    gateway_url: str, bus: Bus, tied_model_dir: Path
 ) -> None:
     session = await new_session(gateway_url)
     client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
@@ -136,7 +144,7 @@ async def test_tool_calls_round_trip_as_items_and_continue_the_branch(
         *turns[0].prompt_ids,
         *turns[0].completion_ids,
     ]
-    tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(tied_model_dir))
     chat_history = [
         *question,
         {"role": "assistant", "content": "", "tool_calls": [
