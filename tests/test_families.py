@@ -14,6 +14,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from seamlessflow.assets.families import (
+    ADD_TOOL,
     FAMILIES,
     build_family_model,
     family_spec,
@@ -29,19 +30,7 @@ CHAT = [
     {"role": "user", "content": "Thanks!"},
     {"role": "assistant", "content": "You are welcome."},
 ]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two integers.",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            },
-        },
-    }
-]
+TOOLS = [ADD_TOOL]
 CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 7, "b": 12}}}
 TOOL_CHAT = [
     {"role": "user", "content": "What is 7 + 12?"},

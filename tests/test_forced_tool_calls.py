@@ -22,7 +22,7 @@ from conftest import InProcessMesh
 from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from seamlessflow.assets.families import build_family_model
+from seamlessflow.assets.families import ADD_TOOL, build_family_model
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
 from sf_gateway.choice import Choice
@@ -34,17 +34,7 @@ from sf_tag_scheduler.service import TagScheduler
 from sf_weight_sync.service import WeightSync
 
 TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two integers.",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            },
-        },
-    },
+    ADD_TOOL,
     {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}},
 ]
 MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3?"}]

@@ -22,7 +22,7 @@ from conftest import InProcessMesh, session_auth
 from openai import AsyncOpenAI
 from scripted_replies import scripted_engine
 
-from seamlessflow.assets.families import build_family_model
+from seamlessflow.assets.families import ADD_TOOL, build_family_model
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
 from sf_gateway.config import EngineSettings, GatewaySettings
 from sf_gateway.engine_worker import EngineWorker
@@ -33,19 +33,7 @@ from sf_tag_scheduler.service import TagScheduler
 from sf_trajectory.service import TrajectoryService
 from sf_weight_sync.service import WeightSync
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two integers.",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            },
-        },
-    }
-]
+TOOLS = [ADD_TOOL]
 
 # ------------------------------------------------------------------ parsers alone
 

@@ -301,19 +301,20 @@ def _render(spec: FamilySpec, messages: list[dict[str, Any]], tools: Any = None)
     return rendered[0]
 
 
-_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "Add two integers.",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            },
+ADD_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
         },
-    }
-]
+    },
+}
+"""A function tool in OpenAI's shape: in each family's tokenizer text, and what tests
+offer agents."""
+_TOOLS = [ADD_TOOL]
 
 
 def _corpus(spec: FamilySpec) -> list[str]:
