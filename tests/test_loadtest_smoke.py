@@ -47,10 +47,13 @@ def test_the_gateway_load_test_runs_and_writes_its_figures(
         assert {"p50", "p99"} <= level["latency_ms"].keys()
         assert level["latency_ms"]["p50"] > 0
         assert level["direct"]["requests_per_s"] > 0
-        assert level["direct"]["requests"] == level["chat_requests"]
+        # the direct phase replays the gateway's requests within the same --duration:
+        # all of them on an idle machine, fewer when the CPU is shared (never more)
+        direct = level["direct"]["requests"]
+        assert 0 < direct <= level["chat_requests"]
         if backend == "scripted":  # (a model's batch mates may flip a near-tie token)
             # same prompt, seed and budget straight to the engine: the same tokens
-            assert level["direct"]["same_tokens_as_gateway"] == level["chat_requests"]
+            assert level["direct"]["same_tokens_as_gateway"] == direct
         assert {"p50", "p99"} <= level["gateway_added_ms"].keys()
         assert level["verified"] is True and level["mismatches"] == []
         assert level["errors"] == 0
