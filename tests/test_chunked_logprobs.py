@@ -256,6 +256,61 @@ def test_the_chunked_path_keeps_a_fraction_of_the_whole_logits_bytes_for_backwar
     assert chunked < whole / 4
 
 
+@pytest.mark.parametrize("chunk", [0, 3, 1024], ids=["whole", "chunks", "one-chunk"])
+def test_only_the_needed_positions_go_through_the_head(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``needed``, the head projects the needed rows only; their logprobs and the
+    gradients are the all-positions ones (float64: only summation order differs), the
+    other positions are 0. No needed position at all computes every position, so the
+    loss still reaches every parameter (a padding pass)."""
+    import sf_trainer.grpo
+
+    model = tiny_model(tied=False).double()
+    ids = torch.randint(0, 512, (3, 10), generator=torch.Generator().manual_seed(2))
+    needed = torch.zeros(3, 9, dtype=torch.bool)
+    needed[0, 6:] = needed[1, 4:7] = needed[2, 8] = True
+    temperatures = torch.full((3, 9), 0.7, dtype=torch.float64)
+    projected: list[int] = []
+    chunk_logprobs = sf_trainer.grpo._chunk_logprobs
+
+    def counting(hidden: torch.Tensor, *rest: object) -> torch.Tensor:
+        projected.append(hidden.shape[0])
+        return chunk_logprobs(hidden, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sf_trainer.grpo, "_chunk_logprobs", counting)
+
+    def run(mask: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """(logprobs, gradients, rows the forward projected through the head)"""
+        model.zero_grad(set_to_none=True)
+        projected.clear()
+        logprobs = target_logprobs(
+            model, ids, torch.ones_like(ids), ids[:, 1:], temperatures, chunk,
+            contextlib.nullcontext, needed=mask,
+        )  # fmt: skip
+        rows = sum(projected)  # before the backward's recomputation of checkpointed chunks
+        (logprobs * needed).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return logprobs.detach(), grads, rows
+
+    every, every_grads, _ = run(None)
+    picked, picked_grads, rows = run(needed)
+    if chunk:
+        assert rows == int(needed.sum())  # the head saw the needed rows only
+    assert torch.equal(picked[~needed], torch.zeros(int((~needed).sum()), dtype=torch.float64))
+    gap = (picked[needed] - every[needed]).abs().max()
+    assert gap <= FLOAT64_REORDERING * every[needed].abs().max()
+    assert picked_grads.keys() == every_grads.keys()
+    for name, expected in every_grads.items():
+        gap = (picked_grads[name] - expected).abs().max()
+        assert gap <= FLOAT64_REORDERING * expected.abs().max(), name
+    padding, padding_grads, rows = run(torch.zeros_like(needed))
+    if chunk:
+        assert rows == needed.numel()
+    assert torch.equal(padding, every)
+    assert len(padding_grads) == len(list(model.parameters()))
+
+
 def test_a_head_with_a_softcap_is_refused_and_falls_back_to_whole_logits() -> None:
     assert chunked_head_refusal(tiny_model(tied=False)) is None
     config = Gemma2Config(

@@ -139,11 +139,12 @@ class TrainerSettings(BaseSettings):
 
     logprob_chunk_tokens: int = Field(default=1024, ge=0)
     """Tokens whose logits exist at once when the trainer takes logprobs (policy and
-    reference): the final hidden states go through the output embedding and the
-    log-softmax this many tokens at a time, and the backward recomputes each chunk's
-    logits, so memory grows with chunk x vocabulary instead of micro-batch x vocabulary
-    (``sf_trainer.logprobs``). 0 = whole logits. Models whose head is more than the
-    output embedding (e.g. a final logit soft-cap) always use whole logits."""
+    reference): the final hidden states of the trained tokens go through the output
+    embedding and the log-softmax this many tokens at a time, and with more than one
+    chunk the backward recomputes each chunk's logits, so memory grows with chunk x
+    vocabulary instead of micro-batch x vocabulary (``sf_trainer.logprobs``). 0 = whole
+    logits. Models whose head is more than the output embedding (e.g. a final logit
+    soft-cap) always use whole logits."""
 
     checkpoint_every: int = 0
     """Also checkpoint every N steps (0 = only at the end and on stop). A resume loses

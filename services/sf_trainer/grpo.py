@@ -43,7 +43,9 @@ def chunked_token_logprobs(
     projected, scaled and log-softmaxed on its own, and under autograd the chunk is
     checkpointed: the forward keeps only its inputs (views of ``hidden`` and the shared
     weight) and the backward recomputes the chunk's logits, so forward and backward both
-    peak at O(chunk x V) instead of O(tokens x V). Each logprob is the same row
+    peak at O(chunk x V) instead of O(tokens x V). A single chunk (at most
+    ``chunk_tokens`` rows) is not checkpointed: it keeps its own outputs for the
+    backward, O(chunk x V) too, and saves the recomputation. Each logprob is the same row
     computation as the whole-logits one; only the gradient's sum over tokens is taken
     chunk by chunk (another float summation order).
     """
@@ -55,7 +57,13 @@ def chunked_token_logprobs(
     flat_temperature: float | torch.Tensor = (
         temperature.reshape(-1) if isinstance(temperature, torch.Tensor) else temperature
     )
-    recompute = torch.is_grad_enabled() and (rows.requires_grad or head_weight.requires_grad)
+    # One chunk is not checkpointed: its saved tensors are one chunk's, which is the bound
+    # the checkpointing keeps, and the backward need not recompute its logits.
+    recompute = (
+        torch.is_grad_enabled()
+        and (rows.requires_grad or head_weight.requires_grad)
+        and rows.shape[0] > chunk_tokens
+    )
     pieces = []
     for start in range(0, rows.shape[0], chunk_tokens):
         end = start + chunk_tokens

@@ -62,17 +62,34 @@ def target_logprobs(
     temperatures: float | torch.Tensor,
     chunk_tokens: int,
     precision: Callable[[], AbstractContextManager[object]],
+    needed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """log p(targets[:, t]) at position t (``targets`` = ``input_ids[:, 1:]``), each at
     its temperature, float32 (at least). ``chunk_tokens`` > 0 and a plain head: chunk
     by chunk from the final hidden states; else from the whole logits. ``precision``:
     makes the context the forward and the head's projection run in
-    (``sf_trainer.distributed.forward_precision``)."""
+    (``sf_trainer.distributed.forward_precision``).
+
+    ``needed`` (bool, shaped like ``targets``): the positions whose logprobs are used
+    (the trained ones); only they go through the head and the log-softmax, the others
+    are 0. In RL batches most positions are prompt, so this skips most of the head's
+    work. Each needed logprob is the same row computation as without ``needed``. No
+    needed position at all (a padding pass) computes every position, so the loss still
+    depends on every parameter (every rank's backward reduces every gradient)."""
+    selected: torch.Tensor | None = None
+    if needed is not None:
+        selected = needed.reshape(-1).nonzero().squeeze(-1)
+        if selected.numel() == 0:
+            selected = None
     if chunk_tokens <= 0 or chunked_head_refusal(model) is not None:
         with precision():
             logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         # float32 from here (token_logprobs upcasts): bf16 logits, float32 log-softmax
-        return token_logprobs(logits[:, :-1], targets, temperatures)
+        if selected is None:
+            return token_logprobs(logits[:, :-1], targets, temperatures)
+        rows = logits[:, :-1].reshape(-1, logits.shape[-1])[selected]
+        picked = token_logprobs(rows, targets.reshape(-1)[selected], _pick(temperatures, selected))
+        return _scatter(picked, selected, targets.shape)
     captured: list[torch.Tensor] = []
 
     def keep_hidden(_module: torch.nn.Module, _args: Any, output: Any) -> None:
@@ -93,6 +110,28 @@ def target_logprobs(
     (hidden,) = captured
     head_weight = model.get_output_embeddings().weight  # type: ignore[operator]
     with precision():
-        return chunked_token_logprobs(
-            hidden[:, :-1], head_weight, targets, temperatures, chunk_tokens
+        if selected is None:
+            return chunked_token_logprobs(
+                hidden[:, :-1], head_weight, targets, temperatures, chunk_tokens
+            )
+        rows = hidden[:, :-1].reshape(-1, hidden.shape[-1])[selected]
+        picked = chunked_token_logprobs(
+            rows,
+            head_weight,
+            targets.reshape(-1)[selected],
+            _pick(temperatures, selected),
+            chunk_tokens,
         )
+    return _scatter(picked, selected, targets.shape)
+
+
+def _pick(temperatures: float | torch.Tensor, selected: torch.Tensor) -> float | torch.Tensor:
+    if isinstance(temperatures, torch.Tensor):
+        return temperatures.reshape(-1)[selected]
+    return temperatures
+
+
+def _scatter(picked: torch.Tensor, selected: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``picked`` at the flat positions ``selected`` of a zero tensor shaped ``shape``."""
+    whole = picked.new_zeros(shape.numel())
+    return whole.index_put((selected,), picked).reshape(shape)

@@ -255,7 +255,8 @@ def _logprobs(
     model: torch.nn.Module, packed: PackedSamples, settings: TrainerSettings, group: TrainGroup
 ) -> torch.Tensor:
     """The targets' logprobs, float32, chunked by ``logprob_chunk_tokens``
-    (``sf_trainer.logprobs``), the forward in the step's precision."""
+    (``sf_trainer.logprobs``), the forward in the step's precision; only the trained
+    positions' (the loss mask's), 0 elsewhere: every loss and metric masks the rest."""
     return target_logprobs(
         model,
         packed.input_ids,
@@ -264,4 +265,5 @@ def _logprobs(
         packed.temperatures,
         settings.logprob_chunk_tokens,
         lambda: forward_precision(settings.precision == "bf16-mixed", group),
+        needed=packed.loss_mask > 0,
     )
