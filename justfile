@@ -55,9 +55,10 @@ bench STEPS="60":
     {{bin}}/seamlessflow simulate
 
 # SeamlessFlow against TRL's GRPOTrainer (same model, task, group size, steps; one run
-# after the other), then the ratios against the committed baseline (exit 1 on a drop)
-peer STEPS="300":
-    {{bin}}/python loadtests/peer_compare.py --steps {{STEPS}}
+# after the other; TRL on every core), then the ratios against the committed baseline
+# (exit 1 on a drop). SWEEP="1,2" also runs TRL on 1 and on 2 torch threads and reports each
+peer STEPS="300" SWEEP="":
+    {{bin}}/python loadtests/peer_compare.py --steps {{STEPS}} {{ if SWEEP != "" { "--trl-threads-sweep " + SWEEP } else { "" } }}
     {{bin}}/python loadtests/regression.py runs/load/peer_compare.json
 
 # the same with rewards from a judge service (peer_judge.py: 1 s median latency, long

@@ -7,8 +7,12 @@ turn (never both at once: the machine has two cores) and compares what a user se
   ``disaggregated``): NATS, every service as its own process, 64 concurrent agent
   sessions through the OpenAI-compatible gateway, one engine worker, the trainer.
 - ``trl``: ``trl.GRPOTrainer`` in this process on the CPU, generating with its built-in
-  transformers ``generate`` (no vLLM), torch limited to ``--trl-threads`` threads (the
-  trainer's own budget, ``SF_TRAINER_TORCH_THREADS``, is 1 in disaggregated mode).
+  transformers ``generate`` (no vLLM), on ``--trl-threads`` torch threads: by default
+  every core this process may use, as a TRL user would run it (our side's processes
+  share the same cores). ``--trl-threads-sweep 1,2`` also runs TRL at each of those
+  thread counts, one after the other, and reports each against the same SeamlessFlow
+  run (``trl_sweep``); the headline comparison (``trl``, ``ratios``: what
+  ``regression.py`` checks) stays the one at ``--trl-threads``.
 
 What is the same on both sides: the model directory (weights, tokenizer, chat template;
 TRL's prompt ids are checked against the gateway's at the start), the prompts in the
@@ -89,6 +93,17 @@ DEFAULT_OUT = Path("runs/load/peer_compare.json")
 RATE_FIGURES = tuple(name for name in PEER_RATIOS if name not in TIME_RATIOS)
 
 
+def thread_counts(text: str) -> list[int]:
+    """``--trl-threads-sweep``: distinct positive integers, comma-separated, in order."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
+    if min(counts) < 1 or len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"thread counts must be distinct and >= 1: {text!r}")
+    return counts
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="SeamlessFlow vs TRL GRPOTrainer: same model, task and steps, one run."
@@ -102,8 +117,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate (constant)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--trl-threads", type=int, default=1,
-        help="torch threads of the TRL process (default 1: our trainer's budget)",
+        "--trl-threads", type=int, default=len(os.sched_getaffinity(0)),
+        help="torch threads of the TRL process (default: every core this process may use, "
+        "%(default)s here)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trl-threads-sweep", type=thread_counts, default=None, metavar="N,N,...",
+        help="also run TRL at each of these torch thread counts and report each against "
+        "the same SeamlessFlow run (e.g. 1,2); the headline stays at --trl-threads",
     )  # fmt: skip
     parser.add_argument(
         "--target-gain", type=float, default=0.2,
@@ -144,6 +165,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.steps, args.groups_per_batch, args.max_tokens, args.trl_threads) < 1:
         parser.error("--steps, --groups-per-batch, --max-tokens and --trl-threads must be >= 1")
+    if args.trl_threads_sweep is None:
+        args.trl_threads_sweep = [args.trl_threads]
     if args.group_size < 2:
         parser.error("--group-size must be at least 2 (GRPO needs a group)")
     if args.window < 1 or args.base_samples < 1:
@@ -354,7 +377,7 @@ def run_seamlessflow(
 
 
 def run_trl(
-    args: argparse.Namespace, model_dir: Path, items: list[Any], judged: bool
+    args: argparse.Namespace, model_dir: Path, items: list[Any], judged: bool, threads: int
 ) -> tuple[list[Step], float, float, dict[str, Any]]:
     # Imports stay outside the clock (our side's are inside: its processes start in it).
     import warnings
@@ -373,7 +396,7 @@ def run_trl(
 
     from seamlessflow.rewards import integer_match
 
-    torch.set_num_threads(args.trl_threads)
+    torch.set_num_threads(threads)
     started = time.time()
 
     calls: list[tuple[float, int, int]] = []  # (mean reward, samples, tokens) per batch
@@ -466,7 +489,7 @@ def run_trl(
     generate = [s - e for s, e in zip(scored[1:], ends, strict=False)]
     train = [e - s for s, e in zip(scored[1:], ends[1:], strict=True)]
     extra = {
-        "torch_threads": args.trl_threads,
+        "torch_threads": threads,
         "loss_type": "dapo",
         "reward": "judge service (async, whole batch at once)" if judged else "in process",
         "mean_generate_s": sum(generate) / len(generate) if generate else None,
@@ -579,6 +602,17 @@ def print_table(report: dict[str, Any]) -> None:
                   f"{judge['max_s']:.3f} s")  # fmt: skip
     print(f"1-min load average before / after: SeamlessFlow {ours['loadavg_1m']}, "
           f"TRL {theirs['loadavg_1m']}")  # fmt: skip
+    print(f"\nTRL by torch threads (the headline above: {settings['trl_threads']} threads)")
+    header = (f"{'threads':>7} {'steps/s':>8} {'steady':>8} {'to target (s)':>14} "
+              f"{'SF/TRL steps/s':>15} {'steady':>7} {'to target':>10}")  # fmt: skip
+    print(header)
+    print("-" * len(header))
+    for entry in report["trl_sweep"]:
+        r = entry["ratios"]
+        print(f"{entry['torch_threads']:>7} {fmt(entry['steps_per_s'], 3):>8} "
+              f"{fmt(entry['steady_steps_per_s'], 3):>8} {fmt(entry['time_to_target_s']):>14} "
+              f"{fmt(r['steps_per_s'], 2):>15} {fmt(r['steady_steps_per_s'], 2):>7} "
+              f"{fmt(r['time_to_target_s'], 2):>10}")  # fmt: skip
 
 
 def compare(
@@ -601,6 +635,7 @@ def compare(
             "seed": args.seed,
             "temperature": 1.0,
             "trl_threads": args.trl_threads,
+            "trl_threads_sweep": args.trl_threads_sweep,
             "target_gain": args.target_gain,
             "window": args.window,
             "model_dir": str(model_dir),
@@ -617,7 +652,7 @@ def compare(
     target = report["base_reward"] + args.target_gain
     report["reward_target"] = target
 
-    for side in ("seamlessflow", "trl"):
+    def measured(side: str, threads: int) -> dict[str, Any]:
         if judge_url:
             peer_judge.reset(judge_url)  # the same latency sequence for each side
         load = loadavg()
@@ -625,14 +660,52 @@ def compare(
             print(f"SeamlessFlow: {args.steps} steps (embedded run, disaggregated) ...", flush=True)
             steps, started, finished, extra = run_seamlessflow(args, model_dir, task)
         else:
-            print(f"TRL GRPOTrainer {trl_version}: {args.steps} steps ...", flush=True)
-            steps, started, finished, extra = run_trl(args, model_dir, items, bool(judge_url))
-        report[side] = side_figures(steps, started, finished, target, args.window) | extra
-        report[side]["loadavg_1m"] = [load, loadavg()]
+            print(f"TRL GRPOTrainer {trl_version}: {args.steps} steps on {threads} torch "
+                  "threads ...", flush=True)  # fmt: skip
+            run = run_trl(args, model_dir, items, bool(judge_url), threads)
+            steps, started, finished, extra = run
+        figures = side_figures(steps, started, finished, target, args.window) | extra
+        figures["loadavg_1m"] = [load, loadavg()]
         if judge_url:
-            report[side]["judge"] = peer_judge.stats(judge_url)
+            figures["judge"] = peer_judge.stats(judge_url)
+        return figures
+
+    report["seamlessflow"] = measured("seamlessflow", 0)
+    # TRL at each thread count once: the headline's count first, the sweep's in its order
+    by_threads: dict[int, dict[str, Any]] = {}
+    for threads in dict.fromkeys([args.trl_threads, *args.trl_threads_sweep]):
+        by_threads[threads] = measured("trl", threads)
+    report["trl"] = by_threads[args.trl_threads]
     report["ratios"] = ratios(report["seamlessflow"], report["trl"])
+    report["trl_sweep"] = [
+        sweep_entry(by_threads[threads], report["seamlessflow"])
+        for threads in args.trl_threads_sweep
+    ]
     return report
+
+
+SWEEP_FIGURES = (
+    "steps_per_s",
+    "steady_steps_per_s",
+    "generated_tokens_per_s",
+    "time_to_target_s",
+    "target_step",
+    "train_wall_s",
+    "reward_last",
+    "mean_generate_s",
+    "mean_train_s",
+    "loadavg_1m",
+)
+"""What ``trl_sweep`` keeps of each TRL run (the headline's ``trl`` has every figure)."""
+
+
+def sweep_entry(theirs: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
+    """One TRL thread count of the sweep: its figures and SF / TRL ratios against them."""
+    return (
+        {"torch_threads": theirs["torch_threads"]}
+        | {name: theirs[name] for name in SWEEP_FIGURES}
+        | {"ratios": ratios(ours, theirs)}
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ import pytest
 
 LOADTESTS = Path(__file__).resolve().parents[1] / "loadtests"
 STEPS, GROUP_SIZE, GROUPS_PER_BATCH = 3, 4, 2
+SWEEP = (1,)
+"""TRL's thread counts swept besides the headline's (every core by default)."""
 
 
 def load_script(name: str) -> ModuleType:
@@ -45,6 +48,7 @@ def peer_result(base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     command += ["--group-size", str(GROUP_SIZE), "--groups-per-batch", str(GROUPS_PER_BATCH)]
     command += ["--window", "2", "--base-samples", "4", "--model-dir", str(base_model_dir)]
     command += ["--runs-dir", str(tmp / "runs"), "--out", str(out)]
+    command += ["--trl-threads-sweep", ",".join(map(str, SWEEP))]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SF/TRL" in result.stdout
@@ -78,7 +82,10 @@ def test_the_trl_comparison_runs_both_sides_and_writes_figures_and_ratios(
         assert side["time_to_target_s"] is None or side["target_step"] >= 2  # window 2
     assert peer_result["seamlessflow"]["mode"] == "disaggregated"
     assert Path(peer_result["seamlessflow"]["run_dir"], "metrics.jsonl").exists()
-    assert peer_result["trl"]["torch_threads"] == 1
+    # TRL gets every core the process may use unless told otherwise (the child inherits
+    # this process's affinity)
+    cores = len(os.sched_getaffinity(0))
+    assert peer_result["settings"]["trl_threads"] == peer_result["trl"]["torch_threads"] == cores
 
     ratios = peer_result["ratios"]
     ours, theirs = peer_result["seamlessflow"], peer_result["trl"]
@@ -89,6 +96,24 @@ def test_the_trl_comparison_runs_both_sides_and_writes_figures_and_ratios(
         assert ratios["time_to_target_s"] == pytest.approx(expected)
     else:
         assert ratios["time_to_target_s"] is None
+
+
+def test_the_thread_sweep_reports_each_count_against_the_same_seamlessflow_run(
+    peer_result: dict[str, Any],
+) -> None:
+    sweep = peer_result["trl_sweep"]
+    assert peer_result["settings"]["trl_threads_sweep"] == list(SWEEP)
+    assert [entry["torch_threads"] for entry in sweep] == list(SWEEP)
+    ours = peer_result["seamlessflow"]
+    for entry in sweep:
+        assert entry["steps_per_s"] > 0 and entry["train_wall_s"] > 0
+        assert entry["ratios"]["steps_per_s"] == pytest.approx(
+            ours["steps_per_s"] / entry["steps_per_s"]
+        )
+        if entry["torch_threads"] == peer_result["trl"]["torch_threads"]:
+            # the headline's run is reused, not repeated
+            assert entry["steps_per_s"] == peer_result["trl"]["steps_per_s"]
+            assert entry["ratios"] == peer_result["ratios"]
 
 
 def test_the_regression_check_passes_within_the_tolerance_and_fails_beyond_it(
