@@ -22,6 +22,7 @@ from test_trainer_distributed import (
 )
 from transformers import AutoModelForCausalLM, Gemma2Config, PreTrainedModel, Qwen2Config
 
+from seamlessflow.assets.loading import causal_lm_from_config
 from seamlessflow.protocol import TrainBatch
 from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
@@ -149,7 +150,7 @@ def tiny_model(tied: bool, vocab: int = 512, seed: int = 7) -> PreTrainedModel:
         pad_token_id=0,
     )
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config)
+    return causal_lm_from_config(config, torch.float32)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])

@@ -56,6 +56,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from seamlessflow.assets.families import FAMILIES, build_family_model
+from seamlessflow.assets.loading import causal_lm_from_config
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import WeightManifest
 from seamlessflow.weights import (
@@ -199,7 +200,7 @@ def _trainer_state(model: PreTrainedModel, variant: str) -> dict[str, torch.Tens
 def _reference(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> PreTrainedModel:
     """A transformers model at exactly `state` (fp32 compute); a tied matrix from
     whichever of its names `state` has."""
-    reference: PreTrainedModel = AutoModelForCausalLM.from_config(model.config)
+    reference: PreTrainedModel = causal_lm_from_config(model.config, torch.float32)
     full = dict(state)
     for alias, name in tied_aliases(model.state_dict(keep_vars=True)).items():
         if name not in full:

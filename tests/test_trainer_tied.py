@@ -21,6 +21,7 @@ from test_trainer_distributed import (
 )
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from seamlessflow.assets.loading import causal_lm_from_config
 from sf_trainer.checkpoint import TrainerState, load_model_state, load_optimizer_state, read_state
 from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
@@ -50,7 +51,7 @@ def tied_model_dir(base_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
         pad_token_id=0,
     )
     torch.manual_seed(11)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    causal_lm_from_config(config, torch.float32).save_pretrained(out)
     return out
 
 

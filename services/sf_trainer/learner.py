@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 import torch
-from transformers import AutoModelForCausalLM
 
+from seamlessflow.assets.loading import load_causal_lm
 from seamlessflow.assets.model_check import ModelNeeds, check_model
 from seamlessflow.protocol import TrainBatch
 from seamlessflow.weights.tied import tied_aliases, with_aliases, without_aliases
@@ -87,7 +87,7 @@ class Learner:
         check_model(model_dir, ModelNeeds(chat=False))
         # float32 master weights in every precision: bf16 is only what forward and
         # backward compute in (sf_trainer.distributed.forward_precision, TrainGroup.shard)
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model = load_causal_lm(model_dir, torch.float32)
         model.train()
         refusal = chunked_head_refusal(model)
         if settings.logprob_chunk_tokens and refusal is not None:
@@ -237,7 +237,7 @@ def load_reference(model_dir: Path, group: TrainGroup, bf16_mixed: bool = False)
     """The base model as the KL term's reference: frozen (no grad, never in a checkpoint
     or an optimizer), in eval mode, sharded like the policy, in its precision (its
     forward all-gathers on every rank, in the same passes as the policy's)."""
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = load_causal_lm(model_dir, torch.float32)
     model.eval()
     model.requires_grad_(False)
     return group.shard(model, bf16_mixed=bf16_mixed)

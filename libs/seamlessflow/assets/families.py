@@ -469,7 +469,9 @@ def build_family_model(family: str, out_dir: Path, *, seed: int = 0) -> Path:
     """Write a tiny random-init model of `family` (one of FAMILIES) with its tokenizer and
     chat template to `out_dir` (overwriting); returns `out_dir`."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
+
+    from seamlessflow.assets.loading import causal_lm_from_config
 
     spec = family_spec(family)
     tokenizer = build_tokenizer(spec)
@@ -478,7 +480,7 @@ def build_family_model(family: str, out_dir: Path, *, seed: int = 0) -> Path:
     torch.set_num_threads(1)  # bit-for-bit the same weights on every machine
     try:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = causal_lm_from_config(config, torch.float32)
     finally:
         torch.set_num_threads(threads)
     stop_ids = [int(tokenizer.convert_tokens_to_ids(t)) for t in spec.stop_tokens]  # type: ignore[arg-type]

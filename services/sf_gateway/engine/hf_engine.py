@@ -33,9 +33,10 @@ from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from seamlessflow.assets.loading import load_causal_lm
 from seamlessflow.weights.tied import tied_aliases
 
 from .base import (
@@ -321,8 +322,7 @@ class TransformersEngine(BatchingEngine[_Request]):
 
 
 def _load_pretrained(path: Path, dtype: torch.dtype) -> PreTrainedModel:
-    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model
+    return load_causal_lm(path, dtype)
 
 
 def _kv_layers(cache: DynamicCache) -> list[DynamicLayer]:
