@@ -312,6 +312,10 @@ class GenerateRequest(Message, tag="engine.generate"):
     stream_subject: str = ""
     """If set, the engine also publishes GenerateChunk messages here as tokens appear;
     the final GenerateReply still carries every token."""
+    chunk_every_s: float = 0.0
+    """Token chunks at most this often (0: one per decode step; chunk 0, which names
+    the engine, is always sent at once). A caller that does not stream the answer
+    needs the tokens so far only to re-route a dead engine's request: fewer messages."""
 
 
 GREEDY_BELOW = 1e-5

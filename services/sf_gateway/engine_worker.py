@@ -68,6 +68,7 @@ from seamlessflow.weights.group import PushListener, join_as_engine
 from seamlessflow.weights.settings import WeightTransferSettings, payload_stores
 from sf_gateway.config import EngineSettings
 from sf_gateway.engine import (
+    GeneratedToken,
     GenerationResult,
     InferenceEngine,
     SamplingParams,
@@ -351,8 +352,8 @@ class EngineWorker:
         """Generate to the end; with ``stream_subject``, publish the tokens as they come.
 
         Chunk 0 carries no tokens and names this engine; then one chunk per decode step
-        (every token that arrived since the last chunk). Chunks are fire-and-forget: the
-        reply is authoritative.
+        (every token that arrived since the last chunk), or at most one per
+        ``chunk_every_s``. Chunks are fire-and-forget: the reply is authoritative.
         Leaving early (cancelled, e.g. on drain) aborts the engine request.
         """
         try:
@@ -375,20 +376,28 @@ class EngineWorker:
                     ),
                 )
                 index = 1
+                clock = asyncio.get_running_loop().time
+                sent_at = clock()
+                held: list[GeneratedToken] = []  # tokens not sent yet (the reply carries them all)
                 async for batch in stream.batches():
+                    held.extend(batch)
+                    if request.chunk_every_s > 0 and clock() - sent_at < request.chunk_every_s:
+                        continue
                     chunk = GenerateChunk(
                         request_id=request.request_id,
                         index=index,
-                        token_ids=[t.token_id for t in batch],
-                        logprobs=[t.logprob for t in batch],
-                        versions=[t.version for t in batch],
-                        top_logprobs=[_top_logprobs(t.top_logprobs) for t in batch]
+                        token_ids=[t.token_id for t in held],
+                        logprobs=[t.logprob for t in held],
+                        versions=[t.version for t in held],
+                        top_logprobs=[_top_logprobs(t.top_logprobs) for t in held]
                         if params.top_logprobs
                         else [],
                         engine_id=self.engine_id,
                     )
                     await self.ctx.bus.publish(request.stream_subject, chunk)
                     index += 1
+                    held = []
+                    sent_at = clock()
             return await stream.result()
 
     async def on_abort(self, message: AbortGeneration) -> None:

@@ -125,6 +125,12 @@ tracer = telemetry.tracer(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
+PROGRESS_CHUNK_S = 0.05
+"""How often an engine sends the tokens so far of an answer that is not streamed and
+has no stop strings (``GenerateRequest.chunk_every_s``): they serve only to re-route a
+dead engine's request, which then regenerates at most this much decoding. One chunk
+per decode step would be a NATS message per token to publish, route and decode."""
+
 
 @dataclass
 class GatewaySession:
@@ -168,6 +174,12 @@ class Gateway:
         )
         self._turns: set[asyncio.Task[None]] = set()
         self._operator_keys = [key_digest(k) for k in settings.operator_keys()]
+        self._chunk_prefix = ""
+        """``<inbox>`` of the one subscription (``<inbox>.*``) every engine call's chunks
+        arrive on; a call's ``stream_subject`` is ``<inbox>.<request id>``."""
+        self._chunk_subscribing = asyncio.Lock()
+        self._followers: dict[str, ChunkFollower] = {}
+        """Request id -> the engine call its chunks feed (only while the call runs)."""
 
     def _session(self, opened: SessionOpened) -> GatewaySession:
         reasoning = self.reasoning_parser
@@ -746,8 +758,9 @@ class Gateway:
         plan = turn.plan
         engine_wait_deadline = time.monotonic() + self.settings.engine_wait_s
         while True:
+            request_id = uuid.uuid4().hex
             request = GenerateRequest(
-                request_id=uuid.uuid4().hex,
+                request_id=request_id,
                 session_id=turn.session.opened.session_id,
                 prompt_ids=plan.prompt_ids + choice.token_ids,
                 max_tokens=plan.max_tokens - len(choice.token_ids),
@@ -760,7 +773,8 @@ class Gateway:
                 top_logprobs=plan.top_logprobs,
                 # Always streamed from the engine: chunks say which engine holds the request
                 # and carry its tokens so far, so a dead engine's requests can be re-routed.
-                stream_subject=self.bus.nc.new_inbox(),
+                stream_subject=f"{await self._chunk_inbox()}.{request_id}",
+                chunk_every_s=0.0 if plan.engine_stream else PROGRESS_CHUNK_S,
             )
             try:
                 reply = await self._call_engine(request, plan.policy, choice, turn.on_update)
@@ -814,15 +828,7 @@ class Gateway:
         on_update: Callable[[], None],
     ) -> GenerateReply:
         """One request to an engine of ``policy``; its tokens go into ``choice`` as chunks
-        arrive (if the request streams) and from the reply, which is authoritative."""
-        chunks: asyncio.Queue[bytes] = asyncio.Queue()
-        subscription = None
-        if request.stream_subject:  # subscribed before asking: no chunk is missed
-
-            async def on_chunk(msg: Msg) -> None:
-                chunks.put_nowait(msg.data)
-
-            subscription = await self.bus.nc.subscribe(request.stream_subject, cb=on_chunk)
+        arrive (``on_chunk``) and from the reply, which is authoritative."""
         reply_task = asyncio.ensure_future(
             self.bus.request(
                 self.bus.subjects.for_policy(policy).engine_generate(),
@@ -831,12 +837,23 @@ class Gateway:
                 timeout=self.settings.generate_timeout_s,
             )
         )
+        follower = ChunkFollower(request.request_id, choice, on_update, reply_task)
+        # registered before the request is sent (the task has not run yet): no chunk is missed
+        self._followers[request.request_id] = follower
         # until its first chunk names the engine, a request could be on any engine
         self._engine_calls.setdefault(UNASSIGNED, {})[request.request_id] = reply_task
         try:
-            seen = 0
-            if subscription is not None:
-                seen = await self._follow_chunks(request, chunks, reply_task, choice, on_update)
+            # An engine names itself in chunk 0 as soon as it takes the request; without
+            # it the request may be lost (an engine died or left the queue on receipt),
+            # so after ``first_chunk_timeout_s`` it is aborted and re-submitted.
+            await asyncio.wait(
+                {follower.named, reply_task},
+                timeout=self.settings.first_chunk_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if not follower.named.done() and not reply_task.done():
+                await self._abort(request.request_id, "no engine confirmed the request")
+                raise EngineLost("")
             reply: GenerateReply = await reply_task
         except asyncio.CancelledError:
             lost_engine = self._lost.pop(request.request_id, None)
@@ -846,55 +863,56 @@ class Gateway:
             await self._abort(request.request_id, "client disconnected")
             raise
         finally:
+            # no await from here to the reply's tokens: a later chunk is not followed
+            self._followers.pop(request.request_id, None)
+            follower.named.cancel()
             reply_task.cancel()
             self._forget_call(request.request_id)
             self._lost.pop(request.request_id, None)  # a death reported after the reply
-            if subscription is not None:
-                await subscription.unsubscribe()
+        seen = follower.seen
         tops = reply.top_logprobs[seen:] if reply.top_logprobs else []
         choice.extend(reply.token_ids[seen:], reply.logprobs[seen:], reply.versions[seen:], tops)
         on_update()
         return reply
 
-    async def _follow_chunks(
-        self,
-        request: GenerateRequest,
-        chunks: asyncio.Queue[bytes],
-        reply_task: asyncio.Future[Any],
-        choice: Choice,
-        on_update: Callable[[], None],
-    ) -> int:
-        """Feed chunks into ``choice`` until the reply is in; returns how many of the
-        reply's tokens they delivered. A missing chunk ends following (the reply fills in)."""
-        seen = index = 0
-        while True:
-            getter = asyncio.ensure_future(chunks.get())
-            # An engine names itself in chunk 0 as soon as it takes the request; without
-            # it the request may be lost (an engine died or left the queue on receipt),
-            # so after ``first_chunk_timeout_s`` it is aborted and re-submitted.
-            timeout = self.settings.first_chunk_timeout_s if index == 0 else None
-            try:
-                await asyncio.wait(
-                    {getter, reply_task}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:
-                getter.cancel()
-            if not getter.done() and not reply_task.done():
-                await self._abort(request.request_id, "no engine confirmed the request")
-                raise EngineLost("")
-            if not getter.done() or getter.cancelled():
-                return seen
-            chunk = decode(getter.result(), GenerateChunk)
-            if chunk.index != index:
-                return seen
-            index += 1
-            seen += len(chunk.token_ids)
-            choice.engine_id = chunk.engine_id
-            self._engine_calls.get(UNASSIGNED, {}).pop(request.request_id, None)
-            self._engine_calls.setdefault(chunk.engine_id, {})[request.request_id] = reply_task
-            if choice.extend(chunk.token_ids, chunk.logprobs, chunk.versions, chunk.top_logprobs):
-                await self._abort(request.request_id, "stop")
-            on_update()
+    async def _chunk_inbox(self) -> str:
+        """The chunk subscription's prefix, subscribed on first use (one per gateway:
+        no subscribe/unsubscribe per engine call)."""
+        if not self._chunk_prefix:
+            async with self._chunk_subscribing:
+                if not self._chunk_prefix:
+                    prefix = self.bus.nc.new_inbox()
+                    await self.bus.nc.subscribe(f"{prefix}.*", cb=self.on_chunk)
+                    self._chunk_prefix = prefix
+        return self._chunk_prefix
+
+    async def on_chunk(self, msg: Msg) -> None:
+        """Feed a chunk into its engine call's choice. Chunks of a call arrive in order
+        (one subscription); a missing one ends following (the reply fills in), and one
+        of a call that has ended is dropped."""
+        follower = self._followers.get(msg.subject.rpartition(".")[2])
+        if follower is None or follower.broken:
+            return
+        try:
+            chunk = decode(msg.data, GenerateChunk)
+        except ValueError:
+            follower.broken = True
+            return
+        if chunk.index != follower.index or chunk.request_id != follower.request_id:
+            follower.broken = True
+            return
+        follower.index += 1
+        follower.seen += len(chunk.token_ids)
+        if not follower.named.done():
+            follower.named.set_result(None)
+        choice = follower.choice
+        choice.engine_id = chunk.engine_id
+        request_id = follower.request_id
+        self._engine_calls.get(UNASSIGNED, {}).pop(request_id, None)
+        self._engine_calls.setdefault(chunk.engine_id, {})[request_id] = follower.reply_task
+        if choice.extend(chunk.token_ids, chunk.logprobs, chunk.versions, chunk.top_logprobs):
+            await self._abort(request_id, "stop")
+        follower.on_update()
 
     async def on_phase(self, msg: Msg) -> None:
         """An engine declared dead by the tag-scheduler: re-route its requests now
@@ -1142,6 +1160,26 @@ class EventStream(StreamingResponse):
 
 UNASSIGNED = ""
 """Key of ``Gateway._engine_calls`` for requests whose engine is not known yet."""
+
+
+@dataclass
+class ChunkFollower:
+    """One engine call's chunks as they arrive (``Gateway.on_chunk``)."""
+
+    request_id: str
+    choice: Choice
+    on_update: Callable[[], None]
+    reply_task: asyncio.Future[Any]
+    named: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    """Done when chunk 0 names the engine that took the request."""
+    index: int = 0
+    """The index of the next chunk expected."""
+    seen: int = 0
+    """How many of the reply's tokens the chunks delivered."""
+    broken: bool = False
+    """A chunk was missing or malformed: the rest comes from the reply."""
 
 
 class EngineLost(Exception):
