@@ -249,6 +249,25 @@ def test_token_bytes_of_every_family_spell_the_text(family: str, tmp_path: Path)
     assert b"".join(tokenizer.token_bytes(t) for t in ids) == text.encode()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_encoding_gives_the_ids_of_the_transformers_tokenizer(family: str, tmp_path: Path) -> None:
+    """``encode_text`` calls the fast tokenizer's own encoder (cheaper per request): the
+    ids are those transformers gives, special tokens, spaces and odd bytes included."""
+    build_tokenizer(family_spec(family)).save_pretrained(tmp_path)
+    tokenizer = ChatTokenizer(tmp_path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    texts = [
+        tokenizer.render(messages, None, True),
+        SPLIT_TEXT + " <tool_call>{}</tool_call>",
+        "  leading spaces\n\ttabs\r\n and \u00a0odd\u200b bytes \U0001f642 ",
+        tokenizer.end_of_turn + "after the end" + tokenizer.end_of_turn,
+        "",
+    ]
+    for text in texts:
+        expected = list(tokenizer.tokenizer(text, add_special_tokens=False)["input_ids"])
+        assert tokenizer.encode_text(text) == expected, text
+
+
 def test_token_bytes_of_a_sentencepiece_vocabulary(tmp_path: Path) -> None:
     """SentencePiece-style (Llama 2, Mistral): pieces spell a space as U+2581 and bytes
     without a piece of their own as ``<0xNN>`` (byte fallback)."""
@@ -268,6 +287,7 @@ def test_token_bytes_of_a_sentencepiece_vocabulary(tmp_path: Path) -> None:
     tokenizer = ChatTokenizer(tmp_path)
     text = "hello 日本 café🙂 world"
     ids = tokenizer.encode_text(text)
+    assert ids == list(tokenizer.tokenizer(text, add_special_tokens=False)["input_ids"])
     assert "<0xE6>" in tokenizer.tokenizer.convert_ids_to_tokens(ids)
     # every piece as written: the one leading space SentencePiece adds included
     assert b"".join(tokenizer.token_bytes(t) for t in ids) == (" " + text).encode()

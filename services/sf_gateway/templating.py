@@ -43,6 +43,10 @@ class ChatTokenizer:
         """The default chat template's source (tool and reasoning parsers are picked
         from its markers)."""
         self.model_type = _model_type(model_dir)
+        # A fast tokenizer's own encoder gives the ids transformers' ``__call__`` gives
+        # (``tests/test_gateway_api.py``), without its per-call Python bookkeeping.
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        self._backend_encode = backend.encode if self.tokenizer.is_fast and backend else None
 
     @property
     def end_of_turn(self) -> str:
@@ -67,6 +71,8 @@ class ChatTokenizer:
         return self.encode_text(self.render(messages, None, True))
 
     def encode_text(self, text: str) -> list[int]:
+        if self._backend_encode is not None:
+            return list(self._backend_encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode_completion(self, token_ids: list[int]) -> str:
