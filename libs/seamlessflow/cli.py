@@ -388,8 +388,12 @@ def simulate(
         int, typer.Option(help="Drop samples more than this many versions old (-1: never).")
     ] = 4,
     rebalance_on_lend: Annotated[
-        bool, typer.Option(help="What-if: move in-flight requests onto a lent engine.")
-    ] = False,
+        bool,
+        typer.Option(
+            help="Move in-flight requests onto a freshly lent engine, as the tag-scheduler "
+            "does (--no-rebalance-on-lend: the comparison without it)."
+        ),
+    ] = True,
 ) -> None:
     """Simulate colocated-sync, disaggregated-async and multiplexed on 8-1024 GPUs with
     the production scheduling policy on virtual time; print throughput, bubble ratio and
@@ -436,7 +440,7 @@ def simulate(
     typer.echo(
         "# disaggregated-async and multiplexed: best training share of "
         f"{', '.join(f'{f:g}' for f in fractions)} (by trained tokens/s)"
-        + ("; what-if: rebalance on lend" if rebalance_on_lend else "")
+        + ("" if rebalance_on_lend else "; without rebalance on lend")
     )
     typer.echo(TABLE_HEADER)
     rows = []
