@@ -288,6 +288,26 @@ def test_the_cli_prints_the_three_deployments(tmp_path: Path) -> None:
     assert rows[0]["speedup"] == 1.0 and all(0 <= r["bubble_ratio"] <= 1 for r in rows)
     bad = CliRunner().invoke(app, ["simulate", "--task", "poetry"])
     assert bad.exit_code != 0
+    synchronous = CliRunner().invoke(app, ["simulate", "--max-batches-ahead", "0"])
+    assert synchronous.exit_code != 0  # that is colocated-sync's pacing, not an async one
+
+
+def test_rollout_runs_as_far_ahead_as_the_pacing_allows() -> None:
+    """``max_batches_ahead`` (SF_TRAJECTORY's pacing): the dispatcher holds batch b's
+    groups until batch b - ahead is trained, so at most ahead + 1 batches are dispatched
+    and untrained at any time."""
+    for ahead in (1, 2):
+        sim = Simulation(replace(SMALL, steps=6, deployment=multiplexed(0.5, ahead)))
+        dispatched_at: list[tuple[int, int]] = []
+        dispatch = sim._dispatch
+
+        def spy(sim: Simulation = sim, dispatch=dispatch, seen=dispatched_at) -> None:  # type: ignore[no-untyped-def]
+            dispatch()
+            seen.append((sim.trained_batches, sim.next_group // sim.groups_per_step))
+
+        sim._dispatch = spy  # type: ignore[method-assign]
+        sim.run()
+        assert all(batches - trained == ahead + 1 for trained, batches in dispatched_at)
 
 
 def test_a_bounded_dispatch_cannot_refill_dropped_groups() -> None:

@@ -266,12 +266,12 @@ class Deployment:
 COLOCATED_SYNC = Deployment("colocated-sync", "colocated", 1.0, True, 0)
 
 
-def disaggregated_async(train_fraction: float) -> Deployment:
-    return Deployment("disaggregated-async", "disaggregated", train_fraction, False, 1)
+def disaggregated_async(train_fraction: float, batches_ahead: int = 1) -> Deployment:
+    return Deployment("disaggregated-async", "disaggregated", train_fraction, False, batches_ahead)
 
 
-def multiplexed(train_fraction: float) -> Deployment:
-    return Deployment("multiplexed", "multiplexed", train_fraction, True, 1)
+def multiplexed(train_fraction: float, batches_ahead: int = 1) -> Deployment:
+    return Deployment("multiplexed", "multiplexed", train_fraction, True, batches_ahead)
 
 
 @dataclass(frozen=True)
@@ -973,15 +973,20 @@ def compare(
     gpus: Sequence[int],
     base: SimConfig,
     train_fractions: Sequence[float] = DEFAULT_TRAIN_FRACTIONS,
+    batches_ahead: int = 1,
 ) -> list[Row]:
-    """Colocated-sync, and the best split of disaggregated-async and of multiplexed, at
-    every cluster size, on the same workload and seed."""
+    """Colocated-sync, and the best split of disaggregated-async and of multiplexed
+    (both running ``batches_ahead`` batches ahead of training), at every cluster size,
+    on the same workload and seed."""
     rows: list[Row] = []
     for g in gpus:
         baseline = simulate(replace(base, gpus=g, deployment=COLOCATED_SYNC))
         rows.append(Row(baseline, 1.0))
         for make in (disaggregated_async, multiplexed):
-            tried = [simulate(replace(base, gpus=g, deployment=make(f))) for f in train_fractions]
+            tried = [
+                simulate(replace(base, gpus=g, deployment=make(f, batches_ahead)))
+                for f in train_fractions
+            ]
             best = max(tried, key=lambda r: r.tokens_per_s)
             speedup = best.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0
             rows.append(Row(best, speedup, tuple(train_fractions)))
