@@ -210,7 +210,7 @@ class TagPolicy:
         self.lend_cost = Ewma(self.config.ewma_alpha, self.config.switch_cost_prior_s)
         self.reclaim_cost = Ewma(self.config.ewma_alpha, self.config.switch_cost_prior_s)
         self._block: _Block | None = None
-        """The block the waits are in (None: none begun, or the last wait was outside)."""
+        """The block of waits under way (None: none begun yet)."""
         self._blocks_alike = 0
         self._last_block_lent: bool | None = None
         self._last_wait: tuple[float, _Block | None] | None = None
