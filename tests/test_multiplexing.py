@@ -13,6 +13,7 @@ import asyncio
 from pathlib import Path
 
 import httpx
+import pytest
 from conftest import session_auth
 from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM
@@ -22,6 +23,8 @@ from seamlessflow.protocol import (
     GenerateReply,
     GenerateRequest,
     LendReport,
+    ShedReport,
+    ShedRequests,
     SlotsClaim,
     SlotsGranted,
     SlotsReleased,
@@ -38,9 +41,13 @@ AGENTS = 8
 MAX_TOKENS = 160
 
 
-async def start_engine(mesh, engine_id: str, tags: str, slot: str) -> EngineWorker:  # type: ignore[no-untyped-def]
+async def start_engine(
+    mesh, engine_id: str, tags: str, slot: str, backend: str = "hf"
+) -> EngineWorker:  # type: ignore[no-untyped-def]
     """An engine worker with its own resource tags (SF_RESOURCE_TAGS in production)."""
-    worker = EngineWorker(EngineSettings(engine_id=engine_id, max_batch_size=AGENTS))
+    worker = EngineWorker(
+        EngineSettings(engine_id=engine_id, max_batch_size=AGENTS, backend=backend)
+    )
     saved = mesh.mesh
     mesh.mesh = MeshSettings(
         nats_url=saved.nats_url,
@@ -193,3 +200,149 @@ async def test_a_late_engine_serves_only_after_catching_up(
         assert reply.versions and set(reply.versions) == {2}
     finally:
         await mesh.stop()
+
+
+async def ask(http: httpx.AsyncClient, index: int, max_tokens: int) -> str:
+    """One agent session, one answer (streamed for odd ``index``)."""
+    session = (await http.post("/sessions", json={})).json()
+    client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
+    messages = [{"role": "user", "content": f"Count to {index}"}]
+    if index % 2:
+        stream = await client.chat.completions.create(
+            model="policy",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+            stream=True,
+        )
+        parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        text = "".join(parts)
+    else:
+        reply = await client.chat.completions.create(
+            model="policy",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+        )
+        text = reply.choices[0].message.content or ""
+    await client.close()
+    await http.post(f"/sessions/{session['session_id']}/finish", headers=session_auth(session))
+    return text
+
+
+async def test_a_freshly_lent_engine_takes_over_requests_in_flight(
+    nats_url: str,
+    run_id: str,
+    chatty_model_dir: Path,
+    bus: Bus,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rebalance on lend: every request of the step is already on the dedicated engine
+    when the trainer's slot is lent. The scheduler has the dedicated engine hand its
+    youngest requests over (partial tokens kept) and the gateway resumes them on the
+    lent engine, so it does work at once; no answer loses or repeats a token.
+
+    Scripted engines at 20 ms per token: every answer takes its whole budget (~10 s),
+    so it is still in flight, on any machine, when the lent engine joins."""
+    from conftest import InProcessMesh, recorded_turns
+
+    monkeypatch.setenv("SF_ENGINE_SCRIPTED_STEP_S", "0.02")
+    max_tokens = 480
+    mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
+    try:
+        scheduler = await mesh.start(TagScheduler(TagSchedulerSettings(mode="multiplexed")))
+        await mesh.start(WeightSync())
+        dedicated = await start_engine(mesh, "engine-d", "rollout", "slot-0", "scripted")
+        lendable = await start_engine(mesh, "engine-l", "train,rollout", "slot-1", "scripted")
+        gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
+        async with asyncio.timeout(60):
+            await dedicated.ready.wait()
+            await gateway.ready.wait()
+            while "engine-l" not in scheduler.resources:  # noqa: ASYNC110 (another service)
+                await asyncio.sleep(0.05)
+        # the first wait fills the pipeline (lent); then the trainer trains (reclaimed)
+        await bus.request(
+            bus.subjects.sched_release(), SlotsReleased(trainer_id="t", version=0), LendReport
+        )
+        await bus.request(
+            bus.subjects.sched_claim(), SlotsClaim(trainer_id="t", batch_index=0), SlotsGranted
+        )
+        assert lendable._generate_sub is None
+        url = f"http://127.0.0.1:{gateway.bound_port}"
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            agents = [asyncio.create_task(ask(http, i, max_tokens)) for i in range(AGENTS)]
+            # the requests are on the dedicated engine, and its heartbeat says so
+            async with asyncio.timeout(60):
+                while scheduler.resources["engine-d"].in_flight < AGENTS:  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+            # the step is published: the trainer waits, and the policy lends (to measure)
+            report: LendReport = await bus.request(
+                bus.subjects.sched_release(), SlotsReleased(trainer_id="t", version=0), LendReport
+            )
+            assert report.lent == ["engine-l"], report.reason
+            async with asyncio.timeout(60):
+                while not dedicated.handed_over:  # noqa: ASYNC110 (the engine's own count)
+                    await asyncio.sleep(0.02)
+            async with asyncio.timeout(180):
+                texts = await asyncio.gather(*agents)
+    finally:
+        await mesh.stop()
+
+    # the lent engine's share: half of what the dedicated engine held
+    assert dedicated.handed_over == AGENTS // 2
+    turns = await recorded_turns(bus)
+    assert len(turns) == AGENTS
+    assert sorted(t.completion_text for t in turns) == sorted(texts)
+    on_lent = [t for t in turns if t.engine_id == "engine-l"]
+    assert len(on_lent) == dedicated.handed_over  # resumed there, finished there
+    for turn in turns:  # scripted answers run to their budget, across the hand-over
+        assert turn.finish_reason == "length"
+        assert len(turn.completion_ids) == len(turn.logprobs) == len(turn.versions)
+        assert len(turn.completion_ids) == max_tokens  # no token lost or repeated
+
+
+async def test_a_request_handed_to_an_engine_that_left_resumes_on_any_engine(
+    nats_url: str,
+    run_id: str,
+    chatty_model_dir: Path,
+    bus: Bus,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine hands requests over to an engine that no longer serves (reclaimed or
+    gone before the gateway re-submits): its direct subject has no responder, so the
+    gateway resumes them through the queue group; nothing is lost."""
+    from conftest import InProcessMesh, recorded_turns
+
+    monkeypatch.setenv("SF_ENGINE_SCRIPTED_STEP_S", "0.02")  # ~10 s per answer
+    max_tokens = 480
+    mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
+    try:
+        await mesh.start(TagScheduler())
+        await mesh.start(WeightSync())
+        engine = await start_engine(mesh, "engine-d", "rollout", "slot-0", "scripted")
+        gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
+        async with asyncio.timeout(60):
+            await engine.ready.wait()
+            await gateway.ready.wait()
+        url = f"http://127.0.0.1:{gateway.bound_port}"
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            agents = [asyncio.create_task(ask(http, i, max_tokens)) for i in range(4)]
+            async with asyncio.timeout(60):
+                while len(engine._in_flight) < 4:  # noqa: ASYNC110 (the engine's own count)
+                    await asyncio.sleep(0.02)
+            report: ShedReport = await bus.request(
+                bus.subjects.engine_shed("engine-d"),
+                ShedRequests(to_engine="engine-gone", count=2),
+                ShedReport,
+            )
+            async with asyncio.timeout(180):
+                texts = await asyncio.gather(*agents)
+    finally:
+        await mesh.stop()
+
+    assert report.handed_over == engine.handed_over == 2
+    turns = await recorded_turns(bus)
+    assert sorted(t.completion_text for t in turns) == sorted(texts)
+    assert len(turns) == 4 and all(t.engine_id == "engine-d" for t in turns)
+    for turn in turns:  # scripted answers run to their budget, across the hand-over
+        assert turn.finish_reason == "length"
+        assert len(turn.completion_ids) == len(turn.logprobs) == len(turn.versions)
+        assert len(turn.completion_ids) == max_tokens  # no token lost or repeated

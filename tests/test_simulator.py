@@ -60,23 +60,55 @@ def test_the_simulators_policy_is_the_production_object(monkeypatch: pytest.Monk
 
 
 def test_lending_decisions_come_from_the_policy() -> None:
-    """The policy measures the trainer's wait with and without lending on the
-    simulated run, then decides by gain against the reclaim cost; a margin no gain can
-    beat makes it decline after the two measuring waits, and the simulation follows."""
-    eager_sim = Simulation(replace(SMALL, deployment=multiplexed(0.5)))
+    """The policy measures steps/s over a block that lends and a block that keeps the
+    slots on the simulated run, then decides block by block; a margin no gain can beat
+    makes it keep the slots after the measuring blocks, and the simulation follows."""
+    config = replace(SMALL, steps=10, deployment=multiplexed(0.5))
+    eager_sim = Simulation(config)
     eager = eager_sim.run()
     policy = eager_sim.policy
+    block = policy.config.block_steps
     waits = [d for d in policy.stats.decisions if d.startswith("wait:")]
     assert "fills the pipeline" in waits[0]
-    assert "lend to measure" in waits[1] and "keep the slots to measure" in waits[2]
-    assert all("gain" in d for d in waits[3:])  # the measurements decide
-    assert policy.wait_lent.samples >= 1 and policy.wait_alone.samples >= 1
+    assert f"not measured yet: a block of {block} lends" in waits[1]
+    assert f"not measured yet: a block of {block} keeps" in waits[1 + block]
+    assert "alone" in waits[1 + 2 * block]  # the measurements decide
+    assert policy.period_lent.samples == 1 and policy.period_alone.samples == 1
     lend_decisions = sum(1 for d in waits if not d.startswith("wait: lend 0 "))
     assert eager.lends == 4 * lend_decisions
-    reluctant = simulate(replace(SMALL, deployment=multiplexed(0.5), lend_margin=1e9))
-    assert reluctant.lends == 2 * 4  # while the pipeline fills, and to measure
-    assert reluctant.declined == SMALL.steps - 3  # the keep made to measure is not a decline
-    assert reluctant.reclaims == 2 * 4
+    reluctant = simulate(replace(config, lend_margin=1e9))
+    assert reluctant.lends == reluctant.reclaims == (1 + block) * 4  # fill, measure
+    assert reluctant.declined == config.steps - 1 - block
+
+
+@pytest.mark.parametrize("workload", [SINGLE_TURN, AGENTIC])
+def test_a_freshly_lent_engine_gets_work_from_the_busiest(
+    workload: WorkloadModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rebalance on lend: once a lent engine serves, it holds the mean load of the
+    serving engines (or every request above the mean the others had), taken from the
+    busiest; without it, a lent engine only gets what arrives later."""
+    seen: list[tuple[int, int, int]] = []
+    rebalance = Simulation._rebalance_onto
+
+    def spy(sim: Simulation, target) -> None:  # type: ignore[no-untyped-def]
+        loads = [len(e.running) for e in sim.engines if e.serving]
+        share = sum(loads) // len(loads)
+        before = len(target.running)
+        excess = sum(max(n - share, 0) for n in loads) - max(before - share, 0)
+        rebalance(sim, target)
+        seen.append((before, len(target.running), before + min(max(share - before, 0), excess)))
+
+    monkeypatch.setattr(Simulation, "_rebalance_onto", spy)
+    config = replace(SMALL, steps=8, workload=workload, deployment=multiplexed(0.5))
+    with_rebalance = simulate(config)
+    assert seen and all(after == expected for _, after, expected in seen)
+    assert any(after > before for before, after, _ in seen)  # the mechanism engaged
+    seen.clear()
+    without = simulate(replace(config, rebalance_on_lend=False))
+    assert not seen
+    # the same samples; rebalancing moves sequences a reclaim alone would not
+    assert with_rebalance.interrupted > 0 and without.trained_samples > 0
 
 
 def test_disaggregated_never_lends_and_colocated_always_does() -> None:
@@ -218,15 +250,21 @@ def test_calibration_from_a_run(tmp_path: Path) -> None:
         {"name": "sched.reclaim", "attributes": {"seconds": 0.004, "reclaimed": ["e1"]}},
         {"name": "sched.reclaim", "attributes": {"seconds": 9.0, "reclaimed": []}},
         {"name": "sched.lend", "attributes": {"seconds": 0.05}},
+        {"name": "engine.generate", "attributes": {"prompt_tokens": 20}},
+        {"name": "engine.generate", "attributes": {"prompt_tokens": 30}},
     ]
     (tmp_path / "spans.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
     calibration = calibrate_from_run(tmp_path, SimConfig())
     config = calibration.config
     assert config.workload.response_mean_tokens == pytest.approx(3200 / (10 * 32))
     assert config.workload.max_tokens == 6
+    assert config.workload.prompt_tokens == 25
+    assert config.workload.samples_per_gpu * 3 <= 32 < config.workload.samples_per_gpu * 4
     assert config.engine.decode_tokens_per_s_full == pytest.approx(150.0)
     assert config.engine.max_concurrency == 64
-    assert config.trainer.train_tokens_per_s_per_gpu == pytest.approx(320 / 0.2)
+    # a modeled step over the run's batch takes the run's mean step time
+    batch_tokens = 32 * (25 + 3200 / (10 * 32))
+    assert batch_tokens / config.trainer.train_tokens_per_s_per_gpu == pytest.approx(0.2)
     assert config.trainer.sync_s == pytest.approx(0.02)
     assert config.switch == SwitchModel(lend_in_s=0.05, reclaim_s=0.004)
     result = simulate(replace(config, gpus=8, steps=3, deployment=multiplexed(0.5)))
@@ -250,6 +288,26 @@ def test_the_cli_prints_the_three_deployments(tmp_path: Path) -> None:
     assert rows[0]["speedup"] == 1.0 and all(0 <= r["bubble_ratio"] <= 1 for r in rows)
     bad = CliRunner().invoke(app, ["simulate", "--task", "poetry"])
     assert bad.exit_code != 0
+    synchronous = CliRunner().invoke(app, ["simulate", "--max-batches-ahead", "0"])
+    assert synchronous.exit_code != 0  # that is colocated-sync's pacing, not an async one
+
+
+def test_rollout_runs_as_far_ahead_as_the_pacing_allows() -> None:
+    """``max_batches_ahead`` (SF_TRAJECTORY's pacing): the dispatcher holds batch b's
+    groups until batch b - ahead is trained, so at most ahead + 1 batches are dispatched
+    and untrained at any time."""
+    for ahead in (1, 2):
+        sim = Simulation(replace(SMALL, steps=6, deployment=multiplexed(0.5, ahead)))
+        dispatched_at: list[tuple[int, int]] = []
+        dispatch = sim._dispatch
+
+        def spy(sim: Simulation = sim, dispatch=dispatch, seen=dispatched_at) -> None:  # type: ignore[no-untyped-def]
+            dispatch()
+            seen.append((sim.trained_batches, sim.next_group // sim.groups_per_step))
+
+        sim._dispatch = spy  # type: ignore[method-assign]
+        sim.run()
+        assert all(batches - trained == ahead + 1 for trained, batches in dispatched_at)
 
 
 def test_a_bounded_dispatch_cannot_refill_dropped_groups() -> None:

@@ -7,6 +7,7 @@ virtual clock, as the simulator does.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 
@@ -69,7 +70,7 @@ def test_colocated_lends_every_slot_and_reclaims_all_for_training() -> None:
     assert claim.reclaim == ("e0", "e1", "e2")
     assert all(p.role_of(f"e{i}").role == "idle" for i in range(3))
     # no dedicated engine: there is no "without lending" to compare, lending stays
-    assert p.wait_alone.samples == 0 and p.trainer_waiting(5.0).lend == ("e0", "e1", "e2")
+    assert p.period_alone.samples == 0 and p.trainer_waiting(5.0).lend == ("e0", "e1", "e2")
 
 
 def multiplexed_pair(**config: float) -> TagPolicy:
@@ -80,59 +81,104 @@ def multiplexed_pair(**config: float) -> TagPolicy:
     return p
 
 
-def explore(p: TagPolicy, wait_lent: float, wait_alone: float, reclaim: float) -> float:
-    """The first wait fills the pipeline (not measured), the next two measure both
-    choices; returns the time after them."""
-    filling = p.trainer_waiting(-100.0)
-    assert filling.lend == ("lend",) and "not measured" in filling.reason
-    p.trainer_claims(-100.0 + 60.0)  # a long first wait: it must not count
-    first = p.trainer_waiting(0.0)
-    assert first.lend == ("lend",) and "lend to measure" in first.reason
-    p.trainer_claims(wait_lent)
-    p.observe_reclaim(reclaim)
-    second = p.trainer_waiting(100.0)
-    assert second.lend == () and "keep the slots to measure" in second.reason
-    p.trainer_claims(100.0 + wait_alone)
-    return 200.0
-
-
-def test_multiplexed_lends_when_lending_shortens_the_wait_more_than_the_reclaim_costs() -> None:
-    p = multiplexed_pair()
-    now = explore(p, wait_lent=4.0, wait_alone=8.0, reclaim=0.3)
-    plan = p.trainer_waiting(now)
-    assert plan.lend == ("lend",) and plan.reason.startswith("gain 4.000s > cost 0.300s")
-    assert plan.gain_s == pytest.approx(4.0) and plan.expected_wait_s == pytest.approx(8.0)
-    assert p.role_of("lend").role == "rollout"
-
-
-def test_multiplexed_declines_when_lending_does_not_shorten_the_wait() -> None:
-    """The lent engine may look busy, but the batch came no sooner (the next batch's
-    requests were on dedicated engines, or rollout is bound elsewhere): the trainer
-    only paid the reclaim. The measured waits show it."""
-    p = multiplexed_pair()
-    now = explore(p, wait_lent=1.54, wait_alone=1.53, reclaim=0.5)
-    plan = p.trainer_waiting(now)
-    assert plan.lend == () and "<= cost 0.500s" in plan.reason
-    assert p.role_of("lend").role == "idle" and p.stats.declined == 1
-    assert p.trainer_claims(now + 1.5).reclaim == ()
-
-
-def test_after_many_alike_decisions_the_other_choice_is_measured_again() -> None:
-    """Early on lending did not pay; later the workload changed and it does (a lent
-    engine now cuts the wait to 0.5 s). Only re-measuring finds that out."""
-    p = multiplexed_pair(reprobe_after=3)
-    now = explore(p, wait_lent=2.0, wait_alone=2.0, reclaim=0.5)  # no gain: decline
-    lent = []
-    for i in range(4):
-        plan = p.trainer_waiting(now + 10 * i)
+def run_steps(
+    p: TagPolicy, steps: int, period: Callable[[bool, bool | None], float], now: float = 0.0
+) -> tuple[list[bool], float]:
+    """Drive ``steps`` trainer steps: wait, claim at once, train; a step lasts
+    ``period(lent, lent at the step before)`` (the carry-over of a pipelined run).
+    Returns whether each wait lent, and the time after them."""
+    lent: list[bool] = []
+    for _ in range(steps):
+        plan = p.trainer_waiting(now)
         lent.append(bool(plan.lend))
-        p.trainer_claims(now + 10 * i + (0.5 if plan.lend else 2.0))
-        if i in (1, 3):
-            assert "re-measure" in plan.reason
-    # explore ended with a decline, one more makes 2 alike, the third is flipped (a
-    # lend, which now pays); after 3 lends alike the slots are kept once to re-measure
-    assert lent == [False, True, True, False]
-    assert p.wait_lent.value == pytest.approx(0.5) and p.expected_gain() == pytest.approx(1.5)
+        p.trainer_claims(now)
+        now += period(lent[-1], lent[-2] if len(lent) > 1 else None)
+    return lent, now
+
+
+def steady(lent_s: float, alone_s: float) -> Callable[[bool, bool | None], float]:
+    return lambda lent, _before: lent_s if lent else alone_s
+
+
+def test_multiplexed_lends_when_steps_per_second_are_higher_with_lending() -> None:
+    p = multiplexed_pair(block_steps=3)
+    lent, now = run_steps(p, 1 + 3 + 3 + 3, steady(lent_s=5.0, alone_s=8.0))
+    # fill (not measured), a block lends, a block keeps, then the rule: lending pays
+    assert lent == [True, *[True] * 3, *[False] * 3, *[True] * 3]
+    assert p.period_lent.value == pytest.approx(5.0)
+    assert p.period_alone.value == pytest.approx(8.0)
+    plan = p.trainer_waiting(now)
+    assert plan.gain_s == pytest.approx(3.0) and plan.expected_wait_s == pytest.approx(8.0)
+    assert plan.lend == ("lend",) and p.role_of("lend").role == "rollout"
+
+
+def test_multiplexed_declines_when_lending_does_not_raise_steps_per_second() -> None:
+    """The lent engine may look busy and the wait may even be shorter, but if the step
+    period is not (the reclaim, a catch-up, re-prefills elsewhere ate it), it declines."""
+    p = multiplexed_pair(block_steps=3)
+    lent, _ = run_steps(p, 1 + 3 + 3 + 3, steady(lent_s=8.2, alone_s=8.0))
+    assert lent == [True, *[True] * 3, *[False] * 6]
+    assert p.stats.declined == 6 and p.role_of("lend").role == "idle"
+    assert "keeps" in p.stats.decisions[-2] or "keep the slots" in p.stats.decisions[-2]
+
+
+def test_the_first_period_of_a_block_is_not_counted() -> None:
+    """A pipelined step carries over the choice before it: the first period after a
+    switch is not what the new choice yields, so it is left out of the measurement."""
+    p = multiplexed_pair(block_steps=3)
+
+    def carried(lent: bool, before: bool | None) -> float:
+        return 100.0 if before is not None and lent != before else (5.0 if lent else 8.0)
+
+    run_steps(p, 1 + 3 + 3 + 1, carried)
+    assert p.period_lent.value == pytest.approx(5.0)
+    assert p.period_alone.value == pytest.approx(8.0)
+
+
+def test_after_many_alike_blocks_the_other_choice_is_measured_again() -> None:
+    """Early on lending did not pay; later the workload changed and it does (a lent
+    step now takes 2 s). Only re-measuring finds that out."""
+    p = multiplexed_pair(block_steps=2, reprobe_after=2)
+    lent, now = run_steps(p, 1 + 2 + 2 + 2, steady(lent_s=8.5, alone_s=8.0))
+    assert lent == [True, True, True, False, False, False, False]
+    more, _ = run_steps(p, 2 + 2, steady(lent_s=2.0, alone_s=8.0), now)
+    # two blocks kept: the next one lends to re-measure; it pays now, so lending stays
+    assert more == [True, True, True, True]
+    assert any("re-measure" in d for d in p.stats.decisions)
+    assert p.expected_gain() == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize(
+    ("loads", "targets"),
+    [
+        ({"a": 10, "b": 6, "t": 0}, ["t"]),
+        ({"a": 12, "b": 12, "c": 1, "t": 0, "u": 0}, ["t", "u"]),
+        ({"a": 3, "b": 3, "t": 2}, ["t"]),
+        ({"a": 0, "t": 0}, ["t"]),
+    ],
+)
+def test_shed_plan_fills_lent_engines_to_the_mean_from_the_busiest(
+    loads: dict[str, int], targets: list[str]
+) -> None:
+    plan = policy("multiplexed").shed_plan(loads, targets)
+    after = dict(loads)
+    for move in plan:
+        assert move.donor not in targets and move.target in targets and move.count > 0
+        after[move.donor] -= move.count
+        after[move.target] += move.count
+    share = sum(loads.values()) // len(loads)
+    assert sum(after.values()) == sum(loads.values())  # nothing lost or made up
+    for rid in loads:
+        if rid in targets:  # filled up to the share, never beyond
+            assert after[rid] == max(loads[rid], share) or all(
+                after[d] <= share for d in loads if d not in targets
+            )
+            assert after[rid] <= max(loads[rid], share)
+        else:  # a donor is never taken below the share
+            assert after[rid] >= min(loads[rid], share)
+    # the busiest engine gives first
+    if plan:
+        assert plan[0].donor == max((r for r in loads if r not in targets), key=loads.__getitem__)
 
 
 def test_a_late_lendable_engine_is_lent_while_the_trainer_waits() -> None:
@@ -148,8 +194,9 @@ def test_a_late_lendable_engine_is_lent_while_the_trainer_waits() -> None:
 
 
 def test_losing_the_last_dedicated_engine_lends_the_rest() -> None:
-    p = multiplexed_pair(lend_margin=100.0)
-    now = explore(p, wait_lent=1.0, wait_alone=1.5, reclaim=0.1)
+    p = multiplexed_pair(lend_margin=100.0, block_steps=1)
+    lent, now = run_steps(p, 3, steady(lent_s=1.0, alone_s=1.5))
+    assert lent == [True, True, False]
     assert p.trainer_waiting(now).lend == ()  # margin 100: not worth it
     p.remove("dedicated")
     plan = p.rebalance(now + 1)  # without it, lending is all the rollout there is

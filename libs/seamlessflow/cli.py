@@ -388,8 +388,16 @@ def simulate(
         int, typer.Option(help="Drop samples more than this many versions old (-1: never).")
     ] = 4,
     rebalance_on_lend: Annotated[
-        bool, typer.Option(help="What-if: move in-flight requests onto a lent engine.")
-    ] = False,
+        bool,
+        typer.Option(
+            help="Move in-flight requests onto a freshly lent engine, as the tag-scheduler "
+            "does (--no-rebalance-on-lend: the comparison without it)."
+        ),
+    ] = True,
+    max_batches_ahead: Annotated[
+        int,
+        typer.Option(help="Rollout lead over training of the two asynchronous deployments."),
+    ] = 1,
 ) -> None:
     """Simulate colocated-sync, disaggregated-async and multiplexed on 8-1024 GPUs with
     the production scheduling policy on virtual time; print throughput, bubble ratio and
@@ -413,6 +421,8 @@ def simulate(
         raise typer.BadParameter(f"expected comma-separated numbers: {exc}") from None
     if not sizes or min(sizes) < 2 or not fractions or not all(0 < f < 1 for f in fractions):
         raise typer.BadParameter("need --gpus >= 2 and --train-fractions in (0, 1)")
+    if max_batches_ahead < 1:
+        raise typer.BadParameter("--max-batches-ahead must be >= 1 (0 is colocated-sync)")
     base = SimConfig(
         steps=steps,
         seed=seed,
@@ -435,13 +445,14 @@ def simulate(
     )
     typer.echo(
         "# disaggregated-async and multiplexed: best training share of "
-        f"{', '.join(f'{f:g}' for f in fractions)} (by trained tokens/s)"
-        + ("; what-if: rebalance on lend" if rebalance_on_lend else "")
+        f"{', '.join(f'{f:g}' for f in fractions)} (by trained tokens/s), "
+        f"{max_batches_ahead} batch(es) ahead"
+        + ("" if rebalance_on_lend else "; without rebalance on lend")
     )
     typer.echo(TABLE_HEADER)
     rows = []
     for size in sizes:  # one cluster size at a time: large ones take a while
-        for row in compare([size], base, fractions):
+        for row in compare([size], base, fractions, max_batches_ahead):
             typer.echo(format_row(row))
             rows.append(row)
     if json_out is not None:

@@ -84,6 +84,16 @@ class Subjects:
         """Request/reply, queue group ``ENGINE_QUEUE``: one engine of the policy takes it."""
         return f"{self._root}.engine.{self.policy}.generate"
 
+    def engine_generate_on(self, engine_id: str) -> str:
+        """Request/reply, no queue group: this one engine of the policy takes it (a
+        request it was rebalanced onto, ``GenerateReply.resume_on``)."""
+        return f"{self._root}.engine.{self.policy}.direct.{check_token(engine_id, 'engine id')}"
+
+    def engine_shed(self, engine_id: str) -> str:
+        """Request/reply, tag-scheduler -> one engine: hand requests over to a freshly
+        lent engine (ShedRequests -> ShedReport)."""
+        return f"{self._root}.engine.shed.{check_token(engine_id, 'engine id')}"
+
     def engine_abort(self) -> str:
         """Broadcast to every engine of the run: the one running the request aborts it."""
         return f"{self._root}.engine.abort"
@@ -371,6 +381,25 @@ class GenerateReply(Message, tag="engine.generate.reply"):
     versions: list[int]
     finish_reason: Literal["stop", "length", "abort"]
     top_logprobs: list[list[TopLogprob]] = msgspec.field(default_factory=list)
+    resume_on: str = ""
+    """With ``abort``: the engine to re-submit the rest to (the request was shed onto a
+    freshly lent engine, ``ShedRequests``); empty: any engine of the queue group."""
+
+
+class ShedRequests(Message, tag="engine.shed"):
+    """tag-scheduler -> engine worker (request; rebalance on lend): end up to ``count``
+    of your requests in flight at a token boundary, the most recently started first,
+    and name ``to_engine`` in their replies, so the gateway resumes them there."""
+
+    to_engine: str
+    count: int
+
+
+class ShedReport(Message, tag="engine.shed.report"):
+    """engine worker -> tag-scheduler: how many requests it handed over."""
+
+    engine_id: str
+    handed_over: int
 
 
 class AbortGeneration(Message, tag="engine.abort"):

@@ -5,7 +5,10 @@ An engine serves one policy (``SF_POLICY``, registered with the tag ``policy:<na
 
 Consumes:
 - ``sf.<run>.engine.<policy>.generate`` (queue group ``engines``; GenerateRequest ->
-  GenerateReply)
+  GenerateReply) and, while serving, ``sf.<run>.engine.<policy>.direct.<engine>`` (the
+  same, for requests rebalanced onto this engine)
+- ``sf.<run>.engine.shed.<engine>`` (request ShedRequests -> ShedReport from the
+  tag-scheduler: hand the youngest requests over to a freshly lent engine)
 - ``sf.<run>.engine.abort`` (AbortGeneration broadcast to every engine of the run)
 - ``sf.<run>.engine.<policy>.load`` (LoadWeights broadcast from weight-sync)
 - ``sf.<run>.sched.assign.<engine>`` (request RoleAssignment -> RoleAck from the
@@ -31,6 +34,12 @@ Lending (an engine tagged ``train`` and ``rollout`` shares a training slot): on
 boundary (they return their partial tokens and the gateway re-submits them to another
 engine: the transparent-resume path), releases its memory (``engine.sleep``) and only
 then acks, so the trainer never computes next to a still-decoding engine.
+
+Rebalance on lend (``ShedRequests``): the worker ends its most recently started
+requests at a token boundary, the same partial-rollout path, and names the lent engine
+in their ``abort`` replies (``resume_on``); the gateway re-submits prompt + partial
+there. The youngest go first: they hold the fewest tokens, so prefilling them again
+costs least, and requests still queued in the engine cost nothing to move.
 """
 
 from __future__ import annotations
@@ -57,6 +66,8 @@ from seamlessflow.protocol import (
     GenerateRequest,
     LoadWeights,
     RoleAssignment,
+    ShedReport,
+    ShedRequests,
     TopLogprob,
     WeightManifest,
     WeightsLoaded,
@@ -116,7 +127,8 @@ class InFlight:
     has been at least one since ``reset`` (the yield of a lent engine)."""
 
     def __init__(self) -> None:
-        self.ids: set[str] = set()
+        self.ids: dict[str, None] = {}
+        """In the order they started (a dict keeps insertion order)."""
         self.empty = asyncio.Event()
         self.empty.set()
         self._busy_total = 0.0
@@ -129,10 +141,14 @@ class InFlight:
         if not self.ids:
             self._busy_since = time.monotonic()
             self.empty.clear()
-        self.ids.add(request_id)
+        self.ids[request_id] = None
+
+    def youngest(self, count: int) -> list[str]:
+        """Up to ``count`` requests, the most recently started first."""
+        return list(reversed(self.ids))[: max(count, 0)]
 
     def discard(self, request_id: str) -> None:
-        self.ids.discard(request_id)
+        self.ids.pop(request_id, None)
         if not self.ids:
             if self._busy_since is not None:
                 self._busy_total += time.monotonic() - self._busy_since
@@ -161,6 +177,10 @@ class EngineWorker:
         """Set once the worker first serves (joined the generate queue)."""
         self._joined = False
         self._generate_sub: Subscription | None = None
+        self._direct_sub: Subscription | None = None
+        self._shed_to: dict[str, str] = {}
+        """Requests being handed over (rebalance on lend) -> the engine to resume on."""
+        self.handed_over = 0
         self._in_flight = InFlight()
         self._min_version = 0
         self._asleep = False
@@ -209,6 +229,7 @@ class EngineWorker:
         self.membership.set_phase("sync")
         await ctx.bus.serve(subjects.engine_load(), LoadWeights, self.on_load)
         await ctx.bus.serve(subjects.engine_abort(), AbortGeneration, self.on_abort)
+        await ctx.bus.serve(subjects.engine_shed(self.engine_id), ShedRequests, self.on_shed)
         await self._catch_up()
         async with self.membership.transition():
             self._joined = True
@@ -247,6 +268,11 @@ class EngineWorker:
                 self.on_generate,
                 queue=ENGINE_QUEUE,
             )
+            self._direct_sub = await self.ctx.bus.serve(
+                self.ctx.subjects.engine_generate_on(self.engine_id),
+                GenerateRequest,
+                self.on_generate,
+            )
         self.membership.set_phase("idle")
         log.info("%s serving version %d", self.engine_id, self.engine.version)
         self.ready.set()
@@ -265,6 +291,9 @@ class EngineWorker:
             self.membership.set_phase("sync")
             # Requests already delivered are still handled (and bounced, see on_generate).
             await self.ctx.bus.unserve(sub)
+            direct, self._direct_sub = self._direct_sub, None
+            if direct is not None:
+                await self.ctx.bus.unserve(direct)
             async with self._load_lock:  # never in the middle of a weight swap
                 handed_back = len(self._in_flight)
                 await self.engine.pause("abort")
@@ -333,6 +362,7 @@ class EngineWorker:
                     span.set_attribute("versions", result.versions)
                 span.set_attribute("finish_reason", result.finish_reason)
         finally:
+            resume_on = self._shed_to.pop(request.request_id, "")
             self._in_flight.discard(request.request_id)
             self.membership.in_flight = len(self._in_flight)
             if not self._in_flight and self._generate_sub is not None:
@@ -346,6 +376,7 @@ class EngineWorker:
             versions=result.versions,
             finish_reason=result.finish_reason,
             top_logprobs=[_top_logprobs(top) for top in result.top_logprobs],
+            resume_on=resume_on if result.finish_reason == "abort" else "",
         )
 
     async def _run(self, request: GenerateRequest, params: SamplingParams) -> GenerationResult:
@@ -399,6 +430,29 @@ class EngineWorker:
                     held = []
                     sent_at = clock()
             return await stream.result()
+
+    async def on_shed(self, request: ShedRequests) -> ShedReport:
+        """Rebalance on lend: end the youngest requests in flight at a token boundary;
+        their replies name ``to_engine``, where the gateway resumes them."""
+        handed_over = 0
+        if self._generate_sub is not None and request.to_engine != self.engine_id:
+            with tracer.start_as_current_span(
+                "engine.shed",
+                attributes={"engine.id": self.engine_id, "to_engine": request.to_engine},
+            ) as span:
+                async with self._load_lock:  # never in the middle of a weight swap
+                    for request_id in self._in_flight.youngest(request.count):
+                        self._shed_to[request_id] = request.to_engine
+                        if await self.engine.abort(request_id):
+                            handed_over += 1
+                        else:  # it finished meanwhile
+                            self._shed_to.pop(request_id, None)
+                span.set_attribute("handed_over", handed_over)
+        self.handed_over += handed_over
+        if handed_over:
+            log.info("%s handed %d requests over to %s", self.engine_id, handed_over,
+                     request.to_engine)  # fmt: skip
+        return ShedReport(engine_id=self.engine_id, handed_over=handed_over)
 
     async def on_abort(self, message: AbortGeneration) -> None:
         await self.engine.abort(message.request_id)

@@ -23,7 +23,8 @@ Consumes:
 - ``sf.<run>.sched.phase`` (PhaseChanged): a dead engine's requests are re-routed
 Produces:
 - ``sf.<run>.engine.<policy>.generate`` requests (GenerateRequest, queue group
-  ``engines``) and ``sf.<run>.engine.abort`` broadcasts
+  ``engines``; ``...engine.<policy>.direct.<engine>`` to resume a request handed over
+  to a lent engine) and ``sf.<run>.engine.abort`` broadcasts
 - ``sf.<run>.traj.event.<session>`` (JetStream: SessionOpened, TurnRecorded,
   RewardReported, SessionFinished)
 
@@ -47,7 +48,8 @@ is durably stored before the agent gets its answer. Ids the gateway inserts (a f
 tool call's opening) end ``prompt_ids``: they are never recorded as generated. A
 request that fails validation stores nothing. An engine interruption (finish_reason
 "abort") is resumed here: prompt + partial ids are re-submitted (never re-tokenized)
-until the answer is complete.
+until the answer is complete; to the engine the reply names (``resume_on``: rebalanced
+onto a freshly lent engine) if it still serves, else to any.
 """
 
 from __future__ import annotations
@@ -757,6 +759,8 @@ class Gateway:
         """
         plan = turn.plan
         engine_wait_deadline = time.monotonic() + self.settings.engine_wait_s
+        resume_on = ""
+        """The engine an interrupted request was handed over to (rebalance on lend)."""
         while True:
             request_id = uuid.uuid4().hex
             request = GenerateRequest(
@@ -777,8 +781,13 @@ class Gateway:
                 chunk_every_s=0.0 if plan.engine_stream else PROGRESS_CHUNK_S,
             )
             try:
-                reply = await self._call_engine(request, plan.policy, choice, turn.on_update)
+                reply = await self._call_engine(
+                    request, plan.policy, choice, turn.on_update, resume_on
+                )
             except NoResponder as exc:
+                if resume_on:  # that engine left meanwhile: any engine will do
+                    resume_on = ""
+                    continue
                 if time.monotonic() < engine_wait_deadline:
                     await asyncio.sleep(0.2)
                     continue
@@ -804,6 +813,7 @@ class Gateway:
                     },
                 ):
                     engine_wait_deadline = time.monotonic() + self.settings.engine_wait_s
+                    resume_on = ""
                     continue
             choice.engine_id = reply.engine_id
             if choice.stopped:
@@ -814,9 +824,14 @@ class Gateway:
                     "length" if reply.finish_reason == "abort" else reply.finish_reason
                 )
                 return
+            resume_on = reply.resume_on
             with tracer.start_as_current_span(
                 "gateway.resume",
-                attributes={"partial_tokens": len(choice.token_ids), "engine.id": reply.engine_id},
+                attributes={
+                    "partial_tokens": len(choice.token_ids),
+                    "engine.id": reply.engine_id,
+                    "resume_on": resume_on,
+                },
             ):
                 pass
 
@@ -826,12 +841,18 @@ class Gateway:
         policy: str,
         choice: Choice,
         on_update: Callable[[], None],
+        engine_id: str = "",
     ) -> GenerateReply:
-        """One request to an engine of ``policy``; its tokens go into ``choice`` as chunks
-        arrive (``on_chunk``) and from the reply, which is authoritative."""
+        """One request to an engine of ``policy`` (to ``engine_id`` if given, else to any
+        of the queue group); its tokens go into ``choice`` as chunks arrive (``on_chunk``)
+        and from the reply, which is authoritative."""
+        subjects = self.bus.subjects.for_policy(policy)
+        subject = (
+            subjects.engine_generate_on(engine_id) if engine_id else subjects.engine_generate()
+        )
         reply_task = asyncio.ensure_future(
             self.bus.request(
-                self.bus.subjects.for_policy(policy).engine_generate(),
+                subject,
                 request,
                 GenerateReply,
                 timeout=self.settings.generate_timeout_s,

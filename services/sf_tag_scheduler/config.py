@@ -15,11 +15,21 @@ class TagSchedulerSettings(BaseSettings):
     the trainer waits: ``colocated`` always, ``multiplexed`` when the expected gain beats
     the switch cost, ``disaggregated`` never. The tags make the deployment."""
 
-    lend_margin: float = 1.0
-    """``multiplexed``: lend when the expected rollout gain exceeds this x the switch cost."""
+    lend_margin: float = 0.0
+    """``multiplexed``: lend when steps/s with lending exceed steps/s without by more
+    than this fraction (both measured on the run over blocks of steps)."""
+
+    lend_block_steps: int = 3
+    """``multiplexed``: consecutive trainer waits that take one lending choice; their
+    step periods (the first left out: it carries over the previous choice) measure it."""
+
+    rebalance_on_lend: bool = True
+    """Once lent engines serve, move in-flight requests onto them from the busiest
+    engines (partial rollout); without it a lent engine gets only new requests."""
 
     switch_cost_prior_s: float = 1.0
-    """Lend-in and reclaim time assumed until measured on this run."""
+    """Lend-in and reclaim time assumed until measured on this run (reported with each
+    decision; the decision itself measures steps/s)."""
 
     reclaim_timeout_s: float = 10.0
     """Longest the trainer waits for a lent engine to release its slot; an engine that
@@ -40,4 +50,5 @@ class TagSchedulerSettings(BaseSettings):
             mode=self.mode,
             lend_margin=self.lend_margin,
             switch_cost_prior_s=self.switch_cost_prior_s,
+            block_steps=self.lend_block_steps,
         )

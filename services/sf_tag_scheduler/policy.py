@@ -18,38 +18,41 @@ ones on the trainer's slots. The mode only sets how lending is decided
 (:data:`LENDING_BY_MODE`): ``always`` (colocated: there is no other rollout capacity),
 ``never`` (disaggregated), ``when_pays`` (multiplexed).
 
-When lending pays (``when_pays``): lending is worth it when it shortens the trainer's
-wait for a batch by more than taking the engines back costs the trainer. Both sides
-are measured on the run, on the trainer's critical path:
+When lending pays (``when_pays``): when the run trains more steps per second with it
+than without. Both are measured on the run, over **blocks** of ``block_steps``
+consecutive waits that all take the same choice:
 
-    gain = W_alone - W_lent    >    margin x s_reclaim = switch cost
+    lend iff  period_alone > (1 + lend_margin) x period_lent
 
-- ``W_alone`` / ``W_lent``: the trainer's observed waits for a batch (EWMAs) when
-  nothing was lent and when engines were lent during the wait. Their difference is
-  what lending really bought: it is ~0 when the lent engines get no work (the next
-  batch's requests already sit on dedicated engines) or when rollout is limited by
-  something else (a slow data plane, the long tail of a group), even if the lent
-  engines look busy;
-- ``s_reclaim``: how long the trainer waited for its slots at the claim (in-flight
-  requests handed back for transparent resume, memory freed); EWMA from
-  ``switch_cost_prior_s``.
+- ``period_lent`` / ``period_alone``: the mean step period (one trainer wait to the
+  next: the wait for the batch, the reclaim, training, publishing) over blocks that
+  lent / kept the slots (EWMAs over blocks). A period holds every cost of lending
+  wherever it lands (a reclaim on the trainer's critical path, a lent engine's weight
+  catch-up, handed-back requests re-prefilled on the dedicated engines) and every gain,
+  also one that shows up a step later. The first period of each block is not counted:
+  in a pipelined run it carries over the previous block's choice.
+- Why not single waits: a wait depends on what the steps before it did, and a lend can
+  cost time away from the wait; a rule on single waits kept lending on the 2-core
+  benchmark while steps/s fell (docs/design.md, "When lending pays").
 
 Exploration: the first wait of a run is not measured (the pipeline fills: no batch is
-under way yet) and lends; the next one lends to measure ``W_lent``, the one after does
-not, to measure ``W_alone``; after that the rule decides, and after ``reprobe_after``
-decisions in a row the other choice is taken once to refresh its measurement, because
-the workload changes over a run. With no dedicated engine alive lending is the only
-rollout capacity: always lend.
+under way yet) and lends; then one block lends to measure ``period_lent`` and the next
+keeps the slots to measure ``period_alone``; after that each block is decided by the
+rule, and after ``reprobe_after`` blocks alike the other choice is taken for one block
+to refresh its measurement, because the workload changes over a run. With no dedicated
+engine alive lending is the only rollout capacity: always lend (not measured).
 
-Known limit: single waits carry over effects of the steps before them (a pipelined run)
-and miss costs that land away from the trainer; on the 2-core benchmark this rule kept
-lending while steps/s fell. Deciding on throughput over blocks of steps is the next
-step (docs/design.md, "Known limits").
+Rebalance on lend (:meth:`TagPolicy.shed_plan`): a freshly lent engine otherwise gets
+only requests made after it joined, while the step's requests sit on the dedicated
+engines. The plan moves in-flight requests from the busiest engines onto it (partial
+rollout: they keep their tokens and resume there) until it holds its share. The
+tag-scheduler sends the plan to the engines; the simulator applies it the same way.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -132,19 +135,41 @@ class Ewma:
 @dataclass
 class PolicyConfig:
     mode: Mode = "disaggregated"
-    lend_margin: float = 1.0
-    """Lend when the expected gain exceeds ``lend_margin`` x the switch cost."""
+    lend_margin: float = 0.0
+    """Lend when steps/s with lending exceed steps/s without by more than this fraction
+    (measured over blocks of steps)."""
     switch_cost_prior_s: float = 1.0
-    """Lend-in and reclaim time assumed before any has been measured."""
-    ewma_alpha: float = 0.3
-    """Weight of the newest measurement in the running estimates."""
+    """Lend-in and reclaim time assumed before any has been measured (reported only)."""
+    ewma_alpha: float = 0.5
+    """Weight of the newest block in the running estimates."""
+    block_steps: int = 3
+    """Consecutive waits that take the same lending choice; the block's mean step period
+    (its first one left out) is one measurement of that choice."""
     reprobe_after: int = 10
-    """After this many identical decisions in a row, take the other one once to refresh
-    its measurement."""
+    """After this many blocks alike in a row, take the other choice for one block to
+    refresh its measurement."""
 
     @property
     def lending(self) -> Lending:
         return LENDING_BY_MODE[self.mode]
+
+
+@dataclass(frozen=True)
+class Shed:
+    """Move ``count`` in-flight requests from engine ``donor`` onto engine ``target``."""
+
+    donor: str
+    target: str
+    count: int
+
+
+@dataclass
+class _Block:
+    """Consecutive waits that take one lending choice; their step periods measure it."""
+
+    lend: bool
+    left: int
+    periods: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -178,14 +203,21 @@ class TagPolicy:
         self.members: dict[str, _Member] = {}
         self.lent: set[str] = set()
         self.trainer = _Trainer()
-        self.wait_alone = Ewma(self.config.ewma_alpha)
-        """The trainer's wait for a batch when nothing was lent (measured)."""
-        self.wait_lent = Ewma(self.config.ewma_alpha)
-        """The trainer's wait for a batch when engines were lent during it (measured)."""
+        self.period_alone = Ewma(self.config.ewma_alpha)
+        """Mean step period over blocks that kept the slots (measured)."""
+        self.period_lent = Ewma(self.config.ewma_alpha)
+        """Mean step period over blocks that lent them (measured)."""
         self.lend_cost = Ewma(self.config.ewma_alpha, self.config.switch_cost_prior_s)
         self.reclaim_cost = Ewma(self.config.ewma_alpha, self.config.switch_cost_prior_s)
-        self._same_in_row = 0
-        self._last_lent: bool | None = None
+        self._block: _Block | None = None
+        """The block of waits under way (None: none begun yet)."""
+        self._blocks_alike = 0
+        self._last_block_lent: bool | None = None
+        self._last_wait: tuple[float, _Block | None] | None = None
+        """When the previous wait began, and the block whose period it starts (None: the
+        period is not measured)."""
+        self._lending_now = False
+        """The choice of the current wait (a resource joining mid-wait follows it)."""
         self.claims = 0
         """Batches the trainer claimed its slots for (steps begun)."""
         self.stats = PolicyStats()
@@ -253,83 +285,118 @@ class TagPolicy:
         """The trainer finished a step (weights published) and waits for the next batch."""
         self.trainer.training = False
         self.trainer.waiting_since = now
-        plan = self._lend_rule(count_declined=True)
+        if self._last_wait is not None:
+            began, block = self._last_wait
+            if block is not None:
+                block.periods.append(now - began)
+        plan, block = self._wait_rule()
+        self._last_wait = (now, block)
         self.trainer.dedicated_at_wait = len(self.dedicated)
         self.stats.decisions.append(f"wait: lend {len(plan.lend)} ({plan.reason})")
         return plan
 
     def rebalance(self, now: float) -> LendPlan:
         """The pool changed (a resource joined or died) while the trainer is not
-        training: apply the lending rule again to the engines not lent yet, so that an
-        engine that registers after the trainer started waiting (or the loss of the
+        training: apply the current wait's choice to the engines not lent yet, so that
+        an engine that registers after the trainer started waiting (or the loss of the
         last dedicated engine) does not leave rollout without capacity."""
         if self.trainer.training:
             return LendPlan((), "the trainer is training", math.inf, 0.0, 0.0)
-        plan = self._lend_rule(count_declined=False)
+        lending = self.config.lending
+        if lending == "never":
+            return self._plan(False, "mode never lends")
+        if lending == "always":
+            return self._plan(True, "mode always lends")
+        if not self.dedicated:
+            plan = self._plan(True, "no dedicated engine: lending is all the rollout there is")
+        elif self.claims == 0:
+            plan = self._plan(True, "the first batch fills the pipeline: lend, not measured")
+        else:
+            plan = self._plan(self._lending_now, "as decided for this wait")
         if plan.lend:
             self.stats.decisions.append(f"rebalance: lend {len(plan.lend)} ({plan.reason})")
         return plan
 
-    def _lend_rule(self, *, count_declined: bool) -> LendPlan:
-        candidates = tuple(r for r in self.lendable if r not in self.lent)
-        dedicated = len(self.dedicated)
-        cost = self.reclaim_cost.value or 0.0
-        gain = self.expected_gain()
+    def _wait_rule(self) -> tuple[LendPlan, _Block | None]:
+        """The lending choice of a new wait, and the block its period measures."""
         lending = self.config.lending
-        lend: tuple[str, ...] = ()
-        if not candidates:
-            reason = "nothing lendable"
-        elif lending == "never":
-            reason = "mode never lends"
-        elif lending == "always":
-            lend, reason = candidates, "mode always lends"
-        elif dedicated == 0:
-            lend, reason = candidates, "no dedicated engine: lending is all the rollout there is"
-        elif self.claims == 0:
-            lend, reason = candidates, "the first batch fills the pipeline: lend, not measured"
-        elif self.wait_lent.samples == 0:
-            lend, reason = candidates, "wait with lending not measured yet: lend to measure"
-        elif self.wait_alone.samples == 0:
-            reason = "wait without lending not measured yet: keep the slots to measure"
+        if lending == "never":
+            return self._plan(False, "mode never lends"), None
+        if lending == "always":
+            return self._plan(True, "mode always lends"), None
+        if not self.lendable:
+            return self._plan(False, "nothing lendable"), None
+        if not self.dedicated:
+            return self._plan(
+                True, "no dedicated engine: lending is all the rollout there is"
+            ), None
+        if self.claims == 0:
+            return self._plan(True, "the first batch fills the pipeline: lend, not measured"), None
+        block = self._block
+        if block is None or block.left == 0:
+            if block is not None:
+                self._close(block)
+            lend, reason = self._choose()
+            block = self._block = _Block(lend, self.config.block_steps)
+            first = True
         else:
-            pays = gain > self.config.lend_margin * cost
-            if count_declined and self._same_in_row + 1 >= self.config.reprobe_after:
-                pays = not pays
-                verdict = f"{self._same_in_row + 1} alike in a row: the other way, to re-measure"
-            else:
-                verdict = f"gain {gain:.3f}s {'>' if pays else '<='} cost {cost:.3f}s"
-            reason = f"{verdict} (waits alone {self.wait_alone.value:.3f}s, "
-            reason += f"lent {self.wait_lent.value:.3f}s)"
-            if pays:
-                lend = candidates
-            elif count_declined:
-                self.stats.declined += 1
-        if count_declined and candidates and lending == "when_pays":
-            lent_now = bool(lend)
-            self._same_in_row = self._same_in_row + 1 if lent_now == self._last_lent else 1
-            self._last_lent = lent_now
+            reason = f"block: {'lend' if block.lend else 'keep the slots'} "
+            reason += f"({self.config.block_steps - block.left + 1} of {self.config.block_steps})"
+            first = False
+        block.left -= 1
+        if not block.lend:
+            self.stats.declined += 1
+        # the first period of a block carries over the previous block's choice
+        measured = block if not first or self.config.block_steps == 1 else None
+        return self._plan(block.lend, reason), measured
+
+    def _close(self, block: _Block) -> None:
+        if block.periods:
+            mean = sum(block.periods) / len(block.periods)
+            (self.period_lent if block.lend else self.period_alone).add(mean)
+        self._blocks_alike = self._blocks_alike + 1 if block.lend == self._last_block_lent else 1
+        self._last_block_lent = block.lend
+
+    def _choose(self) -> tuple[bool, str]:
+        """A new block: lend or keep the slots, and why."""
+        n = self.config.block_steps
+        if self.period_lent.samples == 0:
+            return True, f"steps/s with lending not measured yet: a block of {n} lends"
+        if self.period_alone.samples == 0:
+            return False, f"steps/s without lending not measured yet: a block of {n} keeps"
+        alone, lent = self.period_alone.value or 0.0, self.period_lent.value or 0.0
+        pays = alone > (1 + self.config.lend_margin) * lent
+        if self._blocks_alike >= self.config.reprobe_after:
+            pays = not pays
+            verdict = f"{self._blocks_alike} blocks alike: the other way, to re-measure"
+        else:
+            verdict = f"step {lent:.3f}s lent {'<' if pays else '>='} {alone:.3f}s alone"
+            if self.config.lend_margin:
+                verdict += f" / {1 + self.config.lend_margin:g}"
+        return pays, f"{verdict}: a block of {n} {'lends' if pays else 'keeps'}"
+
+    def _plan(self, lend_all: bool, reason: str) -> LendPlan:
+        """Lend every lendable engine not lent yet (or none), and record it."""
+        self._lending_now = lend_all
+        lend = tuple(r for r in self.lendable if r not in self.lent) if lend_all else ()
         self.lent.update(lend)
         self.stats.lends += len(lend)
         self.trainer.lent_at_wait = len(self.lent)
-        return LendPlan(lend, reason, self.expected_wait(dedicated), gain, cost)
+        cost = self.reclaim_cost.value or 0.0
+        return LendPlan(lend, reason, self.expected_wait(), self.expected_gain(), cost)
 
     def expected_gain(self) -> float:
-        """W_alone - W_lent once both are measured; unbounded before (explore)."""
-        if self.wait_alone.value is None or self.wait_lent.value is None:
+        """Seconds per step lending saved (period alone - period lent) once both are
+        measured; unbounded before (explore)."""
+        if self.period_alone.value is None or self.period_lent.value is None:
             return math.inf
-        return self.wait_alone.value - self.wait_lent.value
+        return self.period_alone.value - self.period_lent.value
 
     def trainer_claims(self, now: float) -> ReclaimPlan:
         """A full batch is ready: the trainer needs its slots back now."""
-        if self.trainer.waiting_since is not None:
-            waited = max(now - self.trainer.waiting_since, 0.0)
-            # the first wait fills the pipeline; without dedicated engines there is no
-            # "alone" to compare with
-            if self.claims > 0 and self.trainer.dedicated_at_wait > 0:
-                lent = self.trainer.lent_at_wait > 0
-                (self.wait_lent if lent else self.wait_alone).add(waited)
         self.trainer.waiting_since = None
         self.trainer.training = True
+        self._lending_now = False
         self.claims += 1
         reclaim = tuple(sorted(self.lent))
         self.lent.clear()
@@ -338,14 +405,40 @@ class TagPolicy:
         self.stats.decisions.append(f"claim: reclaim {len(reclaim)}")
         return ReclaimPlan(reclaim, reason)
 
-    def expected_wait(self, dedicated: int | None = None) -> float:
-        """W_alone: the trainer's expected wait with dedicated engines only (inf if
-        there are none or it was not measured yet)."""
-        if dedicated is None:
-            dedicated = len(self.dedicated)
-        if dedicated == 0 or self.wait_alone.value is None:
-            return math.inf
-        return self.wait_alone.value
+    def expected_wait(self) -> float:
+        """The step period without lending (measured; inf before, or with no dedicated
+        engine alive: there is no "without lending")."""
+        value = self.period_alone.value
+        return math.inf if value is None or not self.dedicated else value
+
+    # ------------------------------------------------------------------ rebalance on lend
+
+    def shed_plan(self, loads: dict[str, int], targets: Sequence[str]) -> list[Shed]:
+        """Requests to move onto freshly lent engines ``targets``.
+
+        ``loads``: requests in flight per serving engine (the targets included). Each
+        target is filled up to the mean load (rounded down), from the busiest engines
+        first, none of which is taken below the mean. Targets are filled in order; a
+        target is never a donor."""
+        if not targets or not loads:
+            return []
+        load = dict(loads)
+        share = sum(load.values()) // len(load)
+        plan: list[Shed] = []
+        for target in targets:
+            donors = sorted((r for r in load if r not in targets), key=lambda r: (-load[r], r))
+            for donor in donors:
+                wanted = share - load.get(target, 0)
+                excess = load[donor] - share
+                if wanted <= 0:
+                    break
+                if excess <= 0:
+                    continue
+                count = min(wanted, excess)
+                load[donor] -= count
+                load[target] = load.get(target, 0) + count
+                plan.append(Shed(donor, target, count))
+        return plan
 
     # ------------------------------------------------------------------ measurements
 

@@ -10,12 +10,16 @@ Consumes:
 Produces:
 - ``sf.<run>.sched.assign.<resource>`` (request RoleAssignment -> RoleAck): role
   changes (lend: ``rollout``; reclaim: ``idle``), acked once in effect
+- ``sf.<run>.engine.shed.<engine>`` (request ShedRequests -> ShedReport): rebalance
+  on lend, once lent engines serve (``TagPolicy.shed_plan`` over the loads the
+  engines' heartbeats report)
 - ``sf.<run>.sched.phase`` (PhaseChanged: phase transitions and deaths)
 - KV bucket ``sf_<run>_resources``: one entry per resource (tags, slots, role, phase,
   status, process); read back on start-up, so a restarted scheduler knows every
   resource again without asking it to register (see ``_restore``)
 - spans ``sched.decide`` (each lending decision and its estimates), ``sched.lend`` and
-  ``sched.reclaim`` (the switches and their cost)
+  ``sched.reclaim`` (the switches and their cost), ``sched.rebalance`` (requests moved
+  onto lent engines)
 
 The decisions themselves are made by :class:`sf_tag_scheduler.policy.TagPolicy`, the
 same object the simulator drives; this module only does the I/O around it.
@@ -50,6 +54,8 @@ from seamlessflow.protocol import (
     Role,
     RoleAck,
     RoleAssignment,
+    ShedReport,
+    ShedRequests,
     SlotsClaim,
     SlotsGranted,
     SlotsReleased,
@@ -76,6 +82,8 @@ class ResourceState:
     alive: bool = True
     process: tuple[str, int] = ("", 0)
     """Host and pid of the process that registered it."""
+    in_flight: int = 0
+    """Requests in flight, as its last heartbeat said."""
 
 
 class TagScheduler:
@@ -295,6 +303,51 @@ class TagScheduler:
             for ack in acks:
                 if ack is not None:
                     self.decisions(policy).observe_lend(ack.seconds)
+            serving = tuple(rid for rid, ack in zip(plan.lend, acks, strict=True) if ack)
+            if serving and self.settings.rebalance_on_lend:
+                await self._rebalance_onto(policy, serving)
+
+    async def _rebalance_onto(self, policy: str, targets: tuple[str, ...]) -> None:
+        """Freshly lent engines serve: move in-flight requests onto them from the
+        busiest engines of the policy (the engines hand them over, the gateway resumes
+        them there). Loads are the heartbeats' (up to one interval old); a donor hands
+        over at most what it still has."""
+        decisions = self.decisions(policy)
+        loads = {
+            rid: state.in_flight
+            for rid, state in self.resources.items()
+            if state.policy == policy
+            and state.alive
+            and state.view.kind == "engine"
+            and state.role == "rollout"
+        }
+        for rid in targets:
+            loads.setdefault(rid, 0)
+        plan = decisions.shed_plan(loads, targets)
+        with tracer.start_as_current_span(
+            "sched.rebalance",
+            attributes={"policy": policy, "targets": list(targets), "planned": len(plan)},
+        ) as span:
+            reports = await asyncio.gather(
+                *(self._shed(move.donor, move.target, move.count) for move in plan)
+            )
+            moved = sum(report.handed_over for report in reports if report is not None)
+            span.set_attribute("handed_over", moved)
+        if plan:
+            log.info("rebalanced %d requests onto %s", moved, list(targets))
+
+    async def _shed(self, donor: str, target: str, count: int) -> ShedReport | None:
+        try:
+            report: ShedReport = await self.ctx.bus.request(
+                self.ctx.subjects.engine_shed(donor),
+                ShedRequests(to_engine=target, count=count),
+                ShedReport,
+                timeout=self.settings.reclaim_timeout_s,
+            )
+        except (NoResponder, RemoteError) as exc:
+            log.warning("%s did not hand requests over: %s", donor, exc)
+            return None
+        return report
 
     async def _reassign_loop(self) -> None:
         """A resource back from the dead is told the role it should play now (it may
@@ -357,6 +410,7 @@ class TagScheduler:
         if state is None:
             return  # not registered (yet); its register request will follow
         state.last_seen = time.time()
+        state.in_flight = beat.in_flight
         revived = not state.alive
         state.alive = True
         if revived:

@@ -40,8 +40,9 @@ What happens (mirroring the services)
   to a random serving engine (the NATS queue group ``engines``) that has room, else
   waits in one queue, resumed partials first. A turn that lands on the engine of its
   previous turn prefills only the tool result (prefix cache), elsewhere its whole
-  context. A lent engine therefore gets only requests made after it joined; the
-  what-if ``rebalance_on_lend`` moves in-flight ones onto it.
+  context. When lent engines start serving, the policy's ``shed_plan`` moves the most
+  recently started in-flight sequences of the busiest engines onto them, up to the
+  mean load (``rebalance_on_lend``, the tag-scheduler's ``engine.shed`` requests).
 - Trainer (``sf_trainer``): on a ready batch it claims its slots
   (``policy.trainer_claims``); every lent engine is reclaimed: its in-flight sequences
   keep their tokens and go back to the queue (partial rollout: they are resumed by
@@ -265,12 +266,12 @@ class Deployment:
 COLOCATED_SYNC = Deployment("colocated-sync", "colocated", 1.0, True, 0)
 
 
-def disaggregated_async(train_fraction: float) -> Deployment:
-    return Deployment("disaggregated-async", "disaggregated", train_fraction, False, 1)
+def disaggregated_async(train_fraction: float, batches_ahead: int = 1) -> Deployment:
+    return Deployment("disaggregated-async", "disaggregated", train_fraction, False, batches_ahead)
 
 
-def multiplexed(train_fraction: float) -> Deployment:
-    return Deployment("multiplexed", "multiplexed", train_fraction, True, 1)
+def multiplexed(train_fraction: float, batches_ahead: int = 1) -> Deployment:
+    return Deployment("multiplexed", "multiplexed", train_fraction, True, batches_ahead)
 
 
 @dataclass(frozen=True)
@@ -293,11 +294,12 @@ class SimConfig:
     max_staleness: int | None = 4
     """Drop samples whose first token is more than this many versions older than the
     batch (the trajectory service's ``SF_TRAJECTORY_MAX_STALENESS``); None: never."""
-    rebalance_on_lend: bool = False
-    """What-if, not in the product: when a lent engine starts serving, move in-flight
-    sequences onto it from the busiest engines (through partial rollout, the way a
-    reclaim moves them off). Without it a lent engine only gets work that arrives
-    after it joined."""
+    rebalance_on_lend: bool = True
+    """As the product does (``TagPolicy.shed_plan``, sent by the tag-scheduler once lent
+    engines serve): move the most recently started in-flight sequences of the busiest
+    engines onto a freshly lent one (partial rollout: tokens kept, prompt + partial
+    prefilled there). False: a lent engine only gets work that arrives after it joined
+    (the product before rebalancing was built; for comparison)."""
     bounded_dispatch: bool = False
     """Dispatch exactly ``steps`` batches' worth of groups (``SF_TRAJECTORY_TOTAL_BATCHES``)
     instead of dispatching for as long as training goes on. With stale drops the last
@@ -779,25 +781,22 @@ class Simulation:
             self._rebalance_onto(engine)
 
     def _rebalance_onto(self, target: _Engine) -> None:
-        """What-if (``rebalance_on_lend``): a freshly lent engine takes sequences from
-        the busiest serving engines until it holds its share, each moved like a
-        reclaimed one (tokens kept, prompt + partial prefilled on arrival). The
-        sequences with the most work left move first: they gain the most."""
-        serving = [e for e in self.engines if e.serving]
-        share = sum(len(e.running) for e in serving) // len(serving)
-        for donor in sorted(serving, key=lambda e: (-len(e.running), e.index)):
-            wanted = share - len(target.running)
-            excess = len(donor.running) - share
-            if wanted <= 0 or excess <= 0:
-                break
+        """The tag-scheduler's rebalance on lend: ``TagPolicy.shed_plan`` over the
+        serving engines' loads; each donor hands back its most recently started
+        sequences (the engine worker sheds the youngest requests: the cheapest to
+        prefill again), which resume on the target (tokens kept, context prefilled)."""
+        loads = {e.resource_id: len(e.running) for e in self.engines if e.serving}
+        for move in self.policy.shed_plan(loads, [target.resource_id]):
+            donor = self.by_id[move.donor]
             self._advance(donor)
-            donor.running.sort()
-            moved = donor.running[-min(wanted, excess) :]
-            del donor.running[-len(moved) :]  # a sorted list is a valid heap
-            for end, _, sample in moved:
+            youngest = heapq.nlargest(move.count, donor.running, key=lambda r: r[2].seg_tau)
+            moved = {id(entry) for entry in youngest}
+            donor.running = [entry for entry in donor.running if id(entry) not in moved]
+            heapq.heapify(donor.running)
+            for end, _, sample in youngest:
                 self._hand_back(sample, end, donor)
                 self._start(sample, target)
-            self.interrupted += len(moved)
+            self.interrupted += len(youngest)
             if not donor.running:
                 self._stop_decoding(donor)
             self._touch(donor)
@@ -974,15 +973,20 @@ def compare(
     gpus: Sequence[int],
     base: SimConfig,
     train_fractions: Sequence[float] = DEFAULT_TRAIN_FRACTIONS,
+    batches_ahead: int = 1,
 ) -> list[Row]:
-    """Colocated-sync, and the best split of disaggregated-async and of multiplexed, at
-    every cluster size, on the same workload and seed."""
+    """Colocated-sync, and the best split of disaggregated-async and of multiplexed
+    (both running ``batches_ahead`` batches ahead of training), at every cluster size,
+    on the same workload and seed."""
     rows: list[Row] = []
     for g in gpus:
         baseline = simulate(replace(base, gpus=g, deployment=COLOCATED_SYNC))
         rows.append(Row(baseline, 1.0))
         for make in (disaggregated_async, multiplexed):
-            tried = [simulate(replace(base, gpus=g, deployment=make(f))) for f in train_fractions]
+            tried = [
+                simulate(replace(base, gpus=g, deployment=make(f, batches_ahead)))
+                for f in train_fractions
+            ]
             best = max(tried, key=lambda r: r.tokens_per_s)
             speedup = best.tokens_per_s / baseline.tokens_per_s if baseline.tokens_per_s else 0
             rows.append(Row(best, speedup, tuple(train_fractions)))
@@ -1051,12 +1055,15 @@ def calibrate_from_run(run_dir: Path, base: SimConfig) -> Calibration:
     """Scale the model's rates to a measured run (``runs/<id>/summary.json``).
 
     Taken from the run: per-turn response length (mean tokens per sample / mean turns)
-    and its cap, group size, engine concurrency, decode rate (generated tokens/s per
-    engine worker, which is a lower bound on the engine's full-batch rate: the run's data
-    plane may have limited it; the single-sequence and prefill rates are scaled by the
-    same factor), training rate (trained tokens per step / mean step time, one training
-    slot), weight sync (mean publish time) and, if ``spans.jsonl`` has them, the lend-in
-    and reclaim times of a multiplexed run. Everything else stays modeled.
+    and its cap, group size, samples per step (``samples_per_gpu`` at the run's slot
+    count, engines + 1), engine concurrency, decode rate (steady generated tokens/s per
+    engine worker if the summary has it, else over the whole run: a lower bound on the
+    engine's full-batch rate, the run's data plane may have limited it; the
+    single-sequence and prefill rates are scaled by the same factor), the training rate
+    (set so that a modeled step takes the measured mean step time, on one training
+    slot, with every token the model charges), weight sync (mean publish time) and, if
+    ``spans.jsonl`` has them, the mean prompt length (``engine.generate`` spans) and
+    the lend-in and reclaim times of a multiplexed run. Everything else stays modeled.
     """
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = int(summary["steps"])
@@ -1068,18 +1075,31 @@ def calibrate_from_run(run_dir: Path, base: SimConfig) -> Calibration:
     engines = max(int(run_config.get("engines", 1)), 1)
     notes = [f"calibrated from {run_dir}"]
 
-    tokens_per_sample = summary["tokens_generated"] / (steps * group_size * groups_per_batch)
+    samples_per_step = group_size * groups_per_batch
+    slots = engines + 1  # embedded: every mode uses the same N + 1 slots
+    tokens_per_sample = summary["tokens_generated"] / (steps * samples_per_step)
+    spans = _span_figures(run_dir / "spans.jsonl")
+    prompt_tokens = round(spans.pop("prompt_tokens", base.workload.prompt_tokens))
     workload = replace(
         base.workload,
         group_size=group_size,
+        samples_per_gpu=max(samples_per_step // slots, 1),
+        prompt_tokens=max(prompt_tokens, 1),
         response_mean_tokens=max(tokens_per_sample / base.workload.mean_turns, 1.0),
         max_tokens=int(run_config.get("max_tokens", base.workload.max_tokens)),
     )
     notes.append(
         f"response: mean {workload.response_mean_tokens:.1f} tokens/turn, cap {workload.max_tokens}"
     )
+    notes.append(
+        f"workload: {workload.samples_per_gpu} samples/slot/step at {slots} slots, prompt "
+        f"{workload.prompt_tokens} tokens"
+    )
     engine = base.engine
-    engine_rate = summary["generated_tokens_per_s"] / engines
+    rate_key = "steady_generated_tokens_per_s"
+    if not summary.get(rate_key):
+        rate_key = "generated_tokens_per_s"
+    engine_rate = summary[rate_key] / engines
     if engine_rate > 0:
         scale = engine_rate / engine.decode_tokens_per_s_full
         engine = replace(
@@ -1089,20 +1109,28 @@ def calibrate_from_run(run_dir: Path, base: SimConfig) -> Calibration:
             decode_tokens_per_s_full=engine_rate,
             prefill_tokens_per_s=engine.prefill_tokens_per_s * scale,
         )
-        notes.append(f"decode: {engine_rate:.1f} tokens/s per engine (scale {scale:.3g})")
+        notes.append(
+            f"decode: {engine_rate:.1f} tokens/s per engine ({rate_key}, scale {scale:.3g})"
+        )
     trainer = base.trainer
     if summary["mean_step_s"] > 0:
-        rate = summary["tokens_trained"] / steps / summary["mean_step_s"]
+        # the model charges every token of a sample: prompt + responses (+ tool output)
+        charged = samples_per_step * (
+            workload.prompt_tokens
+            + tokens_per_sample
+            + workload.tool_output_tokens * (workload.mean_turns - 1)
+        )
+        rate = charged / summary["mean_step_s"]
         trainer = replace(trainer, train_tokens_per_s_per_gpu=rate, step_overhead_s=0.0)
         notes.append(
-            f"training: {rate:.1f} tokens/s per slot (the run's count excludes prompt "
-            "tokens, the model charges them: step time is slightly overstated)"
+            f"training: {rate:.1f} charged tokens/s per slot (a step takes the measured "
+            f"{summary['mean_step_s']:.3f} s)"
         )
     if summary["mean_publish_s"] > 0:
         trainer = replace(trainer, model_bytes=0.0, sync_latency_s=summary["mean_publish_s"])
         notes.append(f"weight sync: {summary['mean_publish_s']:.3f} s per version")
     switch = base.switch
-    measured = _switch_times(run_dir / "spans.jsonl")
+    measured = spans
     if measured:
         switch = replace(switch, **measured)
         notes.append(f"switch: {measured} (from spans)")
@@ -1113,20 +1141,24 @@ def calibrate_from_run(run_dir: Path, base: SimConfig) -> Calibration:
     return Calibration(config, notes)
 
 
-def _switch_times(spans_path: Path) -> dict[str, float]:
-    """Mean lend-in and reclaim seconds from a run's ``sched.lend`` / ``sched.reclaim``
-    spans (a multiplexed or colocated run has them)."""
+def _span_figures(spans_path: Path) -> dict[str, float]:
+    """From a run's spans: the mean prompt length of engine requests
+    (``engine.generate``), and the mean lend-in and reclaim seconds (``sched.lend`` /
+    ``sched.reclaim``, in a multiplexed or colocated run)."""
     if not spans_path.exists():
         return {}
-    seconds: dict[str, list[float]] = {"lend_in_s": [], "reclaim_s": []}
+    seconds: dict[str, list[float]] = {"lend_in_s": [], "reclaim_s": [], "prompt_tokens": []}
     with spans_path.open() as lines:
         for line in lines:
             span = json.loads(line)
             attributes = span.get("attributes", {})
+            name = span.get("name")
+            if name == "engine.generate" and "prompt_tokens" in attributes:
+                seconds["prompt_tokens"].append(float(attributes["prompt_tokens"]))
             if "seconds" not in attributes:
                 continue
-            if span.get("name") == "sched.lend":
+            if name == "sched.lend":
                 seconds["lend_in_s"].append(float(attributes["seconds"]))
-            elif span.get("name") == "sched.reclaim" and attributes.get("reclaimed"):
+            elif name == "sched.reclaim" and attributes.get("reclaimed"):
                 seconds["reclaim_s"].append(float(attributes["seconds"]))
     return {name: sum(values) / len(values) for name, values in seconds.items() if values}
