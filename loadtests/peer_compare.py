@@ -93,6 +93,21 @@ DEFAULT_OUT = Path("runs/load/peer_compare.json")
 RATE_FIGURES = tuple(name for name in PEER_RATIOS if name not in TIME_RATIOS)
 
 
+TASKS = ("arithmetic", "counting")
+ENGINES = ("hf", "vllm")
+
+
+def engine_list(text: str) -> list[str]:
+    """``--engines``: distinct names of ``ENGINES``, comma-separated, in order."""
+    names = [part.strip() for part in text.split(",")]
+    unknown = [name for name in names if name not in ENGINES]
+    if unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"engines must be distinct names of {', '.join(ENGINES)}: {text!r}"
+        )
+    return names
+
+
 def thread_counts(text: str) -> list[int]:
     """``--trl-threads-sweep``: distinct positive integers, comma-separated, in order."""
     try:
@@ -113,7 +128,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     parser.add_argument("--groups-per-batch", type=int, default=8, help="prompts per step")
-    parser.add_argument("--max-tokens", type=int, default=6, help="completion budget")
+    parser.add_argument(
+        "--task", choices=TASKS, default="arithmetic",
+        help="built-in task: arithmetic (answers of ~3 tokens) or counting (worked answers "
+        "of 60-500 tokens: generation-bound; `just peer-long`)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-tokens", type=int, default=None,
+        help="completion budget (default: the task's, 6 for arithmetic)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--engines", type=engine_list, default=["hf"], metavar="NAME,...",
+        help="our engine backends, one SeamlessFlow run each (hf, vllm); the first is the "
+        "headline (default: hf)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model-size", default="small",
+        help="size of the built-in base model when --model-dir is not given "
+        "(seamlessflow.assets.base_model.MODEL_SIZES; default %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate (constant)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -163,6 +196,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
+    if args.max_tokens is None:
+        from seamlessflow.tasks import get_task_source
+
+        args.max_tokens = int(getattr(get_task_source(args.task, args.seed), "max_tokens", 6))
     if min(args.steps, args.groups_per_batch, args.max_tokens, args.trl_threads) < 1:
         parser.error("--steps, --groups-per-batch, --max-tokens and --trl-threads must be >= 1")
     if args.trl_threads_sweep is None:
@@ -175,17 +212,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--max-batches-ahead must be >= 0")
     if args.judge_median_ms < 0 or args.judge_sigma < 0:
         parser.error("--judge-median-ms and --judge-sigma must be >= 0")
+    if args.judge_median_ms > 0 and args.task != "arithmetic":
+        parser.error("--judge-median-ms scores the arithmetic task only")
     return args
 
 
 # --------------------------------------------------------------------------- shared set-up
 
 
-def default_model_dir() -> Path:
-    from seamlessflow.assets.base_model import ensure_base_model
+def default_model_dir(task: str = "arithmetic", size: str = "small") -> Path:
+    """The built-in base model warmed up on ``task``, at ``size``, built once and cached
+    where the embedded run caches it."""
+    from seamlessflow.assets.base_model import ensure_base_model, sized_config
 
     cache = Path(os.environ.get("SF_CACHE_DIR", "~/.cache/seamlessflow")).expanduser()
-    return ensure_base_model(cache / "models" / "base-arithmetic")
+    name = f"base-{task}" if size == "small" else f"base-{task}-{size}"
+    return ensure_base_model(cache / "models" / name, task=task, config=sized_config(task, size))
 
 
 def dispatch_order(count: int, seed: int, task: str = "arithmetic") -> list[Any]:
@@ -221,6 +263,7 @@ def base_reward(model_dir: Path, items: list[Any], args: argparse.Namespace) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from seamlessflow.assets.base_model import sampled_reward
+    from seamlessflow.tasks import get_task_source
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -228,7 +271,7 @@ def base_reward(model_dir: Path, items: list[Any], args: argparse.Namespace) -> 
         model,
         tokenizer,
         items,
-        "integer_match",
+        get_task_source(args.task, args.seed).reward_fn,
         samples_per_prompt=args.group_size,
         max_new_tokens=args.max_tokens,
         seed=args.seed,
@@ -333,12 +376,14 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | No
 
 
 def run_seamlessflow(
-    args: argparse.Namespace, model_dir: Path, task: str
+    args: argparse.Namespace, model_dir: Path, task: str, engine: str = "hf"
 ) -> tuple[list[Step], float, float, dict[str, Any]]:
     from seamlessflow.embedded import EmbeddedRun, RunConfig, deployment
 
+    # the engine processes read their backend from the environment they inherit
+    os.environ["SF_ENGINE_BACKEND"] = engine
     config = RunConfig(
-        run_id=f"peer-sf-{time.strftime('%Y%m%d-%H%M%S')}",
+        run_id=f"peer-sf-{engine}-{time.strftime('%Y%m%d-%H%M%S')}",
         runs_dir=args.runs_dir,
         model_dir=model_dir,
         task=task,
@@ -362,6 +407,7 @@ def run_seamlessflow(
         for m in run.metrics
     ]
     extra = {
+        "engine": engine,
         "run_dir": str(run.run_dir),
         "mode": summary.mode,
         "mean_step_s": summary.mean_step_s,
@@ -394,8 +440,10 @@ def run_trl(
 
     from peer_judge import trl_judge_reward
 
-    from seamlessflow.rewards import integer_match
+    from seamlessflow.rewards import get_reward
+    from seamlessflow.tasks import get_task_source
 
+    task_reward = get_reward(get_task_source(args.task, args.seed).reward_fn)
     torch.set_num_threads(threads)
     started = time.time()
 
@@ -411,7 +459,7 @@ def run_trl(
         completions: list[Any], completion_ids: list[list[int]], reference: list[str], **_: Any
     ) -> list[float | None]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        scores = [integer_match(t, r) for t, r in zip(texts, reference, strict=True)]
+        scores = [task_reward(t, r) for t, r in zip(texts, reference, strict=True)]
         record(scores, completion_ids)
         return [*scores]  # TRL's reward type admits None for a sample
 
@@ -602,6 +650,20 @@ def print_table(report: dict[str, Any]) -> None:
                   f"{judge['max_s']:.3f} s")  # fmt: skip
     print(f"1-min load average before / after: SeamlessFlow {ours['loadavg_1m']}, "
           f"TRL {theirs['loadavg_1m']}")  # fmt: skip
+    if len(report["by_engine"]) > 1:
+        print(f"\nSeamlessFlow by engine (the headline above: {settings['engines'][0]})")
+        header = (f"{'engine':>7} {'steps/s':>8} {'steady':>8} {'to target (s)':>14} "
+                  f"{'SF/TRL steps/s':>15} {'steady':>7} {'to target':>10} "
+                  f"{'reward last':>12}")  # fmt: skip
+        print(header)
+        print("-" * len(header))
+        for engine, entry in report["by_engine"].items():
+            side, r = entry["seamlessflow"], entry["ratios"]
+            print(f"{engine:>7} {fmt(side['steps_per_s'], 3):>8} "
+                  f"{fmt(side['steady_steps_per_s'], 3):>8} {fmt(side['time_to_target_s']):>14} "
+                  f"{fmt(r['steps_per_s'], 2):>15} {fmt(r['steady_steps_per_s'], 2):>7} "
+                  f"{fmt(r['time_to_target_s'], 2):>10} "
+                  f"{fmt(side['reward_last'], 3):>12}")  # fmt: skip
     print(f"\nTRL by torch threads (the headline above: {settings['trl_threads']} threads)")
     header = (f"{'threads':>7} {'steps/s':>8} {'steady':>8} {'to target (s)':>14} "
               f"{'SF/TRL steps/s':>15} {'steady':>7} {'to target':>10}")  # fmt: skip
@@ -628,6 +690,9 @@ def compare(
         "machine": machine(trl_version),
         "settings": {
             "steps": args.steps,
+            "task": args.task,
+            "engines": args.engines,
+            "model_size": args.model_size,
             "group_size": args.group_size,
             "groups_per_batch": args.groups_per_batch,
             "max_tokens": args.max_tokens,
@@ -652,13 +717,14 @@ def compare(
     target = report["base_reward"] + args.target_gain
     report["reward_target"] = target
 
-    def measured(side: str, threads: int) -> dict[str, Any]:
+    def measured(side: str, threads: int, engine: str = "hf") -> dict[str, Any]:
         if judge_url:
             peer_judge.reset(judge_url)  # the same latency sequence for each side
         load = loadavg()
         if side == "seamlessflow":
-            print(f"SeamlessFlow: {args.steps} steps (embedded run, disaggregated) ...", flush=True)
-            steps, started, finished, extra = run_seamlessflow(args, model_dir, task)
+            print(f"SeamlessFlow: {args.steps} steps (embedded run, disaggregated, {engine} "
+                  "engine) ...", flush=True)  # fmt: skip
+            steps, started, finished, extra = run_seamlessflow(args, model_dir, task, engine)
         else:
             print(f"TRL GRPOTrainer {trl_version}: {args.steps} steps on {threads} torch "
                   "threads ...", flush=True)  # fmt: skip
@@ -670,7 +736,8 @@ def compare(
             figures["judge"] = peer_judge.stats(judge_url)
         return figures
 
-    report["seamlessflow"] = measured("seamlessflow", 0)
+    by_engine = {engine: measured("seamlessflow", 0, engine) for engine in args.engines}
+    report["seamlessflow"] = by_engine[args.engines[0]]
     # TRL at each thread count once: the headline's count first, the sweep's in its order
     by_threads: dict[int, dict[str, Any]] = {}
     for threads in dict.fromkeys([args.trl_threads, *args.trl_threads_sweep]):
@@ -681,6 +748,11 @@ def compare(
         sweep_entry(by_threads[threads], report["seamlessflow"])
         for threads in args.trl_threads_sweep
     ]
+    # every engine against the same TRL run; the headline is the first engine's
+    report["by_engine"] = {
+        engine: {"seamlessflow": figures, "ratios": ratios(figures, report["trl"])}
+        for engine, figures in by_engine.items()
+    }
     return report
 
 
@@ -723,9 +795,9 @@ def main(argv: list[str] | None = None) -> int:
     except PackageNotFoundError:
         print("TRL is not installed: pip install -e '.[bench]'", file=sys.stderr)
         return 2
-    model_dir = (args.model_dir or default_model_dir()).resolve()
+    model_dir = (args.model_dir or default_model_dir(args.task, args.model_size)).resolve()
     with contextlib.ExitStack() as stack:
-        judge_url, task = None, "arithmetic"
+        judge_url, task = None, args.task
         if args.judge_median_ms > 0:
             judge_url = stack.enter_context(judge_service(args))
             scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sf-peer-")))

@@ -191,3 +191,48 @@ def test_the_committed_baseline_is_a_complete_result(regression: ModuleType) -> 
         assert baseline["ratios"][name] > 0, name
     assert baseline["seamlessflow"]["steps"] == baseline["trl"]["steps"] > 0
     assert regression.compare(baseline, baseline).ok
+
+
+def test_the_long_answer_comparison_scores_the_counting_task_on_each_engine_asked(
+    tmp_path: Path,
+) -> None:
+    """``just peer-long``'s plumbing, tiny: the counting task's prompts, budget and
+    verifier on both sides, one SeamlessFlow run per engine against the same TRL run."""
+    if importlib.util.find_spec("trl") is None:
+        pytest.skip("TRL is not installed (pip install -e '.[bench]')")
+    from seamlessflow.assets.base_model import build_base_model
+
+    model = build_base_model(tmp_path / "counting", seed=0, sft_steps=4, task="counting")
+    out = tmp_path / "peer_long.json"
+    command = [sys.executable, str(LOADTESTS / "peer_compare.py"), "--task", "counting"]
+    command += ["--steps", "2", "--group-size", "2", "--groups-per-batch", "2"]
+    command += ["--max-tokens", "24", "--window", "1", "--base-samples", "2"]
+    command += ["--engines", "hf", "--model-dir", str(model), "--runs-dir", str(tmp_path / "runs")]
+    command += ["--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["settings"]["task"] == "counting" and report["settings"]["engines"] == ["hf"]
+    assert report["prompt_ids_identical"] is True
+    assert report["seamlessflow"]["engine"] == "hf"
+    assert report["by_engine"]["hf"]["seamlessflow"] == report["seamlessflow"]
+    assert report["by_engine"]["hf"]["ratios"] == report["ratios"]
+    assert report["settings"]["max_tokens"] == 24
+    for side in ("seamlessflow", "trl"):
+        # a 4-step warm-up is near random and rarely stops (~1 token in 500 is the stop
+        # token): answers run to the 24-token budget on both sides, not arithmetic's 6
+        assert 12 < report[side]["mean_completion_tokens"] <= 24, side
+        assert report[side]["samples"] == 2 * 2 * 2, side
+
+
+def test_the_comparison_refuses_an_unknown_engine_and_a_judged_long_task() -> None:
+    script = str(LOADTESTS / "peer_compare.py")
+    for extra, message in (
+        (["--engines", "hf,tgi"], "engines must be distinct names of hf, vllm"),
+        (["--engines", "hf,hf"], "engines must be distinct names"),
+        (["--task", "counting", "--judge-median-ms", "100"], "scores the arithmetic task only"),
+    ):
+        result = subprocess.run(
+            [sys.executable, script, *extra], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 2 and message in result.stderr, (extra, result.stderr)

@@ -4,7 +4,7 @@ A task source is named, knows which reward function (see `seamlessflow.rewards`)
 its completions, and yields `TaskItem`s for a split ("train" or "eval"). Items are
 deterministic given the seed the source was built with, and the splits are disjoint.
 
-Besides the registered sources ("arithmetic", "lookup"), a task name can point to a
+Besides the registered sources ("arithmetic", "counting", "lookup"), a task name can point to a
 local JSONL or Parquet file: ``path/to/tasks.jsonl?reward=math_answer`` (see
 `seamlessflow.tasks.files` for the columns, splits and reward selection).
 """
@@ -59,10 +59,33 @@ class ToolTaskSource(TaskSource, Protocol):
     def call_tool(self, name: str, arguments: str | dict[str, Any]) -> str: ...
 
 
+class TeacherTaskSource(TaskSource, Protocol):
+    """A single-turn task source whose answers are more than the reference (a worked
+    answer; see ``seamlessflow.tasks.counting``), with optional extras for the base
+    model's warm-up:
+
+    - ``max_tokens``: the completion budget its answers need;
+    - ``sft_version``: a string naming the teacher, for the base model's build hash;
+    - ``sft_completion(item, rng, p_correct)``: the teacher's answer to ``item``, each of
+      its decisions right with probability ``p_correct``.
+    """
+
+    max_tokens: int
+    sft_version: str
+
+    def sft_completion(self, task: TaskItem, rng: random.Random, p_correct: float) -> str: ...
+
+
 def _arithmetic(seed: int) -> TaskSource:
     from seamlessflow.tasks.arithmetic import ArithmeticTask
 
     return ArithmeticTask(seed=seed)
+
+
+def _counting(seed: int) -> TaskSource:
+    from seamlessflow.tasks.counting import CountingTask
+
+    return CountingTask(seed=seed)
 
 
 def _lookup(seed: int) -> TaskSource:
@@ -72,7 +95,11 @@ def _lookup(seed: int) -> TaskSource:
 
 
 # Factories import lazily so that listing the registry imports nothing else.
-_REGISTRY: dict[str, Callable[[int], TaskSource]] = {"arithmetic": _arithmetic, "lookup": _lookup}
+_REGISTRY: dict[str, Callable[[int], TaskSource]] = {
+    "arithmetic": _arithmetic,
+    "counting": _counting,
+    "lookup": _lookup,
+}
 
 
 def task_names() -> list[str]:
