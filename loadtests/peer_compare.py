@@ -143,6 +143,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "headline (default: hf)",
     )  # fmt: skip
     parser.add_argument(
+        "--mode", choices=("disaggregated", "multiplexed"), default="disaggregated",
+        help="our deployment on the same cores: disaggregated (an engine's core and the "
+        "trainer's) or multiplexed (plus an engine on the trainer's core, lent while it "
+        "waits); default %(default)s",
+    )  # fmt: skip
+    parser.add_argument(
         "--model-size", default="small",
         help="size of the built-in base model when --model-dir is not given "
         "(seamlessflow.assets.base_model.MODEL_SIZES; default %(default)s)",
@@ -223,11 +229,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def default_model_dir(task: str = "arithmetic", size: str = "small") -> Path:
     """The built-in base model warmed up on ``task``, at ``size``, built once and cached
     where the embedded run caches it."""
-    from seamlessflow.assets.base_model import ensure_base_model, sized_config
+    from seamlessflow.assets.base_model import built_model_name, ensure_base_model, sized_config
 
     cache = Path(os.environ.get("SF_CACHE_DIR", "~/.cache/seamlessflow")).expanduser()
-    name = f"base-{task}" if size == "small" else f"base-{task}-{size}"
-    return ensure_base_model(cache / "models" / name, task=task, config=sized_config(task, size))
+    return ensure_base_model(
+        cache / "models" / built_model_name(task, size), task=task, config=sized_config(task, size)
+    )
 
 
 def dispatch_order(count: int, seed: int, task: str = "arithmetic") -> list[Any]:
@@ -394,6 +401,7 @@ def run_seamlessflow(
         lr=args.lr,
         seed=args.seed,
         max_batches_ahead=args.max_batches_ahead,
+        mode=args.mode,
         live=False,
     )
     started = time.time()
@@ -413,6 +421,9 @@ def run_seamlessflow(
         "mean_step_s": summary.mean_step_s,
         "mean_wait_s": summary.mean_wait_s,
         "mean_publish_s": summary.mean_publish_s,
+        "lends": summary.lends,
+        "reclaims": summary.reclaims,
+        "bubble_ratio": summary.bubble_ratio,
         "engines": config.engines,
         "agent_concurrency": config.agent_concurrency,
         "max_batches_ahead": config.max_batches_ahead,
@@ -692,6 +703,7 @@ def compare(
             "steps": args.steps,
             "task": args.task,
             "engines": args.engines,
+            "mode": args.mode,
             "model_size": args.model_size,
             "group_size": args.group_size,
             "groups_per_batch": args.groups_per_batch,
@@ -722,7 +734,7 @@ def compare(
             peer_judge.reset(judge_url)  # the same latency sequence for each side
         load = loadavg()
         if side == "seamlessflow":
-            print(f"SeamlessFlow: {args.steps} steps (embedded run, disaggregated, {engine} "
+            print(f"SeamlessFlow: {args.steps} steps (embedded run, {args.mode}, {engine} "
                   "engine) ...", flush=True)  # fmt: skip
             steps, started, finished, extra = run_seamlessflow(args, model_dir, task, engine)
         else:

@@ -111,7 +111,11 @@ def test_answers_are_64_to_512_tokens_with_the_built_tokenizer(counting_model: P
 def test_model_sizes_change_the_shape_only_and_the_arithmetic_key_is_unchanged() -> None:
     small, medium = sized_config("counting", "small"), sized_config("counting", "medium")
     assert small == default_config("counting")
-    assert medium.sft_steps == small.sft_steps and medium.hidden_size == 512
+    assert medium.hidden_size == 512 and medium.num_hidden_layers == 8
+    # the task's recipe stays (teacher, noise, check); the warm-up is scaled to the size
+    assert medium.teacher_p_correct == small.teacher_p_correct
+    assert medium.max_position_embeddings == small.max_position_embeddings == 1024
+    assert medium.sft_steps * medium.sft_batch_size < small.sft_steps * small.sft_batch_size
     assert set(MODEL_SIZES) == {"small", "medium"}
     assert _build_hash(small, 0, "counting") != _build_hash(medium, 0, "counting")
     # the new check_prompts field stays out of the key at its default: cached arithmetic
@@ -131,3 +135,17 @@ def test_the_medium_size_has_tens_of_millions_of_parameters(counting_model: Path
     parameters = sum(p.numel() for p in model.parameters())
     assert 20_000_000 <= parameters <= 40_000_000
     assert model.config.num_hidden_layers == 8 and not model.config.tie_word_embeddings
+
+
+def test_a_run_names_its_model_size_and_an_unknown_one_is_refused() -> None:
+    from pydantic import ValidationError
+
+    from seamlessflow.assets.base_model import built_model_name
+    from seamlessflow.embedded import RunConfig
+
+    config = RunConfig(task="counting", model_size="medium")
+    assert config.max_tokens == MAX_TOKENS  # the task's budget
+    assert built_model_name("counting", "medium") == "base-counting-medium"
+    assert built_model_name("counting", "small") == "base-counting"  # the cache as before
+    with pytest.raises(ValidationError, match="unknown model size 'huge'"):
+        RunConfig(model_size="huge")

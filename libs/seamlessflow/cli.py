@@ -47,6 +47,9 @@ def up(
         Path | None,
         typer.Option(help="Base model (default: built)."),
     ] = None,
+    model_size: Annotated[
+        str, typer.Option(help="Size of the built base model: small | medium (~25M).")
+    ] = "small",
     group_size: Annotated[int, typer.Option(help="Samples per task.")] = 8,
     groups_per_batch: Annotated[int, typer.Option(help="Tasks per step.")] = 8,
     max_batches_ahead: Annotated[int, typer.Option(help="Rollout lead over training.")] = 1,
@@ -60,9 +63,9 @@ def up(
             "--agent solve_and_verify); the first is the tasks' policy."
         ),
     ] = DEFAULT_POLICY,
-    task: Annotated[str, typer.Option(help="Task source (e.g. arithmetic, lookup).")] = (
-        "arithmetic"
-    ),
+    task: Annotated[
+        str, typer.Option(help="Task source (e.g. arithmetic, counting, lookup).")
+    ] = "arithmetic",
     max_tokens: Annotated[
         int | None, typer.Option(help="Completion budget per call (default: the task's).")
     ] = None,
@@ -91,6 +94,7 @@ def up(
         run_id=run_id,
         runs_dir=runs_dir,
         model_dir=model_dir,
+        model_size=model_size,
         group_size=group_size,
         groups_per_batch=groups_per_batch,
         max_batches_ahead=max_batches_ahead,
@@ -258,12 +262,13 @@ def build_model(
     seed: Annotated[int, typer.Option(help="Seed.")] = 0,
     force: Annotated[bool, typer.Option(help="Rebuild even if up to date.")] = False,
     task: Annotated[str, typer.Option(help="Task to warm up on.")] = "arithmetic",
+    size: Annotated[str, typer.Option(help="Model size: small | medium (~25M).")] = "small",
 ) -> None:
-    """Build the small base model and tokenizer (no downloads); skip if up to date."""
-    from seamlessflow.assets.base_model import build_base_model, ensure_base_model
+    """Build the base model and tokenizer (no downloads); skip if up to date."""
+    from seamlessflow.assets.base_model import build_base_model, ensure_base_model, sized_config
 
     build = build_base_model if force else ensure_base_model
-    path = build(out, seed=seed, task=task)
+    path = build(out, seed=seed, task=task, config=sized_config(task, size))
     typer.echo(str(path))
 
 

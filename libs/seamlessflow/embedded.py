@@ -73,6 +73,9 @@ class RunConfig(BaseModel):
     model_dir: Path | None = None
     """Base model directory (HF layout), used as it is; default: the built-in model,
     built once into the cache directory."""
+    model_size: str = "small"
+    """Size of the built-in model (``seamlessflow.assets.base_model.MODEL_SIZES``):
+    ``small`` (the task's recipe) or ``medium`` (~25M parameters, a warm-up scaled to it)."""
     cache_dir: Path = Field(
         default_factory=lambda: Path(os.environ.get("SF_CACHE_DIR", "~/.cache/seamlessflow"))
     )
@@ -141,6 +144,16 @@ class RunConfig(BaseModel):
             check_policy(name)
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"a policy is listed twice: {self.policies}")
+        return self
+
+    @model_validator(mode="after")
+    def _known_model_size(self) -> RunConfig:
+        from seamlessflow.assets.base_model import MODEL_SIZES
+
+        if self.model_size not in MODEL_SIZES:
+            raise ValueError(
+                f"unknown model size {self.model_size!r}; known sizes: {', '.join(MODEL_SIZES)}"
+            )
         return self
 
     @model_validator(mode="after")
@@ -507,7 +520,7 @@ class EmbeddedRun:
     # ---------------------------------------------------------------- the run
 
     async def run(self) -> Summary:
-        from seamlessflow.assets.base_model import ensure_base_model
+        from seamlessflow.assets.base_model import built_model_name, ensure_base_model, sized_config
 
         c = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -530,9 +543,14 @@ class EmbeddedRun:
                     c.task,
                     warmup_task,
                 )
-            cached = c.cache_dir.expanduser() / "models" / f"base-{warmup_task}"
+            cached = (
+                c.cache_dir.expanduser() / "models" / built_model_name(warmup_task, c.model_size)
+            )
             model_dir = await asyncio.to_thread(
-                ensure_base_model, c.model_dir or cached, task=warmup_task
+                ensure_base_model,
+                c.model_dir or cached,
+                task=warmup_task,
+                config=sized_config(warmup_task, c.model_size),
             )
         # Credentials of this run, made here and handed to the processes in their
         # environment only: the embedded NATS server takes a token, the gateway an

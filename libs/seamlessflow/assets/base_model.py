@@ -40,6 +40,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import random
 import re
 import time
@@ -168,6 +169,9 @@ class BaseModelConfig:
     check_max_new_tokens: int = 6
     check_prompts: int = 0
     """Eval prompts the check samples (0: all); long answers make the whole split slow."""
+    build_threads: int = 1
+    """torch threads of the build: 1 gives the same bytes on every machine; 0 = every
+    core (faster, the same bytes only with the same thread count and CPU kernels)."""
 
 
 def _split_on_specials(text: str) -> list[str]:
@@ -594,7 +598,7 @@ def is_tool_task(source: TaskSource) -> bool:
 
 # Fields added after builds were cached, left out of the hash at these values so that
 # those builds keep their key.
-_HASHED_UNLESS = {"check_prompts": 0}
+_HASHED_UNLESS = {"check_prompts": 0, "build_threads": 1}
 
 
 def _build_hash(config: BaseModelConfig, seed: int, task: str = TASK) -> str:
@@ -653,11 +657,14 @@ def default_config(task: str = TASK) -> BaseModelConfig:
     return TASK_CONFIGS.get(task, BaseModelConfig())
 
 
-# Model sizes besides a task's default ("small"): the shapes only; the warm-up recipe
-# stays the task's. "medium" is a Qwen2-style model of ~25M parameters (8 layers of
-# width 512, grouped-query attention 8/4 heads), for workloads where the model's compute,
-# not per-token overhead, dominates generation and training.
-MODEL_SIZES: dict[str, dict[str, int]] = {
+# Model sizes besides a task's default ("small"): a shape, and a warm-up scaled to it
+# (fields of BaseModelConfig over the task's recipe). "medium" is a Qwen2-style model of
+# ~25M parameters (8 layers of width 512, grouped-query attention 8/4 heads), for
+# workloads where the model's compute, not per-token overhead, dominates generation and
+# training. A step of it costs ~40x a small one, so its warm-up takes fewer, smaller
+# batches at a lower peak rate (a larger model needs fewer examples) and runs on every
+# core (`build_threads` 0).
+MODEL_SIZES: dict[str, dict[str, int | float]] = {
     "small": {},
     "medium": {
         "hidden_size": 512,
@@ -665,8 +672,19 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
         "num_hidden_layers": 8,
         "num_attention_heads": 8,
         "num_key_value_heads": 4,
+        "sft_steps": 200,
+        "sft_batch_size": 8,
+        "sft_lr": 1e-3,
+        "sft_warmup_steps": 10,
+        "sft_noisy_lr": 1e-4,
+        "build_threads": 0,
     },
 }
+
+
+def built_model_name(task: str = TASK, size: str = "small") -> str:
+    """The cache directory name of the built model for ``task`` at ``size``."""
+    return f"base-{task}" if size == "small" else f"base-{task}-{size}"
 
 
 def sized_config(task: str = TASK, size: str = "small") -> BaseModelConfig:
@@ -705,7 +723,8 @@ def build_base_model(
     out_dir = Path(out_dir)
     started = time.perf_counter()
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one core, and bit-for-bit the same weights on every machine
+    # one core: bit-for-bit the same weights on every machine (0: every core, faster)
+    torch.set_num_threads(config.build_threads or len(os.sched_getaffinity(0)))
     try:
         source = get_task_source(task_name, seed=seed)
         train, evaluation = source.items("train"), source.items("eval")
