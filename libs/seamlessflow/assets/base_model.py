@@ -664,7 +664,7 @@ def default_config(task: str = TASK) -> BaseModelConfig:
 # training. A step of it costs ~40x a small one, so its warm-up takes fewer, smaller
 # batches at a lower peak rate (a larger model needs fewer examples) and runs on every
 # core (`build_threads` 0).
-MODEL_SIZES: dict[str, dict[str, int | float]] = {
+MODEL_SIZES: dict[str, dict[str, Any]] = {
     "small": {},
     "medium": {
         "hidden_size": 512,
