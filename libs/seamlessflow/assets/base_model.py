@@ -26,9 +26,11 @@ arithmetic itself, slowly), and near-miss noise (sum +-1..3) or a high LR in the
 phase (both blur the mode, greedy accuracy falls to ~0.35-0.6, and RL climbs slowly).
 
 Invariants: the build is deterministic given the seed (torch runs single-threaded for
-the duration of the build); the chat template is prefix-stable (rendering messages[:k]
-with the generation prompt, then appending the assistant's completion and
-"<|im_end|>\\n", renders messages[:k+1], token for token).
+the duration of the build; a config with `build_threads` 0, the "medium" size, runs on
+every core and repeats only on the same thread count and CPU kernels); the chat
+template is prefix-stable (rendering messages[:k] with the generation prompt, then
+appending the assistant's completion and "<|im_end|>\\n", renders messages[:k+1], token
+for token).
 
 CLI: `python -m seamlessflow.assets.base_model --out DIR [--seed N] [--sft-steps N]`.
 """
