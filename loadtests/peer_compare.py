@@ -28,6 +28,12 @@ token mean over the batch (TRL ``loss_type="dapo"``; ours is ``grpo_decoupled``,
 same gradient when the behaviour policy is the current one); fp32 weights; the same
 number of optimizer steps.
 
+``--task counting`` (``just peer-long``) takes the long-answer task instead: its own base
+model (``--model-size``), its budget (512 tokens) and its verifier (``math_answer``) on
+both sides. ``--engines vllm,hf`` runs our side once per engine backend against the
+same TRL run (``by_engine``; the headline is the first), and ``--mode multiplexed`` adds
+an engine on the trainer's core, lent while the trainer waits.
+
 What differs is the point of the comparison: TRL generates, scores and trains one batch
 after the other in one process; SeamlessFlow's rollout runs on its own engine process,
 asynchronously and one batch ahead of the trainer (``--max-batches-ahead``, default 1),
@@ -94,6 +100,7 @@ RATE_FIGURES = tuple(name for name in PEER_RATIOS if name not in TIME_RATIOS)
 
 
 TASKS = ("arithmetic", "counting")
+MODEL_SIZES = ("small", "medium")  # seamlessflow.assets.base_model.MODEL_SIZES
 ENGINES = ("hf", "vllm")
 
 
@@ -149,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "waits); default %(default)s",
     )  # fmt: skip
     parser.add_argument(
-        "--model-size", default="small",
+        "--model-size", choices=MODEL_SIZES, default="small",
         help="size of the built-in base model when --model-dir is not given "
         "(seamlessflow.assets.base_model.MODEL_SIZES; default %(default)s)",
     )  # fmt: skip

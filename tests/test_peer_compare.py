@@ -226,8 +226,14 @@ def test_the_long_answer_comparison_scores_the_counting_task_on_each_engine_aske
 
 
 def test_the_comparison_refuses_an_unknown_engine_and_a_judged_long_task() -> None:
+    from seamlessflow.assets.base_model import MODEL_SIZES
+
     script = str(LOADTESTS / "peer_compare.py")
+    # the script's own list of sizes is the builder's
+    usage = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True)
+    assert "{" + ",".join(MODEL_SIZES) + "}" in usage.stdout
     for extra, message in (
+        (["--model-size", "huge"], "invalid choice: 'huge'"),
         (["--engines", "hf,tgi"], "engines must be distinct names of hf, vllm"),
         (["--engines", "hf,hf"], "engines must be distinct names"),
         (["--task", "counting", "--judge-median-ms", "100"], "scores the arithmetic task only"),
