@@ -89,7 +89,7 @@ def counting_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_base_model(out, seed=0, sft_steps=4, task="counting")
 
 
-def test_answers_are_64_to_512_tokens_with_the_built_tokenizer(counting_model: Path) -> None:
+def test_answers_are_60_to_512_tokens_with_the_built_tokenizer(counting_model: Path) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(counting_model)
