@@ -76,6 +76,24 @@ class TeacherTaskSource(TaskSource, Protocol):
     def sft_completion(self, task: TaskItem, rng: random.Random, p_correct: float) -> str: ...
 
 
+def seeded_split(
+    items: list[TaskItem], seed: int, eval_fraction: float
+) -> dict[str, list[TaskItem]]:
+    """The built-in sources' split: ``items`` shuffled once with ``seed``, the first
+    ``eval_fraction`` of them "eval" and the rest "train" (disjoint, deterministic)."""
+    order = list(items)
+    random.Random(seed).shuffle(order)
+    n_eval = int(len(order) * eval_fraction)
+    return {"eval": order[:n_eval], "train": order[n_eval:]}
+
+
+def split_of(splits: dict[str, list[TaskItem]], split: str) -> list[TaskItem]:
+    """A copy of ``splits[split]``; an unknown split name is a ValueError naming both."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    return list(splits[split])
+
+
 def _arithmetic(seed: int) -> TaskSource:
     from seamlessflow.tasks.arithmetic import ArithmeticTask
 

@@ -9,10 +9,9 @@ on purpose: the base model is tiny (see `seamlessflow.assets.base_model`).
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 
-from seamlessflow.tasks import SPLITS, TaskItem
+from seamlessflow.tasks import TaskItem, seeded_split, split_of
 
 MAX_OPERAND = 19
 EVAL_FRACTION = 0.2
@@ -43,14 +42,7 @@ class ArithmeticTask:
 
     def __post_init__(self) -> None:
         pairs = all_pairs()
-        random.Random(self.seed).shuffle(pairs)
-        n_eval = int(len(pairs) * EVAL_FRACTION)
-        self._splits = {
-            "eval": [make_item(a, b) for a, b in pairs[:n_eval]],
-            "train": [make_item(a, b) for a, b in pairs[n_eval:]],
-        }
+        self._splits = seeded_split([make_item(a, b) for a, b in pairs], self.seed, EVAL_FRACTION)
 
     def items(self, split: str) -> list[TaskItem]:
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-        return list(self._splits[split])
+        return split_of(self._splits, split)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from seamlessflow.tasks import SPLITS, TaskItem
+from seamlessflow.tasks import TaskItem, seeded_split, split_of
 
 LEFT_RANGE = range(10, 100)
 RIGHT_RANGE = range(10, 73)
@@ -82,17 +82,10 @@ class CountingTask:
 
     def __post_init__(self) -> None:
         pairs = [(a, b) for a in LEFT_RANGE for b in RIGHT_RANGE]
-        random.Random(self.seed).shuffle(pairs)
-        n_eval = int(len(pairs) * EVAL_FRACTION)
-        self._splits = {
-            "eval": [make_item(a, b) for a, b in pairs[:n_eval]],
-            "train": [make_item(a, b) for a, b in pairs[n_eval:]],
-        }
+        self._splits = seeded_split([make_item(a, b) for a, b in pairs], self.seed, EVAL_FRACTION)
 
     def items(self, split: str) -> list[TaskItem]:
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-        return list(self._splits[split])
+        return split_of(self._splits, split)
 
     def sft_completion(self, task: TaskItem, rng: random.Random, p_correct: float) -> str:
         """The warm-up's target for ``task``: the worked answer, each step right with

@@ -30,7 +30,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from seamlessflow.tasks import SPLITS, TaskItem
+from seamlessflow.tasks import TaskItem, seeded_split, split_of
 
 N_ITEMS = 200
 DATABASE_SEED = 20261122
@@ -149,18 +149,12 @@ class LookupTask:
     _splits: dict[str, list[TaskItem]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        order = list(range(N_ITEMS))
-        random.Random(self.seed).shuffle(order)
-        n_eval = int(N_ITEMS * EVAL_FRACTION)
-        self._splits = {
-            "eval": [make_item(i) for i in order[:n_eval]],
-            "train": [make_item(i) for i in order[n_eval:]],
-        }
+        self._splits = seeded_split(
+            [make_item(i) for i in range(N_ITEMS)], self.seed, EVAL_FRACTION
+        )
 
     def items(self, split: str) -> list[TaskItem]:
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-        return list(self._splits[split])
+        return split_of(self._splits, split)
 
     @property
     def sft_version(self) -> str:
