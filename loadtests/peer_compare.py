@@ -92,6 +92,8 @@ from typing import Any
 import peer_judge
 from regression import PEER_RATIOS, TIME_RATIOS
 
+from seamlessflow.assets.base_model import MODEL_SIZES  # no torch at import
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = Path("runs/load/peer_compare.json")
 # Rates are SeamlessFlow / TRL, times TRL / SeamlessFlow: above 1 = SeamlessFlow better.
@@ -100,7 +102,6 @@ RATE_FIGURES = tuple(name for name in PEER_RATIOS if name not in TIME_RATIOS)
 
 
 TASKS = ("arithmetic", "counting")
-MODEL_SIZES = ("small", "medium")  # seamlessflow.assets.base_model.MODEL_SIZES
 ENGINES = ("hf", "vllm")
 
 
@@ -156,7 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "waits); default %(default)s",
     )  # fmt: skip
     parser.add_argument(
-        "--model-size", choices=MODEL_SIZES, default="small",
+        "--model-size", choices=tuple(MODEL_SIZES), default="small",
         help="size of the built-in base model when --model-dir is not given "
         "(seamlessflow.assets.base_model.MODEL_SIZES; default %(default)s)",
     )  # fmt: skip

@@ -229,7 +229,7 @@ def test_the_comparison_refuses_an_unknown_engine_and_a_judged_long_task() -> No
     from seamlessflow.assets.base_model import MODEL_SIZES
 
     script = str(LOADTESTS / "peer_compare.py")
-    # the script's own list of sizes is the builder's
+    # the sizes it offers are the builder's
     usage = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True)
     assert "{" + ",".join(MODEL_SIZES) + "}" in usage.stdout
     for extra, message in (
