@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import (
+    BatchProgress,
     GenerateReply,
     GenerateRequest,
     LendReport,
@@ -346,3 +347,73 @@ async def test_a_request_handed_to_an_engine_that_left_resumes_on_any_engine(
         assert turn.finish_reason == "length"
         assert len(turn.completion_ids) == len(turn.logprobs) == len(turn.versions)
         assert len(turn.completion_ids) == max_tokens  # no token lost or repeated
+
+
+async def test_an_early_reclaim_frees_the_slot_before_the_trainer_claims_it(
+    nats_url: str,
+    run_id: str,
+    chatty_model_dir: Path,
+    bus: Bus,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``reclaim_early_at`` 0.5: once half the groups of the next batch are ready (the
+    trajectory service's BatchProgress), the lent engine hands its requests back and
+    leaves while the trainer still waits; the claim then has nothing to take back, and
+    no answer loses or repeats a token. Scripted engines at 20 ms per token keep every
+    answer in flight (~10 s) while this happens."""
+    from conftest import InProcessMesh, recorded_turns
+
+    monkeypatch.setenv("SF_ENGINE_SCRIPTED_STEP_S", "0.02")
+    max_tokens = 480
+    mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
+    settings = TagSchedulerSettings(mode="multiplexed", reclaim_early_at=0.5)
+    try:
+        scheduler = await mesh.start(TagScheduler(settings))
+        await mesh.start(WeightSync())
+        dedicated = await start_engine(mesh, "engine-d", "rollout", "slot-0", "scripted")
+        lendable = await start_engine(mesh, "engine-l", "train,rollout", "slot-1", "scripted")
+        gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
+        async with asyncio.timeout(60):
+            await dedicated.ready.wait()
+            await gateway.ready.wait()
+            while "engine-l" not in scheduler.resources:  # noqa: ASYNC110 (another service)
+                await asyncio.sleep(0.05)
+        await bus.request(
+            bus.subjects.sched_release(), SlotsReleased(trainer_id="t", version=0), LendReport
+        )
+        async with asyncio.timeout(60):
+            await lendable.ready.wait()
+        url = f"http://127.0.0.1:{gateway.bound_port}"
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            agents = [asyncio.create_task(ask(http, i, max_tokens)) for i in range(AGENTS)]
+            async with asyncio.timeout(60):
+                while not lendable._in_flight:  # noqa: ASYNC110 (the engine's own bookkeeping)
+                    await asyncio.sleep(0.02)
+            # one group of four ready: below the share; two of four: take it back now
+            for ready in (1, 2):
+                await bus.publish(
+                    bus.subjects.batch_progress(),
+                    BatchProgress(batch_index=0, groups_ready=ready, groups_per_batch=4),
+                )
+            async with asyncio.timeout(60):
+                while lendable._generate_sub is not None:  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+            decisions = scheduler.decisions().stats.decisions
+            assert [d for d in decisions if d.startswith("prepare")] == ["prepare: reclaim 1 early"]
+            granted: SlotsGranted = await bus.request(
+                bus.subjects.sched_claim(), SlotsClaim(trainer_id="t", batch_index=0), SlotsGranted
+            )
+            assert granted.reclaimed == [] and granted.missed == []
+            assert scheduler.decisions().role_of("engine-l").role == "idle"
+            async with asyncio.timeout(180):
+                texts = await asyncio.gather(*agents)
+    finally:
+        await mesh.stop()
+
+    assert lendable.handed_back >= 1
+    turns = await recorded_turns(bus)
+    assert len(turns) == AGENTS
+    assert sorted(t.completion_text for t in turns) == sorted(texts)
+    for turn in turns:  # scripted answers run to their budget, across the hand-back
+        assert turn.finish_reason == "length"
+        assert len(turn.completion_ids) == len(turn.logprobs) == max_tokens

@@ -100,6 +100,7 @@ def examples() -> list[p.Message]:
                 encoding="packed-msgpack-1", chunk_seqs=[4, 5], payload_bytes=9, sha256="ab" * 32
             ),
         ),
+        p.BatchProgress(batch_index=2, groups_ready=3, groups_per_batch=4, policy="solver"),
         p.BatchFilterReport(
             batch_index=3,
             stage="arithmetic",
@@ -258,6 +259,7 @@ def test_policies_share_the_run_subjects_and_own_their_version_line() -> None:
         "weights_published",
         "weights_current",
         "batch_ready",
+        "batch_progress",
         "batch_payloads_all",
         "train_metrics",
         "train_eval",

@@ -125,16 +125,19 @@ def test_disaggregated_never_lends_and_colocated_always_does() -> None:
 
 
 @pytest.mark.parametrize(
-    ("deployment", "workload", "rebalance"),
+    ("deployment", "workload", "rebalance", "options"),
     [
-        (COLOCATED_SYNC, SINGLE_TURN, False),
-        (disaggregated_async(0.5), SINGLE_TURN, False),
-        (multiplexed(0.75), AGENTIC, False),
-        (multiplexed(0.5), AGENTIC, True),
+        (COLOCATED_SYNC, SINGLE_TURN, False, {}),
+        (disaggregated_async(0.5), SINGLE_TURN, False, {}),
+        (multiplexed(0.75), AGENTIC, False, {}),
+        (multiplexed(0.5), AGENTIC, True, {}),
+        (multiplexed(0.5), SINGLE_TURN, True, {"reclaim_early_at": 0.5}),
+        (multiplexed(0.75), AGENTIC, True, {"lend_shares": (0.5, 1.0)}),
+        (multiplexed(0.5), SINGLE_TURN, True, {"overlap_weight_sync": True}),
     ],
 )
 def test_every_sample_is_trained_exactly_once(
-    deployment: Deployment, workload: WorkloadModel, rebalance: bool
+    deployment: Deployment, workload: WorkloadModel, rebalance: bool, options: dict[str, Any]
 ) -> None:
     """With a bounded dispatch and no staleness bound, conservation is exact: every
     decoded token (also those of sequences moved off reclaimed engines) is trained."""
@@ -145,6 +148,7 @@ def test_every_sample_is_trained_exactly_once(
         max_staleness=None,
         bounded_dispatch=True,
         rebalance_on_lend=rebalance,
+        **options,
     )
     sim = Simulation(config)
     result = sim.run()
@@ -216,6 +220,7 @@ def test_a_step_worked_out_by_hand() -> None:
             sync_latency_s=0.5,
         ),
         bounded_dispatch=True,
+        overlap_weight_sync=False,
     )
     result = simulate(config)
     assert result.window_s == pytest.approx(4 / 3 + 2 + 0.5)
@@ -225,6 +230,59 @@ def test_a_step_worked_out_by_hand() -> None:
         200 / (4 / 3 + 2.5)
     )
     assert result.mean_trainer_wait_s == pytest.approx(4 / 3)
+
+
+def test_overlapped_weight_sync_pauses_the_engine_only_for_the_swap() -> None:
+    """The step worked out by hand, with the payloads arriving while the engine decodes:
+    the engine pauses 0.1 s for the swap instead of the whole 0.5 s publish."""
+    config = replace(
+        SMALL,
+        steps=1,
+        gpus=2,
+        deployment=disaggregated_async(0.5),
+        workload=WorkloadModel(
+            samples_per_gpu=1,
+            group_size=2,
+            prompt_tokens=0,
+            response_sigma=0.0,
+            response_mean_tokens=100.0,
+        ),
+        engine=EngineModel(
+            max_concurrency=2, decode_tokens_per_s_alone=100.0, decode_tokens_per_s_full=150.0
+        ),
+        trainer=TrainerModel(
+            train_tokens_per_s_per_gpu=100.0,
+            step_overhead_s=0.0,
+            model_bytes=0.0,
+            sync_latency_s=0.5,
+            swap_s=0.1,
+        ),
+        bounded_dispatch=True,
+        overlap_weight_sync=True,
+    )
+    result = simulate(config)
+    assert result.window_s == pytest.approx(4 / 3 + 2 + 0.5)  # the trainer still publishes
+    busy = (4 / 3 + 0.1) + (2 + 0.5)
+    assert result.bubble_ratio == pytest.approx(1 - busy / (2 * result.window_s))
+
+
+def test_an_early_reclaim_overlaps_the_end_of_rollout() -> None:
+    """With ``reclaim_early_at`` the lent engines are taken back while the trainer still
+    waits (``TagPolicy.trainer_prepares``): the claim that follows has nothing to take
+    back, and everything lent is taken back exactly once."""
+    config = replace(SMALL, steps=8, deployment=multiplexed(0.5), reclaim_early_at=0.5)
+    sim = Simulation(config)
+    result = sim.run()
+    decisions = sim.policy.stats.decisions
+    early = [i for i, d in enumerate(decisions) if d.startswith("prepare: reclaim")]
+    assert early, "no lent engine was taken back early"
+    for i in early:
+        claim = next(d for d in decisions[i:] if d.startswith("claim:"))
+        assert claim == "claim: reclaim 0"
+    assert result.lends == result.reclaims
+    assert result.interrupted > 0
+    late = simulate(replace(config, reclaim_early_at=1.0))
+    assert late.lends == late.reclaims and late.trained_samples == result.trained_samples
 
 
 def test_same_seed_same_figures() -> None:
@@ -290,6 +348,22 @@ def test_the_cli_prints_the_three_deployments(tmp_path: Path) -> None:
     assert bad.exit_code != 0
     synchronous = CliRunner().invoke(app, ["simulate", "--max-batches-ahead", "0"])
     assert synchronous.exit_code != 0  # that is colocated-sync's pacing, not an async one
+
+
+def test_the_cli_passes_the_multiplexing_knobs(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    knobs = ["--lend-shares", "0.5,1", "--reclaim-early-at", "0.75", "--no-overlap-weight-sync"]
+    result = CliRunner().invoke(
+        app, ["simulate", "--gpus", "8", "--steps", "3", "--json", str(out), *knobs]
+    )
+    assert result.exit_code == 0, result.output
+    assert "lend shares 0.5,1; reclaim early at 0.75; engines pause" in result.output
+    model = json.loads(out.read_text())["model"]
+    assert model["lend_shares"] == [0.5, 1.0] and model["reclaim_early_at"] == 0.75
+    assert model["overlap_weight_sync"] is False
+    for bad in (["--lend-shares", "0.5"], ["--lend-shares", "0,1"], ["--reclaim-early-at", "0"]):
+        refused = CliRunner().invoke(app, ["simulate", "--gpus", "8", *bad])
+        assert refused.exit_code == 2 and "Invalid value" in refused.output, bad
 
 
 def test_rollout_runs_as_far_ahead_as_the_pacing_allows() -> None:

@@ -211,3 +211,78 @@ def test_a_dead_lent_engine_is_not_reclaimed() -> None:
     p.trainer_waiting(0.0)
     p.remove("a")
     assert p.trainer_claims(1.0).reclaim == ("b",)
+
+
+def multiplexed_quad(**config: object) -> TagPolicy:
+    """One dedicated engine and four lendable ones on the trainer's slots."""
+    p = TagPolicy(PolicyConfig(mode="multiplexed", ewma_alpha=1.0, **config))  # type: ignore[arg-type]
+    p.add(engine("dedicated", "rollout"))
+    for i in range(4):
+        p.add(engine(f"lend{i}", "train", "rollout"))
+    p.add(trainer("train"))
+    return p
+
+
+def test_lending_part_of_the_lendable_engines_when_that_is_fastest() -> None:
+    """Granularity: with shares (0.5, 1.0) each of none, half and all is measured in a
+    block of its own (all, none, half), then the shortest step period wins."""
+    p = multiplexed_quad(block_steps=2, lend_shares=(0.5, 1.0))
+    periods = {0: 9.0, 2: 5.0, 4: 7.0}  # step period by engines lent
+    now, lent = 0.0, []
+    for _ in range(1 + 2 * 3 + 4):
+        plan = p.trainer_waiting(now)
+        lent.append(len(p.lent))
+        assert len(plan.lend) == len(p.lent)  # nothing was left lent from before
+        p.trainer_claims(now)
+        now += periods[lent[-1]]
+    # fill (all, not measured), then all, none, half measured, then half: fastest
+    assert lent == [4, 4, 4, 0, 0, 2, 2, 2, 2, 2, 2]
+    assert p.periods[0.5].value == pytest.approx(5.0)
+    assert p.period_lent.value == pytest.approx(7.0)
+    assert p.period_alone.value == pytest.approx(9.0)
+    assert any("shortest step: lends 50%" in d for d in p.stats.decisions)
+    # the engines lent are the first by id, and a claim takes back exactly those
+    assert p.trainer_waiting(now).lend == ("lend0", "lend1")
+    assert p.trainer_claims(now).reclaim == ("lend0", "lend1")
+
+
+def test_a_share_must_beat_keeping_the_slots_by_the_margin() -> None:
+    p = multiplexed_quad(block_steps=1, lend_shares=(0.5, 1.0), lend_margin=0.5)
+    periods = {0: 9.0, 2: 7.0, 4: 6.5}  # lending is faster, but not by 50%
+    now, lent = 0.0, []
+    for _ in range(1 + 3 + 3):
+        p.trainer_waiting(now)
+        lent.append(len(p.lent))
+        p.trainer_claims(now)
+        now += periods[lent[-1]]
+    assert lent == [4, 4, 0, 2, 0, 0, 0]
+
+
+@pytest.mark.parametrize("shares", [(), (0.0, 1.0), (0.5,), (1.5, 1.0)])
+def test_bad_lend_shares_are_refused(shares: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError, match="lend_shares"):
+        PolicyConfig(mode="multiplexed", lend_shares=shares)
+
+
+def test_an_early_reclaim_takes_the_lent_engines_back_before_the_claim() -> None:
+    p = multiplexed_quad()
+    assert len(p.trainer_waiting(0.0).lend) == 4
+    early = p.trainer_prepares(1.0)
+    assert early.reclaim == ("lend0", "lend1", "lend2", "lend3")
+    assert all(p.role_of(f"lend{i}").role == "idle" for i in range(4))
+    # the rest of this wait lends nothing again, a late joiner included
+    p.add(engine("lend9", "train", "rollout"))
+    assert p.rebalance(1.5).lend == () and p.role_of("lend9").role == "idle"
+    assert p.trainer_claims(2.0).reclaim == ()  # nothing left to take back
+    assert p.stats.reclaims == 4
+    assert p.trainer_waiting(3.0).lend  # the next wait decides afresh
+
+
+def test_without_a_dedicated_engine_nothing_is_taken_back_early() -> None:
+    p = policy("colocated")
+    p.add(engine("a", "train", "rollout"))
+    p.add(trainer("train"))
+    assert p.trainer_waiting(0.0).lend == ("a",)
+    assert p.trainer_prepares(1.0).reclaim == ()  # it is all the rollout there is
+    assert p.role_of("a").role == "rollout"
+    assert p.trainer_claims(2.0).reclaim == ("a",)

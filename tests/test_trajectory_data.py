@@ -20,6 +20,7 @@ from seamlessflow.batches import stored_batches
 from seamlessflow.bus import Bus, connect
 from seamlessflow.protocol import (
     BatchFilterReport,
+    BatchProgress,
     EpochFilterReport,
     GroupClosed,
     NoTask,
@@ -232,6 +233,35 @@ async def test_a_zero_variance_group_is_dropped_and_refilled_so_the_batch_stays_
     assert report.groups_dropped == {"zero_variance": 1}
     assert report.samples_dropped == {"zero_variance": 2}
     assert report.stage == "arithmetic"
+
+
+async def test_each_ready_group_of_the_next_batch_is_announced_as_progress(
+    bus: Bus, trajectory
+) -> None:  # type: ignore[no-untyped-def]
+    """BatchProgress (the tag-scheduler's hint for an early reclaim): one message each
+    time another group of the batch being formed passed the group filters; the group
+    that completes the batch is announced by the batch itself."""
+    seen: list[BatchProgress] = []
+
+    async def on_progress(msg) -> None:  # type: ignore[no-untyped-def]
+        seen.append(decode(msg.data, BatchProgress))
+
+    await bus.nc.subscribe(bus.subjects.batch_progress(), cb=on_progress)
+    traj = trajectory(group_size=2, groups_per_batch=3, total_batches=1, max_batches_ahead=0)
+    await traj.start()
+    groups = [await claim_group(bus, 2) for _ in range(3)]
+    for count, group in enumerate(groups, start=1):
+        for task, reward in zip(group, (1.0, 0.0), strict=True):
+            await play(bus, task, reward=reward)
+        if count < 3:
+            await until(lambda count=count: len(seen) == count)  # type: ignore[misc]
+    await batches_published(traj, 1)
+    await bus.nc.flush()
+    assert [(p.batch_index, p.groups_ready, p.groups_per_batch) for p in seen] == [
+        (0, 1, 3),
+        (0, 2, 3),
+    ]
+    assert {p.policy for p in seen} == {bus.subjects.policy}
 
 
 # --------------------------------------------------------------------------- verifiers

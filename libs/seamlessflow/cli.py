@@ -403,6 +403,27 @@ def simulate(
         int,
         typer.Option(help="Rollout lead over training of the two asynchronous deployments."),
     ] = 1,
+    lend_shares: Annotated[
+        str,
+        typer.Option(
+            help="Shares of the lendable engines a block of waits may lend, comma-separated "
+            "(must include 1; e.g. 0.5,1: half or all)."
+        ),
+    ] = "1",
+    reclaim_early_at: Annotated[
+        float,
+        typer.Option(
+            help="Take lent engines back once this share of the next batch's groups is "
+            "ready (1: at the trainer's claim)."
+        ),
+    ] = 1.0,
+    overlap_weight_sync: Annotated[
+        bool,
+        typer.Option(
+            help="Engines decode while new weights arrive and pause only for the swap, as "
+            "the engine worker does (--no-overlap-weight-sync: pause for the whole sync)."
+        ),
+    ] = True,
 ) -> None:
     """Simulate colocated-sync, disaggregated-async and multiplexed on 8-1024 GPUs with
     the production scheduling policy on virtual time; print throughput, bubble ratio and
@@ -422,18 +443,26 @@ def simulate(
     try:
         sizes = [int(g) for g in gpus.split(",") if g.strip()]
         fractions = [float(f) for f in train_fractions.split(",") if f.strip()]
+        shares = tuple(float(f) for f in lend_shares.split(",") if f.strip())
     except ValueError as exc:
         raise typer.BadParameter(f"expected comma-separated numbers: {exc}") from None
     if not sizes or min(sizes) < 2 or not fractions or not all(0 < f < 1 for f in fractions):
         raise typer.BadParameter("need --gpus >= 2 and --train-fractions in (0, 1)")
     if max_batches_ahead < 1:
         raise typer.BadParameter("--max-batches-ahead must be >= 1 (0 is colocated-sync)")
+    if not shares or 1.0 not in shares or not all(0 < f <= 1 for f in shares):
+        raise typer.BadParameter("--lend-shares must be in (0, 1] and include 1")
+    if not 0 < reclaim_early_at <= 1:
+        raise typer.BadParameter("--reclaim-early-at must be in (0, 1]")
     base = SimConfig(
         steps=steps,
         seed=seed,
         workload=WORKLOADS[task],
         max_staleness=None if max_staleness < 0 else max_staleness,
         rebalance_on_lend=rebalance_on_lend,
+        lend_shares=shares,
+        reclaim_early_at=reclaim_early_at,
+        overlap_weight_sync=overlap_weight_sync,
     )
     if from_run is not None:
         calibration = calibrate_from_run(from_run, base)
@@ -453,6 +482,9 @@ def simulate(
         f"{', '.join(f'{f:g}' for f in fractions)} (by trained tokens/s), "
         f"{max_batches_ahead} batch(es) ahead"
         + ("" if rebalance_on_lend else "; without rebalance on lend")
+        + ("" if shares == (1.0,) else f"; lend shares {lend_shares}")
+        + ("" if reclaim_early_at == 1 else f"; reclaim early at {reclaim_early_at:g}")
+        + ("" if overlap_weight_sync else "; engines pause for the whole weight sync")
     )
     typer.echo(TABLE_HEADER)
     rows = []

@@ -126,6 +126,14 @@ class Subjects:
         """BatchReady: a batch's payload is stored (``seamlessflow.batches``)."""
         return f"{self._root}.batch.{self.policy}.ready"
 
+    def batch_progress(self) -> str:
+        """BatchProgress (core NATS, a hint): a group of the next batch is ready."""
+        return f"{self._root}.batch.{self.policy}.progress"
+
+    def batch_progress_all(self) -> str:
+        """Every policy's BatchProgress (the tag-scheduler)."""
+        return f"{self._root}.batch.*.progress"
+
     def batch_payload(self, batch_index: int) -> str:
         """The chunks of one batch's encoded payload."""
         if batch_index < 0:
@@ -696,6 +704,17 @@ class BatchReady(Message, tag="batch.ready"):
     created_at: float = msgspec.field(default_factory=time.time)
 
 
+class BatchProgress(Message, tag="batch.progress"):
+    """trajectory -> tag-scheduler (core NATS): another group of the batch being formed
+    is ready. A hint for the early reclaim (``SF_TAG_SCHEDULER_RECLAIM_EARLY_AT``): one
+    that is lost only means the lent engines are taken back at the trainer's claim."""
+
+    batch_index: int
+    groups_ready: int
+    groups_per_batch: int
+    policy: str = DEFAULT_POLICY
+
+
 class BatchFilterReport(Message, tag="data.batch"):
     """trajectory -> observers (JetStream): what the data filters did while batch
     ``batch_index`` was formed, counted from the previous batch on."""
@@ -1022,6 +1041,7 @@ AnyMessage = (
     | NoTask
     | TrainBatch
     | BatchReady
+    | BatchProgress
     | BatchFilterReport
     | EpochFilterReport
     | SessionExportQuery

@@ -1,3 +1,6 @@
+from typing import Self
+
+from pydantic import model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sf_tag_scheduler.policy import Mode, PolicyConfig
@@ -22,6 +25,16 @@ class TagSchedulerSettings(BaseSettings):
     lend_block_steps: int = 3
     """``multiplexed``: consecutive trainer waits that take one lending choice; their
     step periods (the first left out: it carries over the previous choice) measure it."""
+
+    lend_shares: tuple[float, ...] = (1.0,)
+    """``multiplexed``: the shares of the lendable engines a block of waits may lend
+    besides none, each measured like "lend all" (JSON, e.g. ``[0.5, 1.0]``: half or all;
+    must include 1.0). The default is all or nothing."""
+
+    reclaim_early_at: float = 1.0
+    """Take lent engines back while the trainer still waits, once this share of the
+    next batch's groups is ready (the trajectory service's BatchProgress), so that the
+    reclaim overlaps the end of rollout; 1.0: at the trainer's claim."""
 
     rebalance_on_lend: bool = True
     """Once lent engines serve, move in-flight requests onto them from the busiest
@@ -51,4 +64,12 @@ class TagSchedulerSettings(BaseSettings):
             lend_margin=self.lend_margin,
             switch_cost_prior_s=self.switch_cost_prior_s,
             block_steps=self.lend_block_steps,
+            lend_shares=self.lend_shares,
         )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        self.policy_config()  # raises on bad shares or block sizes
+        if not 0 < self.reclaim_early_at <= 1:
+            raise ValueError(f"reclaim_early_at must be in (0, 1], got {self.reclaim_early_at}")
+        return self

@@ -35,12 +35,24 @@ consecutive waits that all take the same choice:
   cost time away from the wait; a rule on single waits kept lending on the 2-core
   benchmark while steps/s fell (docs/design.md, "When lending pays").
 
+Granularity (``lend_shares``): a block may lend part of the lendable engines, e.g.
+``(0.5, 1.0)`` = half or all of them (rounded up; the first ones by id). Each share is
+measured like "lend all" and the rule becomes: the share whose blocks had the shortest
+step period, where a share above 0 must beat keeping the slots by ``lend_margin``
+(ties go to the smaller share). The default ``(1.0,)`` is all or nothing.
+
 Exploration: the first wait of a run is not measured (the pipeline fills: no batch is
-under way yet) and lends; then one block lends to measure ``period_lent`` and the next
-keeps the slots to measure ``period_alone``; after that each block is decided by the
-rule, and after ``reprobe_after`` blocks alike the other choice is taken for one block
-to refresh its measurement, because the workload changes over a run. With no dedicated
-engine alive lending is the only rollout capacity: always lend (not measured).
+under way yet) and lends; then one block lends all to measure ``period_lent``, the next
+keeps the slots to measure ``period_alone``, then one block per other share, largest
+first; after that each block is decided by the rule, and after ``reprobe_after`` blocks
+alike the share measured longest ago is taken for one block to refresh its
+measurement, because the workload changes over a run. With no dedicated engine alive
+lending is the only rollout capacity: always lend (not measured).
+
+Early reclaim (:meth:`TagPolicy.trainer_prepares`): lent engines can be taken back
+while the trainer still waits, once the next batch is nearly formed, so that the
+reclaim (requests handed back, memory freed) overlaps the end of rollout instead of
+delaying training; the claim then has nothing left to take back.
 
 Rebalance on lend (:meth:`TagPolicy.shed_plan`): a freshly lent engine otherwise gets
 only requests made after it joined, while the step's requests sit on the dedicated
@@ -146,8 +158,19 @@ class PolicyConfig:
     """Consecutive waits that take the same lending choice; the block's mean step period
     (its first one left out) is one measurement of that choice."""
     reprobe_after: int = 10
-    """After this many blocks alike in a row, take the other choice for one block to
-    refresh its measurement."""
+    """After this many blocks alike in a row, take the choice measured longest ago for
+    one block to refresh its measurement."""
+    lend_shares: tuple[float, ...] = (1.0,)
+    """The shares of the lendable engines a block may lend besides none (``when_pays``);
+    each in (0, 1], rounded up to whole engines."""
+
+    def __post_init__(self) -> None:
+        if not self.lend_shares or not all(0 < s <= 1 for s in self.lend_shares):
+            raise ValueError(f"lend_shares must be in (0, 1], got {self.lend_shares!r}")
+        if 1.0 not in self.lend_shares:
+            raise ValueError("lend_shares must include 1.0 (lend all is the first measured)")
+        if self.block_steps < 1 or self.reprobe_after < 1:
+            raise ValueError("block_steps and reprobe_after must be >= 1")
 
     @property
     def lending(self) -> Lending:
@@ -167,9 +190,14 @@ class Shed:
 class _Block:
     """Consecutive waits that take one lending choice; their step periods measure it."""
 
-    lend: bool
+    share: float
+    """Of the lendable engines, lent in each wait of the block (0: keep the slots)."""
     left: int
     periods: list[float] = field(default_factory=list)
+
+    @property
+    def lend(self) -> bool:
+        return self.share > 0
 
 
 @dataclass
@@ -203,21 +231,26 @@ class TagPolicy:
         self.members: dict[str, _Member] = {}
         self.lent: set[str] = set()
         self.trainer = _Trainer()
-        self.period_alone = Ewma(self.config.ewma_alpha)
-        """Mean step period over blocks that kept the slots (measured)."""
-        self.period_lent = Ewma(self.config.ewma_alpha)
-        """Mean step period over blocks that lent them (measured)."""
+        self.shares = (0.0, *sorted(set(self.config.lend_shares)))
+        """Every lending choice of a block, as a share of the lendable engines."""
+        self.periods = {share: Ewma(self.config.ewma_alpha) for share in self.shares}
+        """Mean step period over the blocks of each share (measured)."""
+        self._measured_at = dict.fromkeys(self.shares, -1)
+        """The block count at which each share was last measured (reprobe the oldest)."""
+        self._blocks_closed = 0
         self.lend_cost = Ewma(self.config.ewma_alpha, self.config.switch_cost_prior_s)
         self.reclaim_cost = Ewma(self.config.ewma_alpha, self.config.switch_cost_prior_s)
         self._block: _Block | None = None
         """The block of waits under way (None: none begun yet)."""
         self._blocks_alike = 0
-        self._last_block_lent: bool | None = None
+        self._last_block_share: float | None = None
         self._last_wait: tuple[float, _Block | None] | None = None
         """When the previous wait began, and the block whose period it starts (None: the
         period is not measured)."""
-        self._lending_now = False
+        self._share_now = 0.0
         """The choice of the current wait (a resource joining mid-wait follows it)."""
+        self._prepared = False
+        """The lent engines were taken back early in the current wait."""
         self.claims = 0
         """Batches the trainer claimed its slots for (steps begun)."""
         self.stats = PolicyStats()
@@ -225,6 +258,16 @@ class TagPolicy:
     @property
     def mode(self) -> Mode:
         return self.config.mode
+
+    @property
+    def period_alone(self) -> Ewma:
+        """Mean step period over blocks that kept the slots (measured)."""
+        return self.periods[0.0]
+
+    @property
+    def period_lent(self) -> Ewma:
+        """Mean step period over blocks that lent every lendable engine (measured)."""
+        return self.periods[1.0]
 
     # ------------------------------------------------------------------ the pool
 
@@ -285,6 +328,7 @@ class TagPolicy:
         """The trainer finished a step (weights published) and waits for the next batch."""
         self.trainer.training = False
         self.trainer.waiting_since = now
+        self._prepared = False
         if self._last_wait is not None:
             began, block = self._last_wait
             if block is not None:
@@ -304,15 +348,17 @@ class TagPolicy:
             return LendPlan((), "the trainer is training", math.inf, 0.0, 0.0)
         lending = self.config.lending
         if lending == "never":
-            return self._plan(False, "mode never lends")
-        if lending == "always":
-            return self._plan(True, "mode always lends")
+            return self._plan(0.0, "mode never lends")
         if not self.dedicated:
-            plan = self._plan(True, "no dedicated engine: lending is all the rollout there is")
+            plan = self._plan(1.0, "no dedicated engine: lending is all the rollout there is")
+        elif self._prepared:
+            plan = self._plan(0.0, "taken back early for the next batch")
+        elif lending == "always":
+            return self._plan(1.0, "mode always lends")
         elif self.claims == 0:
-            plan = self._plan(True, "the first batch fills the pipeline: lend, not measured")
+            plan = self._plan(1.0, "the first batch fills the pipeline: lend, not measured")
         else:
-            plan = self._plan(self._lending_now, "as decided for this wait")
+            plan = self._plan(self._share_now, "as decided for this wait")
         if plan.lend:
             self.stats.decisions.append(f"rebalance: lend {len(plan.lend)} ({plan.reason})")
         return plan
@@ -321,26 +367,24 @@ class TagPolicy:
         """The lending choice of a new wait, and the block its period measures."""
         lending = self.config.lending
         if lending == "never":
-            return self._plan(False, "mode never lends"), None
+            return self._plan(0.0, "mode never lends"), None
         if lending == "always":
-            return self._plan(True, "mode always lends"), None
+            return self._plan(1.0, "mode always lends"), None
         if not self.lendable:
-            return self._plan(False, "nothing lendable"), None
+            return self._plan(0.0, "nothing lendable"), None
         if not self.dedicated:
-            return self._plan(
-                True, "no dedicated engine: lending is all the rollout there is"
-            ), None
+            return self._plan(1.0, "no dedicated engine: lending is all the rollout there is"), None
         if self.claims == 0:
-            return self._plan(True, "the first batch fills the pipeline: lend, not measured"), None
+            return self._plan(1.0, "the first batch fills the pipeline: lend, not measured"), None
         block = self._block
         if block is None or block.left == 0:
             if block is not None:
                 self._close(block)
-            lend, reason = self._choose()
-            block = self._block = _Block(lend, self.config.block_steps)
+            share, reason = self._choose()
+            block = self._block = _Block(share, self.config.block_steps)
             first = True
         else:
-            reason = f"block: {'lend' if block.lend else 'keep the slots'} "
+            reason = f"block: {_choice(block.share)} "
             reason += f"({self.config.block_steps - block.left + 1} of {self.config.block_steps})"
             first = False
         block.left -= 1
@@ -348,37 +392,52 @@ class TagPolicy:
             self.stats.declined += 1
         # the first period of a block carries over the previous block's choice
         measured = block if not first or self.config.block_steps == 1 else None
-        return self._plan(block.lend, reason), measured
+        return self._plan(block.share, reason), measured
 
     def _close(self, block: _Block) -> None:
+        self._blocks_closed += 1
         if block.periods:
             mean = sum(block.periods) / len(block.periods)
-            (self.period_lent if block.lend else self.period_alone).add(mean)
-        self._blocks_alike = self._blocks_alike + 1 if block.lend == self._last_block_lent else 1
-        self._last_block_lent = block.lend
+            self.periods[block.share].add(mean)
+            self._measured_at[block.share] = self._blocks_closed
+        alike = block.share == self._last_block_share
+        self._blocks_alike = self._blocks_alike + 1 if alike else 1
+        self._last_block_share = block.share
 
-    def _choose(self) -> tuple[bool, str]:
-        """A new block: lend or keep the slots, and why."""
+    def _choose(self) -> tuple[float, str]:
+        """A new block: the share of the lendable engines to lend, and why."""
         n = self.config.block_steps
-        if self.period_lent.samples == 0:
-            return True, f"steps/s with lending not measured yet: a block of {n} lends"
-        if self.period_alone.samples == 0:
-            return False, f"steps/s without lending not measured yet: a block of {n} keeps"
-        alone, lent = self.period_alone.value or 0.0, self.period_lent.value or 0.0
-        pays = alone > (1 + self.config.lend_margin) * lent
+        # measure every choice once: lend all, keep the slots, then the other shares
+        for share in (1.0, 0.0, *sorted(self.shares[1:], reverse=True)):
+            if self.periods[share].samples == 0:
+                return share, f"steps/s not measured yet: a block of {n} {_choice(share)}"
+        period = {share: self.periods[share].value or 0.0 for share in self.shares}
+        margin = 1 + self.config.lend_margin
+        # a lending share must beat keeping the slots by the margin; ties: the smaller
+        best = min(self.shares, key=lambda s: (period[s] * (margin if s else 1.0), s))
         if self._blocks_alike >= self.config.reprobe_after:
-            pays = not pays
-            verdict = f"{self._blocks_alike} blocks alike: the other way, to re-measure"
-        else:
+            others = [s for s in self.shares if s != self._last_block_share]
+            best = min(others, key=lambda s: (self._measured_at[s], s))
+            verdict = f"{self._blocks_alike} blocks alike: another choice, to re-measure"
+        elif len(self.shares) == 2:
+            alone, lent = period[0.0], period[1.0]
+            pays = best > 0
             verdict = f"step {lent:.3f}s lent {'<' if pays else '>='} {alone:.3f}s alone"
             if self.config.lend_margin:
-                verdict += f" / {1 + self.config.lend_margin:g}"
-        return pays, f"{verdict}: a block of {n} {'lends' if pays else 'keeps'}"
+                verdict += f" / {margin:g}"
+        else:
+            measured = ", ".join(f"{_choice(s)} {period[s]:.3f}s" for s in self.shares)
+            verdict = f"shortest step: {_choice(best)} ({measured})"
+        return best, f"{verdict}: a block of {n} {_choice(best)}"
 
-    def _plan(self, lend_all: bool, reason: str) -> LendPlan:
-        """Lend every lendable engine not lent yet (or none), and record it."""
-        self._lending_now = lend_all
-        lend = tuple(r for r in self.lendable if r not in self.lent) if lend_all else ()
+    def _plan(self, share: float, reason: str) -> LendPlan:
+        """Lend ``share`` of the lendable engines (rounded up; the first by id), counting
+        those lent already, and record it."""
+        self._share_now = share
+        lendable = self.lendable
+        count = math.ceil(share * len(lendable) - 1e-9)
+        room = max(count - len(self.lent), 0)
+        lend = tuple(r for r in lendable if r not in self.lent)[:room]
         self.lent.update(lend)
         self.stats.lends += len(lend)
         self.trainer.lent_at_wait = len(self.lent)
@@ -392,11 +451,27 @@ class TagPolicy:
             return math.inf
         return self.period_alone.value - self.period_lent.value
 
+    def trainer_prepares(self, now: float) -> ReclaimPlan:
+        """The next batch is nearly formed: take the lent engines back now, while the
+        trainer still waits, so that the reclaim overlaps the end of rollout. Nothing is
+        lent again until the trainer's next wait. With no dedicated engine alive the
+        lent engines are all the rollout there is: they stay until the claim."""
+        if not self.dedicated:
+            return ReclaimPlan((), "no dedicated engine: lent engines stay until the claim")
+        self._prepared = True
+        self._share_now = 0.0
+        reclaim = tuple(sorted(self.lent))
+        self.lent.clear()
+        self.stats.reclaims += len(reclaim)
+        if reclaim:
+            self.stats.decisions.append(f"prepare: reclaim {len(reclaim)} early")
+        return ReclaimPlan(reclaim, "batch nearly ready: lent engines are taken back early")
+
     def trainer_claims(self, now: float) -> ReclaimPlan:
         """A full batch is ready: the trainer needs its slots back now."""
         self.trainer.waiting_since = None
         self.trainer.training = True
-        self._lending_now = False
+        self._share_now = 0.0
         self.claims += 1
         reclaim = tuple(sorted(self.lent))
         self.lent.clear()
@@ -451,3 +526,12 @@ class TagPolicy:
     def observe_reclaim(self, seconds: float) -> None:
         """Reclaiming the lent engines delayed the trainer by ``seconds``."""
         self.reclaim_cost.add(seconds)
+
+
+def _choice(share: float) -> str:
+    """A lending choice in words (decision reasons)."""
+    if share == 0:
+        return "keeps the slots"
+    if share == 1:
+        return "lends"
+    return f"lends {share:.0%}"

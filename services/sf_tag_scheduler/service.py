@@ -7,6 +7,10 @@ Consumes:
   batch; every engine lent from its slots is reclaimed before the reply
 - ``sf.<run>.sched.release`` (request SlotsReleased -> LendReport): the trainer waits;
   the policy decides which engines on its slots to lend
+- ``sf.<run>.batch.<policy>.progress`` (BatchProgress, core, from the trajectory
+  service): with ``SF_TAG_SCHEDULER_RECLAIM_EARLY_AT`` < 1, once that share of the next
+  batch's groups is ready the lent engines are taken back while the trainer still
+  waits (the early reclaim); the claim then waits for that reclaim to end
 Produces:
 - ``sf.<run>.sched.assign.<resource>`` (request RoleAssignment -> RoleAck): role
   changes (lend: ``rollout``; reclaim: ``idle``), acked once in effect
@@ -18,8 +22,8 @@ Produces:
   status, process); read back on start-up, so a restarted scheduler knows every
   resource again without asking it to register (see ``_restore``)
 - spans ``sched.decide`` (each lending decision and its estimates), ``sched.lend`` and
-  ``sched.reclaim`` (the switches and their cost), ``sched.rebalance`` (requests moved
-  onto lent engines)
+  ``sched.reclaim`` (the switches and their cost; ``early`` for an early reclaim),
+  ``sched.rebalance`` (requests moved onto lent engines)
 
 The decisions themselves are made by :class:`sf_tag_scheduler.policy.TagPolicy`, the
 same object the simulator drives; this module only does the I/O around it.
@@ -47,9 +51,11 @@ from seamlessflow import telemetry
 from seamlessflow.bus import NoResponder, RemoteError
 from seamlessflow.protocol import (
     DEFAULT_POLICY,
+    BatchProgress,
     Heartbeat,
     LendReport,
     PhaseChanged,
+    ProtocolError,
     ResourceRegister,
     Role,
     RoleAck,
@@ -97,6 +103,8 @@ class TagScheduler:
         self.ready = asyncio.Event()
         self._lends: asyncio.Queue[tuple[str, LendPlan]] = asyncio.Queue()
         self._reassign: asyncio.Queue[str] = asyncio.Queue()
+        self._early_reclaims: dict[str, asyncio.Task[None]] = {}
+        """Per policy, the early reclaim under way (the claim waits for it)."""
         self.trainer_versions: dict[str, int] = {}
         """Per policy, the newest version its trainer released its slots with: engines
         lent to it serve no older weights."""
@@ -116,6 +124,8 @@ class TagScheduler:
         await ctx.bus.serve(ctx.subjects.sched_claim(), SlotsClaim, self.on_claim)
         await ctx.bus.serve(ctx.subjects.sched_release(), SlotsReleased, self.on_release)
         await ctx.bus.nc.subscribe(ctx.subjects.sched_heartbeat_all(), cb=self._on_heartbeat_msg)
+        if self.settings.reclaim_early_at < 1:
+            await ctx.bus.nc.subscribe(ctx.subjects.batch_progress_all(), cb=self._on_progress_msg)
         log.info("tag-scheduler up (mode=%s)", self.settings.mode)
         self.ready.set()
         await supervise(
@@ -218,33 +228,82 @@ class TagScheduler:
     # ------------------------------------------------------------------ the trainer's demand
 
     async def on_claim(self, claim: SlotsClaim) -> SlotsGranted:
-        """Reclaim every lent engine; reply once each released its slot (or timed out)."""
+        """Reclaim every lent engine; reply once each released its slot (or timed out),
+        an early reclaim still under way included."""
         started = time.monotonic()
         check_policy(claim.policy)
         decisions = self.decisions(claim.policy)
         plan = decisions.trainer_claims(started)
+        early = self._early_reclaims.pop(claim.policy, None)
+        if early is not None:
+            await early  # the slots are the trainer's only once that reclaim is over
+        missed = await self._reclaim(
+            claim.policy, plan.reclaim, plan.reason, batch_index=claim.batch_index, early=False
+        )
+        seconds = time.monotonic() - started
+        return SlotsGranted(reclaimed=list(plan.reclaim), seconds=seconds, missed=missed)
+
+    async def _reclaim(
+        self, policy: str, engines: tuple[str, ...], reason: str, *, batch_index: int, early: bool
+    ) -> list[str]:
+        """Take ``engines`` back (role ``idle``); the ones that did not ack in time."""
+        started = time.monotonic()
         with tracer.start_as_current_span(
             "sched.reclaim",
             attributes={
-                "trainer.id": claim.trainer_id,
-                "policy": claim.policy,
-                "batch.index": claim.batch_index,
-                "reclaimed": list(plan.reclaim),
+                "policy": policy,
+                "batch.index": batch_index,
+                "reclaimed": list(engines),
+                "early": early,
             },
         ) as span:
-            acks = await self._assign_all(
-                plan.reclaim, "idle", plan.reason, self.settings.reclaim_timeout_s
-            )
+            acks = await self._assign_all(engines, "idle", reason, self.settings.reclaim_timeout_s)
             seconds = time.monotonic() - started
-            missed = [rid for rid, ack in zip(plan.reclaim, acks, strict=True) if ack is None]
+            missed = [rid for rid, ack in zip(engines, acks, strict=True) if ack is None]
             span.set_attribute("seconds", seconds)
             span.set_attribute("handed_back", sum(a.handed_back for a in acks if a))
             span.set_attribute("lent_busy_s", sum(a.busy_s for a in acks if a))
             span.set_attribute("missed", missed)
+        if engines:
+            self.decisions(policy).observe_reclaim(seconds)
+            log.info("reclaimed %s%s in %.3fs (missed %s)",
+                     list(engines), " early" if early else "", seconds, missed)  # fmt: skip
+        return missed
+
+    async def _on_progress_msg(self, msg: Msg) -> None:
+        try:
+            progress = decode(msg.data, BatchProgress)
+            check_policy(progress.policy)
+        except (ValueError, ProtocolError):
+            log.warning("dropping malformed batch progress on %s", msg.subject)
+            return
+        self.on_progress(progress)
+
+    def on_progress(self, progress: BatchProgress) -> None:
+        """A group of the next batch is ready: once ``reclaim_early_at`` of them are,
+        take the policy's lent engines back while its trainer still waits."""
+        decisions = self.policies.get(progress.policy)
+        needed = math.ceil(self.settings.reclaim_early_at * progress.groups_per_batch)
+        if (
+            decisions is None
+            or not decisions.lent
+            or decisions.trainer.waiting_since is None
+            or progress.groups_ready < needed
+            or progress.policy in self._early_reclaims
+        ):
+            return
+        plan = decisions.trainer_prepares(time.monotonic())
         if plan.reclaim:
-            decisions.observe_reclaim(seconds)
-            log.info("reclaimed %s in %.3fs (missed %s)", list(plan.reclaim), seconds, missed)
-        return SlotsGranted(reclaimed=list(plan.reclaim), seconds=seconds, missed=missed)
+            self._early_reclaims[progress.policy] = asyncio.create_task(
+                self._reclaim_early(progress, plan.reclaim, plan.reason)
+            )
+
+    async def _reclaim_early(
+        self, progress: BatchProgress, engines: tuple[str, ...], reason: str
+    ) -> None:
+        await self._reclaim(
+            progress.policy, engines, reason, batch_index=progress.batch_index, early=True
+        )
 
     async def on_release(self, release: SlotsReleased) -> LendReport:
         """The trainer waits: decide now, lend in the background (the trainer goes on)."""

@@ -49,9 +49,15 @@ What happens (mirroring the services)
   another engine after prefilling prompt + partial); the trainer starts ``reclaim_s``
   later. A step takes ``batch tokens / (train_tokens_per_s_per_gpu x T) + overhead``;
   then the weights are published (``sync_s`` on the training slots); every serving
-  engine loads them in place (a ``sync_s`` pause, in-flight sequences keep going on the
-  new version). Then the trainer waits (``policy.trainer_waiting``) and each engine the
-  policy lends serves after ``lend_in_s`` (wake + catch up to the current version).
+  engine loads them in place (in-flight sequences keep going on the new version): the
+  payloads arrive while it decodes and it pauses only for the swap (``swap_s``;
+  ``overlap_weight_sync=False``: a ``sync_s`` pause). Then the trainer waits
+  (``policy.trainer_waiting``) and each engine the policy lends serves after
+  ``lend_in_s`` (wake + catch up to the current version).
+  With ``reclaim_early_at`` < 1 the lent engines are taken back once that share of the
+  next batch's groups is ready (``policy.trainer_prepares``): the reclaim overlaps the
+  end of rollout, and training starts at the claim or when the reclaim ends, whichever
+  is later. ``lend_shares`` lets a block of waits lend part of the lendable engines.
 - Pacing counts a batch as trained once its weights are published.
 
 Measures
@@ -208,6 +214,10 @@ class TrainerModel:
     sync_latency_s: float = 0.5
     """Fixed cost per version (gather, announce, load into the engine)."""
 
+    swap_s: float = 0.3
+    """With ``overlap_weight_sync``: the pause of a serving engine while it swaps in a
+    version whose payloads arrived as it decoded (an in-place copy of the weights)."""
+
     @property
     def sync_s(self) -> float:
         """Publishing one version (training slots) and loading it (each engine)."""
@@ -300,13 +310,31 @@ class SimConfig:
     engines onto a freshly lent one (partial rollout: tokens kept, prompt + partial
     prefilled there). False: a lent engine only gets work that arrives after it joined
     (the product before rebalancing was built; for comparison)."""
+    lend_shares: tuple[float, ...] = PolicyConfig.lend_shares
+    """Passed to the policy (``PolicyConfig.lend_shares``): the shares of the lendable
+    engines a block of waits may lend; ``(0.5, 1.0)``: half or all."""
+    reclaim_early_at: float = 1.0
+    """Take lent engines back once this share of the next batch's groups is ready,
+    while the trainer still waits (``TagPolicy.trainer_prepares``), so the reclaim
+    overlaps the end of rollout; 1.0: at the claim, on the trainer's critical path."""
+    overlap_weight_sync: bool = True
+    """A serving engine keeps decoding while a new version's payloads arrive and pauses
+    only for the swap (``TrainerModel.swap_s``), as the engine worker does (payloads are
+    fetched and checked while it serves); False: it pauses for the whole ``sync_s``
+    (the simulator before 2026-11-25). The pause is placed at the publish; where it
+    falls within the transfer changes no throughput, only which version a few tokens
+    are counted on."""
     bounded_dispatch: bool = False
     """Dispatch exactly ``steps`` batches' worth of groups (``SF_TRAJECTORY_TOTAL_BATCHES``)
     instead of dispatching for as long as training goes on. With stale drops the last
     batch may then never fill (the simulation raises)."""
 
     def policy_config(self) -> PolicyConfig:
-        return PolicyConfig(mode=self.deployment.mode, lend_margin=self.lend_margin)
+        return PolicyConfig(
+            mode=self.deployment.mode,
+            lend_margin=self.lend_margin,
+            lend_shares=self.lend_shares,
+        )
 
 
 @dataclass(frozen=True)
@@ -507,6 +535,8 @@ class Simulation:
         self.trainer_waiting_since: float | None = None
         self.trainer_intervals: list[tuple[float, float]] = []
         self.waits: list[float] = []
+        self.reclaimed_at = 0.0
+        """When the last reclaim frees its slots (the trainer cannot start before)."""
 
         self.decoded_tokens = 0.0
         self.trained_samples = 0
@@ -617,6 +647,15 @@ class Simulation:
         if group.done < len(group.samples):
             return
         self.ready.append(group)
+        early = self.config.reclaim_early_at
+        if (
+            early < 1.0
+            and self.trainer_waiting_since is not None
+            and self.policy.lent
+            and not self.batches
+            and len(self.ready) >= math.ceil(early * self.groups_per_step)
+        ):
+            self._prepare()
         # ``Grouper.take_batch``: form every batch the ready groups allow, in order
         per_batch = self.groups_per_step
         while len(self.ready) >= per_batch:
@@ -814,9 +853,22 @@ class Simulation:
         self.waits.append(self.now - self.trainer_waiting_since)
         self.trainer_waiting_since = None
         plan = self.policy.trainer_claims(self.now)
+        self._reclaim(plan.reclaim)
+        # an early reclaim may still be under way: training starts once it is over
+        self._at(max(self.now, self.reclaimed_at), _TRAIN_START)
+
+    def _prepare(self) -> None:
+        """The next batch is nearly formed (``reclaim_early_at``): take the lent engines
+        back while the trainer still waits (``TagPolicy.trainer_prepares``)."""
+        plan = self.policy.trainer_prepares(self.now)
+        self._reclaim(plan.reclaim)
+
+    def _reclaim(self, resource_ids: tuple[str, ...]) -> None:
+        """Lent engines hand their in-flight sequences back (partial rollout) and free
+        their slot, which is the trainer's ``reclaim_s`` later."""
         resumed: list[_Sample] = []
         reclaim_s = self.config.switch.reclaim_s
-        for resource_id in plan.reclaim:
+        for resource_id in resource_ids:
             engine = self.by_id[resource_id]
             engine.lend_stamp += 1
             if engine.lending_in:
@@ -835,9 +887,9 @@ class Simulation:
             self._touch(engine)
         # interrupted sequences are the oldest work: they resume first
         self.pending.extendleft(reversed(resumed))
-        if plan.reclaim:
+        if resource_ids:
             self.policy.observe_reclaim(reclaim_s)
-        self._at(self.now + (reclaim_s if plan.reclaim else 0.0), _TRAIN_START)
+            self.reclaimed_at = max(self.reclaimed_at, self.now + reclaim_s)
 
     # ------------------------------------------------------------------ training
 
@@ -866,6 +918,8 @@ class Simulation:
         """New weights: published from the training slots, loaded in place by every
         serving engine (partial rollout: in-flight sequences continue on them)."""
         sync_s = self.config.trainer.sync_s
+        # overlapped: payloads arrive while the engine decodes; it pauses for the swap
+        pause_s = self.config.trainer.swap_s if self.config.overlap_weight_sync else sync_s
         self.version += 1
         self.trainer_intervals.append((self.now, self.now + sync_s))
         for engine in self.engines:
@@ -877,9 +931,9 @@ class Simulation:
                 sample.seg_tau = engine.tau
                 sample.seg_version = self.version
             start = self.now if self.now > engine.stall_until else engine.stall_until
-            engine.stall_until = start + sync_s
+            engine.stall_until = start + pause_s
             engine.version = self.version
-            engine.busy.append((start, start + sync_s))
+            engine.busy.append((start, start + pause_s))
             self._touch(engine)
         self._at(self.now + sync_s, _PUBLISHED)
 
@@ -1026,6 +1080,9 @@ def rows_as_json(rows: Sequence[Row], base: SimConfig) -> dict[str, Any]:
             "steps": base.steps,
             "seed": base.seed,
             "max_staleness": base.max_staleness,
+            "lend_shares": list(base.lend_shares),
+            "reclaim_early_at": base.reclaim_early_at,
+            "overlap_weight_sync": base.overlap_weight_sync,
         },
         "rows": [
             {

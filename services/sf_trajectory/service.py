@@ -21,6 +21,9 @@ Produces, for each policy of the run (``SF_POLICIES``):
   message id ``batch-<index>`` so a re-publish after a restart lands once)
 - ``sf.<run>.data.<policy>.batch`` (JetStream ``SF_<RUN>_METRICS``: BatchFilterReport
   after each batch, message id ``data-batch-<policy>-<index>``)
+- ``sf.<run>.batch.<policy>.progress`` (core NATS: BatchProgress each time another
+  group of the batch being formed passed the group filters; the tag-scheduler's hint
+  for taking lent engines back early)
 and once for the run:
 - ``sf.<run>.data.epoch`` (JetStream ``SF_<RUN>_METRICS``: EpochFilterReport when an
   epoch or stage starts, message id ``data-epoch-<stage>-<epoch>``; published before
@@ -69,6 +72,7 @@ from seamlessflow.batches import publish_batch, stored_announcements
 from seamlessflow.bus import NotFound, Unrecoverable
 from seamlessflow.protocol import (
     BatchFilterReport,
+    BatchProgress,
     EpochFilterReport,
     GroupClosed,
     NoTask,
@@ -113,6 +117,8 @@ class PolicyLine:
     """Batches the policy's trainer has consumed (from its metrics)."""
     finished: bool = False
     """Its trainer reached its step budget (TrainingFinished): it no longer sets the pace."""
+    progress_reported: tuple[int, int] = (0, 0)
+    """The last BatchProgress published: (batch index, groups ready)."""
 
     @property
     def policy(self) -> str:
@@ -524,6 +530,18 @@ class TrajectoryService:
             for group in groups:
                 grouper.already_batched.update(s.session_id for s in group.samples)
             line.next_batch_index += 1
+        progress = (line.next_batch_index, grouper.judged)
+        if grouper.judged and progress != line.progress_reported:
+            line.progress_reported = progress
+            await self.ctx.bus.publish(
+                line.subjects.batch_progress(),
+                BatchProgress(
+                    batch_index=line.next_batch_index,
+                    groups_ready=grouper.judged,
+                    groups_per_batch=self.settings.groups_per_batch,
+                    policy=line.policy,
+                ),
+            )
 
     async def _publish_batch(self, line: PolicyLine, batch: TrainBatch) -> None:
         """The batch, then what the data filters did while it formed."""
