@@ -25,8 +25,7 @@ def test_the_configuration_doc_is_generated_from_the_code() -> None:
     )
 
 
-def test_help_is_fast_and_lists_the_commands() -> None:
-    started = time.monotonic()
+def test_help_lists_the_commands_without_importing_torch() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "seamlessflow", "--help"], capture_output=True, text=True, check=True
     ).stdout
@@ -38,8 +37,8 @@ def test_help_is_fast_and_lists_the_commands() -> None:
         text=True,
         check=True,
     ).stdout.strip()
+    # (how fast that is belongs to no test: a wall-clock bound failed on a loaded machine)
     assert probe == "False"
-    assert time.monotonic() - started < 60  # sanity bound only, not a performance target
 
 
 def test_serve_refuses_an_unknown_service() -> None:
