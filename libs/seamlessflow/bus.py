@@ -45,14 +45,6 @@ class NotFound(DomainError):
     code = "not_found"
 
 
-class Conflict(DomainError):
-    code = "conflict"
-
-
-class Unavailable(DomainError):
-    code = "unavailable"
-
-
 class RemoteError(Exception):
     """The service we asked replied with a typed error."""
 

@@ -7,7 +7,6 @@ port with JetStream stored under ``store_dir``.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -127,9 +126,3 @@ class EmbeddedNats:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def child_env(**overrides: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(overrides)
-    return env

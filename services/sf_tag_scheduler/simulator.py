@@ -1066,10 +1066,6 @@ def format_row(row: Row) -> str:
     )
 
 
-def format_table(rows: Sequence[Row]) -> str:
-    return "\n".join([TABLE_HEADER, *(format_row(row) for row in rows)])
-
-
 def rows_as_json(rows: Sequence[Row], base: SimConfig) -> dict[str, Any]:
     return {
         "model": {
