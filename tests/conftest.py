@@ -124,12 +124,12 @@ async def mesh(nats_url: str, run_id: str, base_model_dir: Path) -> AsyncIterato
 
 async def announce_weights(bus: Bus, manifest) -> None:  # type: ignore[no-untyped-def]
     """Announce a stored payload as ``sf_trainer`` does after a step."""
-    from seamlessflow.protocol import WeightsPublished
+    from seamlessflow.protocol import MessageIds, WeightsPublished
 
     await bus.js_publish(
         bus.subjects.weights_published(),
         WeightsPublished(manifest=manifest, step=manifest.version),
-        msg_id=f"weights-v{manifest.version}",
+        msg_id=MessageIds.weights(bus.subjects.policy, manifest.version),
     )
 
 

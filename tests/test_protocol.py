@@ -314,3 +314,29 @@ async def test_two_policies_streams_coexist_and_capture_only_their_own(
         assert info.state.messages == 1  # the run's one metrics stream holds every policy's
     finally:
         await bus.drain()
+
+
+def test_message_ids_name_one_fact_each() -> None:
+    """Exactly-once rests on these: the same fact always gets the same id, different
+    facts (another policy, index, version or kind) never share one."""
+    ids = p.MessageIds
+    facts = [
+        ids.batch("a", 1),
+        ids.batch("b", 1),
+        ids.batch("a", 2),
+        ids.batch_chunk(ids.batch("a", 1), "ab" * 32, 0),
+        ids.batch_chunk(ids.batch("a", 1), "cd" * 32, 0),
+        ids.batch_chunk(ids.batch("a", 1), "ab" * 32, 1),
+        ids.data_batch_report("a", 1),
+        ids.data_epoch_report(0, 1),
+        ids.data_epoch_report(1, 0),
+        ids.group_closed("g1"),
+        ids.weights("a", 1),
+        ids.weights("b", 1),
+        ids.train_metrics("a", 1),
+        ids.train_eval("a", 1),
+        ids.train_finished("a", 1),
+        ids.train_finished("a", 2),
+    ]
+    assert len(set(facts)) == len(facts)
+    assert ids.weights("a", 3) == ids.weights("a", 3)

@@ -46,6 +46,7 @@ from seamlessflow.protocol import (
     BatchPayload,
     BatchReady,
     GroupSummary,
+    MessageIds,
     ProtocolError,
     SampleSummary,
     TrainBatch,
@@ -178,11 +179,11 @@ def chunk_bytes(max_payload: int) -> int:
 
 async def publish_batch(bus: Bus, batch: TrainBatch, *, msg_id: str = "") -> BatchReady:
     """Store ``batch``'s payload, then announce it (``BatchReady``) on the policy's
-    batch subject. ``msg_id`` (default ``batch-<index>``) makes a re-publish land once;
-    a chunk's id adds the payload's digest, so a different batch under the same index
-    (rebuilt after a crash before its ``BatchReady``) never reuses stale chunks."""
+    batch subject. ``msg_id`` (default ``MessageIds.batch``) makes a re-publish land
+    once; a chunk's id adds the payload's digest, so a different batch under the same
+    index (rebuilt after a crash before its ``BatchReady``) never reuses stale chunks."""
     subjects = bus.subjects.for_policy(batch.policy)
-    msg_id = msg_id or f"batch-{batch.batch_index}"
+    msg_id = msg_id or MessageIds.batch(batch.policy, batch.batch_index)
     payload = await asyncio.to_thread(encode_batch, batch)
     digest = hashlib.sha256(payload).hexdigest()
     size = chunk_bytes(bus.nc.max_payload)
@@ -193,7 +194,7 @@ async def publish_batch(bus: Bus, batch: TrainBatch, *, msg_id: str = "") -> Bat
             await bus.js_publish_bytes(
                 subjects.batch_payload(batch.batch_index),
                 bytes(view[start : start + size]),
-                msg_id=f"{msg_id}.{digest[:16]}.{number}",
+                msg_id=MessageIds.batch_chunk(msg_id, digest, number),
             )
         )
     ready = BatchReady(

@@ -263,6 +263,57 @@ class Subjects:
         return {**self.run_streams(), **self.policy_streams()}
 
 
+class MessageIds:
+    """JetStream message ids (``Nats-Msg-Id``), all built here.
+
+    A durable publish carries the id of the fact it records, so a publish retried after
+    a lost acknowledgement, or repeated by a restarted service, is stored once (the
+    stream's duplicate window): part of exactly-once. An id names the kind of fact, the
+    policy whose line it belongs to (where there is one) and its index or version: two
+    different facts never share an id, the same fact always gets the same one."""
+
+    @staticmethod
+    def batch(policy: str, batch_index: int) -> str:
+        """BatchReady of one batch (the trajectory service, also after a restart)."""
+        return f"batch-{policy}-{batch_index}"
+
+    @staticmethod
+    def batch_chunk(batch_id: str, digest: str, number: int) -> str:
+        """One chunk of a batch's payload; the payload's digest is in it, so a batch
+        rebuilt differently under the same index never reuses stale chunks."""
+        return f"{batch_id}.{digest[:16]}.{number}"
+
+    @staticmethod
+    def data_batch_report(policy: str, batch_index: int) -> str:
+        return f"data-batch-{policy}-{batch_index}"
+
+    @staticmethod
+    def data_epoch_report(stage_index: int, epoch: int) -> str:
+        return f"data-epoch-{stage_index}-{epoch}"
+
+    @staticmethod
+    def group_closed(group_id: str) -> str:
+        return f"closed-{group_id}"
+
+    # The trainer's facts are keyed by version: after a resume, step numbers repeat,
+    # versions never do.
+    @staticmethod
+    def weights(policy: str, version: int) -> str:
+        return f"weights-{policy}-v{version}"
+
+    @staticmethod
+    def train_metrics(policy: str, version: int) -> str:
+        return f"metrics-{policy}-v{version}"
+
+    @staticmethod
+    def train_eval(policy: str, version: int) -> str:
+        return f"eval-{policy}-v{version}"
+
+    @staticmethod
+    def train_finished(policy: str, version: int) -> str:
+        return f"finished-{policy}-v{version}"
+
+
 POLICY_TAG_PREFIX = "policy:"
 
 

@@ -68,6 +68,7 @@ from seamlessflow.protocol import (
     BatchReady,
     LendReport,
     Message,
+    MessageIds,
     SlotsClaim,
     SlotsGranted,
     SlotsReleased,
@@ -184,7 +185,7 @@ class Trainer:
     async def _resume(self) -> None:
         """Start from ``SF_TRAINER_RESUME`` if set, and number versions after every
         version already announced (engines never go back; JetStream would also drop a
-        reused ``weights-v<n>`` message id as a duplicate)."""
+        reused ``MessageIds.weights`` id as a duplicate)."""
         path = checkpoint.resolve_resume(self.settings.resume, self.ctx.mesh.run_dir, self.policy)
         if path is not None:
             state = await self._on_learner(self.learner.restore, path)
@@ -288,8 +289,7 @@ class Trainer:
                     checkpoint_dir=str(final),
                     policy=self.policy,
                 ),
-                # by version: after a resume, step numbers repeat, versions never do
-                msg_id=f"finished-{self.policy}-v{kept.version}",
+                msg_id=MessageIds.train_finished(self.policy, kept.version),
             )
             log.info("training finished after %d steps: %s holds %d trained steps "
                      "(version %d)", self.step, final, kept.trained, kept.version)  # fmt: skip
@@ -401,12 +401,12 @@ class Trainer:
         await self.ctx.bus.js_publish(
             self.ctx.subjects.train_metrics(),
             metrics,
-            msg_id=f"metrics-{self.policy}-v{self.version}",
+            msg_id=MessageIds.train_metrics(self.policy, self.version),
         )
         await self.ctx.bus.js_publish(
             self.ctx.subjects.weights_published(),
             WeightsPublished(manifest=manifest, step=self.step),
-            msg_id=f"weights-v{self.version}",
+            msg_id=MessageIds.weights(self.policy, self.version),
         )
         every = self.settings.checkpoint_every
         if every and self.step % every == 0 and self.ctx.mesh.run_dir is not None:
@@ -439,7 +439,9 @@ class Trainer:
                  self.step, self.version, result.mean_reward, result.samples,
                  record.task)  # fmt: skip
         await self.ctx.bus.js_publish(
-            self.ctx.subjects.train_eval(), record, msg_id=f"eval-{self.policy}-v{self.version}"
+            self.ctx.subjects.train_eval(),
+            record,
+            msg_id=MessageIds.train_eval(self.policy, self.version),
         )
 
     def _train(self, batch: TrainBatch) -> StepResult:

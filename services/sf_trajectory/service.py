@@ -18,15 +18,15 @@ Produces, for each policy of the run (``SF_POLICIES``):
 - ``sf.<run>.batch.<policy>.payload.<index>`` (JetStream ``SF_<RUN>_BATCHDATA-<policy>``:
   the batch's TrainBatch, packed and in chunks, ``seamlessflow.batches``), then
   ``sf.<run>.batch.<policy>.ready`` (JetStream ``SF_<RUN>_BATCH-<policy>``: BatchReady,
-  message id ``batch-<index>`` so a re-publish after a restart lands once)
+  message id ``MessageIds.batch`` so a re-publish after a restart lands once)
 - ``sf.<run>.data.<policy>.batch`` (JetStream ``SF_<RUN>_METRICS``: BatchFilterReport
-  after each batch, message id ``data-batch-<policy>-<index>``)
+  after each batch, message id ``MessageIds.data_batch_report``)
 - ``sf.<run>.batch.<policy>.progress`` (core NATS: BatchProgress each time another
   group of the batch being formed passed the group filters; the tag-scheduler's hint
   for taking lent engines back early)
 and once for the run:
 - ``sf.<run>.data.epoch`` (JetStream ``SF_<RUN>_METRICS``: EpochFilterReport when an
-  epoch or stage starts, message id ``data-epoch-<stage>-<epoch>``; published before
+  epoch or stage starts, message id ``MessageIds.data_epoch_report``; published before
   the claim that opens the epoch is answered)
 - ``sf.<run>.traj.event.group.<group>`` (JetStream ``SF_<RUN>_TRAJ``: GroupClosed when
   a group handed out made no progress for ``SF_TRAJECTORY_GROUP_TIMEOUT_S``, see
@@ -75,6 +75,7 @@ from seamlessflow.protocol import (
     BatchProgress,
     EpochFilterReport,
     GroupClosed,
+    MessageIds,
     NoTask,
     SessionExport,
     SessionExportQuery,
@@ -339,7 +340,7 @@ class TrajectoryService:
                 await self.ctx.bus.js_publish(
                     self.ctx.subjects.data_epoch_report(),
                     report,
-                    msg_id=f"data-epoch-{report.stage_index}-{report.epoch}",
+                    msg_id=MessageIds.data_epoch_report(report.stage_index, report.epoch),
                 )
             self.dispatcher.unrecorded_epochs.pop(0)
             log.info(
@@ -398,7 +399,7 @@ class TrajectoryService:
                 await self.ctx.bus.js_publish(
                     self.ctx.subjects.trajectory_group_event(waiting.group_id),
                     closed,
-                    msg_id=f"closed-{waiting.group_id}",
+                    msg_id=MessageIds.group_closed(waiting.group_id),
                 )
 
     def _check_stalled(self, now: float, timed_out: int) -> None:
@@ -563,7 +564,7 @@ class TrajectoryService:
             await self.ctx.bus.js_publish(
                 line.subjects.data_batch_report(),
                 report,
-                msg_id=f"data-batch-{line.policy}-{batch.batch_index}",
+                msg_id=MessageIds.data_batch_report(line.policy, batch.batch_index),
             )
         if report.groups_dropped or report.groups_waived or report.samples_dropped:
             log.info(
