@@ -37,11 +37,11 @@ _cpu-only:
 gpu-check *ARGS:
     {{bin}}/python loadtests/gpu_check.py {{ARGS}}
 
-# lint, format check and type check of libs/
+# lint, format check and type check of libs/ and services/
 check:
     {{bin}}/ruff check .
     {{bin}}/ruff format --check .
-    {{bin}}/mypy libs/seamlessflow
+    {{bin}}/mypy libs/seamlessflow services
 
 # benchmarks: throughput and bubbles of each deployment mode on the built-in task (same
 # steps, slots pinned to cores) and its steps/s ratios against the committed baseline

@@ -108,6 +108,29 @@ class Bus:
             # (a GenerateRequest's ``stream_subject``), so the request is refused as such.
             raise ProtocolError(f"invalid subject {subject!r}") from None
 
+    async def subscribe(
+        self, subject: str, message_type: Any, handler: Callable[[Any], Awaitable[None]]
+    ) -> Subscription:
+        """Receive broadcasts on ``subject`` (wildcards allowed) as ``message_type``.
+
+        ``handler`` runs in the connection's dispatcher, one message at a time in the
+        order they arrived, so it must be quick (it may hand work to a task). A message
+        that does not decode is logged and dropped: a broadcast has no one to refuse it
+        to, and a malformed one must not stop the ones after it."""
+
+        async def on_message(msg: Msg) -> None:
+            try:
+                message = decode(msg.data, message_type)
+            except ProtocolError as exc:
+                log.warning("dropping a malformed message on %s: %s", msg.subject, exc)
+                return
+            with telemetry.extracted_context(msg.headers):
+                await handler(message)
+
+        sub = await self.nc.subscribe(subject, cb=on_message)
+        self._subscriptions.append(sub)
+        return sub
+
     async def request(
         self, subject: str, message: Message, reply_type: Any, *, timeout: float = 5.0
     ) -> Any:
@@ -281,7 +304,7 @@ class Bus:
                 log.warning("no ack for %s on %s (%r): retrying", msg_id, subject, exc)
                 await asyncio.sleep(0.5)
 
-    async def follow(self, stream: str, subject: str) -> tuple[Any, int]:
+    async def follow(self, stream: str, subject: str) -> tuple[Subscription, int]:
         """An ordered consumer over ``subject`` from the stream's start.
 
         ``subject`` must cover every subject of the stream. Returns the subscription and

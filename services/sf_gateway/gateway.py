@@ -64,7 +64,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -935,13 +935,9 @@ class Gateway:
             await self._abort(request_id, "stop")
         follower.on_update()
 
-    async def on_phase(self, msg: Msg) -> None:
+    async def on_phase(self, change: PhaseChanged) -> None:
         """An engine declared dead by the tag-scheduler: re-route its requests now
         instead of waiting for a reply that will never come."""
-        try:
-            change = decode(msg.data, PhaseChanged)
-        except ValueError:
-            return
         if change.phase != "dead":
             return
         calls = self._engine_calls.pop(change.resource_id, {})
@@ -1215,7 +1211,7 @@ class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: the service skeleton owns SIGTERM."""
 
     @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[no-untyped-def]
+    def capture_signals(self) -> Iterator[None]:
         yield
 
 
@@ -1254,7 +1250,7 @@ class GatewayService:
         tokenizer = await asyncio.to_thread(ChatTokenizer, ctx.mesh.model_dir)
         self.gateway = Gateway(self.settings, ctx.bus, tokenizer, ctx.mesh.policy_names())
         await self.gateway.restore_sessions()
-        await ctx.bus.nc.subscribe(ctx.subjects.sched_phase(), cb=self.gateway.on_phase)
+        await ctx.bus.subscribe(ctx.subjects.sched_phase(), PhaseChanged, self.gateway.on_phase)
         config = uvicorn.Config(
             self.gateway.app(),
             host=self.settings.host,

@@ -101,7 +101,7 @@ class CompletionChunk(Completion):
     choices: list[CompletionChunkChoice]  # type: ignore[assignment]
 
 
-class ResponseEvent(RootModel[ResponseStreamEvent]):  # type: ignore[misc]
+class ResponseEvent(RootModel[ResponseStreamEvent]):
     """One server-sent event of a streamed Responses API turn (the ``openai`` union)."""
 
 

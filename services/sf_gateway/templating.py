@@ -62,7 +62,10 @@ class ChatTokenizer:
         """The chat template's text for ``messages`` (no tokenization)."""
         return str(
             self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tools=tools,  # type: ignore[arg-type]  # transformers' stub wants dict[Any, Any]
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         )
 

@@ -45,7 +45,6 @@ from dataclasses import dataclass, replace
 
 import nats.js.errors
 import orjson
-from nats.aio.msg import Msg
 
 from seamlessflow import telemetry
 from seamlessflow.bus import NoResponder, RemoteError
@@ -67,7 +66,6 @@ from seamlessflow.protocol import (
     SlotsReleased,
     check_policy,
     check_token,
-    decode,
     policy_of_tags,
 )
 from seamlessflow.service import ServiceContext, supervise
@@ -123,9 +121,11 @@ class TagScheduler:
         await ctx.bus.serve(ctx.subjects.sched_register(), ResourceRegister, self.on_register)
         await ctx.bus.serve(ctx.subjects.sched_claim(), SlotsClaim, self.on_claim)
         await ctx.bus.serve(ctx.subjects.sched_release(), SlotsReleased, self.on_release)
-        await ctx.bus.nc.subscribe(ctx.subjects.sched_heartbeat_all(), cb=self._on_heartbeat_msg)
+        await ctx.bus.subscribe(ctx.subjects.sched_heartbeat_all(), Heartbeat, self.on_heartbeat)
         if self.settings.reclaim_early_at < 1:
-            await ctx.bus.nc.subscribe(ctx.subjects.batch_progress_all(), cb=self._on_progress_msg)
+            await ctx.bus.subscribe(
+                ctx.subjects.batch_progress_all(), BatchProgress, self._progress
+            )
         log.info("tag-scheduler up (mode=%s)", self.settings.mode)
         self.ready.set()
         await supervise(
@@ -270,12 +270,11 @@ class TagScheduler:
                      list(engines), " early" if early else "", seconds, missed)  # fmt: skip
         return missed
 
-    async def _on_progress_msg(self, msg: Msg) -> None:
+    async def _progress(self, progress: BatchProgress) -> None:
         try:
-            progress = decode(msg.data, BatchProgress)
             check_policy(progress.policy)
-        except (ValueError, ProtocolError):
-            log.warning("dropping malformed batch progress on %s", msg.subject)
+        except ProtocolError as exc:
+            log.warning("dropping batch progress: %s", exc)
             return
         self.on_progress(progress)
 
@@ -459,12 +458,7 @@ class TagScheduler:
 
     # ------------------------------------------------------------------ liveness
 
-    async def _on_heartbeat_msg(self, msg: Msg) -> None:
-        try:
-            beat = decode(msg.data, Heartbeat)
-        except ValueError:
-            log.warning("dropping malformed heartbeat on %s", msg.subject)
-            return
+    async def on_heartbeat(self, beat: Heartbeat) -> None:
         state = self.resources.get(beat.resource_id)
         if state is None:
             return  # not registered (yet); its register request will follow

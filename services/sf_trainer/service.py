@@ -59,6 +59,8 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import torch
+from nats.aio.msg import Msg
+from nats.js.client import JetStreamContext
 
 from seamlessflow import telemetry
 from seamlessflow.batches import TRANSIENT_ERRORS, BatchPayloadMissing, fetch_batch
@@ -228,7 +230,7 @@ class Trainer:
         )
         return max((w.version for w in announced), default=0)
 
-    async def _train_loop(self, batches) -> None:  # type: ignore[no-untyped-def]
+    async def _train_loop(self, batches: JetStreamContext.PullSubscription) -> None:
         while self.step < self.settings.steps and not self.ctx.stopping.is_set():
             self.membership.set_phase("idle")
             wait_started = time.monotonic()
@@ -308,7 +310,7 @@ class Trainer:
                     self.data_position + 1, IN_ORDER_WAIT_S, batch_index)  # fmt: skip
         return False
 
-    async def _next_batch(self, batches):  # type: ignore[no-untyped-def]
+    async def _next_batch(self, batches: JetStreamContext.PullSubscription) -> Msg | None:
         stop = asyncio.create_task(self.ctx.stopping.wait())
         try:
             while not self.ctx.stopping.is_set():

@@ -60,12 +60,14 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import nats.errors
 import nats.js.errors
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from seamlessflow import telemetry
 from seamlessflow.batches import publish_batch, stored_announcements
@@ -261,11 +263,13 @@ class TrajectoryService:
             self.dispatcher.next_sample,
         )
         for line in self.lines.values():
-            await ctx.bus.nc.subscribe(
-                line.subjects.train_metrics(), cb=self._train_metrics_handler(line)
+            await ctx.bus.subscribe(
+                line.subjects.train_metrics(), TrainStepMetrics, self._train_metrics_handler(line)
             )
-            await ctx.bus.nc.subscribe(
-                line.subjects.train_finished(), cb=self._train_finished_handler(line)
+            await ctx.bus.subscribe(
+                line.subjects.train_finished(),
+                TrainingFinished,
+                self._train_finished_handler(line),
             )
         await ctx.bus.serve(subjects.task_claim(), TaskClaim, self.on_claim)
         await ctx.bus.serve(subjects.trajectory_export(), SessionExportQuery, self.on_export)
@@ -360,7 +364,7 @@ class TrajectoryService:
             raise NotFound(f"session {query.session_id!r} does not exist")
         return export_session(events, self.reward_lookup)
 
-    async def _event_loop(self, events) -> None:  # type: ignore[no-untyped-def]
+    async def _event_loop(self, events: Subscription) -> None:
         async with self._applying_events():
             while True:
                 # No time-out: on Python 3.11, a cancellation that lands as next_msg's
@@ -371,9 +375,10 @@ class TrajectoryService:
                 if event is not None:
                     await self._apply(event)
 
-    def _decode_event(self, msg) -> TrajectoryEvent | None:  # type: ignore[no-untyped-def]
+    def _decode_event(self, msg: Msg) -> TrajectoryEvent | None:
         try:
-            return decode(msg.data, TrajectoryEvent)  # type: ignore[no-any-return]
+            event: TrajectoryEvent = decode(msg.data, TrajectoryEvent)
+            return event
         except ValueError as exc:
             # Nobody awaits a reply on a stream; count it and move on (it changes nothing).
             self.malformed_events += 1
@@ -632,23 +637,19 @@ class TrajectoryService:
             return False
         return True
 
-    def _train_finished_handler(self, line: PolicyLine):  # type: ignore[no-untyped-def]
-        async def on_train_finished(msg) -> None:  # type: ignore[no-untyped-def]
-            try:
-                decode(msg.data, TrainingFinished)
-            except ValueError:
-                return
+    def _train_finished_handler(
+        self, line: PolicyLine
+    ) -> Callable[[TrainingFinished], Awaitable[None]]:
+        async def on_train_finished(_: TrainingFinished) -> None:
             line.finished = True
             log.info("the trainer of %s finished: it no longer sets the pace", line.policy)
 
         return on_train_finished
 
-    def _train_metrics_handler(self, line: PolicyLine):  # type: ignore[no-untyped-def]
-        async def on_train_metrics(msg) -> None:  # type: ignore[no-untyped-def]
-            try:
-                metrics = decode(msg.data, TrainStepMetrics)
-            except ValueError:
-                return
+    def _train_metrics_handler(
+        self, line: PolicyLine
+    ) -> Callable[[TrainStepMetrics], Awaitable[None]]:
+        async def on_train_metrics(metrics: TrainStepMetrics) -> None:
             line.trained_batches = max(line.trained_batches, metrics.batch_index + 1)
 
         return on_train_metrics

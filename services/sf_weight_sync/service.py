@@ -68,8 +68,8 @@ class WeightSync:
         self.ctx = ctx
         subjects = ctx.subjects
         await self._reload_chain()
-        await ctx.bus.nc.subscribe(subjects.weights_loaded(), cb=self._on_loaded)
-        await ctx.bus.nc.subscribe(subjects.sched_phase(), cb=self._on_phase)
+        await ctx.bus.subscribe(subjects.weights_loaded(), WeightsLoaded, self._on_loaded)
+        await ctx.bus.subscribe(subjects.sched_phase(), PhaseChanged, self._on_phase)
         await ctx.bus.serve(subjects.weights_current(), CurrentVersionQuery, self.on_query)
         self.published = await ctx.bus.js.pull_subscribe(
             subjects.weights_published(),
@@ -204,20 +204,12 @@ class WeightSync:
             log.warning("version %d not loaded by %s after %.0fs", version, lagging,
                         self.settings.sync_timeout_s)  # fmt: skip
 
-    async def _on_loaded(self, msg) -> None:  # type: ignore[no-untyped-def]
-        try:
-            loaded = decode(msg.data, WeightsLoaded)
-        except ValueError:
-            return
+    async def _on_loaded(self, loaded: WeightsLoaded) -> None:
         async with self._loaded:
             self._heard_from(loaded.engine_id, loaded.version)
             self._loaded.notify_all()
 
-    async def _on_phase(self, msg) -> None:  # type: ignore[no-untyped-def]
-        try:
-            changed = decode(msg.data, PhaseChanged)
-        except ValueError:
-            return
+    async def _on_phase(self, changed: PhaseChanged) -> None:
         if changed.phase == "dead" and changed.resource_id in self.engine_versions:
             async with self._loaded:
                 self._forget(changed.resource_id)
