@@ -1,5 +1,5 @@
-"""Property-based fuzzing of the gateway's HTTP surface (invariant 6: bad input gets an
-HTTP 4xx with an OpenAI-style error body and changes no state).
+"""Property-based fuzzing of the gateway's HTTP surface (docs/architecture.md, invariant 6:
+bad input gets an HTTP 4xx with an OpenAI-style error body and changes no state).
 
 One mesh per module (tag-scheduler, weight-sync, a real engine worker on the tiny base
 model, trajectory, gateway); hypothesis throws arbitrary bodies, paths, session ids and

@@ -1,5 +1,5 @@
-"""Property-based fuzzing of every NATS subject the services consume (invariant 6: a
-typed ErrorReply, no state change, no crash).
+"""Property-based fuzzing of every NATS subject the services consume (docs/architecture.md,
+invariant 6: a typed ErrorReply, no state change, no crash).
 
 One mesh per module (tag-scheduler, weight-sync, trajectory, a real engine worker).
 Hypothesis generates malformed payloads (random bytes, arbitrary JSON, a valid message of

@@ -1,4 +1,4 @@
-"""Invariant 1 over HTTP: every trained token id is one the engine produced.
+"""docs/architecture.md, invariant 1, over HTTP: every trained token id is one the engine produced.
 
 A multi-turn agent with tools (the official openai SDK) talks to the real gateway; it
 carries a tool exchange in its history, continues the conversation, then edits an

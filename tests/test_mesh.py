@@ -1,8 +1,8 @@
 """The whole mesh, every service its own OS process, for a few real training steps.
 
 The engine workers run in audit mode (``SF_ENGINE_TRACE_TOKEN_IDS``): each generation's
-span carries the ids the engine consumed and produced, so invariant 1 is checked
-against the engines' own record, not against the gateway's.
+span carries the ids the engine consumed and produced, so invariant 1
+(docs/architecture.md) is checked against the engines' own record, not against the gateway's.
 
 (A broker wiretap on the generate subject would not do: a plain subscriber there
 silences NATS's no-responders signal and requests sent before an engine joins would

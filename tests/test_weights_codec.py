@@ -1,5 +1,6 @@
 """The shared weight-transfer logic: layout, buckets, deltas, encoder schedule and the
-receiver's refusal of anything partial or wrong (invariant 5), on real torch tensors."""
+receiver's refusal of anything partial or wrong (docs/architecture.md, invariant 5), on
+real torch tensors."""
 
 from __future__ import annotations
 

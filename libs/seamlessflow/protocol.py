@@ -1,6 +1,6 @@
 """The wire protocol: every NATS subject, stream, bucket and message type, defined once.
 
-Rules (ARCHITECTURE.md, STYLE.md):
+Rules (docs/architecture.md, "How the parts talk"):
 - Subjects are built only by the functions below: ``sf.<run>.<domain>.<...>``, lowercase.
 - Every message is a msgspec Struct with a type tag (``type`` field) and a schema
   version (``schema``); its docstring states ``producer -> consumer``.
@@ -69,6 +69,12 @@ class Subjects:
     reports, the tag-scheduler, engine aborts, and the trajectory and metrics streams
     (the metrics stream holds every policy's). ``for_policy`` gives another policy's
     builders on the same run.
+
+    Each builder's docstring names the message(s) on the subject, who produces them and
+    who consumes them (``producer -> consumer``), and how they travel: *core* (NATS
+    publish, lost if nobody listens), *request/reply*, or a JetStream stream (durable).
+    This class is the map of the mesh: a subject is found here, then its producer and
+    consumer by name.
     """
 
     def __init__(self, run_id: str, policy: str = DEFAULT_POLICY) -> None:
@@ -81,93 +87,116 @@ class Subjects:
 
     # engine workers (gateway -> engines of one policy)
     def engine_generate(self) -> str:
-        """Request/reply, queue group ``ENGINE_QUEUE``: one engine of the policy takes it."""
+        """GenerateRequest -> GenerateChunk..., GenerateReply: gateway -> one engine worker
+        of the policy (request/reply, queue group ``ENGINE_QUEUE``)."""
         return f"{self._root}.engine.{self.policy}.generate"
 
     def engine_generate_on(self, engine_id: str) -> str:
-        """Request/reply, no queue group: this one engine of the policy takes it (a
-        request it was rebalanced onto, ``GenerateReply.resume_on``)."""
+        """GenerateRequest -> GenerateReply: gateway -> this one engine worker (request/
+        reply, no queue group: a request it was rebalanced onto, ``resume_on``)."""
         return f"{self._root}.engine.{self.policy}.direct.{check_token(engine_id, 'engine id')}"
 
     def engine_shed(self, engine_id: str) -> str:
-        """Request/reply, tag-scheduler -> one engine: hand requests over to a freshly
-        lent engine (ShedRequests -> ShedReport)."""
+        """ShedRequests -> ShedReport: tag-scheduler -> one engine worker (request/reply):
+        hand requests over to a freshly lent engine."""
         return f"{self._root}.engine.shed.{check_token(engine_id, 'engine id')}"
 
     def engine_abort(self) -> str:
-        """Broadcast to every engine of the run: the one running the request aborts it."""
+        """AbortGeneration: gateway -> every engine worker of the run (core broadcast);
+        the one running the request aborts it."""
         return f"{self._root}.engine.abort"
 
     def engine_load(self) -> str:
-        """Broadcast from the policy's weight-sync: load a weight version."""
+        """LoadWeights: weight-sync -> the policy's engine workers (core broadcast)."""
         return f"{self._root}.engine.{self.policy}.load"
 
     # trajectory (gateway -> trajectory, durable; run-wide)
     def trajectory_event(self, session_id: str) -> str:
+        """SessionOpened, TurnRecorded, RewardReported, SessionFinished: gateway ->
+        trajectory (JetStream ``stream_trajectory``)."""
         return f"{self._root}.traj.event.{check_token(session_id, 'session id')}"
 
     def trajectory_group_event(self, group_id: str) -> str:
-        """Events about a whole group (GroupClosed); never a session's subject."""
+        """GroupClosed: trajectory -> trajectory, read back on restart (JetStream
+        ``stream_trajectory``); never a session's subject."""
         return f"{self._root}.traj.event.group.{check_token(group_id, 'group id')}"
 
     def trajectory_events_all(self) -> str:
+        """Every trajectory event: what ``stream_trajectory`` captures and the
+        trajectory service replays and follows."""
         return f"{self._root}.traj.event.>"
 
     def trajectory_export(self) -> str:
-        """Request/reply: SessionExportQuery -> SessionExport."""
+        """SessionExportQuery -> SessionExport: ``seamlessflow export`` and the gateway's
+        export endpoint -> trajectory (request/reply)."""
         return f"{self._root}.traj.export"
 
     # tasks (agent runner <-> trajectory; run-wide)
     def task_claim(self) -> str:
+        """TaskClaim -> TaskAssignment | NoTask: agent runner -> trajectory
+        (request/reply)."""
         return f"{self._root}.task.claim"
 
     # batches (trajectory -> the policy's trainer, durable)
     def batch_ready(self) -> str:
-        """BatchReady: a batch's payload is stored (``seamlessflow.batches``)."""
+        """BatchReady: trajectory -> the policy's trainer (JetStream ``stream_batches``,
+        a durable pull consumer); sent once the payload is stored."""
         return f"{self._root}.batch.{self.policy}.ready"
 
     def batch_progress(self) -> str:
-        """BatchProgress (core NATS, a hint): a group of the next batch is ready."""
+        """BatchProgress: trajectory -> tag-scheduler (core, a hint): another group of
+        the next batch is ready."""
         return f"{self._root}.batch.{self.policy}.progress"
 
     def batch_progress_all(self) -> str:
-        """Every policy's BatchProgress (the tag-scheduler)."""
+        """Every policy's ``batch_progress`` (what the tag-scheduler subscribes to)."""
         return f"{self._root}.batch.*.progress"
 
     def batch_payload(self, batch_index: int) -> str:
-        """The chunks of one batch's encoded payload."""
+        """Raw chunks of one batch's payload (``seamlessflow.batches``): trajectory ->
+        the policy's trainer (JetStream ``stream_batch_payloads``, read by sequence)."""
         if batch_index < 0:
             raise ProtocolError(f"batch index {batch_index} is negative")
         return f"{self._root}.batch.{self.policy}.payload.{batch_index}"
 
     def batch_payloads_all(self) -> str:
+        """What ``stream_batch_payloads`` captures."""
         return f"{self._root}.batch.{self.policy}.payload.*"
 
     # weights (the policy's trainer -> weight-sync -> engines)
     def weights_published(self) -> str:
+        """WeightsPublished: the policy's trainer -> weight-sync, and the trainer itself
+        on resume (JetStream ``stream_weights``); payloads in ``object_store_weights``."""
         return f"{self._root}.weights.{self.policy}.published"
 
     def weights_current(self) -> str:
-        """Request/reply to weight-sync: which version should an engine serve now?"""
+        """CurrentVersionQuery -> CurrentVersion: engine worker -> weight-sync
+        (request/reply): which version to serve now, and its chain."""
         return f"{self._root}.weights.{self.policy}.current"
 
     def weights_group(self) -> str:
-        """Request/reply to the trainer: WeightsGroupQuery -> WeightsGroupOffer (NCCL id)."""
+        """WeightsGroupQuery -> WeightsGroupOffer: engine worker -> the policy's trainer
+        (request/reply): join its push group (NCCL id)."""
         return f"{self._root}.weights.{self.policy}.group"
 
     def weights_loaded(self) -> str:
-        """Engines announce the version they now serve (core, informational)."""
+        """WeightsLoaded: engine worker -> weight-sync (core): the version it now serves."""
         return f"{self._root}.weights.{self.policy}.loaded"
 
     # trainer progress (the policy's trainer -> observers, durable)
     def train_metrics(self) -> str:
+        """TrainStepMetrics: the policy's trainer -> trajectory (pacing) and observers
+        (the embedded run's display and report) (JetStream ``stream_metrics``)."""
         return f"{self._root}.train.{self.policy}.metrics"
 
     def train_finished(self) -> str:
+        """TrainingFinished: the policy's trainer -> trajectory and observers (JetStream
+        ``stream_metrics``)."""
         return f"{self._root}.train.{self.policy}.finished"
 
     def train_eval(self) -> str:
-        """The trainer's held-out evaluations (TrainEvalMetrics)."""
+        """TrainEvalMetrics: the policy's trainer -> observers (JetStream
+        ``stream_metrics``): its held-out evaluations."""
         return f"{self._root}.train.{self.policy}.eval"
 
     def train_all(self) -> str:
@@ -178,36 +207,51 @@ class Subjects:
     # policy whose batch they describe; epoch records are run-wide (the prompt set) and
     # are read back by the trajectory service on start-up.
     def data_batch_report(self) -> str:
+        """BatchFilterReport: trajectory -> observers, and itself on restart (JetStream
+        ``stream_metrics``)."""
         return f"{self._root}.data.{self.policy}.batch"
 
     def data_epoch_report(self) -> str:
+        """EpochFilterReport: trajectory -> itself on restart, and observers (JetStream
+        ``stream_metrics``)."""
         return f"{self._root}.data.epoch"
 
     def data_reports_all(self) -> str:
+        """Every data report (part of what ``stream_metrics`` captures)."""
         return f"{self._root}.data.>"
 
     # tag scheduler (run-wide: resources carry a ``policy:<name>`` tag)
     def sched_register(self) -> str:
+        """ResourceRegister -> RoleAssignment: engine workers and trainers
+        (``seamlessflow.resources``) -> tag-scheduler (request/reply)."""
         return f"{self._root}.sched.register"
 
     def sched_heartbeat(self, resource_id: str) -> str:
+        """Heartbeat: every registered resource -> tag-scheduler (core)."""
         return f"{self._root}.sched.heartbeat.{check_token(resource_id, 'resource id')}"
 
     def sched_heartbeat_all(self) -> str:
+        """Every resource's ``sched_heartbeat`` (what the tag-scheduler subscribes to)."""
         return f"{self._root}.sched.heartbeat.*"
 
     def sched_assignment(self, resource_id: str) -> str:
+        """RoleAssignment -> RoleAck: tag-scheduler -> one resource (request/reply): lend
+        (``rollout``), reclaim (``idle``), or the role after a restart."""
         return f"{self._root}.sched.assign.{check_token(resource_id, 'resource id')}"
 
     def sched_phase(self) -> str:
+        """PhaseChanged: tag-scheduler -> gateway and weight-sync (core): phase changes
+        and deaths."""
         return f"{self._root}.sched.phase"
 
     def sched_claim(self) -> str:
-        """Request/reply, trainer -> tag-scheduler: a batch is ready, give me my slots."""
+        """SlotsClaim -> SlotsGranted: trainer -> tag-scheduler (request/reply): a batch
+        is ready, give me my slots."""
         return f"{self._root}.sched.claim"
 
     def sched_release(self) -> str:
-        """Request/reply, trainer -> tag-scheduler: step published, my slots may be lent."""
+        """SlotsReleased -> LendReport: trainer -> tag-scheduler (request/reply): step
+        published, my slots may be lent."""
         return f"{self._root}.sched.release"
 
     # JetStream streams, KV buckets and object stores. Run-level names are
@@ -556,8 +600,9 @@ class TurnRecorded(Message, tag="traj.turn"):
 
     def __post_init__(self) -> None:
         # One logprob and one version per generated token, and real token ids: a turn
-        # that breaks this could never become a well-formed sample (invariant 1), so
-        # it is refused where it is made and counted as malformed where it is read.
+        # that breaks this could never become a well-formed sample (docs/architecture.md,
+        # invariant 1), so it is refused where it is made and counted as malformed where
+        # it is read.
         if not len(self.completion_ids) == len(self.logprobs) == len(self.versions):
             raise ValueError(
                 f"{len(self.completion_ids)} completion ids but {len(self.logprobs)} "

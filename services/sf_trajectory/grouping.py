@@ -67,8 +67,8 @@ def branch(
     the loss mask; a turn from another branch does not, nor one in ``exclude`` (turn
     indexes already trained in another sample of the session), nor a ``constrained`` one
     (its logprobs are not the weights' distribution: it is context only). Every
-    masked-in token is one the engine produced (invariant 1), with the logprob, version
-    and temperature it was produced with.
+    masked-in token is one the engine produced (docs/architecture.md, invariant 1), with
+    the logprob, version and temperature it was produced with.
     """
     token_ids = [*leaf.prompt_ids, *leaf.completion_ids]
     loss_mask = [0] * len(token_ids)
@@ -287,11 +287,11 @@ class Grouper:
 
     ``already_batched`` holds the session ids that are in a published batch already:
     replaying the event stream after a restart skips them, so no trajectory is batched
-    twice (invariant 4). ``finished_groups`` holds the groups that are complete (closed
-    ones included) or batched: a session that opens in one later (its group timed out
-    without it, or it was trimmed from a batched group) is never a sample. ``reported``
-    holds the samples and groups a published batch report counted as dropped: a replay
-    rebuilds the same drops but does not report them twice.
+    twice (docs/architecture.md, invariant 4). ``finished_groups`` holds the groups that
+    are complete (closed ones included) or batched: a session that opens in one later
+    (its group timed out without it, or it was trimmed from a batched group) is never a
+    sample. ``reported`` holds the samples and groups a published batch report counted
+    as dropped: a replay rebuilds the same drops but does not report them twice.
 
     Every complete group is shown to the prompt-set filters (``filters.observe``), then
     judged once by the group filters against the batch it will join (``take_batch``).

@@ -43,10 +43,11 @@ stage once every policy published the earlier stages' batches. A policy whose tr
 finished its steps no longer sets the pace. SRPO's history
 resampling follows the task's policy (the first), whose answers the tasks score.
 
-Durability (invariant 4): a session that is in a published batch is never batched
-again (the batch stream is read at start-up); a completed session that is not yet in
-a batch is rebuilt from the event stream. Every sample the service drops is named in
-one batch report (``BatchFilterReport.dropped_samples``), also across restarts.
+Durability (docs/architecture.md, invariant 4): a session that is in a published batch
+is never batched again (the batch stream is read at start-up); a completed session that
+is not yet in a batch is rebuilt from the event stream. Every sample the service drops
+is named in one batch report (``BatchFilterReport.dropped_samples``), also across
+restarts.
 
 A stalled run fails loudly: when groups time out and no session has finished for
 ``SF_TRAJECTORY_STALL_TIMEOUTS`` time-outs, the service exits with that error (exit code
@@ -596,7 +597,8 @@ class TrajectoryService:
         )
 
     async def _load_batched_sessions(self, line: PolicyLine) -> None:
-        """What the policy's batch stream holds: never batched again (invariant 4)."""
+        """What the policy's batch stream holds: never batched again (docs/architecture.md,
+        invariant 4)."""
         for batch in await stored_announcements(self.ctx.bus, line.policy):
             for group in batch.groups:
                 line.grouper.already_batched.update(s.session_id for s in group.samples)

@@ -1,4 +1,4 @@
-"""Weight transfer from the trainer to the engines (ARCHITECTURE.md, weight-sync).
+"""Weight transfer from the trainer to the engines (docs/architecture.md, weight-sync).
 
 Shared logic, written once:
 - ``layout``: a weight set as one flat buffer, its buckets and digests;
@@ -11,9 +11,10 @@ Thin transports:
 - ``collective``: push broadcast over a process group (torch.distributed gloo on CPU,
   NCCL through CuPy on GPUs).
 
-Invariant 5 (an engine never serves a partial set) lives in ``WeightMirror.apply``:
-every bucket is checked before the state changes, a delta applies only to its exact
-base version, and the resulting state's digest is checked before anyone sees it.
+docs/architecture.md, invariant 5 (an engine never serves a partial set), lives in
+``WeightMirror.apply``: every bucket is checked before the state changes, a delta
+applies only to its exact base version, and the resulting state's digest is checked
+before anyone sees it.
 """
 
 from seamlessflow.weights.codec import (
