@@ -963,8 +963,9 @@ async def run_levels(
 ) -> None:
     from seamlessflow.bus import connect
     from seamlessflow.protocol import Subjects
-    from sf_gateway.config import EngineSettings, GatewaySettings
-    from sf_gateway.engine_worker import EngineWorker
+    from sf_engine.config import EngineSettings
+    from sf_engine.worker import EngineWorker
+    from sf_gateway.config import GatewaySettings
     from sf_gateway.gateway import GatewayService
     from sf_tag_scheduler.service import TagScheduler
     from sf_weight_sync.service import WeightSync

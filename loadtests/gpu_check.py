@@ -220,7 +220,7 @@ def make_engine(ctx: Context, model_dir: Path, *, sleep_mode: bool = False) -> A
 
     if ctx.engine == "vllm":
         try:
-            from sf_gateway.engine.vllm_engine import VllmEngine
+            from sf_engine.backends.vllm_engine import VllmEngine
         except ImportError as exc:
             raise CheckFailed(f"vLLM does not import ({exc}): install the gpu extra") from exc
         dtype = "bfloat16" if ctx.device == "cuda" else "float32"
@@ -229,14 +229,14 @@ def make_engine(ctx: Context, model_dir: Path, *, sleep_mode: bool = False) -> A
             kwargs["gpu_memory_utilization"] = 0.3  # the tiny model needs little KV cache
         engine = VllmEngine(model_dir, dtype=dtype, max_context=256, engine_kwargs=kwargs)
         return engine, getattr(torch, dtype)
-    from sf_gateway.engine import TransformersEngine
+    from sf_engine.backends import TransformersEngine
 
     dtype = torch.bfloat16 if ctx.device == "cuda" else torch.float32
     return TransformersEngine(model_dir, dtype=dtype, device=ctx.device, max_context=256), dtype
 
 
 async def generate_greedy(engine: Any, tag: str) -> list[tuple[list[int], list[int], list[float]]]:
-    from sf_gateway.engine import SamplingParams
+    from sf_engine.backends import SamplingParams
 
     params = SamplingParams(max_tokens=COMPLETION_TOKENS, temperature=0.0)
     results = await asyncio.gather(

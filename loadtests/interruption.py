@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from seamlessflow.assets.base_model import ensure_base_model
-from sf_gateway.engine import GenerationResult, SamplingParams, TransformersEngine
+from sf_engine.backends import GenerationResult, SamplingParams, TransformersEngine
 
 
 async def run_mode(model_dir: Path, mode: str, batch: int, max_tokens: int) -> dict[str, float]:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from sf_gateway.engine.base import GeneratedToken, GenerationStream, SamplingParams
-from sf_gateway.engine.scripted_engine import ScriptedEngine
+from sf_engine.backends.base import GeneratedToken, GenerationStream, SamplingParams
+from sf_engine.backends.scripted_engine import ScriptedEngine
 
 
 class ReplyEngine(ScriptedEngine):
@@ -56,7 +56,7 @@ def scripted_engine(
     monkeypatch: pytest.MonkeyPatch, model_dir: Path, texts: Sequence[str]
 ) -> list[list[int]]:
     """Workers started from now on answer with ``texts`` in order; returns their ids."""
-    import sf_gateway.engine_worker as engine_worker
+    import sf_engine.worker as engine_worker
 
     replies = script_tokens(model_dir, texts)
     queue = list(replies)

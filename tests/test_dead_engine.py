@@ -17,8 +17,9 @@ import httpx
 from openai import AsyncOpenAI
 
 from seamlessflow.bus import Bus
-from sf_gateway.config import EngineSettings, GatewaySettings
-from sf_gateway.engine_worker import EngineWorker
+from sf_engine.config import EngineSettings
+from sf_engine.worker import EngineWorker
+from sf_gateway.config import GatewaySettings
 from sf_gateway.gateway import GatewayService
 from sf_tag_scheduler.config import TagSchedulerSettings
 from sf_tag_scheduler.service import TagScheduler
@@ -31,7 +32,7 @@ MAX_TOKENS = 200
 async def start_engine_process(
     engine_id: str, nats_url: str, run_id: str, model_dir: Path, logs: Path, **env: str
 ) -> asyncio.subprocess.Process:
-    """An engine worker as its own OS process (``python -m sf_gateway engine``)."""
+    """An engine worker as its own OS process (``python -m sf_engine``)."""
     settings = {
         "SF_NATS_URL": nats_url,
         "SF_RUN_ID": run_id,
@@ -43,8 +44,7 @@ async def start_engine_process(
         return await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "sf_gateway",
-            "engine",
+            "sf_engine",
             env={**os.environ, **settings},
             stdout=log,
             stderr=log,

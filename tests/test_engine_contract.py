@@ -26,7 +26,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from sf_gateway.engine import GenerationResult, InferenceEngine, SamplingParams, ScriptedEngine
+from sf_engine.backends import GenerationResult, InferenceEngine, SamplingParams, ScriptedEngine
 
 torch.set_num_threads(1)
 
@@ -96,14 +96,14 @@ def other_model(base_model: PreTrainedModel, other_weights) -> PreTrainedModel:
 async def engine(request: pytest.FixtureRequest, model_dir: Path) -> AsyncIterator[InferenceEngine]:
     eng: InferenceEngine
     if request.param == "hf":
-        from sf_gateway.engine import TransformersEngine
+        from sf_engine.backends import TransformersEngine
 
         eng = TransformersEngine(model_dir, max_batch_size=8, max_context=MAX_CONTEXT)
     elif request.param == "scripted":
         eng = ScriptedEngine(model_dir, max_batch_size=8, max_context=MAX_CONTEXT, step_s=0.001)
     else:
         _import_vllm_or_skip()
-        from sf_gateway.engine.vllm_engine import VllmEngine
+        from sf_engine.backends.vllm_engine import VllmEngine
 
         eng = VllmEngine(model_dir, max_batch_size=16, max_context=MAX_CONTEXT)
     async with eng:
@@ -523,7 +523,7 @@ async def test_vllm_sleep_mode_frees_and_restores_the_gpu(model_dir: Path) -> No
     """GPU only: with sleep mode a lent vLLM engine gives its device memory back while
     its slot trains, and serves the same answers after waking."""
     _import_vllm_or_skip()
-    from sf_gateway.engine.vllm_engine import VllmEngine
+    from sf_engine.backends.vllm_engine import VllmEngine
 
     prompt, params = [5, 6, 7], SamplingParams(max_tokens=12, temperature=0)
     async with VllmEngine(

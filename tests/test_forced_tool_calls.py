@@ -25,9 +25,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from seamlessflow.assets.families import ADD_TOOL, build_family_model
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
+from sf_engine.config import EngineSettings
+from sf_engine.worker import EngineWorker
 from sf_gateway.choice import Choice
-from sf_gateway.config import EngineSettings, GatewaySettings
-from sf_gateway.engine_worker import EngineWorker
+from sf_gateway.config import GatewaySettings
 from sf_gateway.gateway import GatewayService
 from sf_gateway.tool_parsers import QwenToolParser
 from sf_tag_scheduler.service import TagScheduler

@@ -45,8 +45,9 @@ from openai_shapes import ShapeChecker
 from seamlessflow.bus import Bus, connect
 from seamlessflow.protocol import PhaseChanged, Subjects, encode
 from seamlessflow.rewards import reward_names
-from sf_gateway.config import EngineSettings, GatewaySettings
-from sf_gateway.engine_worker import EngineWorker
+from sf_engine.config import EngineSettings
+from sf_engine.worker import EngineWorker
+from sf_gateway.config import GatewaySettings
 from sf_gateway.gateway import MAX_BODY_BYTES, Gateway, GatewayService
 from sf_tag_scheduler.service import TagScheduler
 from sf_trajectory.service import TrajectoryService

@@ -21,9 +21,10 @@ from starlette.routing import Route
 from seamlessflow.assets.families import FAMILIES, build_tokenizer, family_spec
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TopLogprob, TrajectoryEvent, TurnRecorded, decode
+from sf_engine.config import EngineSettings
+from sf_engine.worker import EngineWorker
 from sf_gateway.choice import Choice
-from sf_gateway.config import EngineSettings, GatewaySettings
-from sf_gateway.engine_worker import EngineWorker
+from sf_gateway.config import GatewaySettings
 from sf_gateway.gateway import GatewayService
 from sf_gateway.openapi import OPERATIONS
 from sf_gateway.responses import ChatFormat

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from sf_gateway.engine import (
+from sf_engine.backends import (
     EngineNotRunningError,
     GenerationResult,
     SamplingParams,

@@ -17,8 +17,9 @@ from conftest import session_auth
 from openai import AsyncOpenAI
 
 from seamlessflow.protocol import GenerateReply, GenerateRequest
-from sf_gateway.config import EngineSettings, GatewaySettings
-from sf_gateway.engine_worker import EngineWorker
+from sf_engine.config import EngineSettings
+from sf_engine.worker import EngineWorker
+from sf_gateway.config import GatewaySettings
 from sf_gateway.gateway import GatewayService
 from sf_tag_scheduler.service import TagScheduler
 from sf_trajectory.service import TrajectoryService

@@ -67,7 +67,7 @@ from seamlessflow.weights import (
     collective,
 )
 from seamlessflow.weights.tied import tied_aliases
-from sf_gateway.engine import GenerationResult, InferenceEngine, SamplingParams
+from sf_engine.backends import GenerationResult, InferenceEngine, SamplingParams
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.grpo import token_logprobs
 
@@ -159,12 +159,12 @@ class _PipeRank:
 async def _engine(kind: str, model_dir: Path) -> AsyncIterator[InferenceEngine]:
     engine: InferenceEngine
     if kind == "hf":
-        from sf_gateway.engine import TransformersEngine
+        from sf_engine.backends import TransformersEngine
 
         engine = TransformersEngine(model_dir, max_batch_size=4, max_context=256)
     else:
         _import_vllm_or_skip()
-        from sf_gateway.engine.vllm_engine import VllmEngine
+        from sf_engine.backends.vllm_engine import VllmEngine
 
         engine = VllmEngine(model_dir, max_batch_size=4, max_context=256)
     async with engine:
@@ -383,7 +383,7 @@ async def test_family_weights_travel_every_transport_and_engines_serve_them(
 
 def test_vllm_engine_takes_a_tied_matrix_under_either_name_or_both() -> None:
     """The name mapping the vLLM engine applies before its checks (no vLLM needed)."""
-    from sf_gateway.engine.vllm_engine import _tied_names, _untie
+    from sf_engine.backends.vllm_engine import _tied_names, _untie
 
     shapes = {"model.embed_tokens.weight": (8, 4), "model.norm.weight": (4,)}
     tied = _tied_names({"tie_word_embeddings": True}, shapes)

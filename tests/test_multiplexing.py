@@ -31,8 +31,9 @@ from seamlessflow.protocol import (
     SlotsReleased,
 )
 from seamlessflow.settings import MeshSettings
-from sf_gateway.config import EngineSettings, GatewaySettings
-from sf_gateway.engine_worker import EngineWorker
+from sf_engine.config import EngineSettings
+from sf_engine.worker import EngineWorker
+from sf_gateway.config import GatewaySettings
 from sf_gateway.gateway import GatewayService
 from sf_tag_scheduler.config import TagSchedulerSettings
 from sf_tag_scheduler.service import TagScheduler

@@ -20,8 +20,8 @@ from seamlessflow.protocol import (
     decode,
     encode,
 )
-from sf_gateway.config import EngineSettings
-from sf_gateway.engine_worker import EngineWorker
+from sf_engine.config import EngineSettings
+from sf_engine.worker import EngineWorker
 from sf_tag_scheduler.service import TagScheduler
 from sf_trajectory.config import TrajectorySettings
 from sf_trajectory.service import TrajectoryService

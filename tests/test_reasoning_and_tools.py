@@ -24,8 +24,9 @@ from scripted_replies import scripted_engine
 
 from seamlessflow.assets.families import ADD_TOOL, build_family_model
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
-from sf_gateway.config import EngineSettings, GatewaySettings
-from sf_gateway.engine_worker import EngineWorker
+from sf_engine.config import EngineSettings
+from sf_engine.worker import EngineWorker
+from sf_gateway.config import GatewaySettings
 from sf_gateway.gateway import GatewayService
 from sf_gateway.reasoning import Qwen3ReasoningParser, reasoning_parser_for
 from sf_gateway.tool_parsers import Llama3JsonToolParser, QwenToolParser, tool_parser_for

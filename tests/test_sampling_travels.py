@@ -35,8 +35,9 @@ from seamlessflow.protocol import (
     decode,
     encode,
 )
-from sf_gateway.config import EngineSettings, GatewaySettings
-from sf_gateway.engine_worker import EngineWorker
+from sf_engine.config import EngineSettings
+from sf_engine.worker import EngineWorker
+from sf_gateway.config import GatewaySettings
 from sf_gateway.gateway import GatewayService
 from sf_tag_scheduler.service import TagScheduler
 from sf_trainer.config import TrainerSettings
@@ -48,7 +49,7 @@ from sf_trajectory.service import TrajectoryService
 from sf_weight_sync.service import WeightSync
 
 ENGINE_TRAINER_GAP = 1e-4
-"""The engine contract (``sf_gateway.engine.base``, enforced by test_engine_contract):
+"""The engine contract (``sf_engine.backends.base``, enforced by test_engine_contract):
 an fp32 engine's logprobs equal the trainer's plain forward to 1e-4. Everything between
 them here (gateway, JetStream, trajectory, batch) copies the float64 logprobs exactly;
 the trainer's float32 cast adds at most |logprob| * 2**-24, far below it."""

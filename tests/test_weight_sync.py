@@ -23,8 +23,8 @@ from seamlessflow.weights import (
     WeightMirror,
     WeightPublisher,
 )
-from sf_gateway.config import EngineSettings
-from sf_gateway.engine_worker import EngineWorker
+from sf_engine.config import EngineSettings
+from sf_engine.worker import EngineWorker
 from sf_tag_scheduler.service import TagScheduler
 from sf_weight_sync.service import WeightSync
 

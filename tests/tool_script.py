@@ -28,9 +28,9 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-import sf_gateway.engine_worker
-from sf_gateway.engine.base import GeneratedToken, GenerationStream, SamplingParams
-from sf_gateway.engine.scripted_engine import ScriptedEngine, _Request
+import sf_engine.worker
+from sf_engine.backends.base import GeneratedToken, GenerationStream, SamplingParams
+from sf_engine.backends.scripted_engine import ScriptedEngine, _Request
 
 USER_TURN = "<|im_start|>user\n"
 END_OF_TURN = "<|im_end|>"
@@ -80,7 +80,7 @@ def use_tool_script_engine(monkeypatch: Any) -> None:
     def build(settings: Any, model_dir: str) -> ToolScriptEngine:
         return ToolScriptEngine(model_dir, max_batch_size=settings.max_batch_size)
 
-    monkeypatch.setattr(sf_gateway.engine_worker, "build_engine", build)
+    monkeypatch.setattr(sf_engine.worker, "build_engine", build)
 
 
 @contextlib.asynccontextmanager
@@ -91,8 +91,9 @@ async def tool_script_gateway(
     gateway) on ``nats_url``; yields the gateway's URL."""
     from conftest import InProcessMesh
 
-    from sf_gateway.config import EngineSettings, GatewaySettings
-    from sf_gateway.engine_worker import EngineWorker
+    from sf_engine.config import EngineSettings
+    from sf_engine.worker import EngineWorker
+    from sf_gateway.config import GatewaySettings
     from sf_gateway.gateway import GatewayService
     from sf_tag_scheduler.service import TagScheduler
     from sf_trajectory.service import TrajectoryService

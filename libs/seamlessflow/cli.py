@@ -22,7 +22,7 @@ SERVICES: dict[str, str] = {
     "trajectory": "sf_trajectory.service:TrajectoryService",
     "trainer": "sf_trainer.service:Trainer",
     "gateway": "sf_gateway.gateway:GatewayService",
-    "engine": "sf_gateway.engine_worker:EngineWorker",
+    "engine": "sf_engine.worker:EngineWorker",
     "agents": "seamlessflow.agents.runner:AgentRunner",
 }
 SERVICE_NAMES = tuple(SERVICES)
@@ -508,8 +508,8 @@ SETTINGS: dict[str, str] = {
     "trajectory": "sf_trajectory.config:TrajectorySettings",
     "trainer": "sf_trainer.config:TrainerSettings",
     "gateway": "sf_gateway.config:GatewaySettings",
-    "engine": "sf_gateway.config:EngineSettings",
-    "scripted engine (load tests)": "sf_gateway.engine.scripted_engine:ScriptedSettings",
+    "engine": "sf_engine.config:EngineSettings",
+    "scripted engine (load tests)": "sf_engine.backends.scripted_engine:ScriptedSettings",
     "agents": "seamlessflow.agents.runner:AgentRunnerSettings",
     "code sandbox (reward code_tests)": "seamlessflow.rewards.sandbox:SandboxSettings",
 }

@@ -1,17 +1,6 @@
-"""``python -m sf_gateway [gateway|engine]``: the gateway (default) or an engine worker."""
-
-import sys
+"""``python -m sf_gateway``: the rollout-gateway."""
 
 from seamlessflow.service import main
+from sf_gateway.gateway import GatewayService
 
-role = sys.argv[1] if len(sys.argv) > 1 else "gateway"
-if role == "gateway":
-    from sf_gateway.gateway import GatewayService
-
-    main(GatewayService())
-elif role == "engine":
-    from sf_gateway.engine_worker import EngineWorker
-
-    main(EngineWorker())
-else:
-    sys.exit(f"unknown role {role!r}: expected 'gateway' or 'engine'")
+main(GatewayService())

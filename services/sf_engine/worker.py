@@ -1,4 +1,4 @@
-"""engine worker: the rollout-gateway's second process role, one inference engine each.
+"""engine worker: one inference engine each, reached by the gateway over NATS only.
 
 An engine serves one policy (``SF_POLICY``, registered with the tag ``policy:<name>``);
 ``<policy>`` below is its own.
@@ -77,8 +77,7 @@ from seamlessflow.service import ServiceContext, supervise
 from seamlessflow.weights import VersionGap
 from seamlessflow.weights.group import PushListener, join_as_engine
 from seamlessflow.weights.settings import WeightTransferSettings, payload_stores
-from sf_gateway.config import EngineSettings
-from sf_gateway.engine import (
+from sf_engine.backends import (
     GeneratedToken,
     GenerationResult,
     InferenceEngine,
@@ -86,6 +85,7 @@ from sf_gateway.engine import (
     TopLogprobs,
     TransformersEngine,
 )
+from sf_engine.config import EngineSettings
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -104,7 +104,7 @@ def build_engine(settings: EngineSettings, model_dir: str) -> InferenceEngine:
             max_context=settings.max_context,
         )
     if settings.backend == "vllm":
-        from sf_gateway.engine.vllm_engine import VllmEngine  # vLLM is an optional extra
+        from sf_engine.backends.vllm_engine import VllmEngine  # vLLM is an optional extra
 
         return VllmEngine(
             model_dir,
@@ -114,7 +114,7 @@ def build_engine(settings: EngineSettings, model_dir: str) -> InferenceEngine:
             engine_kwargs={"enable_sleep_mode": True} if settings.vllm_sleep_mode else None,
         )
     if settings.backend == "scripted":
-        from sf_gateway.engine.scripted_engine import ScriptedEngine  # no model compute
+        from sf_engine.backends.scripted_engine import ScriptedEngine  # no model compute
 
         return ScriptedEngine(
             model_dir, max_batch_size=settings.max_batch_size, max_context=settings.max_context

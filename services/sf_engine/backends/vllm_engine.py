@@ -6,7 +6,7 @@ is imported lazily in `start`, so this module imports without vLLM installed.
 
 Processes. `AsyncLLM` runs the engine core and the model worker in child processes
 (spawned): the caller's `__main__` must be import-safe (`if __name__ == "__main__":`; a
-package's `__main__.py`, as in `python -m sf_gateway engine`, is never re-run).
+package's `__main__.py`, as in `python -m sf_engine`, is never re-run).
 On CPU vLLM binds its OpenMP threads to the cores it does not reserve for itself (one by
 default: with 2 cores the model runs on 1); the KV cache size comes from
 `VLLM_CPU_KVCACHE_SPACE` (GiB), which `start` sets to `kv_cache_gib` unless already set.

@@ -1,0 +1,57 @@
+from typing import Literal
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class EngineSettings(BaseSettings):
+    """engine-worker settings (env prefix ``SF_ENGINE_``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SF_ENGINE_", extra="ignore", use_attribute_docstrings=True
+    )
+
+    engine_id: str = ""
+    """Unique id of this worker; default ``engine-<host>-<pid>``."""
+
+    backend: str = "hf"
+    """Inference engine: ``hf`` (transformers; tests, tiny models), ``vllm`` (vLLM
+    ``AsyncLLM``; needs the ``vllm`` extra) or ``scripted`` (no model compute:
+    deterministic tokens for load tests, ``SF_ENGINE_SCRIPTED_STEP_S`` per decode step)."""
+
+    max_batch_size: int = 64
+    """Requests decoded together."""
+
+    max_context: int = 1024
+    """Prompt plus completion tokens per request."""
+
+    dtype: str = "float32"
+    """Weights dtype of the engine (float32 keeps logprobs comparable with the trainer)."""
+
+    torch_threads: int = 1
+    """torch intra-op threads (processes share a few cores in embedded mode)."""
+
+    interrupt_mode: Literal["keep", "abort", "wait"] = "keep"
+    """How a new weight version reaches requests in flight (partial rollout):
+    ``keep`` freezes them at a token boundary, swaps the weights under them and lets
+    them continue (later tokens carry the new version); ``abort`` ends them with their
+    partial tokens, which the gateway re-submits (prompt + partial ids) to any engine;
+    ``wait`` loads only after the running batch finished (no interruption)."""
+
+    trace_token_ids: bool = False
+    """Audit mode: put the prompt and completion token ids on each ``engine.generate``
+    span, so what the engine consumed and produced can be checked offline."""
+
+    vllm_sleep_mode: bool = False
+    """GPU + vLLM: put the engine to sleep (weights to host, KV cache freed) while its
+    slot is lent to training (``enable_sleep_mode``). No effect on CPU."""
+
+    release_timeout_s: float = 10.0
+    """Reclaimed: longest wait for the replies of the requests it handed back before it
+    frees its slot anyway (the gateway's first-chunk and reply time-outs cover them)."""
+
+    min_version_wait_s: float = 10.0
+    """An engine lent back to rollout waits up to this long for weight-sync to announce
+    the version the trainer just published before it serves."""
+
+    version_poll_s: float = 5.0
+    """How often to ask weight-sync for the current version (catches missed broadcasts)."""
