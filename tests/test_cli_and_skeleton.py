@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import nats
+import pytest
 
 from seamlessflow.cli import SERVICE_NAMES, configuration_reference
 from seamlessflow.protocol import ResourceRegister, RoleAssignment, Subjects, decode, encode
@@ -88,3 +90,24 @@ async def test_a_service_started_alone_serves_and_drains_on_sigterm(
     assert "stopping: draining" in output
     spans = list((tmp_path / "spans").glob("tag-scheduler-*.jsonl"))
     assert spans, "the skeleton must flush the span file on shutdown"
+
+
+def test_the_service_table_names_every_service_once_and_each_loads() -> None:
+    """One table (``seamlessflow.service_table``) lists the services for ``serve``,
+    ``config``, the embedded run and each ``python -m sf_<name>``: its paths resolve, and
+    every service package's ``__main__`` runs an entry of it."""
+    from seamlessflow.service_table import SERVICE_TABLE, load, spec_of
+
+    assert len({spec.name for spec in SERVICE_TABLE}) == len(SERVICE_TABLE)
+    for spec in SERVICE_TABLE:
+        assert load(spec.service).name == spec.name
+        assert load(spec.settings)().model_config["env_prefix"].startswith("SF_")
+        if spec.entry:
+            assert callable(load(spec.entry))
+    mains = sorted((ROOT / "services").glob("sf_*/__main__.py"))
+    assert mains
+    for path in mains:
+        [name] = re.findall(r'run_process\("([a-z-]+)"\)', path.read_text())
+        assert spec_of(name).service.startswith(path.parent.name + "."), path
+    with pytest.raises(ValueError, match="unknown service 'nope'"):
+        spec_of("nope")

@@ -14,22 +14,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from seamlessflow.protocol import DEFAULT_POLICY
-
-# Each deployable process and where its service object lives.
-SERVICES: dict[str, str] = {
-    "tag-scheduler": "sf_tag_scheduler.service:TagScheduler",
-    "weight-sync": "sf_weight_sync.service:WeightSync",
-    "trajectory": "sf_trajectory.service:TrajectoryService",
-    "trainer": "sf_trainer.service:Trainer",
-    "gateway": "sf_gateway.gateway:GatewayService",
-    "engine": "sf_engine.worker:EngineWorker",
-    "agents": "seamlessflow.agents.runner:AgentRunner",
-}
-SERVICE_NAMES = tuple(SERVICES)
-# Processes that do not start as one service: the trainer runs one process per
-# torch.distributed rank (``torchrun ... seamlessflow serve trainer``), and only rank 0
-# joins the mesh.
-PROCESS_ENTRIES: dict[str, str] = {"trainer": "sf_trainer.launch:main"}
+from seamlessflow.service_table import SERVICE_NAMES, SERVICE_TABLE
 
 app = typer.Typer(
     help="SeamlessFlow: server-based RL post-training for LLM agents, over NATS.",
@@ -121,30 +106,11 @@ def serve(
     service: Annotated[str, typer.Argument(help=f"One of: {', '.join(SERVICE_NAMES)}.")],
 ) -> None:
     """Run one service alone against SF_NATS_URL (settings from the environment)."""
-    if service not in SERVICES:
+    if service not in SERVICE_NAMES:
         raise typer.BadParameter(f"unknown service {service!r}; known: {', '.join(SERVICE_NAMES)}")
-    from pydantic import ValidationError
+    from seamlessflow.service_table import run_process
 
-    from seamlessflow.bus import EXIT_UNRECOVERABLE
-
-    try:
-        if service in PROCESS_ENTRIES:
-            module_name, _, attr = PROCESS_ENTRIES[service].partition(":")
-            getattr(importlib.import_module(module_name), attr)()
-            return
-        module_name, _, attr = SERVICES[service].partition(":")
-        service_class = getattr(importlib.import_module(module_name), attr)
-        from seamlessflow.service import main
-
-        main(service_class())
-    except ValidationError as exc:
-        # settings are read from the environment: say which, in one line, and do not let
-        # a supervisor restart into the same error
-        problems = "; ".join(
-            ".".join(map(str, error["loc"])) + ": " + error["msg"] if error["loc"] else error["msg"]
-            for error in exc.errors()
-        )
-        fail(f"{service}: invalid settings ({exc.title}): {problems}", EXIT_UNRECOVERABLE)
+    run_process(service)
 
 
 CLI_NATS_WAIT_S = 5.0
@@ -499,19 +465,18 @@ def simulate(
         typer.echo(f"wrote {json_out}")
 
 
-SETTINGS: dict[str, str] = {
+SHARED_SETTINGS: dict[str, str] = {
     "every service": "seamlessflow.settings:MeshSettings",
-    "tag-scheduler": "sf_tag_scheduler.config:TagSchedulerSettings",
     "stream retention": "seamlessflow.settings:RetentionSettings",
-    "weight-sync": "sf_weight_sync.config:WeightSyncSettings",
     "weight transfer": "seamlessflow.weights.settings:WeightTransferSettings",
-    "trajectory": "sf_trajectory.config:TrajectorySettings",
-    "trainer": "sf_trainer.config:TrainerSettings",
-    "gateway": "sf_gateway.config:GatewaySettings",
-    "engine": "sf_engine.config:EngineSettings",
     "scripted engine (load tests)": "sf_engine.backends.scripted_engine:ScriptedSettings",
-    "agents": "seamlessflow.agents.runner:AgentRunnerSettings",
     "code sandbox (reward code_tests)": "seamlessflow.rewards.sandbox:SandboxSettings",
+}
+"""Settings read by more than one service, or by a plug-in; each service's own come
+from the service table."""
+SETTINGS: dict[str, str] = {
+    **SHARED_SETTINGS,
+    **{spec.name: spec.settings for spec in SERVICE_TABLE},
 }
 
 

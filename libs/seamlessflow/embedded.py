@@ -50,15 +50,12 @@ from seamlessflow.protocol import (
     check_policy,
     decode,
 )
+from seamlessflow.service_table import SERVICE_TABLE
 from seamlessflow.settings import MeshSettings, checkpoints_dir
 from seamlessflow.tasks import task_names
 
 log = logging.getLogger(__name__)
 
-# Start order: infrastructure first so that resources find the scheduler and weight-sync.
-SERVICE_ORDER = ["tag-scheduler", "weight-sync", "trajectory", "trainer", "gateway", "engine"]
-# One of these per policy (multi-policy runs); the others serve the whole run.
-POLICY_SERVICES = {"weight-sync", "trainer", "engine"}
 FINISH_GRACE_S = 30.0
 """How long a trainer that exited 0 has for its TrainingFinished to reach the run."""
 
@@ -418,9 +415,10 @@ class EmbeddedRun:
         os.sched_setaffinity(pid, {int(slot.rsplit("-", 1)[1]) % cores for slot in slots})
 
     def stop_processes(self, timeout: float = 30.0) -> None:
-        """Stop in dependency order, each stage draining before the next one stops:
-        agents, then the gateway, then engines, then the rest (the trainer saves its
-        checkpoint). SIGKILL whatever misses its deadline. Idempotent."""
+        """Stop in dependency order (``ServiceSpec.stop_stage``), each stage draining
+        before the next one stops: agents, then the gateway, then engines, then the rest
+        (the trainer saves its checkpoint). SIGKILL whatever misses its deadline.
+        Idempotent."""
 
         def service_of(label: str) -> str:
             policy = self.process_policy.get(label)
@@ -428,11 +426,8 @@ class EmbeddedRun:
             return "engine" if name.startswith("engine-") else name
 
         stages = [
-            {"agents"},
-            {"gateway"},
-            {"engine"},
-            {"trajectory", "trainer", "weight-sync"},
-            {"tag-scheduler"},
+            {spec.name for spec in SERVICE_TABLE if spec.stop_stage == stage}
+            for stage in sorted({spec.stop_stage for spec in SERVICE_TABLE})
         ]
         for stage in stages:
             running = [
@@ -592,12 +587,15 @@ class EmbeddedRun:
             self.connection.write(self.run_dir)
             # stderr: stdout is for results (`seamlessflow bench` prints its JSON there)
             print(self.connection.attach_instructions(self.run_dir), file=sys.stderr, flush=True)
-            for service in SERVICE_ORDER:
-                if service not in POLICY_SERVICES:
-                    self.spawn(service, service, env)
+            # in the table's order; the agents last, once the mesh they use is up
+            for spec in SERVICE_TABLE:
+                if spec.name == "agents":
+                    continue
+                if not spec.per_policy:
+                    self.spawn(spec.name, spec.name, env)
                     continue
                 for policy in c.policies:
-                    self.spawn_for_policy(policy, service, env)
+                    self.spawn_for_policy(policy, spec.name, env)
             self.spawn("agents", "agents", env)
             await self._follow(url, stop)
         finally:

@@ -1,6 +1,5 @@
-"""``python -m sf_engine``: one engine worker."""
+"""``python -m sf_engine``: the engine service (``seamlessflow serve engine``)."""
 
-from seamlessflow.service import main
-from sf_engine.worker import EngineWorker
+from seamlessflow.service_table import run_process
 
-main(EngineWorker())
+run_process("engine")

@@ -1,6 +1,5 @@
-"""``python -m sf_gateway``: the rollout-gateway."""
+"""``python -m sf_gateway``: the gateway service (``seamlessflow serve gateway``)."""
 
-from seamlessflow.service import main
-from sf_gateway.gateway import GatewayService
+from seamlessflow.service_table import run_process
 
-main(GatewayService())
+run_process("gateway")

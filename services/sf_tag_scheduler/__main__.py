@@ -1,4 +1,5 @@
-from seamlessflow.service import main
-from sf_tag_scheduler.service import TagScheduler
+"""``python -m sf_tag_scheduler``: the tag-scheduler (``seamlessflow serve tag-scheduler``)."""
 
-main(TagScheduler())
+from seamlessflow.service_table import run_process
+
+run_process("tag-scheduler")

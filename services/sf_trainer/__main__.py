@@ -1,3 +1,5 @@
-from sf_trainer.launch import main
+"""``python -m sf_trainer``: the trainer service (``seamlessflow serve trainer``)."""
 
-main()
+from seamlessflow.service_table import run_process
+
+run_process("trainer")

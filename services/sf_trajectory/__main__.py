@@ -1,4 +1,5 @@
-from seamlessflow.service import main
-from sf_trajectory.service import TrajectoryService
+"""``python -m sf_trajectory``: the trajectory service (``seamlessflow serve trajectory``)."""
 
-main(TrajectoryService())
+from seamlessflow.service_table import run_process
+
+run_process("trajectory")

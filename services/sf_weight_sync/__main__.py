@@ -1,4 +1,5 @@
-from seamlessflow.service import main
-from sf_weight_sync.service import WeightSync
+"""``python -m sf_weight_sync``: the weight-sync service (``seamlessflow serve weight-sync``)."""
 
-main(WeightSync())
+from seamlessflow.service_table import run_process
+
+run_process("weight-sync")
