@@ -15,6 +15,7 @@ from seamlessflow.assets.base_model import (
     build_base_model,
     ensure_base_model,
 )
+from seamlessflow.plugins import UnknownPlugin
 from seamlessflow.rewards import get_reward, integer_match, register_reward
 from seamlessflow.tasks import get_task_source
 
@@ -71,7 +72,7 @@ def test_get_reward_by_name_and_dotted_path() -> None:
     assert get_reward("integer_match") is integer_match
     assert get_reward("seamlessflow.rewards:integer_match") is integer_match
     assert get_reward("seamlessflow.rewards.integer_match") is integer_match
-    with pytest.raises(KeyError, match="integer_match"):
+    with pytest.raises(UnknownPlugin, match="integer_match"):
         get_reward("no_such_reward")
     with pytest.raises(ValueError, match="already registered"):
         register_reward("integer_match")(lambda completion, reference: 0.0)
@@ -96,7 +97,7 @@ def test_task_is_deterministic_with_disjoint_splits() -> None:
     assert integer_match(str(a + b), item.reference) == 1.0
     with pytest.raises(ValueError, match="split"):
         task.items("test")
-    with pytest.raises(KeyError, match="arithmetic"):
+    with pytest.raises(UnknownPlugin, match="arithmetic"):
         get_task_source("no_such_task")
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from seamlessflow.plugins import UnknownPlugin
 from seamlessflow.rewards import code_match, code_tests, get_reward, math_answer
 from seamlessflow.tasks import TaskItem, get_task_source
 from seamlessflow.tasks.files import TaskFileError, in_eval_split
@@ -185,9 +186,9 @@ def test_unusable_files_get_errors_naming_file_row_and_column(tmp_path: Path) ->
 
 
 def test_unknown_task_names_point_to_data_files() -> None:
-    with pytest.raises(KeyError, match=r"arithmetic.*\.jsonl"):
+    with pytest.raises(UnknownPlugin, match=r"arithmetic.*\.jsonl"):
         get_task_source("no-such-task")
-    with pytest.raises(KeyError, match=r"no-such-task\.csv"):
+    with pytest.raises(UnknownPlugin, match=r"no-such-task\.csv"):
         get_task_source("no-such-task.csv")
 
 

@@ -1,8 +1,10 @@
-"""Named plug-ins (losses, advantage estimators, rewards, agents) and dotted paths.
+"""Named plug-ins and dotted paths: one registry class for every kind.
 
-Plug-ins register themselves by name when their module is imported; a setting names
-one. An unknown name is a configuration error that lists every known name. Where a
-user's own function may stand instead, ``import_dotted`` loads it by its path.
+Rewards, agents, tasks, tool parsers, engine backends, losses and advantage estimators
+each have one ``Registry``. Plug-ins register themselves by name when their module is
+imported (``@REGISTRY.register("name")``); a setting names one. An unknown name is a
+configuration error (``UnknownPlugin``) that lists every known name. Where a user's own
+function may stand instead (rewards, agents), ``import_dotted`` loads it by its path.
 """
 
 from __future__ import annotations
@@ -14,30 +16,84 @@ from typing import Any, Generic, TypeVar
 Plugin = TypeVar("Plugin")
 
 
-class Registry(Generic[Plugin]):
-    """Plug-ins of one kind, by name; ``setting`` is the variable that chooses one."""
+class UnknownPlugin(ValueError):
+    """A setting names a plug-in nobody registered (the message lists the known ones)."""
 
-    def __init__(self, kind: str, setting: str) -> None:
+
+class Registry(Generic[Plugin]):
+    """Plug-ins of one kind, by name; ``setting`` is what chooses one (named in errors).
+
+    ``dotted_paths``: a name that is not registered may be ``package.module:function``,
+    imported on lookup. ``builtins``: modules imported before the first lookup, whose
+    import registers the built-in plug-ins (so listing or finding one needs no import
+    by the caller, and importing the registry itself stays cheap). ``hint``: what else a
+    setting may name, appended to the unknown-name error."""
+
+    def __init__(
+        self,
+        kind: str,
+        setting: str,
+        *,
+        dotted_paths: bool = False,
+        builtins: tuple[str, ...] = (),
+        hint: str = "",
+    ) -> None:
         self.kind = kind
         self.setting = setting
+        self.dotted_paths = dotted_paths
+        self.hint = hint
+        self._builtins = builtins
         self._plugins: dict[str, Plugin] = {}
 
     def add(self, name: str, plugin: Plugin) -> None:
-        # two plug-ins under one name would make the setting ambiguous
-        if name in self._plugins:
+        # two plug-ins under one name would make the setting ambiguous (the same one
+        # twice is a module imported again, harmless)
+        if name in self._plugins and self._plugins[name] is not plugin:
             raise ValueError(f"{self.kind} {name!r} is already registered")
         self._plugins[name] = plugin
 
+    def register(self, name: str) -> Callable[[Plugin], Plugin]:
+        """Decorator: register the decorated function or class as ``name``."""
+
+        def decorate(plugin: Plugin) -> Plugin:
+            self.add(name, plugin)
+            return plugin
+
+        return decorate
+
+    def find(self, name: str) -> Plugin | None:
+        """The plug-in registered as ``name``, or None."""
+        self._load_builtins()
+        return self._plugins.get(name)
+
     def get(self, name: str) -> Plugin:
-        try:
-            return self._plugins[name]
-        except KeyError:
-            raise ValueError(
-                f"unknown {self.kind} {name!r} ({self.setting}); known: {', '.join(self.names())}"
-            ) from None
+        """The plug-in registered as ``name`` (or at that dotted path, where allowed)."""
+        found = self.find(name)
+        if found is not None:
+            return found
+        if self.dotted_paths:
+            function = import_dotted(name)
+            if function is not None:
+                return function  # type: ignore[return-value]  # the caller's contract
+        raise UnknownPlugin(self.unknown_message(name))
+
+    def unknown_message(self, name: str) -> str:
+        message = f"unknown {self.kind} {name!r} ({self.setting}); known: {', '.join(self.names())}"
+        if self.dotted_paths:
+            message += "; or a dotted path 'package.module:function'"
+        if self.hint:
+            message += f"; {self.hint}"
+        return message
 
     def names(self) -> list[str]:
+        self._load_builtins()
         return sorted(self._plugins)
+
+    def _load_builtins(self) -> None:
+        if self._builtins:
+            modules, self._builtins = self._builtins, ()
+            for module in modules:
+                importlib.import_module(module)
 
 
 def import_dotted(path: str) -> Callable[..., Any] | None:

@@ -49,6 +49,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 
 import torch
 from nats.aio.subscription import Subscription
@@ -56,6 +57,7 @@ from nats.aio.subscription import Subscription
 from seamlessflow import telemetry, weights
 from seamlessflow.assets.model_check import ModelNeeds, check_model, context_need
 from seamlessflow.bus import DomainError, NoResponder
+from seamlessflow.plugins import Registry
 from seamlessflow.protocol import (
     ENGINE_QUEUE,
     AbortGeneration,
@@ -95,31 +97,46 @@ def _top_logprobs(top: TopLogprobs) -> list[TopLogprob]:
     return [TopLogprob(token_id, logprob) for token_id, logprob in top]
 
 
+ENGINE_BACKENDS: Registry[Callable[[EngineSettings, str], InferenceEngine]] = Registry(
+    "engine backend", "SF_ENGINE_BACKEND"
+)
+"""Builders of the inference engine a worker wraps, from its settings and model."""
+
+
+@ENGINE_BACKENDS.register("hf")
+def _transformers(settings: EngineSettings, model_dir: str) -> InferenceEngine:
+    return TransformersEngine(
+        model_dir,
+        dtype=getattr(torch, settings.dtype),
+        max_batch_size=settings.max_batch_size,
+        max_context=settings.max_context,
+    )
+
+
+@ENGINE_BACKENDS.register("vllm")
+def _vllm(settings: EngineSettings, model_dir: str) -> InferenceEngine:
+    from sf_engine.backends.vllm_engine import VllmEngine  # vLLM is an optional extra
+
+    return VllmEngine(
+        model_dir,
+        dtype=settings.dtype,
+        max_batch_size=settings.max_batch_size,
+        max_context=settings.max_context,
+        engine_kwargs={"enable_sleep_mode": True} if settings.vllm_sleep_mode else None,
+    )
+
+
+@ENGINE_BACKENDS.register("scripted")
+def _scripted(settings: EngineSettings, model_dir: str) -> InferenceEngine:
+    from sf_engine.backends.scripted_engine import ScriptedEngine  # no model compute
+
+    return ScriptedEngine(
+        model_dir, max_batch_size=settings.max_batch_size, max_context=settings.max_context
+    )
+
+
 def build_engine(settings: EngineSettings, model_dir: str) -> InferenceEngine:
-    if settings.backend == "hf":
-        return TransformersEngine(
-            model_dir,
-            dtype=getattr(torch, settings.dtype),
-            max_batch_size=settings.max_batch_size,
-            max_context=settings.max_context,
-        )
-    if settings.backend == "vllm":
-        from sf_engine.backends.vllm_engine import VllmEngine  # vLLM is an optional extra
-
-        return VllmEngine(
-            model_dir,
-            dtype=settings.dtype,
-            max_batch_size=settings.max_batch_size,
-            max_context=settings.max_context,
-            engine_kwargs={"enable_sleep_mode": True} if settings.vllm_sleep_mode else None,
-        )
-    if settings.backend == "scripted":
-        from sf_engine.backends.scripted_engine import ScriptedEngine  # no model compute
-
-        return ScriptedEngine(
-            model_dir, max_batch_size=settings.max_batch_size, max_context=settings.max_context
-        )
-    raise ValueError(f"unknown engine backend {settings.backend!r} (known: hf, vllm, scripted)")
+    return ENGINE_BACKENDS.get(settings.backend)(settings, model_dir)
 
 
 class InFlight:

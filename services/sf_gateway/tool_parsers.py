@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from seamlessflow.plugins import Registry
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -66,26 +68,18 @@ class ForcesCalls(Protocol):
         ...
 
 
-_PARSERS: dict[str, Callable[[], ToolParser]] = {}
+TOOL_PARSERS: Registry[Callable[[], ToolParser]] = Registry("tool parser", "SF_GATEWAY_TOOL_PARSER")
 
 TOOL_PARSER_CHOICES = ("auto", "hermes", "qwen", "llama3_json", "none")
 """What ``SF_GATEWAY_TOOL_PARSER`` may name (plus any parser registered later)."""
 
 
-def register_tool_parser(name: str) -> Callable[[type[Any]], type[Any]]:
-    def register(cls: type[Any]) -> type[Any]:
-        _PARSERS[name] = cls
-        return cls
-
-    return register
+register_tool_parser = TOOL_PARSERS.register
 
 
 def get_tool_parser(name: str) -> ToolParser:
-    """The parser registered as ``name``; ValueError (listing the known ones) if none."""
-    try:
-        return _PARSERS[name]()
-    except KeyError:
-        raise ValueError(f"unknown tool parser {name!r} (known: {sorted(_PARSERS)})") from None
+    """The parser registered as ``name``; UnknownPlugin (listing the known ones) if none."""
+    return TOOL_PARSERS.get(name)()
 
 
 def tool_parser_for(setting: str, chat_template: str, model_type: str = "") -> ToolParser | None:

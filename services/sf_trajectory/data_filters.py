@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+from seamlessflow.plugins import Registry
 from seamlessflow.protocol import GroupSummary, SampleGroup
 from seamlessflow.tasks import TaskItem
 from sf_trajectory.dispatch import group_index
@@ -224,21 +225,19 @@ class FilterSettings(Protocol):
 
 DataFilter = GroupFilter | PromptSetFilter
 
-DATA_FILTERS: dict[str, Callable[[FilterSettings], DataFilter]] = {
-    "staleness": lambda s: Staleness(s.max_staleness),
-    "dynamic_sampling": lambda s: DynamicSampling(s.dynamic_sampling_max_refills),
-    "history_resampling": lambda s: HistoryResampling(s.history_correct_reward),
-}
+DATA_FILTERS: Registry[Callable[[FilterSettings], DataFilter]] = Registry(
+    "data filter", "SF_TRAJECTORY_DATA_FILTERS"
+)
+DATA_FILTERS.add("staleness", lambda s: Staleness(s.max_staleness))
+DATA_FILTERS.add("dynamic_sampling", lambda s: DynamicSampling(s.dynamic_sampling_max_refills))
+DATA_FILTERS.add("history_resampling", lambda s: HistoryResampling(s.history_correct_reward))
 
 
 def parse_filter_names(text: str) -> list[str]:
     """``"staleness,dynamic_sampling"`` -> names, checked against the registry."""
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in DATA_FILTERS]
-    if unknown:
-        raise ValueError(
-            f"unknown data filter(s) {', '.join(unknown)}; known: {', '.join(DATA_FILTERS)}"
-        )
+    for name in names:
+        DATA_FILTERS.get(name)  # UnknownPlugin, listing the known filters
     if len(set(names)) != len(names):
         raise ValueError(f"a data filter is listed twice: {text!r}")
     return names
@@ -254,7 +253,7 @@ class DataFilters:
 
     @classmethod
     def from_settings(cls, names: Sequence[str], settings: FilterSettings) -> DataFilters:
-        return cls([DATA_FILTERS[name](settings) for name in names])
+        return cls([DATA_FILTERS.get(name)(settings) for name in names])
 
     def judge(self, group: SampleGroup, batch_index: int) -> list[Verdict]:
         """Every group filter's verdict, in order, up to the first that drops the group."""

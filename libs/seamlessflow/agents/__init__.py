@@ -17,7 +17,7 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from seamlessflow.plugins import import_dotted
+from seamlessflow.plugins import Registry
 
 
 @dataclass(frozen=True)
@@ -43,26 +43,12 @@ AgentReward = float | Mapping[str, float] | None
 
 AgentFn = Callable[[AsyncOpenAI, AgentTask], Awaitable[AgentReward]]
 
-_REGISTRY: dict[str, AgentFn] = {}
-
-
-def register_agent(name: str) -> Callable[[AgentFn], AgentFn]:
-    def decorate(fn: AgentFn) -> AgentFn:
-        if name in _REGISTRY:
-            raise ValueError(f"agent {name!r} is already registered")
-        _REGISTRY[name] = fn
-        return fn
-
-    return decorate
-
-
-def get_agent(name_or_path: str) -> AgentFn:
-    # registers the built-in agents
-    from seamlessflow.agents import builtin, tool_agent  # noqa: F401
-
-    if name_or_path in _REGISTRY:
-        return _REGISTRY[name_or_path]
-    fn = import_dotted(name_or_path)
-    if fn is None:
-        raise KeyError(f"unknown agent {name_or_path!r}; registered: {sorted(_REGISTRY)}")
-    return fn
+AGENTS: Registry[AgentFn] = Registry(
+    "agent",
+    "SF_AGENTS_AGENT, --agent",
+    dotted_paths=True,
+    builtins=("seamlessflow.agents.builtin", "seamlessflow.agents.tool_agent"),
+)
+register_agent = AGENTS.register
+get_agent = AGENTS.get
+"""A registered agent by name, else the function at a dotted path, imported."""

@@ -10,35 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from seamlessflow.plugins import import_dotted
+from seamlessflow.plugins import Registry
 
 RewardFn = Callable[[str, str], float]
 
-_REGISTRY: dict[str, RewardFn] = {}
-
-
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    def decorator(fn: RewardFn) -> RewardFn:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ValueError(f"reward {name!r} is already registered")
-        _REGISTRY[name] = fn
-        return fn
-
-    return decorator
-
-
-def reward_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-def get_reward(name_or_dotted_path: str) -> RewardFn:
-    """A registered reward by name, else the function at a dotted path, imported."""
-    if name_or_dotted_path in _REGISTRY:
-        return _REGISTRY[name_or_dotted_path]
-    fn = import_dotted(name_or_dotted_path)
-    if fn is None:
-        raise KeyError(
-            f"unknown reward {name_or_dotted_path!r}; registered rewards: "
-            f"{', '.join(reward_names())}; or give a dotted path 'package.module:function'"
-        )
-    return fn
+REWARDS: Registry[RewardFn] = Registry(
+    "reward",
+    "a task's reward_fn, SF_TRAJECTORY_REWARD_FNS",
+    dotted_paths=True,
+    builtins=("seamlessflow.rewards",),
+)
+register_reward = REWARDS.register
+reward_names = REWARDS.names
+get_reward = REWARDS.get
+"""A registered reward by name, else the function at a dotted path, imported."""

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from seamlessflow.plugins import Registry, UnknownPlugin
+
 SPLITS = ("train", "eval")
 
 
@@ -94,47 +96,47 @@ def split_of(splits: dict[str, list[TaskItem]], split: str) -> list[TaskItem]:
     return list(splits[split])
 
 
+TASKS: Registry[Callable[[int], TaskSource]] = Registry(
+    "task",
+    "SF_TRAJECTORY_TASK, --task",
+    hint="or a data file: [jsonl:|parquet:]PATH[?reward=NAME] (PATH ending .jsonl / .parquet)",
+)
+"""Factories by name, each building its source with a seed; they import lazily so that
+listing the registry imports nothing else."""
+
+
+@TASKS.register("arithmetic")
 def _arithmetic(seed: int) -> TaskSource:
     from seamlessflow.tasks.arithmetic import ArithmeticTask
 
     return ArithmeticTask(seed=seed)
 
 
+@TASKS.register("counting")
 def _counting(seed: int) -> TaskSource:
     from seamlessflow.tasks.counting import CountingTask
 
     return CountingTask(seed=seed)
 
 
+@TASKS.register("lookup")
 def _lookup(seed: int) -> TaskSource:
     from seamlessflow.tasks.lookup import LookupTask
 
     return LookupTask(seed=seed)
 
 
-# Factories import lazily so that listing the registry imports nothing else.
-_REGISTRY: dict[str, Callable[[int], TaskSource]] = {
-    "arithmetic": _arithmetic,
-    "counting": _counting,
-    "lookup": _lookup,
-}
-
-
-def task_names() -> list[str]:
-    return sorted(_REGISTRY)
+task_names = TASKS.names
 
 
 def get_task_source(name: str, seed: int = 0) -> TaskSource:
     """The task source registered as `name`, built with `seed`, or the data file `name`
     points to (`seamlessflow.tasks.files`; its split does not depend on the seed)."""
-    factory = _REGISTRY.get(name)
+    factory = TASKS.find(name)
     if factory is not None:
         return factory(seed)
     from seamlessflow.tasks.files import load_file_task, parse_file_task_name
 
     if parse_file_task_name(name) is not None:
         return load_file_task(name)
-    raise KeyError(
-        f"unknown task {name!r}; known tasks: {', '.join(task_names())}, "
-        "or a data file: [jsonl:|parquet:]PATH[?reward=NAME] (PATH ending .jsonl / .parquet)"
-    )
+    raise UnknownPlugin(TASKS.unknown_message(name))

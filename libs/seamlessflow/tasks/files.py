@@ -228,7 +228,7 @@ def choose_reward(spec: FileTaskSpec, rows: list[dict[str, Any]]) -> str:
 
     try:
         get_reward(reward_fn)
-    except (KeyError, ImportError, AttributeError, TypeError) as error:
+    except (ValueError, ImportError, AttributeError, TypeError) as error:
         raise TaskFileError(f"task file {spec.path}: reward {reward_fn!r}: {error}") from error
     return reward_fn
 
