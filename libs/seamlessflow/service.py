@@ -112,6 +112,10 @@ async def run_service(service: Service, mesh: MeshSettings) -> None:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        # The process is on its way out: a SIGTERM now (a supervisor's second one, which
+        # the removed handler would have taken) must not kill it with the default action
+        # before the connection drains and the spans are flushed (exit -15, not 0).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         await bus.drain()
         telemetry.shutdown()
 
