@@ -105,14 +105,21 @@ class InProcessMesh:
     async def stop(self) -> None:
         import asyncio
 
-        for _, ctx, _ in reversed(self.running):
+        running, self.running = self.running, []
+        for _, ctx, _ in reversed(running):
             ctx.stopping.set()  # type: ignore[attr-defined]
-        for _, ctx, task in reversed(self.running):
+        # every service is stopped and its connection drained, even after one failed;
+        # then the first failure is raised
+        failures: list[BaseException] = []
+        for _, ctx, task in reversed(running):
             try:
                 await asyncio.wait_for(task, 20)  # type: ignore[arg-type]
+            except BaseException as exc:
+                failures.append(exc)
             finally:
                 await ctx.bus.drain()  # type: ignore[attr-defined]
-        self.running.clear()
+        if failures:
+            raise failures[0]
 
 
 @pytest.fixture
@@ -120,6 +127,19 @@ async def mesh(nats_url: str, run_id: str, base_model_dir: Path) -> AsyncIterato
     in_process = InProcessMesh(nats_url, run_id, base_model_dir)
     yield in_process
     await in_process.stop()
+
+
+async def announce_plan(bus: Bus, steps: int, seed: int = 0) -> None:
+    """Announce a step budget as ``sf_trainer`` does at start (TrainingPlanned): what the
+    trajectory service dispatches for."""
+    from seamlessflow.protocol import MessageIds, TrainingPlanned
+
+    policy = bus.subjects.policy
+    await bus.js_publish(
+        bus.subjects.train_plan(),
+        TrainingPlanned(steps=steps, seed=seed, policy=policy),
+        msg_id=MessageIds.train_plan(policy, f"test-{steps}-{seed}"),
+    )
 
 
 async def announce_weights(bus: Bus, manifest) -> None:  # type: ignore[no-untyped-def]

@@ -320,9 +320,7 @@ async def test_a_64_by_4k_token_batch_with_a_16k_sample_is_trained(
     await mesh.start(TagScheduler())
     trajectory = await mesh.start(
         TrajectoryService(
-            TrajectorySettings(
-                group_size=GROUP_SIZE, groups_per_batch=GROUPS, total_batches=1, data_filters=""
-            )
+            TrajectorySettings(group_size=GROUP_SIZE, groups_per_batch=GROUPS, data_filters="")
         )
     )
     await asyncio.wait_for(trajectory.ready.wait(), 30)

@@ -453,7 +453,7 @@ def test_compose_as_processes_trains_the_built_in_task_and_keeps_its_final(
         assert trainer.returncode == 0, f"trainer: {trainer.returncode}\n{containers.tails()}"
         assert not restarts_after(services["trainer"].get("restart", "no"), 0)
 
-        # the agents stop once the run has its batches (SF_TRAJECTORY_TOTAL_BATCHES), and
+        # the agents stop once the run has the batches the trainer announced, and
         # every session they opened worked (its base_url reached the gateway)
         [agents] = containers.processes["agents"]
         assert agents.wait(RUN_TIMEOUT_S) == 0, containers.tails()

@@ -157,6 +157,8 @@ def test_export_takes_the_token_from_the_environment_or_the_run_directory(
     [
         ("gateway", {"SF_GATEWAY_HOST": "0.0.0.0"}, "SF_GATEWAY_PUBLIC_URL"),
         ("trainer", {"SF_TRAINER_STEPS": "many"}, "steps: Input should be a valid integer"),
+        ("trajectory", {"SF_TRAJECTORY_TOTAL_BATCHES": "5"}, "TOTAL_BATCHES is no longer read"),
+        ("trainer", {"SF_TRAINER_SEED": "1"}, "the run's seed is SF_SEED"),
     ],
 )
 def test_a_service_with_invalid_settings_exits_with_one_line(

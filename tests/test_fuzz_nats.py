@@ -173,9 +173,7 @@ async def nz(nats_url: str, base_model_dir: Path) -> AsyncIterator[Mesh]:
         scheduler = await mesh.start(TagScheduler())
         weight_sync = await mesh.start(WeightSync())
         trajectory = await mesh.start(
-            TrajectoryService(
-                TrajectorySettings(group_size=2, groups_per_batch=1, total_batches=10_000)
-            )
+            TrajectoryService(TrajectorySettings(group_size=2, groups_per_batch=1))
         )
         engine = await mesh.start(
             EngineWorker(EngineSettings(engine_id=ENGINE_ID, max_batch_size=8, max_context=64))

@@ -26,6 +26,7 @@ from seamlessflow.protocol import (
     RoleAssignment,
     Subjects,
     TrainingFinished,
+    TrainingPlanned,
     TrajectoryEvent,
     TurnRecorded,
     WeightsPublished,
@@ -61,11 +62,7 @@ async def test_two_policies_train_together_each_on_its_own_version_line(
     try:
         scheduler = await mesh.start(TagScheduler())
         trajectory = await mesh.start(
-            TrajectoryService(
-                TrajectorySettings(
-                    group_size=2, groups_per_batch=2, total_batches=max(STEPS.values())
-                )
-            )
+            TrajectoryService(TrajectorySettings(group_size=2, groups_per_batch=2))
         )
         engines = []
         for policy, steps in STEPS.items():
@@ -135,6 +132,12 @@ async def test_two_policies_train_together_each_on_its_own_version_line(
         assert finished[policy].steps == steps and finished[policy].final_version == steps
         published = await stored(bus, s.stream_weights(), s.weights_published(), WeightsPublished)
         assert [w.version for w in published] == list(range(1, steps + 1))
+        # each trainer announced its own budget, which the trajectory service followed
+        [plan] = await stored(bus, s.stream_metrics(), s.train_plan(), TrainingPlanned)
+        assert (plan.policy, plan.steps, plan.seed) == (policy, steps, 0)
+        assert trajectory.lines[policy].planned_steps == steps
+    # tasks are shared: the dispatch budget is the largest trainer's
+    assert trajectory.dispatcher.total_groups == max(STEPS.values()) * 2
 
     # every trained token of a policy came from that policy's engine
     events = [

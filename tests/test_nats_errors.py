@@ -42,7 +42,7 @@ async def services(mesh):  # type: ignore[no-untyped-def]
     scheduler = await mesh.start(TagScheduler())
     weight_sync = await mesh.start(WeightSync())
     trajectory = await mesh.start(
-        TrajectoryService(TrajectorySettings(group_size=2, groups_per_batch=1, total_batches=2))
+        TrajectoryService(TrajectorySettings(group_size=2, groups_per_batch=1))
     )
     engine = await mesh.start(EngineWorker(EngineSettings(engine_id="engine-e", max_batch_size=4)))
     async with asyncio.timeout(60):

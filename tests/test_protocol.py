@@ -168,6 +168,7 @@ def examples() -> list[p.Message]:
             max_tokens=16,
             eval_seconds=0.5,
         ),
+        p.TrainingPlanned(steps=100, seed=7, policy="solver"),
         p.TrainingFinished(steps=1, final_version=1, checkpoint_dir="/x"),
         p.ResourceRegister(resource_id="e", kind="engine", tags=["rollout"]),
         p.ResourceRegister(
@@ -337,6 +338,8 @@ def test_message_ids_name_one_fact_each() -> None:
         ids.train_eval("a", 1),
         ids.train_finished("a", 1),
         ids.train_finished("a", 2),
+        ids.train_plan("a", "trainer-a-host-1"),
+        ids.train_plan("a", "trainer-a-host-2"),
     ]
     assert len(set(facts)) == len(facts)
     assert ids.weights("a", 3) == ids.weights("a", 3)

@@ -385,7 +385,7 @@ def test_rollout_runs_as_far_ahead_as_the_pacing_allows() -> None:
 
 
 def test_a_bounded_dispatch_cannot_refill_dropped_groups() -> None:
-    """Like the trajectory service with ``SF_TRAJECTORY_TOTAL_BATCHES`` set: once a
+    """Like the trajectory service once its trainer announced a step budget: once a
     whole group is dropped as stale, the last batch can never fill. The simulator says
     so instead of spinning."""
     config = replace(

@@ -257,8 +257,8 @@ def test_two_ranks_with_checkpointed_layers_step_as_one_process_without(
 
 
 def test_the_eval_set_is_the_task_s_held_out_split(base_model_dir: Path) -> None:
-    settings = TrainerSettings(eval_every=1, eval_items=5, eval_task_seed=3)
-    eval_set = EvalSet.from_settings(settings)
+    settings = TrainerSettings(eval_every=1, eval_items=5)
+    eval_set = EvalSet.from_settings(settings, seed=3)
     source = get_task_source("arithmetic", seed=3)
     assert eval_set.items == source.items("eval")[:5]
     train_ids = {item.task_id for item in source.items("train")}

@@ -8,16 +8,17 @@ the service and start a fresh one on the same run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import pytest
-from conftest import InProcessMesh
+from conftest import InProcessMesh, announce_plan
 
 from seamlessflow.batches import stored_batches
-from seamlessflow.bus import Bus, connect
+from seamlessflow.bus import Bus, Unrecoverable, connect
 from seamlessflow.protocol import (
     BatchFilterReport,
     BatchProgress,
@@ -92,14 +93,26 @@ def six_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class Trajectory:
-    """One trajectory service of the test's run, restartable."""
+    """One trajectory service of the test's run, restartable. ``steps``: the step budget
+    the test's trainer announces (TrainingPlanned) before the first start; None: none."""
 
-    def __init__(self, nats_url: str, run_id: str, settings: TrajectorySettings) -> None:
+    def __init__(
+        self, nats_url: str, run_id: str, settings: TrajectorySettings, steps: int | None
+    ) -> None:
         self.nats_url, self.run_id, self.settings = nats_url, run_id, settings
+        self.steps = steps
         self.mesh: InProcessMesh | None = None
         self.service = TrajectoryService(settings)
 
     async def start(self) -> TrajectoryService:
+        if self.steps is not None:
+            trainer = await connect(self.nats_url, Subjects(self.run_id), name="test-trainer")
+            try:
+                await trainer.ensure_streams()
+                await announce_plan(trainer, self.steps)
+            finally:
+                await trainer.drain()
+            self.steps = None  # announced once, as a trainer does (it stays in the stream)
         self.mesh = InProcessMesh(self.nats_url, self.run_id, None)
         self.service = await self.mesh.start(TrajectoryService(self.settings))
         await asyncio.wait_for(self.service.ready.wait(), 30)
@@ -110,17 +123,17 @@ class Trajectory:
         return await self.start()
 
     async def stop(self) -> None:
-        if self.mesh is not None:
-            await self.mesh.stop()
-            self.mesh = None
+        mesh, self.mesh = self.mesh, None
+        if mesh is not None:
+            await mesh.stop()
 
 
 @pytest.fixture
 async def trajectory(nats_url: str, run_id: str) -> AsyncIterator[Callable[..., Trajectory]]:
     started: list[Trajectory] = []
 
-    def make(**settings: object) -> Trajectory:
-        started.append(Trajectory(nats_url, run_id, TrajectorySettings(**settings)))  # type: ignore[arg-type]
+    def make(steps: int | None = None, **settings: object) -> Trajectory:
+        started.append(Trajectory(nats_url, run_id, TrajectorySettings(**settings), steps))  # type: ignore[arg-type]
         return started[-1]
 
     yield make
@@ -205,7 +218,7 @@ async def test_a_zero_variance_group_is_dropped_and_refilled_so_the_batch_stays_
     traj = trajectory(
         group_size=2,
         groups_per_batch=2,
-        total_batches=1,
+        steps=1,
         max_batches_ahead=0,
         data_filters="staleness,dynamic_sampling",
     )
@@ -247,7 +260,7 @@ async def test_each_ready_group_of_the_next_batch_is_announced_as_progress(
         seen.append(decode(msg.data, BatchProgress))
 
     await bus.nc.subscribe(bus.subjects.batch_progress(), cb=on_progress)
-    traj = trajectory(group_size=2, groups_per_batch=3, total_batches=1, max_batches_ahead=0)
+    traj = trajectory(group_size=2, groups_per_batch=3, steps=1, max_batches_ahead=0)
     await traj.start()
     groups = [await claim_group(bus, 2) for _ in range(3)]
     for count, group in enumerate(groups, start=1):
@@ -264,6 +277,41 @@ async def test_each_ready_group_of_the_next_batch_is_announced_as_progress(
     assert {p.policy for p in seen} == {bus.subjects.policy}
 
 
+async def test_a_trainer_with_another_seed_stops_the_trajectory_service(
+    nats_url: str, run_id: str, bus: Bus
+) -> None:
+    """One seed for the run (``SF_SEED``): the task order here and the trainer's
+    evaluation split. A trainer that announced another ends the service with one line
+    naming both, at start or later."""
+    await announce_plan(bus, steps=2, seed=5)
+    mesh = InProcessMesh(nats_url, run_id, None)
+    try:
+        await mesh.start(TrajectoryService(TrajectorySettings(group_size=2)))
+        [(_, _, task)] = mesh.running
+        with pytest.raises(Unrecoverable, match="SF_SEED=5 but this trajectory service has"):
+            await asyncio.wait_for(task, 30)  # type: ignore[arg-type]
+    finally:
+        with contextlib.suppress(Unrecoverable):  # the ended service's error, again
+            await mesh.stop()
+
+
+async def test_a_later_plan_with_another_seed_also_stops_it(bus: Bus, trajectory) -> None:  # type: ignore[no-untyped-def]
+    traj = trajectory(steps=3, group_size=2)
+    service = await traj.start()
+    assert service.lines[bus.subjects.policy].planned_steps == 3
+    await announce_plan(bus, steps=4)  # a restarted trainer with a larger budget
+    await until(lambda: service.dispatcher.total_groups == 4 * service.settings.groups_per_batch)
+    await announce_plan(bus, steps=4, seed=1)
+    assert traj.mesh is not None
+    [(_, _, task)] = traj.mesh.running
+    with pytest.raises(BaseException) as ended:  # in its loops' TaskGroup: an ExceptionGroup
+        await asyncio.wait_for(task, 30)  # type: ignore[arg-type]
+    cause = unrecoverable_cause(ended.value)
+    assert cause is not None and "runs with SF_SEED=1" in str(cause), ended.value
+    with contextlib.suppress(BaseException):  # the ended service's error, again
+        await traj.stop()
+
+
 # --------------------------------------------------------------------------- verifiers
 
 
@@ -274,9 +322,7 @@ async def test_a_waiting_verifier_holds_back_only_its_own_sessions(bus: Bus, tra
     answers, with both samples scored."""
     GATED.gate.clear()
     GATED.waiting = 0
-    traj = trajectory(
-        task="gated", group_size=2, groups_per_batch=1, total_batches=2, max_batches_ahead=1
-    )
+    traj = trajectory(task="gated", group_size=2, groups_per_batch=1, steps=2, max_batches_ahead=1)
     service = await traj.start()
     slow, fast = await claim_group(bus, 2), await claim_group(bus, 2)
     for task in slow:
@@ -307,7 +353,7 @@ async def test_a_stalled_group_is_closed_and_refilled_and_a_restart_resumes_mid_
     time-out the group would hold back the last batch forever (and the runner would have
     been told ``exhausted``). Then the service restarts with a group handed out in part:
     it hands out the rest, and reports no drop twice."""
-    traj = trajectory(group_size=2, groups_per_batch=1, total_batches=2, group_timeout_s=2.0)
+    traj = trajectory(group_size=2, groups_per_batch=1, steps=2, group_timeout_s=2.0)
     service = await traj.start()
     await claim_group(bus, 2)  # g0: never opened
     for task in await claim_group(bus, 2):  # g1
@@ -353,7 +399,7 @@ async def test_a_run_where_no_session_finishes_fails_loudly_instead_of_spinning(
     ``stall_timeouts`` time-outs the service stops with an error that says so; one
     finished session before that restarts the count."""
     traj = trajectory(
-        group_size=1, groups_per_batch=1, total_batches=100, group_timeout_s=0.5, stall_timeouts=4
+        group_size=1, groups_per_batch=1, steps=100, group_timeout_s=0.5, stall_timeouts=4
     )
     service = await traj.start()
     assert traj.mesh is not None
@@ -385,7 +431,7 @@ async def test_a_restart_after_retention_dropped_old_events_goes_on_where_it_was
     batches outlive them. A restart then neither waits for the groups whose events are
     gone (they were done long ago) nor hands out a group id or batch index again."""
     traj = trajectory(
-        group_size=2, groups_per_batch=1, total_batches=4, max_batches_ahead=4, group_timeout_s=600
+        group_size=2, groups_per_batch=1, steps=4, max_batches_ahead=4, group_timeout_s=600
     )
     await traj.start()
     for _ in range(2):  # g0, g1: a batch each
@@ -542,7 +588,7 @@ async def test_the_stage_switches_exactly_at_its_batch_and_a_restart_resumes_in_
     other_run = "t" + uuid.uuid4().hex[:12]
     control_bus = await connect(nats_url, Subjects(other_run), name="control")
     await control_bus.ensure_streams()
-    control = Trajectory(nats_url, other_run, TrajectorySettings(**stages))  # type: ignore[arg-type]
+    control = Trajectory(nats_url, other_run, TrajectorySettings(**stages), None)  # type: ignore[arg-type]
     try:
         uninterrupted = await run_two_stages(control_bus, control, restart=False)
     finally:
@@ -556,7 +602,7 @@ async def test_a_claim_repeated_after_its_reply_was_lost_gets_the_same_sample(
 ) -> None:  # type: ignore[no-untyped-def]
     """A sample handed to a claim whose reply never arrived is not lost: the runner
     repeats the claim (same id) and gets it, and the group fills up with no time-out."""
-    await trajectory(group_size=4, groups_per_batch=1, total_batches=1).start()
+    await trajectory(group_size=4, groups_per_batch=1, steps=1).start()
 
     async def claim_as(claim_id: str) -> TaskAssignment | NoTask:
         return await bus.request(

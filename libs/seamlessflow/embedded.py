@@ -46,6 +46,7 @@ from seamlessflow.protocol import (
     Subjects,
     TrainEvalMetrics,
     TrainingFinished,
+    TrainingPlanned,
     TrainStepMetrics,
     check_policy,
     decode,
@@ -355,21 +356,18 @@ class EmbeddedRun:
                 "SF_RUN_DIR": str(self.run_dir),
                 "SF_MODEL_DIR": str(model_dir),
                 "SF_POLICIES": ",".join(c.policies),
+                "SF_SEED": str(c.seed),
                 "SF_TAG_SCHEDULER_MODE": c.mode,
                 "SF_TRAJECTORY_TASK": c.task,
-                "SF_TRAJECTORY_SEED": str(c.seed),
                 "SF_TRAJECTORY_GROUP_SIZE": str(c.group_size),
                 "SF_TRAJECTORY_GROUPS_PER_BATCH": str(c.groups_per_batch),
-                "SF_TRAJECTORY_TOTAL_BATCHES": str(c.steps),
                 "SF_TRAJECTORY_MAX_BATCHES_AHEAD": str(c.max_batches_ahead),
                 "SF_TRAJECTORY_GROUP_TIMEOUT_S": str(c.group_timeout_s),
                 "SF_TRAINER_STEPS": str(c.steps),
                 "SF_TRAINER_CHECKPOINT_EVERY": str(c.checkpoint_every),
                 "SF_TRAINER_LR": str(c.lr),
-                "SF_TRAINER_SEED": str(c.seed),
                 # what SF_TRAINER_EVAL_EVERY evaluates: the run's task, split as rolled out
                 "SF_TRAINER_EVAL_TASK": c.task,
-                "SF_TRAINER_EVAL_TASK_SEED": str(c.seed),
                 "SF_TRAINER_EVAL_MAX_TOKENS": str(c.max_tokens),
                 "SF_GATEWAY_PORT": str(gateway_port),
                 "SF_ENGINE_MAX_BATCH_SIZE": str(c.engine_batch_size),
@@ -601,7 +599,15 @@ class EmbeddedRun:
         finally:
             loop.remove_signal_handler(signal.SIGINT)
             loop.remove_signal_handler(signal.SIGTERM)
-            await asyncio.to_thread(self.stop_processes)
+            # Stopping the services in order takes a while: a supervisor's second SIGTERM
+            # must not kill this runner with the default action and leave them running
+            # (they are in their own sessions). A second Ctrl-C still interrupts. The
+            # previous disposition comes back after (a run inside another program).
+            previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            try:
+                await asyncio.to_thread(self.stop_processes)
+            finally:
+                signal.signal(signal.SIGTERM, previous)
             nats_server.stop()
         return self.write_report()
 
@@ -711,10 +717,13 @@ class EmbeddedRun:
                         progress.tick(self)
                         continue
                     message = decode(
-                        msg.data, TrainStepMetrics | TrainEvalMetrics | TrainingFinished
+                        msg.data,
+                        TrainStepMetrics | TrainEvalMetrics | TrainingFinished | TrainingPlanned,
                     )
                     if message.policy not in self.metrics_by_policy:
                         continue  # not a policy of this run's configuration
+                    if isinstance(message, TrainingPlanned):
+                        continue  # the trainer's budget: the run's own configuration
                     if isinstance(message, TrainEvalMetrics):
                         metrics_file.write(json.dumps(_struct_dict(message)) + "\n")
                         metrics_file.flush()

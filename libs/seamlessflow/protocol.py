@@ -189,6 +189,11 @@ class Subjects:
         (the embedded run's display and report) (JetStream ``stream_metrics``)."""
         return f"{self._root}.train.{self.policy}.metrics"
 
+    def train_plan(self) -> str:
+        """TrainingPlanned: the policy's trainer, at each start -> trajectory (its step
+        budget and the run's seed) and observers (JetStream ``stream_metrics``)."""
+        return f"{self._root}.train.{self.policy}.plan"
+
     def train_finished(self) -> str:
         """TrainingFinished: the policy's trainer -> trajectory and observers (JetStream
         ``stream_metrics``)."""
@@ -356,6 +361,11 @@ class MessageIds:
     @staticmethod
     def train_finished(policy: str, version: int) -> str:
         return f"finished-{policy}-v{version}"
+
+    @staticmethod
+    def train_plan(policy: str, trainer_id: str) -> str:
+        """One per trainer process (a restart announces again, perhaps another budget)."""
+        return f"plan-{policy}-{trainer_id}"
 
 
 POLICY_TAG_PREFIX = "policy:"
@@ -1006,6 +1016,16 @@ class TrainEvalMetrics(Message, tag="train.eval"):
     timestamp: float = msgspec.field(default_factory=time.time)
 
 
+class TrainingPlanned(Message, tag="train.plan"):
+    """trainer -> trajectory and observers (JetStream), at each start: the policy's step
+    budget (``SF_TRAINER_STEPS``), which the trajectory service dispatches for, and the
+    run's seed (``SF_SEED``), which every service must share."""
+
+    steps: int
+    seed: int
+    policy: str = DEFAULT_POLICY
+
+
 class TrainingFinished(Message, tag="train.finished"):
     """trainer -> observers (JetStream): the run reached its step budget."""
 
@@ -1149,6 +1169,7 @@ AnyMessage = (
     | WeightsGroupOffer
     | TrainStepMetrics
     | TrainEvalMetrics
+    | TrainingPlanned
     | TrainingFinished
     | ResourceRegister
     | RoleAssignment

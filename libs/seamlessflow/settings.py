@@ -7,6 +7,7 @@ configuration reference (``seamlessflow config`` prints them).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,18 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from seamlessflow.protocol import DEFAULT_POLICY, check_policy, check_run_id
+
+REPLACED_VARIABLES = {
+    "SF_TRAINER_SEED": "the run's seed is SF_SEED, one for every service",
+    "SF_TRAJECTORY_SEED": "the run's seed is SF_SEED, one for every service",
+    "SF_TRAINER_EVAL_TASK_SEED": "the evaluation split uses the run's seed, SF_SEED",
+    "SF_TRAJECTORY_TOTAL_BATCHES": (
+        "the trajectory service dispatches for the step budget each trainer announces "
+        "(SF_TRAINER_STEPS)"
+    ),
+}
+"""Variables earlier versions read, and what replaced each: set, they stop a process
+with that line instead of being ignored."""
 
 
 class MeshSettings(BaseSettings):
@@ -50,6 +63,13 @@ class MeshSettings(BaseSettings):
     first is the tasks' policy: a task's reward function scores its answers, and SRPO's
     history resampling follows its groups. Empty = ``policy`` alone."""
 
+    seed: int = 0
+    """The run's seed, one for every service: the task order (the trajectory service's
+    split and epochs), torch in the trainer, and the trainer's evaluation split (which is
+    held out of the rolled-out one only when both use the same seed). A trainer
+    announces its seed (``TrainingPlanned``); a trajectory service with another exits
+    naming both."""
+
     run_dir: Path | None = None
     """Directory for this process's spans (``spans/<service>.jsonl``) and artefacts."""
 
@@ -82,6 +102,14 @@ class MeshSettings(BaseSettings):
     @classmethod
     def _valid_run_id(cls, value: str) -> str:
         return check_run_id(value)
+
+    @model_validator(mode="after")
+    def _no_replaced_variables(self) -> MeshSettings:
+        # a variable that is no longer read would be ignored without a word
+        for name, instead in REPLACED_VARIABLES.items():
+            if name in os.environ:
+                raise ValueError(f"{name} is no longer read: {instead}")
+        return self
 
     @field_validator("policy")
     @classmethod

@@ -325,7 +325,7 @@ class SimConfig:
     falls within the transfer changes no throughput, only which version a few tokens
     are counted on."""
     bounded_dispatch: bool = False
-    """Dispatch exactly ``steps`` batches' worth of groups (``SF_TRAJECTORY_TOTAL_BATCHES``)
+    """Dispatch exactly ``steps`` batches' worth of groups (the budget a trainer announces)
     instead of dispatching for as long as training goes on. With stale drops the last
     batch may then never fill (the simulation raises)."""
 

@@ -18,7 +18,8 @@ class TrainerSettings(BaseSettings):
     steps: int = 100
     """Optimizer steps (one batch each); the trainer finishes after this many. Steps a
     resume lost (taken after the checkpoint it resumes from) count: their batches are
-    not trained again."""
+    not trained again. The policy's step budget: the trainer announces it at start
+    (``TrainingPlanned``) and the trajectory service dispatches for it."""
 
     lr: float = 1e-4
     """AdamW peak learning rate; ``lr_schedule`` and ``warmup_steps`` shape it over the
@@ -55,12 +56,9 @@ class TrainerSettings(BaseSettings):
     ``metrics.jsonl``); 0 = never."""
 
     eval_task: str = "arithmetic"
-    """Task source (``seamlessflow.tasks``) whose ``eval`` split is evaluated; ``seamlessflow
-    up`` sets it to the run's task."""
-
-    eval_task_seed: int = 0
-    """Seed the task source is built with (the split depends on it: the trajectory
-    service's ``SF_TRAJECTORY_SEED``); ``seamlessflow up`` sets it to the run's seed."""
+    """Task source (``seamlessflow.tasks``) whose ``eval`` split is evaluated, built with
+    the run's seed (``SF_SEED``: the split depends on it); ``seamlessflow up`` sets it to
+    the run's task."""
 
     eval_items: int = Field(default=64, ge=0)
     """Prompts evaluated: the first N of the eval split (0 = all of it)."""
@@ -172,9 +170,6 @@ class TrainerSettings(BaseSettings):
     collective_timeout_s: float = 21600.0
     """Several ranks: the longest any collective may wait, including the other ranks'
     wait for rank 0's next command while it waits for a batch."""
-
-    seed: int = 0
-    """torch seed."""
 
     torch_threads: int = 1
     """torch intra-op threads."""

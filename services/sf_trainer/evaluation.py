@@ -34,8 +34,10 @@ class EvalSet:
     reward_fn: str
 
     @classmethod
-    def from_settings(cls, settings: TrainerSettings) -> EvalSet:
-        source = get_task_source(settings.eval_task, seed=settings.eval_task_seed)
+    def from_settings(cls, settings: TrainerSettings, seed: int) -> EvalSet:
+        """``seed``: the run's (``SF_SEED``), so the eval split is the one held out of the
+        trajectory service's."""
+        source = get_task_source(settings.eval_task, seed=seed)
         items = source.items("eval")
         if settings.eval_items:
             items = items[: settings.eval_items]

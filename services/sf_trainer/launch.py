@@ -62,4 +62,4 @@ def follow_rank_zero(settings: TrainerSettings, group: TrainGroup, mesh: MeshSet
         signal.signal(stop_signal, signal.SIG_IGN)
     if mesh.model_dir is None:
         raise RuntimeError("the trainer needs SF_MODEL_DIR")
-    Learner(settings, group, mesh.model_dir).follow()
+    Learner(settings, group, mesh.model_dir, seed=mesh.seed).follow()

@@ -73,12 +73,15 @@ class Learner:
     term (``SF_TRAINER_KL_COEF`` > 0) also the frozen reference model, sharded the same
     way."""
 
-    def __init__(self, settings: TrainerSettings, group: TrainGroup, model_dir: Path) -> None:
+    def __init__(
+        self, settings: TrainerSettings, group: TrainGroup, model_dir: Path, seed: int = 0
+    ) -> None:
+        """``seed``: the run's (``SF_SEED``): torch's, and the evaluation split's."""
         # a misspelt plug-in name fails here, at start, not at the first batch
         get_advantage_estimator(settings.advantage)
         get_loss(settings.loss)
         torch.set_num_threads(settings.torch_threads)
-        torch.manual_seed(settings.seed)
+        torch.manual_seed(seed)
         self.settings = settings
         self.group = group
         self.model_dir = model_dir
@@ -105,7 +108,7 @@ class Learner:
         self.reference = (
             load_reference(model_dir, group, self.bf16_mixed) if settings.kl_coef > 0 else None
         )
-        self.eval_set = EvalSet.from_settings(settings) if settings.eval_every else None
+        self.eval_set = EvalSet.from_settings(settings, seed) if settings.eval_every else None
         self.next_step = 0
         """Index in the run of the next step when the caller does not name it: counts
         this Learner's steps, from the step a restored checkpoint was taken at."""

@@ -77,6 +77,7 @@ from seamlessflow.protocol import (
     TrainBatch,
     TrainEvalMetrics,
     TrainingFinished,
+    TrainingPlanned,
     TrainStepMetrics,
     WeightsPublished,
     decode,
@@ -140,9 +141,17 @@ class Trainer:
         # issued in the order the other ranks replay them, even when a stop comes while
         # a step is still running.
         self._learner_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner")
-        self.learner = await self._on_learner(Learner, self.settings, self.group, self.model_dir)
+        self.learner = await self._on_learner(
+            Learner, self.settings, self.group, self.model_dir, ctx.mesh.seed
+        )
         try:
             await self._resume()
+            # the budget the trajectory service dispatches for, and the seed it must share
+            await ctx.bus.js_publish(
+                ctx.subjects.train_plan(),
+                TrainingPlanned(steps=self.settings.steps, seed=ctx.mesh.seed, policy=self.policy),
+                msg_id=MessageIds.train_plan(self.policy, self.trainer_id),
+            )
             transfer = WeightTransferSettings()
             self.publisher = publisher(ctx.bus, transfer)
             if transfer.group_backend:

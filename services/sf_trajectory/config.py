@@ -23,17 +23,11 @@ class TrajectorySettings(BaseSettings):
     The switch happens at a batch boundary; each stage scores with its source's reward
     function. Empty = one stage, ``task``."""
 
-    seed: int = 0
-    """Seed for the task order (each epoch is a fresh permutation)."""
-
     group_size: int = 8
     """Samples per task: one GRPO group."""
 
     groups_per_batch: int = 8
     """Groups in one trainer batch (one optimizer step)."""
-
-    total_batches: int = 0
-    """Stop dispatching after this many batches' worth of groups (0 = never stop)."""
 
     data_filters: str = "staleness"
     """Data algorithms, comma-separated, in order (``sf_trajectory.data_filters``):

@@ -87,7 +87,8 @@ class Dispatcher:
         self.stages = stages
         self.group_size = group_size
         self.groups_per_batch = groups_per_batch
-        self.total_groups = total_batches * groups_per_batch if total_batches > 0 else None
+        self.total_groups: int | None = None
+        self.set_total_batches(total_batches)
         self.max_batches_ahead = max_batches_ahead
         self.seed = seed
         self.task_policy = task_policy
@@ -102,6 +103,10 @@ class Dispatcher:
         them before it answers the claim)."""
         for report in sorted(recorded_epochs, key=lambda r: r.first_group):
             self._restore_epoch(report)
+
+    def set_total_batches(self, total_batches: int) -> None:
+        """The step budget to dispatch for (0 = none yet: only the pacing bounds it)."""
+        self.total_groups = total_batches * self.groups_per_batch if total_batches > 0 else None
 
     def claim(
         self, trained_batches: int, groups_lost: int = 0, batches_published: int = 0

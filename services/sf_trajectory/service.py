@@ -89,6 +89,7 @@ from seamlessflow.protocol import (
     TaskClaim,
     TrainBatch,
     TrainingFinished,
+    TrainingPlanned,
     TrainStepMetrics,
     TrajectoryEvent,
     decode,
@@ -123,6 +124,8 @@ class PolicyLine:
     """Its trainer reached its step budget (TrainingFinished): it no longer sets the pace."""
     progress_reported: tuple[int, int] = (0, 0)
     """The last BatchProgress published: (batch index, groups ready)."""
+    planned_steps: int | None = None
+    """The step budget its trainer announced last (TrainingPlanned); None: not yet."""
 
     @property
     def policy(self) -> str:
@@ -153,6 +156,8 @@ class TrajectoryService:
         self._verifier_threads = ThreadPoolExecutor(
             self.settings.verify_concurrency, thread_name_prefix="verifier"
         )
+        self._plan_error: Unrecoverable | None = None
+        self._plan_failed = asyncio.Event()
         self._claims = asyncio.Lock()
         """One claim at a time: an epoch's record is durable before its first group is
         handed out, and no other claim slips in while it is being published."""
@@ -163,7 +168,7 @@ class TrajectoryService:
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
         subjects = ctx.subjects
-        self.stages = build_stages(self.settings.stage_specs(), self.settings.seed)
+        self.stages = build_stages(self.settings.stage_specs(), ctx.mesh.seed)
         trusted = {stage.reward_fn for stage in self.stages} | {*self.settings.trusted_reward_fns()}
         self.reward_lookup = TrustedRewards(trusted)
         for policy in ctx.mesh.policy_names():
@@ -178,6 +183,10 @@ class TrajectoryService:
             # trainer skips a batch at or below the last one it trained
             line.next_batch_index = max(line.next_batch_index, line.trained_batches)
             line.finished = await self._trainer_finished(line)
+            plan = await self._last_plan(line)
+            if plan is not None:
+                self._check_plan(plan)
+                line.planned_steps = plan.steps
             self.lines[policy] = line
 
         events, last_seq = await ctx.bus.follow(
@@ -246,9 +255,9 @@ class TrajectoryService:
             self.stages,
             group_size=self.settings.group_size,
             groups_per_batch=self.settings.groups_per_batch,
-            total_batches=self.settings.total_batches,
+            total_batches=self._step_budget(),
             max_batches_ahead=self.settings.max_batches_ahead,
-            seed=self.settings.seed,
+            seed=ctx.mesh.seed,
             next_group=next_group,
             next_sample=next_sample,
             data_filters=self.task_line.grouper.filters,
@@ -272,11 +281,16 @@ class TrajectoryService:
                 TrainingFinished,
                 self._train_finished_handler(line),
             )
+            await ctx.bus.subscribe(
+                line.subjects.train_plan(), TrainingPlanned, self._train_plan_handler(line)
+            )
         await ctx.bus.serve(subjects.task_claim(), TaskClaim, self.on_claim)
         await ctx.bus.serve(subjects.trajectory_export(), SessionExportQuery, self.on_export)
         self.ready.set()
         try:
-            await supervise(ctx.stopping, self._event_loop(events), self._timeout_loop())
+            await supervise(
+                ctx.stopping, self._event_loop(events), self._timeout_loop(), self._plan_watch()
+            )
         finally:
             self._verifier_threads.shutdown(wait=False, cancel_futures=True)
 
@@ -647,6 +661,54 @@ class TrajectoryService:
             log.info("the trainer of %s finished: it no longer sets the pace", line.policy)
 
         return on_train_finished
+
+    async def _last_plan(self, line: PolicyLine) -> TrainingPlanned | None:
+        try:
+            msg = await self.ctx.bus.js.get_last_msg(
+                line.subjects.stream_metrics(), line.subjects.train_plan()
+            )
+        except nats.js.errors.NotFoundError:
+            return None
+        plan: TrainingPlanned = decode(msg.data or b"", TrainingPlanned)
+        return plan
+
+    def _check_plan(self, plan: TrainingPlanned) -> None:
+        """One seed for the run: the task order here, the trainer's evaluation split."""
+        if plan.seed != self.ctx.mesh.seed:
+            raise Unrecoverable(
+                f"the trainer of {plan.policy} runs with SF_SEED={plan.seed} but this "
+                f"trajectory service has SF_SEED={self.ctx.mesh.seed}: start every service "
+                "of a run with the same SF_SEED"
+            )
+
+    def _step_budget(self) -> int:
+        """Batches to dispatch for: the largest budget the trainers announced (tasks are
+        shared by the policies), once every policy's trainer announced one; 0 until then
+        (the pacing alone bounds the dispatch)."""
+        planned = [line.planned_steps for line in self.lines.values()]
+        if any(steps is None for steps in planned):
+            return 0
+        return max(steps for steps in planned if steps is not None)
+
+    def _train_plan_handler(self, line: PolicyLine) -> Callable[[TrainingPlanned], Awaitable[None]]:
+        async def on_train_plan(plan: TrainingPlanned) -> None:
+            try:
+                self._check_plan(plan)
+            except Unrecoverable as exc:
+                self._plan_error = exc
+                self._plan_failed.set()
+                return
+            line.planned_steps = plan.steps
+            self.dispatcher.set_total_batches(self._step_budget())
+            log.info("the trainer of %s plans %d steps", line.policy, plan.steps)
+
+        return on_train_plan
+
+    async def _plan_watch(self) -> None:
+        """A trainer announced another seed after start: end the run with that line."""
+        await self._plan_failed.wait()
+        assert self._plan_error is not None
+        raise self._plan_error
 
     def _train_metrics_handler(
         self, line: PolicyLine
