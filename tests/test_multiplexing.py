@@ -64,6 +64,25 @@ async def start_engine(
         mesh.mesh = saved
 
 
+async def start_lending_mesh(  # type: ignore[no-untyped-def]
+    mesh, settings: TagSchedulerSettings, backend: str = "hf"
+) -> tuple[TagScheduler, EngineWorker, EngineWorker, GatewayService]:
+    """A multiplexed mesh: the tag-scheduler, weight-sync, a dedicated engine
+    (``engine-d``), a lendable one on the trainer's slot (``engine-l``) and the gateway,
+    all up and registered."""
+    scheduler = await mesh.start(TagScheduler(settings))
+    await mesh.start(WeightSync())
+    dedicated = await start_engine(mesh, "engine-d", "rollout", "slot-0", backend)
+    lendable = await start_engine(mesh, "engine-l", "train,rollout", "slot-1", backend)
+    gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
+    async with asyncio.timeout(60):
+        await dedicated.ready.wait()
+        await gateway.ready.wait()
+        while "engine-l" not in scheduler.resources:  # noqa: ASYNC110 (another service)
+            await asyncio.sleep(0.05)
+    return scheduler, dedicated, lendable, gateway
+
+
 async def test_reclaim_during_generation_loses_no_request_and_no_token(
     nats_url: str, run_id: str, chatty_model_dir: Path, bus: Bus
 ) -> None:
@@ -71,16 +90,9 @@ async def test_reclaim_during_generation_loses_no_request_and_no_token(
 
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
     try:
-        scheduler = await mesh.start(TagScheduler(TagSchedulerSettings(mode="multiplexed")))
-        await mesh.start(WeightSync())
-        dedicated = await start_engine(mesh, "engine-d", "rollout", "slot-0")
-        lendable = await start_engine(mesh, "engine-l", "train,rollout", "slot-1")
-        gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
-        async with asyncio.timeout(60):
-            await dedicated.ready.wait()
-            await gateway.ready.wait()
-            while "engine-l" not in scheduler.resources:  # noqa: ASYNC110 (another service)
-                await asyncio.sleep(0.05)
+        scheduler, _dedicated, lendable, gateway = await start_lending_mesh(
+            mesh, TagSchedulerSettings(mode="multiplexed")
+        )
         # The trainer waits for its first batch. No wait was measured yet, so the policy
         # lends (here already when engine-l registered: no trainer was training).
         report: LendReport = await bus.request(
@@ -250,16 +262,9 @@ async def test_a_freshly_lent_engine_takes_over_requests_in_flight(
     max_tokens = 480
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
     try:
-        scheduler = await mesh.start(TagScheduler(TagSchedulerSettings(mode="multiplexed")))
-        await mesh.start(WeightSync())
-        dedicated = await start_engine(mesh, "engine-d", "rollout", "slot-0", "scripted")
-        lendable = await start_engine(mesh, "engine-l", "train,rollout", "slot-1", "scripted")
-        gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
-        async with asyncio.timeout(60):
-            await dedicated.ready.wait()
-            await gateway.ready.wait()
-            while "engine-l" not in scheduler.resources:  # noqa: ASYNC110 (another service)
-                await asyncio.sleep(0.05)
+        scheduler, dedicated, lendable, gateway = await start_lending_mesh(
+            mesh, TagSchedulerSettings(mode="multiplexed"), "scripted"
+        )
         # the first wait fills the pipeline (lent); then the trainer trains (reclaimed)
         await bus.request(
             bus.subjects.sched_release(), SlotsReleased(trainer_id="t", version=0), LendReport
@@ -369,16 +374,9 @@ async def test_an_early_reclaim_frees_the_slot_before_the_trainer_claims_it(
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
     settings = TagSchedulerSettings(mode="multiplexed", reclaim_early_at=0.5)
     try:
-        scheduler = await mesh.start(TagScheduler(settings))
-        await mesh.start(WeightSync())
-        dedicated = await start_engine(mesh, "engine-d", "rollout", "slot-0", "scripted")
-        lendable = await start_engine(mesh, "engine-l", "train,rollout", "slot-1", "scripted")
-        gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
-        async with asyncio.timeout(60):
-            await dedicated.ready.wait()
-            await gateway.ready.wait()
-            while "engine-l" not in scheduler.resources:  # noqa: ASYNC110 (another service)
-                await asyncio.sleep(0.05)
+        scheduler, _dedicated, lendable, gateway = await start_lending_mesh(
+            mesh, settings, "scripted"
+        )
         await bus.request(
             bus.subjects.sched_release(), SlotsReleased(trainer_id="t", version=0), LendReport
         )

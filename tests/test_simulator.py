@@ -194,35 +194,35 @@ def test_lending_fills_bubbles(workload: WorkloadModel) -> None:
     assert results["colocated"].bubble_ratio > results["split"].bubble_ratio
 
 
+BY_HAND = SimConfig(
+    gpus=2,
+    steps=1,
+    deployment=disaggregated_async(0.5),
+    workload=WorkloadModel(
+        samples_per_gpu=1,
+        group_size=2,
+        prompt_tokens=0,
+        response_sigma=0.0,
+        response_mean_tokens=100.0,
+    ),
+    engine=EngineModel(
+        max_concurrency=2, decode_tokens_per_s_alone=100.0, decode_tokens_per_s_full=150.0
+    ),
+    trainer=TrainerModel(
+        train_tokens_per_s_per_gpu=100.0, step_overhead_s=0.0, model_bytes=0.0, sync_latency_s=0.5
+    ),
+    bounded_dispatch=True,
+    overlap_weight_sync=False,
+)
+"""Two GPUs: a trainer on one, an engine on the other; one group of two 100-token
+answers (no prompt, no spread). Two sequences decode at 1 / (base + 2 per_seq) = 75
+tokens/s: done at 4/3 s. The trainer trains 200 tokens at 100/s (2 s), then publishes
+for 0.5 s while the engine loads the weights."""
+
+
 def test_a_step_worked_out_by_hand() -> None:
-    """Two GPUs: a trainer on one, an engine on the other; one group of two 100-token
-    answers (no prompt, no spread). Two sequences decode at 1 / (base + 2 per_seq) =
-    75 tokens/s: done at 4/3 s. The trainer trains 200 tokens at 100/s (2 s), then
-    publishes for 0.5 s while the engine loads the weights."""
-    config = SimConfig(
-        gpus=2,
-        steps=1,
-        deployment=disaggregated_async(0.5),
-        workload=WorkloadModel(
-            samples_per_gpu=1,
-            group_size=2,
-            prompt_tokens=0,
-            response_sigma=0.0,
-            response_mean_tokens=100.0,
-        ),
-        engine=EngineModel(
-            max_concurrency=2, decode_tokens_per_s_alone=100.0, decode_tokens_per_s_full=150.0
-        ),
-        trainer=TrainerModel(
-            train_tokens_per_s_per_gpu=100.0,
-            step_overhead_s=0.0,
-            model_bytes=0.0,
-            sync_latency_s=0.5,
-        ),
-        bounded_dispatch=True,
-        overlap_weight_sync=False,
-    )
-    result = simulate(config)
+    """``BY_HAND``, the engine pausing for the whole publish."""
+    result = simulate(BY_HAND)
     assert result.window_s == pytest.approx(4 / 3 + 2 + 0.5)
     busy = (4 / 3 + 0.5) + (2 + 0.5)  # engine slot + trainer slot
     assert result.bubble_ratio == pytest.approx(1 - busy / (2 * result.window_s))
@@ -233,32 +233,10 @@ def test_a_step_worked_out_by_hand() -> None:
 
 
 def test_overlapped_weight_sync_pauses_the_engine_only_for_the_swap() -> None:
-    """The step worked out by hand, with the payloads arriving while the engine decodes:
-    the engine pauses 0.1 s for the swap instead of the whole 0.5 s publish."""
+    """``BY_HAND`` with the payloads arriving while the engine decodes: the engine pauses
+    0.1 s for the swap instead of the whole 0.5 s publish."""
     config = replace(
-        SMALL,
-        steps=1,
-        gpus=2,
-        deployment=disaggregated_async(0.5),
-        workload=WorkloadModel(
-            samples_per_gpu=1,
-            group_size=2,
-            prompt_tokens=0,
-            response_sigma=0.0,
-            response_mean_tokens=100.0,
-        ),
-        engine=EngineModel(
-            max_concurrency=2, decode_tokens_per_s_alone=100.0, decode_tokens_per_s_full=150.0
-        ),
-        trainer=TrainerModel(
-            train_tokens_per_s_per_gpu=100.0,
-            step_overhead_s=0.0,
-            model_bytes=0.0,
-            sync_latency_s=0.5,
-            swap_s=0.1,
-        ),
-        bounded_dispatch=True,
-        overlap_weight_sync=True,
+        BY_HAND, trainer=replace(BY_HAND.trainer, swap_s=0.1), overlap_weight_sync=True
     )
     result = simulate(config)
     assert result.window_s == pytest.approx(4 / 3 + 2 + 0.5)  # the trainer still publishes
