@@ -300,9 +300,14 @@ class TagScheduler:
     async def _reclaim_early(
         self, progress: BatchProgress, engines: tuple[str, ...], reason: str
     ) -> None:
-        await self._reclaim(
-            progress.policy, engines, reason, batch_index=progress.batch_index, early=True
-        )
+        try:
+            await self._reclaim(
+                progress.policy, engines, reason, batch_index=progress.batch_index, early=True
+            )
+        finally:
+            # over: the claim has nothing to wait for, and the next wait may reclaim early
+            if self._early_reclaims.get(progress.policy) is asyncio.current_task():
+                del self._early_reclaims[progress.policy]
 
     async def on_release(self, release: SlotsReleased) -> LendReport:
         """The trainer waits: decide now, lend in the background (the trainer goes on)."""
