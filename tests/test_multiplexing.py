@@ -399,6 +399,11 @@ async def test_an_early_reclaim_frees_the_slot_before_the_trainer_claims_it(
                     await asyncio.sleep(0.02)
             decisions = scheduler.decisions().stats.decisions
             assert [d for d in decisions if d.startswith("prepare")] == ["prepare: reclaim 1 early"]
+            # once over, nothing is left for the claim to wait for (nor to hold back the
+            # next wait's early reclaim)
+            async with asyncio.timeout(30):
+                while scheduler._early_reclaims:  # noqa: ASYNC110 (the scheduler's own)
+                    await asyncio.sleep(0.02)
             granted: SlotsGranted = await bus.request(
                 bus.subjects.sched_claim(), SlotsClaim(trainer_id="t", batch_index=0), SlotsGranted
             )
