@@ -20,6 +20,11 @@ up-two-policies *ARGS:
 test *ARGS: _cpu-only
     {{bin}}/pytest -q {{ARGS}}
 
+# the pure units alone (no nats-server, no built model, no other process; tests/conftest.py
+# marks the rest `integration`): about 45 s on two cores, for a quick check while working
+test-units *ARGS: _cpu-only
+    {{bin}}/pytest -q -m "not integration" {{ARGS}}
+
 # the suite once per torch CPU kernel set (ATEN_CPU_CAPABILITY avx512, avx2, default),
 # with OMP_NUM_THREADS=2 and beside a busy loop on core 0; reports each pass/fail
 test-portability *ARGS: _cpu-only

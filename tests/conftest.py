@@ -12,11 +12,22 @@ from seamlessflow.bus import Bus, connect
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import Subjects
 
+REAL_PARTS = frozenset({"nats_url", "base_model_dir", "chatty_model_dir"})
+"""Fixtures that start a nats-server or build the base model: a test that uses one
+(directly or through another fixture) is an ``integration`` test."""
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` need CUDA; without one they are skipped, not failed."""
+    """Tests split by kind: ``integration`` (a real nats-server, the built model, other
+    processes: marked here from their fixtures, or by hand) and the pure units (the
+    rest: ``just test-units``). Tests marked ``gpu`` need CUDA; without one they are
+    skipped, not failed."""
     import torch
 
+    integration = pytest.mark.integration
+    for item in items:
+        if REAL_PARTS.intersection(getattr(item, "fixturenames", ())) or "slow" in item.keywords:
+            item.add_marker(integration)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -48,6 +48,9 @@ from seamlessflow.natsserver import server_binary
 from sf_gateway.config import GatewaySettings
 from sf_trainer import checkpoint
 
+# other processes (services, servers, ranks or tools started as commands): see conftest
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "compose" / "docker-compose.yml"
 DOCKERFILE = ROOT / "compose" / "Dockerfile"

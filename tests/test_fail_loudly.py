@@ -19,6 +19,9 @@ from seamlessflow.embedded import free_port
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import Subjects
 
+# other processes (services, servers, ranks or tools started as commands): see conftest
+pytestmark = pytest.mark.integration
+
 TOKEN = "t0ken-" + os.urandom(8).hex()
 
 

@@ -53,6 +53,9 @@ from seamlessflow.protocol import (
 from sf_tag_scheduler.config import TagSchedulerSettings
 from sf_tag_scheduler.service import TagScheduler
 
+# other processes (services, servers, ranks or tools started as commands): see conftest
+pytestmark = pytest.mark.integration
+
 # The scheduler first: the engine killed next must be declared dead by a scheduler
 # that restored its pool (the gateway re-routes on that). The trajectory service after
 # the gateway: it replays the groups the gateway's restart made it close.

@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+# other processes (services, servers, ranks or tools started as commands): see conftest
+pytestmark = pytest.mark.integration
+
 SCRIPT = Path(__file__).resolve().parents[1] / "loadtests" / "gpu_check.py"
 
 

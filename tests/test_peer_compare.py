@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 
+# other processes (services, servers, ranks or tools started as commands): see conftest
+pytestmark = pytest.mark.integration
+
 LOADTESTS = Path(__file__).resolve().parents[1] / "loadtests"
 STEPS, GROUP_SIZE, GROUPS_PER_BATCH = 3, 4, 2
 SWEEP = (1,)

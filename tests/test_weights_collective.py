@@ -10,11 +10,15 @@ import os
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from seamlessflow.weights import WeightEncoder, WeightMirror, WeightsCorrupted, collective
 from seamlessflow.weights.codec import EncodedWeights
+
+# other processes (services, servers, ranks or tools started as commands): see conftest
+pytestmark = pytest.mark.integration
 
 WORLD = 3
 BUCKET = 4096  # much smaller than the 40 kB tensor: it crosses many buckets
