@@ -54,7 +54,6 @@ from seamlessflow.protocol import (
     Heartbeat,
     LendReport,
     PhaseChanged,
-    ProtocolError,
     ResourceRegister,
     Role,
     RoleAck,
@@ -124,7 +123,7 @@ class TagScheduler:
         await ctx.bus.subscribe(ctx.subjects.sched_heartbeat_all(), Heartbeat, self.on_heartbeat)
         if self.settings.reclaim_early_at < 1:
             await ctx.bus.subscribe(
-                ctx.subjects.batch_progress_all(), BatchProgress, self._progress
+                ctx.subjects.batch_progress_all(), BatchProgress, self.on_progress
             )
         log.info("tag-scheduler up (mode=%s)", self.settings.mode)
         self.ready.set()
@@ -270,17 +269,11 @@ class TagScheduler:
                      list(engines), " early" if early else "", seconds, missed)  # fmt: skip
         return missed
 
-    async def _progress(self, progress: BatchProgress) -> None:
-        try:
-            check_policy(progress.policy)
-        except ProtocolError as exc:
-            log.warning("dropping batch progress: %s", exc)
-            return
-        self.on_progress(progress)
-
-    def on_progress(self, progress: BatchProgress) -> None:
+    async def on_progress(self, progress: BatchProgress) -> None:
         """A group of the next batch is ready: once ``reclaim_early_at`` of them are,
-        take the policy's lent engines back while its trainer still waits."""
+        take the policy's lent engines back while its trainer still waits. (A policy
+        with no decisions here, a malformed name included, has nothing lent; an early
+        reclaim under way has already emptied ``lent``.)"""
         decisions = self.policies.get(progress.policy)
         needed = math.ceil(self.settings.reclaim_early_at * progress.groups_per_batch)
         if (
@@ -288,7 +281,6 @@ class TagScheduler:
             or not decisions.lent
             or decisions.trainer.waiting_since is None
             or progress.groups_ready < needed
-            or progress.policy in self._early_reclaims
         ):
             return
         plan = decisions.trainer_prepares(time.monotonic())
