@@ -42,11 +42,11 @@ _cpu-only:
 gpu-check *ARGS:
     {{bin}}/python loadtests/gpu_check.py {{ARGS}}
 
-# lint, format check and type check of libs/ and services/
+# lint, format check and type check of app/, libs/ and services/
 check:
     {{bin}}/ruff check .
     {{bin}}/ruff format --check .
-    {{bin}}/mypy libs/seamlessflow services
+    {{bin}}/mypy app libs/seamlessflow services
 
 # benchmarks: throughput and bubbles of each deployment mode on the built-in task (same
 # steps, slots pinned to cores) and its steps/s ratios against the committed baseline

@@ -328,7 +328,7 @@ def side_figures(
     steps: list[Step], started: float, finished: float, target: float, window: int
 ) -> dict[str, Any]:
     """Every figure of one side (see the module docstring)."""
-    from seamlessflow.embedded import window_mean
+    from sf_app.run.report import window_mean
 
     if not steps:
         raise ValueError("a side trained no step")
@@ -393,7 +393,8 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | No
 def run_seamlessflow(
     args: argparse.Namespace, model_dir: Path, task: str, engine: str = "hf"
 ) -> tuple[list[Step], float, float, dict[str, Any]]:
-    from seamlessflow.embedded import EmbeddedRun, RunConfig, deployment
+    from sf_app.run.config import RunConfig, deployment
+    from sf_app.run.embedded import EmbeddedRun
 
     # the engine processes read their backend from the environment they inherit
     os.environ["SF_ENGINE_BACKEND"] = engine
@@ -420,7 +421,7 @@ def run_seamlessflow(
         raise RuntimeError(f"the SeamlessFlow run did not finish: {summary.status}")
     steps = [
         Step(m.mean_reward, m.samples, m.tokens_generated, m.tokens_trained, m.timestamp)
-        for m in run.metrics
+        for m in run.state.metrics
     ]
     extra = {
         "engine": engine,

@@ -213,7 +213,8 @@ def small_embedded_run(  # type: ignore[no-untyped-def]
 ):
     """An embedded run (``seamlessflow up``) of a few small steps on the test model;
     ``config``: further ``RunConfig`` fields."""
-    from seamlessflow.embedded import EmbeddedRun, RunConfig
+    from sf_app.run.config import RunConfig
+    from sf_app.run.embedded import EmbeddedRun
 
     return EmbeddedRun(
         RunConfig(

@@ -81,7 +81,7 @@ async def test_an_openai_agent_joins_a_live_run_with_its_own_key_and_its_session
         exported = await asyncio.to_thread(
             subprocess.run,
             [
-                *(sys.executable, "-m", "seamlessflow", "export", session["session_id"]),
+                *(sys.executable, "-m", "sf_app", "export", session["session_id"]),
                 *("--run-dir", str(tmp_path / run_id)),
             ],
             env={k: v for k, v in os.environ.items() if not k.startswith("SF_")},

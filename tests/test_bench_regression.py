@@ -42,7 +42,7 @@ def test_bench_writes_the_modes_their_ratios_and_the_machine(
     base_model_dir: Path, tmp_path: Path, regression: ModuleType
 ) -> None:
     out = tmp_path / "load" / "modes.json"
-    command = [sys.executable, "-m", "seamlessflow", "bench", "--steps", str(STEPS)]
+    command = [sys.executable, "-m", "sf_app", "bench", "--steps", str(STEPS)]
     command += ["--modes", ",".join(MODES), "--model-dir", str(base_model_dir)]
     command += ["--runs-dir", str(tmp_path / "runs"), "--out", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)

@@ -15,8 +15,8 @@ from pathlib import Path
 import nats
 import pytest
 
-from seamlessflow.cli import SERVICE_NAMES, configuration_reference
 from seamlessflow.protocol import ResourceRegister, RoleAssignment, Subjects, decode, encode
+from sf_app.cli import SERVICE_NAMES, configuration_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,12 +30,12 @@ def test_the_configuration_doc_is_generated_from_the_code() -> None:
 
 def test_help_lists_the_commands_without_importing_torch() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "seamlessflow", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "sf_app", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert {"up", "serve", "build-model", "bench", "config"} <= set(out.split())
     # heavy imports happen inside commands: --help must not import torch
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys, seamlessflow.cli; print('torch' in sys.modules)"],
+        [sys.executable, "-c", "import sys, sf_app.cli; print('torch' in sys.modules)"],
         capture_output=True,
         text=True,
         check=True,
@@ -46,7 +46,7 @@ def test_help_lists_the_commands_without_importing_torch() -> None:
 
 def test_serve_refuses_an_unknown_service() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "seamlessflow", "serve", "nope"], capture_output=True, text=True
+        [sys.executable, "-m", "sf_app", "serve", "nope"], capture_output=True, text=True
     )
     assert result.returncode != 0
     assert "unknown service" in result.stderr
@@ -106,21 +106,27 @@ async def test_a_service_started_alone_serves_and_drains_on_sigterm(
 
 
 def test_the_service_table_names_every_service_once_and_each_loads() -> None:
-    """One table (``seamlessflow.service_table``) lists the services for ``serve``,
-    ``config``, the embedded run and each ``python -m sf_<name>``: its paths resolve, and
-    every service package's ``__main__`` runs an entry of it."""
-    from seamlessflow.service_table import SERVICE_TABLE, load, spec_of
+    """One table (``sf_app.service_table``) lists the services for ``serve``, ``config``
+    and the embedded run: each names a package whose ``python -m`` entry runs that
+    service, and settings that load."""
+    import importlib.util
+
+    from sf_app.service_table import SERVICE_TABLE, load, spec_of
 
     assert len({spec.name for spec in SERVICE_TABLE}) == len(SERVICE_TABLE)
     for spec in SERVICE_TABLE:
-        assert load(spec.service).name == spec.name
         assert load(spec.settings)().model_config["env_prefix"].startswith("SF_")
-        if spec.entry:
-            assert callable(load(spec.entry))
-    mains = sorted((ROOT / "services").glob("sf_*/__main__.py"))
-    assert mains
-    for path in mains:
-        [name] = re.findall(r'run_process\("([a-z-]+)"\)', path.read_text())
-        assert spec_of(name).service.startswith(path.parent.name + "."), path
+        main_module = importlib.util.find_spec(f"{spec.module}.__main__")
+        assert main_module is not None and main_module.origin is not None, spec
+        entry = Path(main_module.origin).read_text()
+        [(name, started)] = re.findall(r'run_(?:service_)?process\("([a-z-]+)", (\w+)\)', entry)
+        assert name == spec.name, main_module.origin
+        [source] = re.findall(rf"from (\S+) import {started}\b", entry)
+        started_object = load(f"{source}:{started}")
+        # a service class carries its name; the trainer's entry is a function
+        assert getattr(started_object, "name", spec.name) == spec.name
+    assert {spec.module for spec in SERVICE_TABLE} >= {
+        path.parent.name for path in (ROOT / "services").glob("sf_*/__main__.py")
+    }
     with pytest.raises(ValueError, match="unknown service 'nope'"):
         spec_of("nope")

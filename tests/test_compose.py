@@ -28,7 +28,7 @@ COMPOSE_DIR = ROOT / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 DOCKERFILE = COMPOSE_DIR / "Dockerfile"
 
-# Fallback only: the authoritative list is seamlessflow.cli.SERVICE_NAMES (see
+# Fallback only: the authoritative list is sf_app.cli.SERVICE_NAMES (see
 # cli_service_names()); this copy is used when the CLI cannot be imported.
 FALLBACK_SERVICE_NAMES = frozenset(
     {"tag-scheduler", "weight-sync", "trajectory", "trainer", "gateway", "engine", "agents"}
@@ -56,7 +56,7 @@ _VAR_RE = re.compile(
 def cli_service_names() -> frozenset[str] | None:
     """The service names the CLI's `serve` accepts, or None if the CLI is not importable."""
     try:
-        from seamlessflow.cli import SERVICE_NAMES
+        from sf_app.cli import SERVICE_NAMES
     except ImportError:
         return None
     names = SERVICE_NAMES.keys() if isinstance(SERVICE_NAMES, dict) else SERVICE_NAMES
@@ -295,7 +295,7 @@ def test_commands(services: dict[str, dict[str, Any]]) -> None:
 def test_commands_match_cli_service_names(services: dict[str, dict[str, Any]]) -> None:
     names = cli_service_names()
     if names is None:
-        pytest.skip("seamlessflow.cli.SERVICE_NAMES is not importable yet")
+        pytest.skip("sf_app.cli.SERVICE_NAMES is not importable yet")
     served = {command_of(n, s)[1] for n, s in long_running(services).items()}
     assert served <= names, f"compose serves unknown services: {sorted(served - names)}"
     assert names <= served, f"CLI services without a container: {sorted(names - served)}"
@@ -511,7 +511,7 @@ def test_compose_config_is_valid(profile: str | None) -> None:
 
 def test_every_seamlessflow_setting_in_compose_exists_in_the_code() -> None:
     """A typo'd or invented SF_* variable would be silently ignored by pydantic-settings."""
-    from seamlessflow.cli import configuration_reference
+    from sf_app.cli import configuration_reference
 
     known = set(re.findall(r"`(SF_[A-Z0-9_]+)", configuration_reference()))
     raw = yaml.safe_load(COMPOSE_FILE.read_text())

@@ -269,7 +269,7 @@ class Containers:
         entrypoint = service.get("entrypoint", self.entrypoint)
         command = [self.host_path(name, str(arg)) for arg in service.get("command") or []]
         assert entrypoint == ["seamlessflow"], f"{name}: entrypoint {entrypoint}"
-        return [sys.executable, "-m", "seamlessflow", *command]
+        return [sys.executable, "-m", "sf_app", *command]
 
     # -- processes -------------------------------------------------------------------
 

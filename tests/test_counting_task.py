@@ -141,7 +141,7 @@ def test_a_run_names_its_model_size_and_an_unknown_one_is_refused() -> None:
     from pydantic import ValidationError
 
     from seamlessflow.assets.base_model import built_model_name
-    from seamlessflow.embedded import RunConfig
+    from sf_app.run.config import RunConfig
 
     config = RunConfig(task="counting", model_size="medium")
     assert config.max_tokens == MAX_TOKENS  # the task's budget

@@ -15,9 +15,9 @@ import pytest
 
 from seamlessflow.bus import EXIT_UNRECOVERABLE, ConnectFailed, connect
 from seamlessflow.connection import RunConnection
-from seamlessflow.embedded import free_port
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import Subjects
+from sf_app.run.supervisor import free_port
 
 # other processes (services, servers, ranks or tools started as commands): see conftest
 pytestmark = pytest.mark.integration
@@ -90,7 +90,7 @@ def test_a_service_refused_by_nats_exits_with_one_line(
 ) -> None:
     env = clean_env(SF_NATS_URL=token_server, SF_RUN_ID="loud", **settings)
     result = subprocess.run(
-        [sys.executable, "-m", "seamlessflow", "serve", "tag-scheduler"],
+        [sys.executable, "-m", "sf_app", "serve", "tag-scheduler"],
         env=env,
         capture_output=True,
         text=True,
@@ -107,7 +107,7 @@ def test_a_service_without_a_server_exits_with_one_line() -> None:
     url = f"nats://127.0.0.1:{free_port()}"
     env = clean_env(SF_NATS_URL=url, SF_RUN_ID="loud", SF_NATS_CONNECT_WAIT_S="1")
     result = subprocess.run(
-        [sys.executable, "-m", "seamlessflow", "serve", "weight-sync"],
+        [sys.executable, "-m", "sf_app", "serve", "weight-sync"],
         env=env,
         capture_output=True,
         text=True,
@@ -121,7 +121,7 @@ def test_a_service_without_a_server_exits_with_one_line() -> None:
 
 def export(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "seamlessflow", "export", "s-missing", *args],
+        [sys.executable, "-m", "sf_app", "export", "s-missing", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -168,7 +168,7 @@ def test_a_service_with_invalid_settings_exits_with_one_line(
     service: str, settings: dict[str, str], expected: str
 ) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "seamlessflow", "serve", service],
+        [sys.executable, "-m", "sf_app", "serve", service],
         env=clean_env(**settings),
         capture_output=True,
         text=True,

@@ -32,10 +32,8 @@ import httpx
 import pytest
 from conftest import InProcessMesh
 
-from seamlessflow import embedded
 from seamlessflow.batches import stored_batches
 from seamlessflow.bus import Bus, ack_redeliverable, connect
-from seamlessflow.embedded import EmbeddedRun, RunConfig
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import (
     BatchFilterReport,
@@ -50,6 +48,10 @@ from seamlessflow.protocol import (
     TrajectoryEvent,
     decode,
 )
+from sf_app.run import supervisor
+from sf_app.run.config import RunConfig
+from sf_app.run.embedded import EmbeddedRun
+from sf_app.run.report import Summary
 from sf_tag_scheduler.config import TagSchedulerSettings
 from sf_tag_scheduler.service import TagScheduler
 
@@ -76,7 +78,7 @@ async def test_supervision_restarts_within_the_budget_then_fails_the_run(
     env = dict(os.environ)
     run.spawn("broken", "no-such-service", env)  # exits 2 at once
     # a trainer that exits 0 has finished: its TrainingFinished gets time to arrive
-    monkeypatch.setattr(embedded, "FINISH_GRACE_S", 3.0)
+    monkeypatch.setattr(supervisor, "FINISH_GRACE_S", 3.0)
     run.spawn("trainer", "--help", env)  # exits 0 at once
     problem = None
     async with asyncio.timeout(60):
@@ -215,11 +217,11 @@ async def kill_in_turn(
     sessions are open (in the middle of samples)."""
     steps = 0
     for labels in kills:
-        await wait_until(lambda: len(run.metrics) > steps or running.done(), "progress", 90)  # noqa: B023
-        assert not running.done(), f"the run ended before {labels} were killed: {run.status}"
+        await wait_until(lambda: len(run.state.metrics) > steps or running.done(), "progress", 90)  # noqa: B023
+        assert not running.done(), f"the run ended before {labels} were killed: {run.state.status}"
         if {"agents", "gateway"} & set(labels):
             await sessions_open(run, running)
-        steps = len(run.metrics)
+        steps = len(run.state.metrics)
         for label in labels:
             os.kill(pid_of(run, label), signal.SIGKILL)
         for label in labels:
@@ -245,7 +247,7 @@ def faults_config(run_id: str, base_model_dir: Path, tmp_path: Path, steps: int)
     )
 
 
-async def run_killing(config: RunConfig, kills: list[tuple[str, ...]]) -> embedded.Summary:
+async def run_killing(config: RunConfig, kills: list[tuple[str, ...]]) -> Summary:
     """The run of ``config``, with each group of ``kills`` SIGKILLed in turn; it must
     finish its steps, each killed process restarted once and nothing else."""
     run = EmbeddedRun(config)
@@ -285,9 +287,7 @@ async def test_two_faults_at_once_and_the_agent_runner_killed_lose_nothing(
     await account_for_everything(config, tmp_path, summary)
 
 
-async def account_for_everything(
-    config: RunConfig, tmp_path: Path, summary: embedded.Summary
-) -> None:
+async def account_for_everything(config: RunConfig, tmp_path: Path, summary: Summary) -> None:
     """The durable record, from the run's own JetStream store, accounts for every
     trajectory (the module's docstring)."""
     run_id, steps_made = config.run_id, config.steps

@@ -17,8 +17,8 @@ from pydantic import SecretStr
 from transformers import AutoTokenizer
 
 from seamlessflow.bus import Bus
-from seamlessflow.embedded import free_port
 from seamlessflow.protocol import SessionOpened, TrajectoryEvent, TurnRecorded, decode
+from sf_app.run.supervisor import free_port
 from sf_engine.config import EngineSettings
 from sf_engine.worker import EngineWorker
 from sf_gateway.config import GatewaySettings
@@ -331,7 +331,7 @@ async def test_export_shows_every_branch_with_exact_engine_ids(
     result = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "seamlessflow",
+        "sf_app",
         "export",
         sid,
         "--run-id",

@@ -21,7 +21,7 @@ async def test_ctrl_c_stops_everything_and_writes_what_it_has(
     command = [
         sys.executable,
         "-m",
-        "seamlessflow",
+        "sf_app",
         "up",
         "--steps",
         "10000",

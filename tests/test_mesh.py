@@ -22,8 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from seamlessflow.batches import stored_batches
 from seamlessflow.bus import connect
-from seamlessflow.embedded import EmbeddedRun, RunConfig
 from seamlessflow.protocol import BatchFilterReport, Subjects, decode
+from sf_app.run.config import RunConfig
+from sf_app.run.embedded import EmbeddedRun
 
 pytestmark = pytest.mark.slow
 

@@ -129,7 +129,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 def test_up_names_every_problem_and_starts_nothing(broken_model_dir: Path, tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "seamlessflow", "up", "--model-dir", str(broken_model_dir)]
+    command = [sys.executable, "-m", "sf_app", "up", "--model-dir", str(broken_model_dir)]
     command += ["--steps", "2", "--runs-dir", str(tmp_path / "runs"), "--run-id", "bad-model"]
     result = subprocess.run(
         [*command, "--no-live"],
@@ -160,7 +160,7 @@ def test_a_service_exits_unrecoverable_naming_what_it_needs(
     service: str, env: dict[str, str], expected: list[str], broken_model_dir: Path, nats_url: str
 ) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "seamlessflow", "serve", service],
+        [sys.executable, "-m", "sf_app", "serve", service],
         env=_clean_env(SF_NATS_URL=nats_url, SF_MODEL_DIR=str(broken_model_dir), **env),
         capture_output=True,
         text=True,

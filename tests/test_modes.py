@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import small_embedded_run
 
-from seamlessflow.embedded import RunConfig, deployment
-from seamlessflow.timeline import build_timeline, load_phase_spans
+from sf_app.run.config import RunConfig, deployment
+from sf_app.timeline import build_timeline, load_phase_spans
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from seamlessflow.cli import app
-from sf_tag_scheduler.policy import TagPolicy
-from sf_tag_scheduler.simulator import (
+from sf_app.cli import app
+from sf_app.simulator import (
     AGENTIC,
     COLOCATED_SYNC,
     SINGLE_TURN,
@@ -30,6 +29,7 @@ from sf_tag_scheduler.simulator import (
     multiplexed,
     simulate,
 )
+from sf_tag_scheduler.policy import TagPolicy
 
 SMALL = SimConfig(gpus=8, steps=4)
 

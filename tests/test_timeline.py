@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from seamlessflow.timeline import Interval, build_timeline, load_phase_spans, render_run
+from sf_app.timeline import Interval, build_timeline, load_phase_spans, render_run
 
 
 def span(resource: str, phase: str, start: float, end: float) -> dict:  # type: ignore[type-arg]

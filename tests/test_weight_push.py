@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from seamlessflow.embedded import EmbeddedRun, RunConfig
+from sf_app.run.config import RunConfig
+from sf_app.run.embedded import EmbeddedRun
 
 pytestmark = pytest.mark.slow
 

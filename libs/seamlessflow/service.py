@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
@@ -133,6 +133,29 @@ def main(service: Service, mesh: MeshSettings | None = None) -> None:
         if unrecoverable is None:
             raise
         exit_unrecoverable(service.name, unrecoverable)
+
+
+def run_process(name: str, start: Callable[[], object]) -> None:
+    """This process is service ``name`` (its ``python -m`` entry): ``start`` builds it
+    from the environment and runs it. Invalid settings end the process with one line
+    naming each problem (exit code ``EXIT_UNRECOVERABLE``: a supervisor that restarts it
+    would only meet the same error)."""
+    from pydantic import ValidationError
+
+    try:
+        start()
+    except ValidationError as exc:
+        problems = "; ".join(
+            ".".join(map(str, error["loc"])) + ": " + error["msg"] if error["loc"] else error["msg"]
+            for error in exc.errors()
+        )
+        print(f"{name}: invalid settings ({exc.title}): {problems}", file=sys.stderr)
+        raise SystemExit(EXIT_UNRECOVERABLE) from None
+
+
+def run_service_process(name: str, service: Callable[[], Service]) -> None:
+    """``run_process`` for a process that is one service built with no arguments."""
+    run_process(name, lambda: main(service()))
 
 
 def unrecoverable_cause(exc: BaseException) -> Unrecoverable | None:

@@ -1,5 +1,6 @@
 """``python -m sf_engine``: the engine service (``seamlessflow serve engine``)."""
 
-from seamlessflow.service_table import run_process
+from seamlessflow.service import run_service_process
+from sf_engine.worker import EngineWorker
 
-run_process("engine")
+run_service_process("engine", EngineWorker)

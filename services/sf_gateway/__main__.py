@@ -1,5 +1,6 @@
 """``python -m sf_gateway``: the gateway service (``seamlessflow serve gateway``)."""
 
-from seamlessflow.service_table import run_process
+from seamlessflow.service import run_service_process
+from sf_gateway.gateway import GatewayService
 
-run_process("gateway")
+run_service_process("gateway", GatewayService)

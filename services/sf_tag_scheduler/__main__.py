@@ -1,5 +1,6 @@
 """``python -m sf_tag_scheduler``: the tag-scheduler (``seamlessflow serve tag-scheduler``)."""
 
-from seamlessflow.service_table import run_process
+from seamlessflow.service import run_service_process
+from sf_tag_scheduler.service import TagScheduler
 
-run_process("tag-scheduler")
+run_service_process("tag-scheduler", TagScheduler)

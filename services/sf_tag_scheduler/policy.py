@@ -2,7 +2,7 @@
 
 The policy is a plain object with no I/O and no clock of its own (every call takes
 ``now``), so one object drives both the live tag-scheduler and the simulator
-(``sf_tag_scheduler.simulator``) on virtual time.
+(``sf_app.simulator``) on virtual time.
 
 Tags, not code paths, make the deployment:
 

@@ -1,5 +1,6 @@
 """``python -m sf_trainer``: the trainer service (``seamlessflow serve trainer``)."""
 
-from seamlessflow.service_table import run_process
+from seamlessflow.service import run_process
+from sf_trainer.launch import main
 
-run_process("trainer")
+run_process("trainer", main)

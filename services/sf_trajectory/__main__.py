@@ -1,5 +1,6 @@
 """``python -m sf_trajectory``: the trajectory service (``seamlessflow serve trajectory``)."""
 
-from seamlessflow.service_table import run_process
+from seamlessflow.service import run_service_process
+from sf_trajectory.service import TrajectoryService
 
-run_process("trajectory")
+run_service_process("trajectory", TrajectoryService)

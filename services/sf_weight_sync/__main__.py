@@ -1,5 +1,6 @@
 """``python -m sf_weight_sync``: the weight-sync service (``seamlessflow serve weight-sync``)."""
 
-from seamlessflow.service_table import run_process
+from seamlessflow.service import run_service_process
+from sf_weight_sync.service import WeightSync
 
-run_process("weight-sync")
+run_service_process("weight-sync", WeightSync)

@@ -1,15 +1,15 @@
 """The deployable processes of a run, in one table.
 
-``seamlessflow serve`` and ``seamlessflow config``, the embedded run and every service's
-``__main__`` read this table; nothing else lists the services. A service is named by its
-import path, so the library imports a service only when asked to start it (and never
-at import time).
+``seamlessflow serve`` and ``seamlessflow config`` and the embedded run read this table;
+nothing else in the application lists the services. Each process is its package's
+``python -m`` entry (``sf_<name>/__main__.py``, which builds it from the environment);
+``serve <name>`` runs exactly that. Services are named by import path, so the CLI
+imports one only when asked to start it (``seamlessflow --help`` stays instant).
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +18,8 @@ from typing import Any
 class ServiceSpec:
     name: str
     """How the CLI, compose and the run's logs call it (``seamlessflow serve <name>``)."""
-    service: str
-    """``module:Class`` of the service object, built with no arguments (its settings come
-    from the environment)."""
+    module: str
+    """The package (or module) whose ``python -m`` entry is this process."""
     settings: str
     """``module:Class`` of its own settings (``seamlessflow config`` documents them)."""
     per_policy: bool
@@ -29,58 +28,54 @@ class ServiceSpec:
     """The embedded run stops stage 0 first, each stage draining before the next: the
     agents before the gateway, the gateway before the engines, the engines before the
     trainer and the services that feed it, the tag-scheduler last."""
-    entry: str = ""
-    """``module:function`` that runs the process instead, when it does not start as one
-    service (the trainer: one process per torch.distributed rank, rank 0 joins the mesh)."""
 
 
 SERVICE_TABLE: tuple[ServiceSpec, ...] = (
     ServiceSpec(
         "tag-scheduler",
-        "sf_tag_scheduler.service:TagScheduler",
+        "sf_tag_scheduler",
         "sf_tag_scheduler.config:TagSchedulerSettings",
         per_policy=False,
         stop_stage=4,
     ),
     ServiceSpec(
         "weight-sync",
-        "sf_weight_sync.service:WeightSync",
+        "sf_weight_sync",
         "sf_weight_sync.config:WeightSyncSettings",
         per_policy=True,
         stop_stage=3,
     ),
     ServiceSpec(
         "trajectory",
-        "sf_trajectory.service:TrajectoryService",
+        "sf_trajectory",
         "sf_trajectory.config:TrajectorySettings",
         per_policy=False,
         stop_stage=3,
     ),
     ServiceSpec(
         "trainer",
-        "sf_trainer.service:Trainer",
+        "sf_trainer",
         "sf_trainer.config:TrainerSettings",
         per_policy=True,
         stop_stage=3,
-        entry="sf_trainer.launch:main",
     ),
     ServiceSpec(
         "gateway",
-        "sf_gateway.gateway:GatewayService",
+        "sf_gateway",
         "sf_gateway.config:GatewaySettings",
         per_policy=False,
         stop_stage=1,
     ),
     ServiceSpec(
         "engine",
-        "sf_engine.worker:EngineWorker",
+        "sf_engine",
         "sf_engine.config:EngineSettings",
         per_policy=True,
         stop_stage=2,
     ),
     ServiceSpec(
         "agents",
-        "seamlessflow.agents.runner:AgentRunner",
+        "seamlessflow.agents",
         "seamlessflow.agents.runner:AgentRunnerSettings",
         per_policy=False,
         stop_stage=0,
@@ -105,27 +100,8 @@ def load(path: str) -> Any:
     return getattr(importlib.import_module(module_name), attribute)
 
 
-def run_process(name: str) -> None:
-    """This process is service ``name``: its entry, or the service skeleton around it.
-    Settings are read from the environment; invalid ones end the process with one line
-    naming each problem (exit code ``EXIT_UNRECOVERABLE``: a supervisor that restarts
-    it would only meet the same error)."""
-    from pydantic import ValidationError
+def serve(name: str) -> None:
+    """Run this process as service ``name``: its ``python -m`` entry, as it is."""
+    import runpy
 
-    from seamlessflow.bus import EXIT_UNRECOVERABLE
-
-    spec = spec_of(name)
-    try:
-        if spec.entry:
-            load(spec.entry)()
-            return
-        from seamlessflow.service import main
-
-        main(load(spec.service)())
-    except ValidationError as exc:
-        problems = "; ".join(
-            ".".join(map(str, error["loc"])) + ": " + error["msg"] if error["loc"] else error["msg"]
-            for error in exc.errors()
-        )
-        print(f"{name}: invalid settings ({exc.title}): {problems}", file=sys.stderr)
-        raise SystemExit(EXIT_UNRECOVERABLE) from None
+    runpy.run_module(spec_of(name).module, run_name="__main__", alter_sys=True)

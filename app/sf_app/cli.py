@@ -14,7 +14,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from seamlessflow.protocol import DEFAULT_POLICY
-from seamlessflow.service_table import SERVICE_NAMES, SERVICE_TABLE
+from sf_app.service_table import SERVICE_NAMES, SERVICE_TABLE
 
 app = typer.Typer(
     help="SeamlessFlow: server-based RL post-training for LLM agents, over NATS.",
@@ -70,7 +70,8 @@ def up(
     ] = 10,
 ) -> None:
     """Embedded local run: NATS, every service as a process, agents, training."""
-    from seamlessflow.embedded import RunConfig, run_embedded
+    from sf_app.run.config import RunConfig
+    from sf_app.run.embedded import run_embedded
 
     config = RunConfig(
         task=task,
@@ -108,9 +109,9 @@ def serve(
     """Run one service alone against SF_NATS_URL (settings from the environment)."""
     if service not in SERVICE_NAMES:
         raise typer.BadParameter(f"unknown service {service!r}; known: {', '.join(SERVICE_NAMES)}")
-    from seamlessflow.service_table import run_process
+    from sf_app.service_table import serve as serve_process
 
-    run_process(service)
+    serve_process(service)
 
 
 CLI_NATS_WAIT_S = 5.0
@@ -210,7 +211,7 @@ def timeline(
 ) -> None:
     """Render a run's timeline (one lane per resource, bubbles marked) as HTML and PNG
     and print the bubble ratio (idle resource-time / total)."""
-    from seamlessflow.timeline import render_run
+    from sf_app.timeline import render_run
 
     if not (run_dir / "spans.jsonl").exists():
         raise typer.BadParameter(f"{run_dir} has no spans.jsonl")
@@ -271,8 +272,9 @@ def bench(
 ) -> None:
     """Run the built-in task for a fixed number of steps in each mode; print figures and,
     for several modes, each one's throughput relative to the first (same run)."""
-    from seamlessflow.embedded import RunConfig, run_embedded
     from seamlessflow.machine import machine_description
+    from sf_app.run.config import RunConfig
+    from sf_app.run.embedded import run_embedded
 
     mode_names = [m.strip() for m in modes.split(",") if m.strip()]
     machine = machine_description()  # before the runs: the load average at the start
@@ -394,7 +396,7 @@ def simulate(
     """Simulate colocated-sync, disaggregated-async and multiplexed on 8-1024 GPUs with
     the production scheduling policy on virtual time; print throughput, bubble ratio and
     speedup over colocated-sync. Durations are modeled (or calibrated with --from-run)."""
-    from sf_tag_scheduler.simulator import (
+    from sf_app.simulator import (
         TABLE_HEADER,
         WORKLOADS,
         SimConfig,

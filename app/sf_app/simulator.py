@@ -62,7 +62,7 @@ What happens (mirroring the services)
 
 Measures
 --------
-Like ``seamlessflow.timeline``: a slot is busy while some process on it works: an
+Like ``sf_app.timeline``: a slot is busy while some process on it works: an
 engine with at least one sequence (decoding or prefilling), an engine loading weights
 or switching (lend-in, reclaim), the trainer training or publishing (phases
 ``rollout | train | sync``); otherwise it is idle. The window runs from the first to the

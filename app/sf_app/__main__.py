@@ -1,0 +1,3 @@
+from sf_app.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""The embedded local run (``seamlessflow up``): configuration, supervision, report."""

@@ -1,0 +1,189 @@
+"""What an embedded run does: its configuration and how its processes are laid out.
+
+``RunConfig`` is the whole run as the CLI (``seamlessflow up``) sets it; every field maps
+to one service setting (``sf_app.run.embedded.EmbeddedRun.service_env``). ``deployment``
+turns a mode into tags and slots only: the three modes are one mechanism.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from seamlessflow.protocol import DEFAULT_POLICY, check_policy
+
+
+class RunConfig(BaseModel):
+    """What an embedded run does. Every field maps to one service setting."""
+
+    run_id: str = ""
+    """Run id (default: ``r<date>-<time>``)."""
+    runs_dir: Path = Path("runs")
+    """Where ``<run-id>/`` is written."""
+    model_dir: Path | None = None
+    """Base model directory (HF layout), used as it is; default: the built-in model,
+    built once into the cache directory."""
+    model_size: str = "small"
+    """Size of the built-in model (``seamlessflow.assets.base_model.MODEL_SIZES``):
+    ``small`` (the task's recipe) or ``medium`` (~25M parameters, a warm-up scaled to it)."""
+    cache_dir: Path = Field(
+        default_factory=lambda: Path(os.environ.get("SF_CACHE_DIR", "~/.cache/seamlessflow"))
+    )
+    """Cache for the built base model."""
+    task: str = "arithmetic"
+    """Task source (``seamlessflow.tasks``)."""
+    agent: str = "single_turn"
+    """Agent run for each sample (registered name or dotted path)."""
+    policies: list[str] = Field(default_factory=lambda: [DEFAULT_POLICY])
+    """The policies trained together (multi-policy), each with its own trainer,
+    weight-sync and engines; agents ask for them by model name. The first is the tasks'
+    policy. Two policies go with a two-policy agent, e.g. ``solve_and_verify``."""
+    steps: int = 300
+    """Trainer optimizer steps."""
+    group_size: int = 8
+    """Samples per task (GRPO group)."""
+    groups_per_batch: int = 8
+    """Tasks per optimizer step."""
+    max_batches_ahead: int = 1
+    """Rollout may run this many batches ahead of the trainer (0 = synchronous)."""
+    max_tokens: int = 6
+    """Completion budget per agent call (default: the task's ``max_tokens`` if it has
+    one, e.g. room for a tool call; else 6)."""
+    lr: float = 1e-4
+    """Trainer learning rate."""
+    engines: int = 1
+    """Engine worker processes."""
+    agent_concurrency: int = 64
+    """Concurrent agent sessions."""
+    engine_batch_size: int = 64
+    """Requests one engine decodes together."""
+    seed: int = 0
+    """Seed for task order and the trainer."""
+    max_restarts: int = 3
+    """Supervision: a process that exits unexpectedly (a service, an engine, the agent
+    runner, the embedded NATS server) is started again with the same command and
+    settings, at most this many times per process; one more exit fails the run. A
+    restarted trainer resumes from its latest checkpoint."""
+    checkpoint_every: int = 10
+    """The trainer also checkpoints every N steps (``SF_TRAINER_CHECKPOINT_EVERY``; 0 =
+    only at the end): what a restarted trainer resumes from. The steps after it are
+    lost to the policy (their batches stay trained once, see docs/design.md "Faults")."""
+    group_timeout_s: float = 120.0
+    """A group handed out to agents that makes no progress for this long is closed: its
+    unfinished samples are dropped (``SF_TRAJECTORY_GROUP_TIMEOUT_S``; e.g. sessions a
+    restarted gateway lost)."""
+    nats_url: str = ""
+    """Use this NATS server (JetStream enabled) instead of starting an embedded one."""
+    mode: Literal["colocated", "disaggregated", "multiplexed"] = "disaggregated"
+    """Deployment (see ``deployment``): which slots train, which roll out, which are
+    lent. ``colocated`` also defaults ``max_batches_ahead`` to 0 (synchronous)."""
+    live: bool = True
+    """Show live progress in the terminal."""
+    pin_slots: bool = False
+    """Emulate slots as accelerators: pin each engine and the trainer to the CPU core of
+    its slot (slot i -> core i mod cores), and the data plane (NATS, gateway, agents,
+    trajectory, weight-sync, tag-scheduler) to slot 0's core, so a trainer's slot is
+    really idle while it waits, as a GPU would be, instead of being filled by the
+    operating system with other work. Used by the mode benchmark."""
+
+    @model_validator(mode="after")
+    def _valid_policies(self) -> RunConfig:
+        if not self.policies:
+            raise ValueError("a run trains at least one policy")
+        for name in self.policies:
+            check_policy(name)
+        if len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"a policy is listed twice: {self.policies}")
+        return self
+
+    @model_validator(mode="after")
+    def _known_model_size(self) -> RunConfig:
+        from seamlessflow.assets.base_model import MODEL_SIZES
+
+        if self.model_size not in MODEL_SIZES:
+            raise ValueError(
+                f"unknown model size {self.model_size!r}; known sizes: {', '.join(MODEL_SIZES)}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _colocated_is_synchronous(self) -> RunConfig:
+        if self.mode == "colocated" and "max_batches_ahead" not in self.model_fields_set:
+            self.max_batches_ahead = 0
+        return self
+
+    @model_validator(mode="after")
+    def _task_max_tokens(self) -> RunConfig:
+        if "max_tokens" not in self.model_fields_set:
+            from seamlessflow.tasks import get_task_source
+
+            task_budget = getattr(get_task_source(self.task, seed=self.seed), "max_tokens", None)
+            if task_budget is not None:
+                self.max_tokens = int(task_budget)
+        return self
+
+
+@dataclass(frozen=True)
+class EngineProcess:
+    engine_id: str
+    tags: str
+    slot: str
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Which process computes on which slot with which tags: the mode, as tags only.
+
+    With ``engines = N`` every mode uses the same N + 1 slots (one core each here):
+
+    - ``disaggregated``: engines 0..N-1 on slots 0..N-1 (``rollout``); the trainer
+      alone on slot N (``train``), idle while it waits for a batch.
+    - ``multiplexed``: the same, plus a lendable engine ``engine-lend-0`` on the
+      trainer's slot N (``train,rollout``): it serves while the trainer waits.
+    - ``colocated``: a lendable engine on every slot (``train,rollout``) and the trainer
+      sharded over all N + 1 slots (one torch thread per slot); all engines step
+      aside while it trains.
+    """
+
+    engines: list[EngineProcess]
+    trainer_tags: str
+    trainer_slots: list[str]
+
+    @property
+    def slots(self) -> list[str]:
+        return sorted({e.slot for e in self.engines} | set(self.trainer_slots))
+
+
+def deployment(mode: str, engines: int) -> Deployment:
+    slots = [f"slot-{i}" for i in range(engines + 1)]
+    train_slot = slots[-1]
+    if mode == "colocated":
+        return Deployment(
+            [EngineProcess(f"engine-{i}", "train,rollout", slot) for i, slot in enumerate(slots)],
+            "train,rollout",
+            slots,
+        )
+    dedicated = [EngineProcess(f"engine-{i}", "rollout", slots[i]) for i in range(engines)]
+    if mode == "multiplexed":
+        dedicated.append(EngineProcess("engine-lend-0", "train,rollout", train_slot))
+    return Deployment(dedicated, "train", [train_slot])
+
+
+def is_users_model(model_dir: Path) -> bool:
+    """A ``--model-dir`` with a config.json, or with any files and no trace of a
+    built-in build (``build_info.json``), is the user's model: used as it is, after the
+    check. A missing or empty one (or an unfinished build) gets the built-in model."""
+    if (model_dir / "config.json").exists():
+        return True
+    if not model_dir.is_dir() or (model_dir / "build_info.json").exists():
+        return False
+    return any(model_dir.iterdir())
+
+
+def default_run_id() -> str:
+    return time.strftime("r%Y%m%d-%H%M%S", time.localtime()).lower()

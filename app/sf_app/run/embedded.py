@@ -1,0 +1,376 @@
+"""Embedded local mode: a NATS server, every service as its own process, agents, a run.
+
+``seamlessflow up`` calls :func:`run_embedded`. This module wires each service's
+settings into its environment (one ``RunConfig`` field, one setting), lays the processes
+out by the mode (``sf_app.run.config.deployment``), starts them under supervision
+(``sf_app.run.supervisor``), follows the trainers' metrics stream and ends with the
+report (``sf_app.run.report``):
+
+    runs/<run-id>/summary.json      the contract: see ``Summary``
+    runs/<run-id>/metrics.jsonl     one TrainStepMetrics per line ("type":
+                                    "train.metrics"), and with SF_TRAINER_EVAL_EVERY
+                                    a TrainEvalMetrics ("train.eval") per evaluation
+    runs/<run-id>/spans.jsonl       every process's spans (also per process in spans/)
+    runs/<run-id>/checkpoints/final HF layout, loadable with from_pretrained (another
+                                    policy than the first: checkpoints/<policy>/final)
+    runs/<run-id>/reward_curve.png
+    runs/<run-id>/timeline.html|png one lane per resource, bubbles marked
+    runs/<run-id>/logs/<service>.log
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+
+from seamlessflow.bus import FOLLOW_HEARTBEAT_S, Unrecoverable, connect
+from seamlessflow.connection import RunConnection
+from seamlessflow.natsserver import EmbeddedNats
+from seamlessflow.protocol import (
+    Subjects,
+    TrainEvalMetrics,
+    TrainingFinished,
+    TrainingPlanned,
+    TrainStepMetrics,
+    decode,
+)
+from seamlessflow.settings import MeshSettings
+from seamlessflow.tasks import task_names
+from sf_app.run.config import RunConfig, default_run_id, deployment, is_users_model
+from sf_app.run.report import Progress, RunState, Summary, struct_dict, write_report
+from sf_app.run.supervisor import Supervisor, free_port
+from sf_app.service_table import SERVICE_TABLE
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddedRun(Supervisor):
+    """One embedded run: its processes (``Supervisor``), what it has seen (``state``)."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.run_id = config.run_id or default_run_id()
+        self.run_dir = (config.runs_dir / self.run_id).resolve()
+        super().__init__(
+            self.run_dir,
+            policies=config.policies,
+            max_restarts=config.max_restarts,
+            pin_slots=config.pin_slots,
+        )
+        self.state = RunState(
+            config=config,
+            run_id=self.run_id,
+            run_dir=self.run_dir,
+            metrics_by_policy={policy: [] for policy in config.policies},
+            restarts=self.restarts,
+        )
+        self.nats_token = ""
+        self.gateway_key = ""
+        """The gateway's operator key this run made (the agent runner's), if it made one."""
+
+    # ---------------------------------------------------------------- processes
+
+    def service_env(self, nats_url: str, model_dir: Path, gateway_port: int) -> dict[str, str]:
+        c = self.config
+        env = dict(os.environ)
+        env.update(
+            {
+                "SF_NATS_URL": nats_url,
+                "SF_RUN_ID": self.run_id,
+                "SF_RUN_DIR": str(self.run_dir),
+                "SF_MODEL_DIR": str(model_dir),
+                "SF_POLICIES": ",".join(c.policies),
+                "SF_SEED": str(c.seed),
+                "SF_TAG_SCHEDULER_MODE": c.mode,
+                "SF_TRAJECTORY_TASK": c.task,
+                "SF_TRAJECTORY_GROUP_SIZE": str(c.group_size),
+                "SF_TRAJECTORY_GROUPS_PER_BATCH": str(c.groups_per_batch),
+                "SF_TRAJECTORY_MAX_BATCHES_AHEAD": str(c.max_batches_ahead),
+                "SF_TRAJECTORY_GROUP_TIMEOUT_S": str(c.group_timeout_s),
+                "SF_TRAINER_STEPS": str(c.steps),
+                "SF_TRAINER_CHECKPOINT_EVERY": str(c.checkpoint_every),
+                "SF_TRAINER_LR": str(c.lr),
+                # what SF_TRAINER_EVAL_EVERY evaluates: the run's task, split as rolled out
+                "SF_TRAINER_EVAL_TASK": c.task,
+                "SF_TRAINER_EVAL_MAX_TOKENS": str(c.max_tokens),
+                "SF_GATEWAY_PORT": str(gateway_port),
+                "SF_ENGINE_MAX_BATCH_SIZE": str(c.engine_batch_size),
+                "SF_AGENTS_GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
+                "SF_AGENTS_AGENT": c.agent,
+                "SF_AGENTS_CONCURRENCY": str(c.agent_concurrency),
+                "SF_AGENTS_MAX_TOKENS": str(c.max_tokens),
+                # each process uses one core; several share the machine
+                "OMP_NUM_THREADS": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+            }
+        )
+        # what a restarted trainer resumes from is the latest; keep one more (unless the
+        # user's environment says otherwise)
+        env.setdefault("SF_TRAINER_KEEP_CHECKPOINTS", "2")
+        return env
+
+    # ---------------------------------------------------------------- the run
+
+    async def run(self) -> Summary:
+        from seamlessflow.assets.base_model import built_model_name, ensure_base_model, sized_config
+
+        c = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if c.model_dir is not None and is_users_model(c.model_dir):
+            model_dir = c.model_dir  # the user's model, used as it is
+            problem = await asyncio.to_thread(self.check_users_model, model_dir)
+            if problem:
+                # before any process starts: one line, all of it, as the run's status
+                self.state.status = f"failed: {problem}"
+                log.error("%s", problem)
+                return write_report(self.state)
+        else:
+            # The built-in model is warmed up on a built-in task; a data file (or any other
+            # task without a teacher) gets the arithmetic one: bring a real model for it.
+            warmup_task = c.task if c.task in task_names() else "arithmetic"
+            if warmup_task != c.task and c.model_dir is None:
+                log.warning(
+                    "task %s has no built-in warm-up: using the %s base model; pass "
+                    "--model-dir for a model that can solve it",
+                    c.task,
+                    warmup_task,
+                )
+            cached = (
+                c.cache_dir.expanduser() / "models" / built_model_name(warmup_task, c.model_size)
+            )
+            model_dir = await asyncio.to_thread(
+                ensure_base_model,
+                c.model_dir or cached,
+                task=warmup_task,
+                config=sized_config(warmup_task, c.model_size),
+            )
+        # Credentials of this run, made here and handed to the processes in their
+        # environment only: the embedded NATS server takes a token, the gateway an
+        # operator key (the agent runner's); neither is written to the run directory.
+        nats_token = MeshSettings().nats_token.get_secret_value()
+        if not c.nats_url:
+            nats_token = secrets.token_urlsafe(24)
+        self.nats_token = nats_token
+        nats_server = EmbeddedNats(self.run_dir / "nats", token=nats_token)
+        if not c.nats_url:
+            self.nats_server = nats_server
+        url = c.nats_url or nats_server.start()
+        if nats_server.process is not None:
+            self.pin(nats_server.process.pid, ["slot-0"])
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        try:
+            gateway_port = free_port()
+            env = self.service_env(url, model_dir, gateway_port)
+            env["SF_NATS_TOKEN"] = nats_token
+            if not env.get("SF_AGENTS_GATEWAY_KEY"):
+                # The agent runner's own operator key, beside the user's keys (if any):
+                # the user's agents open sessions with theirs, the runner with this one.
+                self.gateway_key = secrets.token_urlsafe(24)
+                user_keys = env.get("SF_GATEWAY_API_KEYS", "")
+                env["SF_GATEWAY_API_KEYS"] = ",".join(filter(None, [user_keys, self.gateway_key]))
+                env["SF_AGENTS_GATEWAY_KEY"] = self.gateway_key
+            self.connection = RunConnection(
+                run_id=self.run_id,
+                nats_url=url,
+                nats_token=nats_token,
+                gateway_url=f"http://127.0.0.1:{gateway_port}",
+                gateway_key=env["SF_AGENTS_GATEWAY_KEY"],
+            )
+            self.connection.write(self.run_dir)
+            # stderr: stdout is for results (`seamlessflow bench` prints its JSON there)
+            print(self.connection.attach_instructions(self.run_dir), file=sys.stderr, flush=True)
+            # in the table's order; the agents last, once the mesh they use is up
+            for spec in SERVICE_TABLE:
+                if spec.name == "agents":
+                    continue
+                if not spec.per_policy:
+                    self.spawn(spec.name, spec.name, env)
+                    continue
+                for policy in c.policies:
+                    self.spawn_for_policy(policy, spec.name, env)
+            self.spawn("agents", "agents", env)
+            await self._follow(url, stop)
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+            loop.remove_signal_handler(signal.SIGTERM)
+            # Stopping the services in order takes a while: a supervisor's second SIGTERM
+            # must not kill this runner with the default action and leave them running
+            # (they are in their own sessions). A second Ctrl-C still interrupts. The
+            # previous disposition comes back after (a run inside another program).
+            previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            try:
+                await asyncio.to_thread(self.stop_processes)
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+            nats_server.stop()
+        return write_report(self.state)
+
+    def check_users_model(self, model_dir: Path) -> str | None:
+        """What the model lacks for this run (every service's needs, and a context for
+        the task's longest prompt plus ``max_tokens``), as one line; None if usable."""
+        from seamlessflow.assets.model_check import (
+            ModelNeeds,
+            ModelUnfit,
+            check_model,
+            task_context_tokens,
+        )
+
+        c = self.config
+        context = task_context_tokens(model_dir, c.task, c.seed, c.max_tokens) or 0
+        needs = ModelNeeds(
+            # the engines' backend comes from the environment, as their processes read it
+            backend=os.environ.get("SF_ENGINE_BACKEND", "hf"),
+            context_tokens=context,
+            context_reason=f"the longest {c.task} prompt + max_tokens {c.max_tokens}",
+        )
+        try:
+            check_model(model_dir, needs)
+        except ModelUnfit as exc:
+            return str(exc)
+        return None
+
+    def spawn_for_policy(self, policy: str, service: str, run_env: dict[str, str]) -> None:
+        """One policy's weight-sync, trainer or engines, laid out by the mode."""
+        layout = deployment(self.config.mode, self.config.engines)
+        # with SF_WEIGHTS_GROUP_BACKEND set, every engine joins its trainer's push group
+        env = {
+            **run_env,
+            "SF_POLICY": policy,
+            "SF_WEIGHTS_GROUP_SIZE": str(1 + len(layout.engines)),
+        }
+
+        def slot(name: str) -> str:
+            return self.label(policy, name)
+
+        if service == "engine":
+            for rank, engine in enumerate(layout.engines, start=1):
+                engine_id = self.label(policy, engine.engine_id)
+                self.process_policy[engine_id] = policy
+                self.spawn(
+                    engine_id,
+                    "engine",
+                    {
+                        **env,
+                        "SF_ENGINE_ENGINE_ID": engine_id,
+                        "SF_RESOURCE_TAGS": engine.tags,
+                        "SF_RESOURCE_SLOTS": slot(engine.slot),
+                        "SF_WEIGHTS_GROUP_RANK": str(rank),  # the trainer is 0
+                    },
+                    [slot(engine.slot)],
+                )
+            return
+        label = self.label(policy, service)
+        self.process_policy[label] = policy
+        if service == "trainer":
+            trainer_slots = [slot(s) for s in layout.trainer_slots]
+            env = {
+                **env,
+                "SF_RESOURCE_TAGS": layout.trainer_tags,
+                "SF_RESOURCE_SLOTS": ",".join(trainer_slots),
+                "SF_TRAINER_TORCH_THREADS": str(len(trainer_slots)),
+            }
+            self.spawn(label, service, env, trainer_slots)
+        else:
+            self.spawn(label, service, env)
+
+    async def _follow(self, url: str, stop: asyncio.Event) -> None:
+        subjects = Subjects(self.run_id)
+        try:
+            follower = await connect(url, subjects, name="seamlessflow-up", token=self.nats_token)
+        except Unrecoverable as exc:
+            self.state.status = f"failed: {exc}"
+            log.error("%s", exc)
+            return
+        nc = follower.nc
+        metrics_file = (self.run_dir / "metrics.jsonl").open("a")
+        progress = Progress(self.config, self.run_id, enabled=self.config.live)
+        try:
+            js = nc.jetstream()
+            problem = await self._wait_for_stream(js, subjects.stream_metrics(), stop)
+            if problem:
+                self.state.status = f"failed: {problem}"
+                log.error(problem)
+                return
+            sub = await js.subscribe(
+                subjects.train_all(),
+                stream=subjects.stream_metrics(),
+                ordered_consumer=True,
+                idle_heartbeat=FOLLOW_HEARTBEAT_S,  # back within seconds of a NATS restart
+            )
+            with progress:
+                while not stop.is_set():
+                    problem = self.unexpected_exit()
+                    if problem:
+                        self.state.status = f"failed: {problem}"
+                        progress.tick(self.state)  # the live table shows why, as its caption
+                        log.error(problem)
+                        return
+                    try:
+                        msg = await sub.next_msg(timeout=0.5)
+                    except nats.errors.TimeoutError:
+                        progress.tick(self.state)
+                        continue
+                    message = decode(
+                        msg.data,
+                        TrainStepMetrics | TrainEvalMetrics | TrainingFinished | TrainingPlanned,
+                    )
+                    if message.policy not in self.state.metrics_by_policy:
+                        continue  # not a policy of this run's configuration
+                    if isinstance(message, TrainingPlanned):
+                        continue  # the trainer's budget: the run's own configuration
+                    if isinstance(message, TrainEvalMetrics):
+                        metrics_file.write(json.dumps(struct_dict(message)) + "\n")
+                        metrics_file.flush()
+                        continue
+                    if isinstance(message, TrainingFinished):
+                        self.state.finished_by_policy[message.policy] = message
+                        self.finished_policies.add(message.policy)
+                        if len(self.finished_policies) == len(self.config.policies):
+                            self.state.status = "finished"
+                            return
+                        continue
+                    self.state.metrics_by_policy[message.policy].append(message)
+                    metrics_file.write(json.dumps(struct_dict(message)) + "\n")
+                    metrics_file.flush()
+                    progress.update(self.state, message.policy)
+            self.state.status = "interrupted"
+        finally:
+            metrics_file.close()
+            await nc.close()
+
+    async def _wait_for_stream(self, js: Any, name: str, stop: asyncio.Event) -> str | None:
+        """Wait until a service created the run's streams; a crashed service is returned."""
+        import nats.js.errors
+
+        while not stop.is_set():
+            try:
+                await js.stream_info(name)
+                return None
+            except nats.js.errors.NotFoundError:
+                problem = self.unexpected_exit()
+                if problem:
+                    return problem
+                await asyncio.sleep(0.2)
+        return None
+
+
+def run_embedded(config: RunConfig) -> Summary:
+    import uvloop
+
+    run = EmbeddedRun(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        return uvloop.run(run.run())
+    return write_report(run.state)

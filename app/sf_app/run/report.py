@@ -1,0 +1,310 @@
+"""What an embedded run shows: live progress while it runs, the report when it ends.
+
+runs/<run-id>/summary.json      the contract: see ``Summary``
+runs/<run-id>/metrics.jsonl     written as the metrics arrive (``sf_app.run.embedded``)
+runs/<run-id>/spans.jsonl       every process's spans, merged from spans/
+runs/<run-id>/reward_curve.png
+runs/<run-id>/timeline.html|png one lane per resource, bubbles marked
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from seamlessflow.protocol import TrainEvalMetrics, TrainingFinished, TrainStepMetrics
+from seamlessflow.settings import checkpoints_dir
+from sf_app.run.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunState:
+    """What the run has seen so far: read by the live display and by the report."""
+
+    config: RunConfig
+    run_id: str
+    run_dir: Path
+    metrics_by_policy: dict[str, list[TrainStepMetrics]]
+    finished_by_policy: dict[str, TrainingFinished] = field(default_factory=dict)
+    status: str = "running"
+    """running, then finished | interrupted | failed: <the one line why>."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    """The supervisor's restart counts (the same dict)."""
+    started: float = field(default_factory=time.monotonic)
+    started_wall: float = field(default_factory=time.time)
+
+    @property
+    def metrics(self) -> list[TrainStepMetrics]:
+        """The first policy's steps (the only policy of a single-policy run)."""
+        return self.metrics_by_policy[self.config.policies[0]]
+
+    @property
+    def finished(self) -> TrainingFinished | None:
+        return self.finished_by_policy.get(self.config.policies[0])
+
+    @property
+    def multi_policy(self) -> bool:
+        return len(self.config.policies) > 1
+
+
+@dataclass
+class Summary:
+    """``summary.json``: read by tools and users. Field names are a contract."""
+
+    run_id: str
+    status: str
+    steps: int
+    reward_first: float | None
+    reward_last: float | None
+    tokens_generated: int
+    tokens_trained: int
+    wall_s: float
+    final_version: int
+    mode: str
+    generated_tokens_per_s: float
+    trained_tokens_per_s: float
+    mean_step_s: float
+    mean_wait_s: float
+    mean_publish_s: float
+    checkpoint: str | None
+    bubble_ratio: float | None = None
+    """Idle slot-time / total over the busy window (``sf_app.timeline``)."""
+    steady_generated_tokens_per_s: float = 0.0
+    """Generated tokens/s between the first and the last step (start-up excluded): the
+    figure to compare modes by."""
+    steady_seconds_per_step: float = 0.0
+    """Mean time between consecutive steps (start-up excluded): with a fixed number of
+    steps, the figure that does not depend on how long the answers were."""
+    lends: int = 0
+    """Engines lent to rollout from training slots (``sched.lend`` spans)."""
+    reclaims: int = 0
+    """Engines taken back for training (``sched.reclaim`` spans)."""
+    requests_handed_back: int = 0
+    """Requests in flight on reclaimed engines, resumed elsewhere (partial rollout)."""
+    weights_bytes_sent: int = 0
+    """Weight payload bytes over the run (per engine): fulls plus deltas."""
+    weights_bytes_full: int = 0
+    """What sending every version in full would have cost (``SF_WEIGHTS_DELTAS``)."""
+    policies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per policy: steps, reward_first, reward_last, final_version, tokens_trained,
+    checkpoint. The fields above describe the first policy (the tasks' policy)."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    """Supervision: how many times each process (by label; ``nats`` for the embedded
+    server) was started again after an unexpected exit."""
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def window_mean(values: list[float], first: bool) -> float | None:
+    """Mean over the first or last 10% of the values (at least one)."""
+    if not values:
+        return None
+    n = max(1, len(values) // 10)
+    chosen = values[:n] if first else values[-n:]
+    return sum(chosen) / len(chosen)
+
+
+def write_report(state: RunState) -> Summary:
+    """Merge the spans, then write ``summary.json`` and the reward curve; the timeline
+    (``sf_app.timeline``) gives the bubble ratio."""
+    run_dir = state.run_dir
+    spans = run_dir / "spans"
+    with (run_dir / "spans.jsonl").open("wb") as merged:
+        for part in sorted(spans.glob("*.jsonl")) if spans.exists() else []:
+            merged.write(part.read_bytes())
+    bubble_ratio = None
+    if (run_dir / "spans.jsonl").stat().st_size:
+        from sf_app.timeline import render_run
+
+        bubble_ratio = round(render_run(run_dir).bubble_ratio, 4)
+    scheduling = count_scheduling(run_dir / "spans.jsonl")
+    metrics = state.metrics
+    steady_window = metrics[-1].timestamp - metrics[0].timestamp if metrics else 0
+    steady_tokens = sum(m.tokens_generated for m in metrics[1:])
+    rewards = [m.mean_reward for m in metrics]
+    train_wall = (metrics[-1].timestamp - state.started_wall) if metrics else 0.0
+    generated = sum(m.tokens_generated for m in metrics)
+    trained = sum(m.tokens_trained for m in metrics)
+    n = max(len(metrics), 1)
+    summary = Summary(
+        run_id=state.run_id,
+        status=state.status,
+        steps=len(metrics),
+        reward_first=window_mean(rewards, first=True),
+        reward_last=window_mean(rewards, first=False),
+        tokens_generated=generated,
+        tokens_trained=trained,
+        wall_s=round(time.monotonic() - state.started, 3),
+        final_version=metrics[-1].version if metrics else 0,
+        mode=state.config.mode,
+        generated_tokens_per_s=generated / train_wall if train_wall > 0 else 0.0,
+        trained_tokens_per_s=trained / train_wall if train_wall > 0 else 0.0,
+        mean_step_s=sum(m.step_seconds for m in metrics) / n,
+        mean_wait_s=sum(m.wait_seconds for m in metrics) / n,
+        mean_publish_s=sum(m.publish_seconds for m in metrics) / n,
+        weights_bytes_sent=sum(m.weights_payload_bytes for m in metrics),
+        weights_bytes_full=sum(m.weights_state_bytes for m in metrics),
+        checkpoint=checkpoint_of(run_dir, state.config.policies[0]),
+        bubble_ratio=bubble_ratio,
+        steady_generated_tokens_per_s=steady_tokens / steady_window if steady_window > 0 else 0,
+        steady_seconds_per_step=steady_window / (len(metrics) - 1) if len(metrics) > 1 else 0.0,
+        lends=scheduling["lends"],
+        reclaims=scheduling["reclaims"],
+        requests_handed_back=scheduling["handed_back"],
+        policies={policy: policy_summary(state, policy) for policy in state.config.policies},
+        restarts=dict(state.restarts),
+        config=json.loads(state.config.model_dump_json()),
+    )
+    (run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
+    if any(state.metrics_by_policy.values()):
+        plot_rewards(state.metrics_by_policy, run_dir / "reward_curve.png", state.run_id)
+    return summary
+
+
+def checkpoint_of(run_dir: Path, policy: str) -> str | None:
+    """The policy's final checkpoint, if the trainer wrote one."""
+    final = checkpoints_dir(run_dir, policy) / "final"
+    return str(final) if (final / "config.json").exists() else None
+
+
+def policy_summary(state: RunState, policy: str) -> dict[str, Any]:
+    metrics = state.metrics_by_policy[policy]
+    rewards = [m.mean_reward for m in metrics]
+    return {
+        "steps": len(metrics),
+        "finished": policy in state.finished_by_policy,
+        "reward_first": window_mean(rewards, first=True),
+        "reward_last": window_mean(rewards, first=False),
+        "final_version": metrics[-1].version if metrics else 0,
+        "tokens_generated": sum(m.tokens_generated for m in metrics),
+        "tokens_trained": sum(m.tokens_trained for m in metrics),
+        "checkpoint": checkpoint_of(state.run_dir, policy),
+    }
+
+
+def count_scheduling(spans_path: Path) -> dict[str, int]:
+    """Lends, reclaims and handed-back requests, from the tag-scheduler's spans."""
+    counts = {"lends": 0, "reclaims": 0, "handed_back": 0}
+    if not spans_path.exists():
+        return counts
+    with spans_path.open() as lines:
+        for line in lines:
+            span = json.loads(line)
+            attributes = span["attributes"]
+            if span["name"] == "sched.lend":
+                counts["lends"] += len(attributes.get("lent", []))
+            elif span["name"] == "sched.reclaim":
+                counts["reclaims"] += len(attributes.get("reclaimed", []))
+                counts["handed_back"] += int(attributes.get("handed_back", 0))
+    return counts
+
+
+def struct_dict(message: TrainStepMetrics | TrainEvalMetrics) -> dict[str, Any]:
+    import msgspec
+
+    return msgspec.to_builtins(message)
+
+
+def plot_rewards(
+    metrics_by_policy: dict[str, list[TrainStepMetrics]], path: Path, title: str
+) -> None:
+    """One curve (per-step mean and its moving mean) per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    several = len(metrics_by_policy) > 1
+    for policy, metrics in metrics_by_policy.items():
+        steps = [m.step for m in metrics]
+        rewards = [m.mean_reward for m in metrics]
+        window = max(1, len(rewards) // 10)
+        smooth = [
+            sum(rewards[max(0, i - window + 1) : i + 1])
+            / len(rewards[max(0, i - window + 1) : i + 1])
+            for i in range(len(rewards))
+        ]
+        name = f"{policy}: " if several else ""
+        ax.plot(steps, rewards, alpha=0.4, label=f"{name}mean reward per step")
+        ax.plot(steps, smooth, label=f"{name}moving mean ({window} steps)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"reward curve: {title}")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+class Progress:
+    """Live terminal progress: step, mean reward, tokens/s, weight version."""
+
+    def __init__(self, config: RunConfig, run_id: str, *, enabled: bool) -> None:
+        self.config = config
+        self.run_id = run_id
+        self.enabled = enabled
+        self._live: Any = None
+
+    def __enter__(self) -> Progress:
+        if self.enabled:
+            from rich.live import Live
+
+            self._live = Live(self._render(None), refresh_per_second=4, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)
+
+    def tick(self, state: RunState) -> None:
+        if self._live is not None:
+            self._live.update(self._render(state))
+
+    def update(self, state: RunState, policy: str) -> None:
+        self.tick(state)
+        metrics = state.metrics_by_policy[policy]
+        if not self.enabled and metrics:
+            m = metrics[-1]
+            name = f"{policy} " if state.multi_policy else ""
+            log.info("%sstep %d reward %.3f version %d", name, m.step, m.mean_reward, m.version)
+
+    def _render(self, state: RunState | None) -> Any:
+        from rich.table import Table
+
+        table = Table(title=f"seamlessflow run {self.run_id}", show_header=True)
+        columns = ("step", "mean reward", "last-10 reward", "gen tok/s", "version", "elapsed")
+        several = len(self.config.policies) > 1
+        for column in ("policy", *columns) if several else columns:
+            table.add_column(column, justify="right")
+        for policy in self.config.policies:
+            row = self._row(state, policy)
+            table.add_row(*((policy, *row) if several else row))
+        if state is not None and state.status.startswith("failed"):
+            table.caption = f"[bold red]{state.status}"
+        return table
+
+    def _row(self, state: RunState | None, policy: str) -> tuple[str, ...]:
+        metrics = state.metrics_by_policy[policy] if state is not None else []
+        if state is None or not metrics:
+            waited = f"{time.monotonic() - state.started:.0f}s" if state else "0s"
+            return (f"0/{self.config.steps}", "-", "-", "-", "0", waited)
+        m = metrics[-1]
+        recent = metrics[-10:]
+        elapsed = time.time() - state.started_wall
+        generated = sum(x.tokens_generated for x in metrics)
+        return (
+            f"{m.step}/{self.config.steps}",
+            f"{m.mean_reward:.3f}",
+            f"{sum(x.mean_reward for x in recent) / len(recent):.3f}",
+            f"{generated / elapsed:.0f}",
+            str(m.version),
+            f"{elapsed:.0f}s",
+        )

@@ -1,0 +1,208 @@
+"""Supervision of an embedded run's processes: start, restart within a budget, stop in order.
+
+Every process is started exactly as it would be deployed alone
+(``python -m sf_app serve <service>`` with its settings in the environment), in its own
+session so that Ctrl-C reaches the runner, which stops them in dependency order. One that
+ends unexpectedly is started again with the same command and environment, at most
+``max_restarts`` times; an exit with ``EXIT_UNRECOVERABLE`` is never retried (it would
+fail the same way) and fails the run with the process's last log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from seamlessflow.bus import EXIT_UNRECOVERABLE
+from seamlessflow.natsserver import EmbeddedNats
+from sf_app.service_table import SERVICE_TABLE
+
+log = logging.getLogger(__name__)
+
+FINISH_GRACE_S = 30.0
+"""How long a trainer that exited 0 has for its TrainingFinished to reach the run."""
+
+STOP_TIMEOUT_S = 30.0
+"""How long each stop stage has to drain before what is left is killed."""
+
+
+@dataclass
+class Launch:
+    """How one process of the run is started (and started again by supervision)."""
+
+    service: str
+    env: dict[str, str]
+    slots: list[str]
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Supervisor:
+    """The run's processes by label (a service name, prefixed by its policy when the run
+    trains several), and the embedded NATS server if the run started one."""
+
+    def __init__(
+        self, run_dir: Path, *, policies: list[str], max_restarts: int, pin_slots: bool
+    ) -> None:
+        self.run_dir = run_dir
+        self.policies = policies
+        self.max_restarts = max_restarts
+        self.pin_slots = pin_slots
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.launches: dict[str, Launch] = {}
+        """Label -> how its process was started: a restart starts it the same way."""
+        self.restarts: dict[str, int] = {}
+        self.nats_server: EmbeddedNats | None = None
+        """The embedded server (None when the run uses another one)."""
+        self.process_policy: dict[str, str] = {}
+        """Label of a per-policy process -> its policy."""
+        self.finished_policies: set[str] = set()
+        """Policies whose trainer announced its finish: its exit 0 is then a normal end."""
+        self._clean_exits: dict[str, float] = {}
+        """Trainers that exited 0 before their finish arrived: since when."""
+
+    @property
+    def multi_policy(self) -> bool:
+        return len(self.policies) > 1
+
+    def label(self, policy: str, name: str) -> str:
+        """A process's (or engine's, or slot's) name: prefixed by its policy when the
+        run has several, so that every one is unique in the run."""
+        return f"{policy}-{name}" if self.multi_policy else name
+
+    def spawn(
+        self, label: str, service: str, env: dict[str, str], slots: list[str] | None = None
+    ) -> None:
+        self.launches[label] = Launch(service, env, slots or ["slot-0"])
+        self._start(label)
+
+    def _start(self, label: str) -> None:
+        launch = self.launches[label]
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        with (logs / f"{label}.log").open("ab") as out:
+            self.processes[label] = process = subprocess.Popen(
+                [sys.executable, "-m", "sf_app", "serve", launch.service],
+                env=launch.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches the runner, which stops us in order
+            )
+        self.pin(process.pid, launch.slots)
+
+    def pin(self, pid: int, slots: list[str]) -> None:
+        """``pin_slots``: run ``pid`` on the cores of ``slots`` (``slot-<i>``)."""
+        if not self.pin_slots or not hasattr(os, "sched_setaffinity"):
+            return
+        cores = os.cpu_count() or 1
+        os.sched_setaffinity(pid, {int(slot.rsplit("-", 1)[1]) % cores for slot in slots})
+
+    def stop_processes(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop in dependency order (``ServiceSpec.stop_stage``), each stage draining
+        before the next one stops: agents, then the gateway, then engines, then the rest
+        (the trainer saves its checkpoint). SIGKILL whatever misses its deadline.
+        Idempotent."""
+
+        def service_of(label: str) -> str:
+            policy = self.process_policy.get(label)
+            name = label.removeprefix(f"{policy}-") if policy and self.multi_policy else label
+            return "engine" if name.startswith("engine-") else name
+
+        stages = [
+            {spec.name for spec in SERVICE_TABLE if spec.stop_stage == stage}
+            for stage in sorted({spec.stop_stage for spec in SERVICE_TABLE})
+        ]
+        for stage in stages:
+            running = [
+                (label, p) for label, p in self.processes.items() if service_of(label) in stage
+            ]
+            for _, process in running:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for label, process in running:
+                try:
+                    process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in time; killing it", label)
+                    process.kill()
+                    process.wait()
+
+    def unexpected_exits(self) -> list[tuple[str, int]]:
+        """``(label, exit code)`` of every process that ended but should still run.
+        Normal ends: the agent runner with 0 (tasks exhausted), a trainer with 0 once
+        its policy finished. A trainer exits 0 right after it announces the finish,
+        which may reach this run a little later (e.g. while the run's connection to a
+        restarted NATS server recovers): it has ``FINISH_GRACE_S`` to arrive."""
+        ended = []
+        now = time.monotonic()
+        for label, process in self.processes.items():
+            code = process.poll()
+            if code is None:
+                continue
+            if label == "agents" and code == 0:
+                continue
+            policy = self.process_policy.get(label, "")
+            if label == self.label(policy, "trainer") and code == 0:
+                if policy in self.finished_policies:
+                    continue
+                if now - self._clean_exits.setdefault(label, now) < FINISH_GRACE_S:
+                    continue
+            ended.append((label, code))
+        return ended
+
+    def unexpected_exit(self) -> str | None:
+        """Supervision, polled while the run goes on: start again what ended unexpectedly
+        (the embedded NATS server in place: same port, same store), within
+        ``max_restarts`` per process. Past the budget: what failed, and the run fails."""
+        budget = self.max_restarts
+        nats_server = self.nats_server
+        if nats_server is not None and nats_server.process is not None:
+            code = nats_server.process.poll()
+            if code is not None:
+                if self.restarts.get("nats", 0) >= budget:
+                    return f"nats-server exited with code {code} after {budget} restarts"
+                self._count_restart("nats", code)
+                nats_server.restart()
+                self.pin(nats_server.process.pid, ["slot-0"])
+        for label, code in self.unexpected_exits():
+            if code == EXIT_UNRECOVERABLE:  # a restart would fail the same way
+                return f"{label}: {self.last_log_line(label)}"
+            if self.restarts.get(label, 0) >= budget:
+                return (
+                    f"{label} exited with code {code} after {budget} restarts "
+                    f"(see {self.run_dir}/logs/{label}.log)"
+                )
+            self._count_restart(label, code)
+            self._clean_exits.pop(label, None)
+            launch = self.launches[label]
+            if launch.service == "trainer":
+                # from its latest checkpoint, numbering versions after the announced ones
+                launch.env = {**launch.env, "SF_TRAINER_RESUME": "latest"}
+            self._start(label)
+        return None
+
+    def last_log_line(self, label: str) -> str:
+        """The last line a process wrote (an unrecoverable failure's one line)."""
+        log_file = self.run_dir / "logs" / f"{label}.log"
+        lines = log_file.read_text(errors="replace").strip().splitlines()
+        return lines[-1].removeprefix(f"{self.launches[label].service}: ") if lines else ""
+
+    def _count_restart(self, label: str, code: int) -> None:
+        self.restarts[label] = self.restarts.get(label, 0) + 1
+        log.warning(
+            "%s exited with code %d: restart %d of %d",
+            label, code, self.restarts[label], self.max_restarts,
+        )  # fmt: skip

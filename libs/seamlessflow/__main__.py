@@ -1,3 +1,0 @@
-from seamlessflow.cli import main
-
-main()
