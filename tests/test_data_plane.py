@@ -121,7 +121,7 @@ async def test_unstreamed_answers_ask_for_rare_chunks_and_are_recorded_whole(
     finally:
         await watch.unsubscribe()
         await mesh.stop()
-    from sf_gateway.gateway import PROGRESS_CHUNK_S
+    from sf_gateway.engine_client import PROGRESS_CHUNK_S
 
     assert [r.chunk_every_s for r in asked] == [PROGRESS_CHUNK_S, 0.0, 0.0]
     assert len({r.stream_subject for r in asked}) == 3  # one per engine call

@@ -106,16 +106,16 @@ async def test_requests_on_a_killed_engine_finish_on_another(
             # answers are on engine A (the only one) and have started streaming; some
             # may already have ended (a stop token), so wait for any, then kill A
             async with asyncio.timeout(60):
-                while not gateway.gateway._engine_calls.get("engine-a"):  # noqa: ASYNC110
+                while not gateway.gateway.engines._engine_calls.get("engine-a"):  # noqa: ASYNC110
                     await asyncio.sleep(0.01)
             engine_a.send_signal(signal.SIGKILL)
             await engine_a.wait()
-            held_by_dead_engine = len(gateway.gateway._engine_calls.get("engine-a", {}))
+            held_by_dead_engine = len(gateway.gateway.engines._engine_calls.get("engine-a", {}))
             engine_b = await mesh.start(EngineWorker(EngineSettings(engine_id="engine-b")))
             async with asyncio.timeout(120):
                 texts = await asyncio.gather(*agents)
         assert engine_b.ready.is_set()
-        assert held_by_dead_engine >= 1 and gateway.gateway.reroutes >= 1
+        assert held_by_dead_engine >= 1 and gateway.gateway.engines.reroutes >= 1
     finally:
         if engine_a.returncode is None:
             engine_a.kill()
@@ -190,7 +190,7 @@ async def test_a_request_no_engine_confirms_is_resubmitted(
                 await asyncio.gather(*(ask(i) for i in range(16)))
         # the queue group sent some of the 16 (each with odds 1/2) to the frozen engine;
         # all of them were re-submitted
-        assert gateway.gateway.reroutes >= 1
+        assert gateway.gateway.engines.reroutes >= 1
         assert scheduler.resources["engine-frozen"].alive  # never declared dead
     finally:
         if frozen.returncode is None:

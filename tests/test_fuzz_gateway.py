@@ -48,7 +48,8 @@ from seamlessflow.rewards import reward_names
 from sf_engine.config import EngineSettings
 from sf_engine.worker import EngineWorker
 from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import MAX_BODY_BYTES, Gateway, GatewayService
+from sf_gateway.gateway import Gateway, GatewayService
+from sf_gateway.request_body import MAX_BODY_BYTES
 from sf_tag_scheduler.service import TagScheduler
 from sf_trajectory.service import TrajectoryService
 from sf_weight_sync.service import WeightSync

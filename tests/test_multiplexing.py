@@ -145,10 +145,10 @@ async def test_reclaim_during_generation_loses_no_request_and_no_token(
             # wait until the lent engine holds answers that have started streaming
             async with asyncio.timeout(60):
                 while not any(  # noqa: ASYNC110 (the gateway's own bookkeeping)
-                    gateway.gateway._engine_calls.get("engine-l", {})
+                    gateway.gateway.engines._engine_calls.get("engine-l", {})
                 ):
                     await asyncio.sleep(0.01)
-            on_lent_engine = set(gateway.gateway._engine_calls["engine-l"])
+            on_lent_engine = set(gateway.gateway.engines._engine_calls["engine-l"])
             # a batch is ready: the trainer claims its slot back
             granted: SlotsGranted = await bus.request(
                 bus.subjects.sched_claim(),

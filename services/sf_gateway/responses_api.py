@@ -11,7 +11,7 @@ that names it; nothing is stored then.
 A request becomes a chat completion request (``instructions`` a leading system
 message; a ``function_call`` item joins the assistant message before it as a tool
 call; a ``function_call_output`` item is a ``tool`` message) and runs as a chat turn
-through ``Gateway.chat_turn``: same template, same session tree, same engine loop,
+through ``TurnPlanner.chat_turn``: same template, same session tree, same engine loop,
 same ``TurnRecorded``. The output a turn answers with converts back to exactly the
 assistant message the tree recorded, so an agent that sends its items back continues
 its branch (token ids reused, never re-tokenized).
@@ -36,12 +36,15 @@ from starlette.responses import JSONResponse, Response
 
 from sf_gateway.choice import Choice
 from sf_gateway.openai_api import ApiError, ChatCompletionRequest
+from sf_gateway.request_body import read_json
 from sf_gateway.responses import ChatFormat
+from sf_gateway.sse import turn_updates
 
 if TYPE_CHECKING:
     import asyncio
 
-    from sf_gateway.gateway import Gateway, Turn
+    from sf_gateway.gateway import Gateway
+    from sf_gateway.turns import Turn
 
 
 class FunctionToolIn(BaseModel):
@@ -271,11 +274,11 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
 
 
 async def create_response(gateway: Gateway, request: Request) -> Response:
-    session = gateway._open_session(request)
-    body: ResponsesRequest = _parse(ResponsesRequest, await gateway._json(request))
+    session = gateway.access.open_session_of(request)
+    body: ResponsesRequest = _parse(ResponsesRequest, await read_json(request))
     body.check()
     chat: ChatCompletionRequest = _parse(ChatCompletionRequest, body.chat_body())
-    turn, view = gateway.chat_turn(session, chat, "gateway.response")
+    turn, view = gateway.planner.chat_turn(session, chat, "gateway.response")
     answer = ResponseView(body, chat, view, turn)
     if body.stream:
         return gateway._stream(turn, view, events=answer.events)
@@ -425,8 +428,6 @@ class ResponseView:
         """Response events as the turn runs: text deltas as they become final (as in a
         chat stream: nothing from a tool-call marker on), the function calls whole
         once the answer is parsed and recorded, then ``response.completed``."""
-        from sf_gateway.gateway import turn_updates
-
         yield self._event("response.created", response=self.response("started"))
         yield self._event("response.in_progress", response=self.response("started"))
         choice = self.choice
