@@ -36,11 +36,9 @@ import struct
 from typing import Any
 
 import msgspec
-import nats.errors
-import nats.js.errors
 import numpy as np
 
-from seamlessflow.bus import Bus
+from seamlessflow.bus import BROKER_ERRORS, Bus
 from seamlessflow.protocol import (
     SCHEMA_VERSION,
     BatchPayload,
@@ -186,7 +184,7 @@ async def publish_batch(bus: Bus, batch: TrainBatch, *, msg_id: str = "") -> Bat
     msg_id = msg_id or MessageIds.batch(batch.policy, batch.batch_index)
     payload = await asyncio.to_thread(encode_batch, batch)
     digest = hashlib.sha256(payload).hexdigest()
-    size = chunk_bytes(bus.nc.max_payload)
+    size = chunk_bytes(bus.max_payload)
     view = memoryview(payload)
     seqs = []
     for number, start in enumerate(range(0, max(len(payload), 1), size)):
@@ -224,18 +222,17 @@ async def fetch_batch(bus: Bus, ready: BatchReady | TrainBatch) -> TrainBatch:
         )
 
     async def chunk(seq: int) -> bytes:
-        try:
-            stored = await bus.js.get_msg(stream, seq, direct=True)
-        except nats.js.errors.NotFoundError:
+        stored = await bus.stored_at(stream, seq, direct=True)
+        if stored is None:
             raise BatchPayloadMissing(
                 f"batch {ready.batch_index}: chunk {seq} is no longer in {stream} "
                 "(dropped by SF_RETENTION_BATCHES_*?)"
-            ) from None
+            )
         if stored.subject != subject:
             raise BatchPayloadMissing(
                 f"batch {ready.batch_index}: message {seq} of {stream} is not its chunk"
             )
-        return stored.data or b""
+        return stored.data
 
     chunks = await asyncio.gather(*(chunk(seq) for seq in ready.payload.chunk_seqs))
     payload = b"".join(chunks)
@@ -273,5 +270,5 @@ async def stored_batches(bus: Bus, policy: str = "") -> list[TrainBatch]:
     return [await fetch_batch(bus, ready) for ready in await stored_announcements(bus, policy)]
 
 
-TRANSIENT_ERRORS = (nats.errors.Error, asyncio.TimeoutError)
+TRANSIENT_ERRORS = BROKER_ERRORS
 """What ``fetch_batch`` raises when the broker is away: try again later."""

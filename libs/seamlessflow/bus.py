@@ -1,5 +1,10 @@
 """The NATS layer every service uses: connection, typed request/reply, JetStream helpers.
 
+:class:`Bus` is the only way into NATS for services and the library: each thing they
+do with NATS is one typed method here (or on what it returns: a
+:class:`DurableConsumer`, a :class:`KeyValueBucket`, an :class:`ObjectBucket`), so
+nats-py's client, its JetStream context and its exceptions stay in this module.
+
 Errors are handled here, at the boundary: a handler registered with :meth:`Bus.serve`
 receives a decoded, typed message; a payload that fails to decode, and a handler that
 raises :class:`DomainError`, turn into an :class:`~seamlessflow.protocol.ErrorReply`
@@ -10,10 +15,13 @@ to the requester. Anything else propagates into the log once and becomes an
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import dataclasses
+import io
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, NamedTuple
 
 import nats
 import nats.errors
@@ -22,10 +30,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy, DiscardPolicy, StreamConfig
+from nats.js.api import DeliverPolicy, DiscardPolicy, ObjectMeta, ObjectMetaOptions, StreamConfig
+from nats.js.kv import KeyValue
+from nats.js.object_store import OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, ObjectStore
 
 from seamlessflow import telemetry
 from seamlessflow.protocol import ErrorReply, Message, ProtocolError, Subjects, decode, encode
+from seamlessflow.retry import RetryPolicy, retry
 from seamlessflow.settings import RetentionSettings, StreamLimits
 
 log = logging.getLogger(__name__)
@@ -75,8 +86,17 @@ class NoResponder(Exception):
 
 Handler = Callable[[Any], Awaitable[Message | None]]
 
-JS_PUBLISH_RETRY_S = 30.0
-"""How long a publish with a message id is retried while the broker does not ack it."""
+JS_PUBLISH_RETRY = RetryPolicy(
+    retry_on=(nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError),
+    first_delay_s=0.5,
+    deadline_s=30.0,
+)
+"""A publish with a message id that the broker does not ack (a time-out, or no stream
+answering: a broker restarting) is tried again every 0.5 s for up to 30 s."""
+
+BROKER_ERRORS = (nats.errors.Error, asyncio.TimeoutError)
+"""What a call through the bus raises while the broker is away (restarting, out of
+reach): the same call may work later."""
 
 INSUFFICIENT_STORAGE = 10047
 """JetStream's error code for a stream whose byte limit the server cannot reserve."""
@@ -88,8 +108,21 @@ heartbeats are missed, then recreates it from the next sequence. nats.py's defau
 left a follower deaf for 10-20 s after a broker restart; with 1 s it is 2-4 s."""
 
 
+class StoredMessage(NamedTuple):
+    """One message as a stream stores it, read by sequence or as a subject's last."""
+
+    subject: str
+    seq: int
+    data: bytes
+    """The payload (empty for a message without one)."""
+
+
 class Bus:
-    """One NATS connection of one service, with the run's subjects."""
+    """One NATS connection of one service, with the run's subjects.
+
+    ``nc`` and ``js`` (nats-py's client and JetStream context) are this module's own:
+    code outside it uses the methods (tests may reach past them to inspect or break
+    the broker)."""
 
     def __init__(self, nc: Client, subjects: Subjects) -> None:
         self.nc = nc
@@ -174,6 +207,23 @@ class Bus:
         await self.nc.flush()
         self._subscriptions.append(sub)
         return sub
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message (bytes) the server takes, as it announced on connecting."""
+        return self.nc.max_payload
+
+    async def subscribe_inbox(self, on_message: Callable[[Msg], Awaitable[None]]) -> str:
+        """A new inbox prefix ``p``, with every subject ``p.<token>`` delivered to
+        ``on_message`` undecoded, in arrival order, on the connection's dispatcher (so
+        ``on_message`` must be quick). For a stream of replies to many requests of one
+        process (the gateway's generation chunks, ``<prefix>.<request id>``): one
+        subscription for all of them, none made per request. It lasts as long as the
+        connection and is not stopped by :meth:`drain`'s first step: a call still in
+        flight gets its messages until the connection itself drains."""
+        prefix = self.nc.new_inbox()
+        await self.nc.subscribe(f"{prefix}.*", cb=on_message)
+        return prefix
 
     async def unserve(self, sub: Subscription) -> None:
         """Stop taking requests on ``sub``; those already delivered are still handled."""
@@ -283,9 +333,9 @@ class Bus:
 
         With a ``msg_id``, a publish the broker did not acknowledge (a time-out, or no
         stream answering: a broker restarting, whose connection silently swallowed what
-        was written just before the client noticed) is retried for up to
-        ``JS_PUBLISH_RETRY_S``, so a broker restart does not fail the publisher. Without
-        one it raises at once: a retry could store the message twice."""
+        was written just before the client noticed) is retried as ``JS_PUBLISH_RETRY``
+        says, so a broker restart does not fail the publisher. Without one it raises at
+        once: a retry could store the message twice."""
         return await self.js_publish_bytes(subject, encode(message), msg_id=msg_id)
 
     async def js_publish_bytes(self, subject: str, data: bytes, *, msg_id: str = "") -> int:
@@ -293,16 +343,74 @@ class Bus:
         headers = telemetry.inject_headers()
         if msg_id:
             headers["Nats-Msg-Id"] = msg_id
-        deadline = asyncio.get_running_loop().time() + (JS_PUBLISH_RETRY_S if msg_id else 0)
-        while True:
-            try:
-                ack = await self.js.publish(subject, data, headers=headers)
-                return ack.seq
-            except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError) as exc:
-                if asyncio.get_running_loop().time() >= deadline:
-                    raise
-                log.warning("no ack for %s on %s (%r): retrying", msg_id, subject, exc)
-                await asyncio.sleep(0.5)
+
+        async def publish() -> int:
+            ack = await self.js.publish(subject, data, headers=headers)
+            return ack.seq
+
+        if not msg_id:
+            return await publish()
+
+        async def log_retry(exc: BaseException) -> None:
+            log.warning("no ack for %s on %s (%r): retrying", msg_id, subject, exc)
+
+        return await retry(publish, JS_PUBLISH_RETRY, on_retry=log_retry)
+
+    async def stream_exists(self, stream: str) -> bool:
+        """Whether ``stream`` exists (a service created the run's streams)."""
+        try:
+            await self.js.stream_info(stream)
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
+
+    async def last_stored(self, stream: str, subject: str) -> StoredMessage | None:
+        """The last message the stream holds on ``subject`` (None: none)."""
+        try:
+            raw = await self.js.get_last_msg(stream, subject)
+        except nats.js.errors.NotFoundError:
+            return None
+        return _stored(raw.subject, raw.seq, raw.data)
+
+    async def stored_at(
+        self, stream: str, seq: int, *, direct: bool = False
+    ) -> StoredMessage | None:
+        """The stream's message with sequence ``seq`` (None: none, or no longer).
+
+        ``direct``: read with direct get, from any replica, for a stream created with
+        direct reads allowed (``ensure_streams``' ``direct`` streams)."""
+        try:
+            raw = await self.js.get_msg(stream, seq, direct=direct)
+        except nats.js.errors.NotFoundError:
+            return None
+        return _stored(raw.subject, raw.seq, raw.data)
+
+    @contextlib.asynccontextmanager
+    async def durable_consumer(
+        self, stream: str, subject: str, durable: str
+    ) -> AsyncIterator[DurableConsumer]:
+        """The durable pull consumer ``durable`` of ``subject`` on ``stream`` (created
+        if missing), for as long as the ``async with`` lasts.
+
+        It is unsubscribed on leaving, however that happens: a pull subscription left
+        open makes the connection's drain wait forever."""
+        sub = await self.js.pull_subscribe(subject, durable=durable, stream=stream)
+        try:
+            yield DurableConsumer(sub)
+        finally:
+            await sub.unsubscribe()
+
+    async def key_value(self, bucket: str) -> KeyValueBucket:
+        """The key-value bucket ``bucket``, created if missing (idempotent)."""
+        return KeyValueBucket(await self.js.create_key_value(bucket=bucket))
+
+    async def object_bucket(self, bucket: str) -> ObjectBucket:
+        """The object store ``bucket``, created if missing."""
+        try:
+            store = await self.js.object_store(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            store = await self.js.create_object_store(bucket)
+        return ObjectBucket(self.js, store, bucket)
 
     async def follow(self, stream: str, subject: str) -> tuple[Subscription, int]:
         """An ordered consumer over ``subject`` from the stream's start.
@@ -335,16 +443,15 @@ class Bus:
 
     async def read_subject(self, stream: str, subject: str) -> list[Msg]:
         """Every message stored on one subject of a stream right now, in order."""
-        try:
-            last = await self.js.get_last_msg(stream, subject)
-        except nats.js.errors.NotFoundError:
+        last = await self.last_stored(stream, subject)
+        if last is None:
             return []
         sub = await self.js.subscribe(
             subject, stream=stream, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
         )
         messages: list[Msg] = []
         try:
-            last_seq = last.seq or 0
+            last_seq = last.seq
             while not messages or messages[-1].metadata.sequence.stream < last_seq:
                 messages.append(await sub.next_msg(timeout=10.0))
         finally:
@@ -362,6 +469,12 @@ class Bus:
             except ProtocolError as exc:
                 log.warning("skipping an undecodable message on %s: %s", subject, exc)
         return decoded
+
+    async def close(self) -> None:
+        """Close the connection at once, without draining (a reader with nothing to
+        finish or hand over). Safe to call twice."""
+        if not self.nc.is_closed:
+            await self.nc.close()
 
     async def drain(self, timeout: float = 5.0) -> None:
         """Stop taking requests, let handlers in flight finish on an open connection, then
@@ -387,6 +500,123 @@ class Bus:
                 await self.nc.close()
 
 
+def _stored(subject: str | None, seq: int | None, data: bytes | None) -> StoredMessage:
+    # nats-py types every field of a stored message optional; the server always sends
+    # a subject and a sequence, and leaves the payload out when it is empty.
+    return StoredMessage(subject=subject or "", seq=seq or 0, data=data or b"")
+
+
+async def next_message(sub: Subscription, timeout: float) -> Msg | None:
+    """The next message of a subscription (e.g. one :meth:`Bus.follow` returned), or
+    None if none came within ``timeout`` seconds."""
+    try:
+        return await sub.next_msg(timeout=timeout)
+    except nats.errors.TimeoutError:
+        return None
+
+
+class DurableConsumer:
+    """A durable pull consumer (:meth:`Bus.durable_consumer`): messages one at a time,
+    each acked, nak'ed or terminated by the caller (``msg.ack_sync()``, ...)."""
+
+    def __init__(self, sub: JetStreamContext.PullSubscription) -> None:
+        self._sub = sub
+
+    async def next(self, timeout: float) -> Msg | None:
+        """The next message, or None if none came within ``timeout`` seconds."""
+        try:
+            messages = await self._sub.fetch(1, timeout=timeout)
+        except nats.errors.TimeoutError:
+            return None
+        return messages[0] if messages else None
+
+
+class KeyValueBucket:
+    """A JetStream key-value bucket (:meth:`Bus.key_value`); values are bytes, encoded
+    by the caller."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self._kv = kv
+
+    async def keys(self) -> list[str]:
+        """Every key with a value (empty list: none)."""
+        try:
+            return await self._kv.keys()
+        except nats.js.errors.NoKeysError:
+            return []
+
+    async def get(self, key: str) -> bytes | None:
+        """The value of ``key`` (None: no such key, or deleted)."""
+        try:
+            entry = await self._kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return entry.value
+
+    async def put(self, key: str, value: bytes) -> None:
+        await self._kv.put(key, value)
+
+
+class ObjectBucket:
+    """A JetStream object store (:meth:`Bus.object_bucket`). A name that is not there
+    raises :class:`NotFound`."""
+
+    def __init__(self, js: JetStreamContext, store: ObjectStore, bucket: str) -> None:
+        self._js = js
+        self._store = store
+        self._bucket = bucket
+
+    async def put(self, name: str, data: bytes, *, chunk_bytes: int) -> None:
+        """Store ``data`` as object ``name``, in messages of ``chunk_bytes`` (under the
+        server's ``max_payload``); complete when this returns."""
+        meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=chunk_bytes))
+        await self._store.put(name, data, meta=meta)
+
+    async def size(self, name: str) -> int:
+        """The size (bytes) of object ``name``."""
+        try:
+            info = await self._store.get_info(name)
+        except nats.js.errors.ObjectNotFoundError:
+            raise NotFound(f"no object {name!r} in {self._bucket}") from None
+        return info.size or 0
+
+    async def read_into(self, name: str, into: io.BufferedIOBase) -> None:
+        """Write object ``name``'s bytes into ``into``, chunk by chunk (no copy of the
+        whole object is built)."""
+        try:
+            await self._store.get(name, writeinto=into)
+        except nats.js.errors.ObjectNotFoundError:
+            raise NotFound(f"no object {name!r} in {self._bucket}") from None
+
+    async def names(self) -> list[str]:
+        """The names of the objects stored now (not the deleted ones)."""
+        try:
+            stored = await self._store.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:
+            return []  # an empty store
+        return [info.name for info in stored if info.name is not None]
+
+    async def remove(self, name: str) -> None:
+        """Remove every message of object ``name`` from the bucket's stream; one
+        already removed is not an error.
+
+        The object store's own delete purges an object's chunks but leaves a "deleted"
+        meta message behind, forever (a marker for watchers; nothing here watches).
+        Those markers are spread over the stream's files, so the server could never drop
+        a file and disk grew by an object per delete. Purging the marker as well leaves
+        an old file with no live message, and the server removes it whole."""
+        try:
+            await self._store.delete(name)
+        except nats.js.errors.ObjectNotFoundError:
+            pass  # deleted before: its marker may still be there
+        encoded = base64.urlsafe_b64encode(name.encode()).decode()
+        # the subject of an object's meta messages, in the object store's own naming
+        meta_subject = OBJ_META_PRE_TEMPLATE.format(bucket=self._bucket, obj=encoded)
+        await self._js.purge_stream(
+            OBJ_STREAM_TEMPLATE.format(bucket=self._bucket), subject=meta_subject
+        )
+
+
 async def ack_redeliverable(msg: Msg) -> None:
     """Ack a durable consumer's message whose redelivery the consumer handles (it
     recognises what it already did). An ack the broker does not confirm (lost with a
@@ -400,6 +630,12 @@ async def ack_redeliverable(msg: Msg) -> None:
 
 NATS_CONNECT_WAIT_S = 15.0
 """How long a process retries its first connection to an unreachable NATS server."""
+
+NATS_CONNECT_RETRY = RetryPolicy(
+    retry_on=(OSError, TimeoutError, nats.errors.Error), first_delay_s=0.5
+)
+"""The first connection to NATS is tried again every 0.5 s, for ``connect``'s ``wait_s``
+(its deadline); refused credentials are not retried."""
 
 
 def _refused_credentials(exc: BaseException) -> bool:
@@ -435,8 +671,8 @@ async def connect(
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
-    while True:
-        remaining = deadline - loop.time()
+
+    async def attempt() -> Client:
         nc = Client()
         try:
             await nc.connect(
@@ -446,12 +682,11 @@ async def connect(
                 # connect() as many times as max_reconnect_attempts, -1 = forever)
                 allow_reconnect=False,
                 max_reconnect_attempts=1,
-                reconnect_time_wait=0,  # the loop below waits between attempts
+                reconnect_time_wait=0,  # NATS_CONNECT_RETRY waits between attempts
                 error_cb=on_error,
-                connect_timeout=int(max(1, min(5, remaining))),
+                connect_timeout=int(max(1, min(5, deadline - loop.time()))),
                 token=token or None,
             )
-            break
         except (OSError, TimeoutError, nats.errors.Error) as exc:
             await nc.close()  # a refused attempt leaves its socket open otherwise
             failures.append(exc)
@@ -461,16 +696,22 @@ async def connect(
                     f"NATS at {url} refused {given} (Authorization Violation): set "
                     "SF_NATS_TOKEN to the server's token"
                 ) from None
-            if loop.time() + 0.5 >= deadline:
-                cause = next(
-                    (f for f in failures if not isinstance(f, nats.errors.NoServersError)), exc
-                )
-                reason = str(cause) or type(cause).__name__
-                raise ConnectFailed(
-                    f"cannot reach NATS at {url} within {wait_s:.0f}s ({reason}): is "
-                    "nats-server running there? check SF_NATS_URL"
-                ) from None
-            await asyncio.sleep(0.5)
+            raise
+        return nc
+
+    # no attempt starts after the deadline: the last one starts a wait earlier
+    policy = dataclasses.replace(
+        NATS_CONNECT_RETRY, deadline_s=wait_s - NATS_CONNECT_RETRY.first_delay_s
+    )
+    try:
+        nc = await retry(attempt, policy, clock=loop.time)
+    except NATS_CONNECT_RETRY.retry_on as exc:
+        cause = next((f for f in failures if not isinstance(f, nats.errors.NoServersError)), exc)
+        reason = str(cause) or type(cause).__name__
+        raise ConnectFailed(
+            f"cannot reach NATS at {url} within {wait_s:.0f}s ({reason}): is "
+            "nats-server running there? check SF_NATS_URL"
+        ) from None
     # From here on the client reconnects by itself, forever (nats.py reads these at
     # each disconnect).
     nc.options["allow_reconnect"] = True

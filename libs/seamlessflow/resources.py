@@ -36,10 +36,17 @@ from seamlessflow.protocol import (
     policy_of_tags,
     policy_tag,
 )
+from seamlessflow.retry import RetryPolicy, retry
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
+
+REGISTER_RETRY = RetryPolicy(
+    retry_on=(NoResponder,), first_delay_s=0.1, backoff=2.0, max_delay_s=2.0
+)
+"""A registration nobody answers (the tag-scheduler starts after us, or restarts) is sent
+again after 0.1 s, doubling to 2 s, until the scheduler answers."""
 
 
 class RoleOutcome(NamedTuple):
@@ -103,18 +110,16 @@ class ResourceMembership:
             pid=os.getpid(),
             slots=self.slots,
         )
-        delay = 0.1
-        while True:
-            try:
-                assignment: RoleAssignment = await self.bus.request(
-                    self.bus.subjects.sched_register(), request, RoleAssignment, timeout=2.0
-                )
-            except NoResponder:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-                continue
-            await self._apply(assignment)
+
+        async def ask() -> RoleAssignment:
+            assignment: RoleAssignment = await self.bus.request(
+                self.bus.subjects.sched_register(), request, RoleAssignment, timeout=2.0
+            )
             return assignment
+
+        assignment = await retry(ask, REGISTER_RETRY)
+        await self._apply(assignment)
+        return assignment
 
     @contextlib.asynccontextmanager
     async def transition(self) -> AsyncIterator[None]:

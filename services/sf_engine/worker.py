@@ -75,6 +75,7 @@ from seamlessflow.protocol import (
     WeightsLoaded,
 )
 from seamlessflow.resources import ResourceMembership, RoleOutcome
+from seamlessflow.retry import RetryPolicy, retry
 from seamlessflow.service import ServiceContext, supervise
 from seamlessflow.weights import VersionGap
 from seamlessflow.weights.group import PushListener, join_as_engine
@@ -91,6 +92,12 @@ from sf_engine.config import EngineSettings
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
+
+CURRENT_VERSION_RETRY = RetryPolicy(
+    retry_on=(NoResponder,), first_delay_s=0.1, backoff=2.0, max_delay_s=2.0
+)
+"""A current-version query nobody answers (weight-sync starts after the engine, or
+restarts) is asked again after 0.1 s, doubling to 2 s, until weight-sync answers."""
 
 
 def _top_logprobs(top: TopLogprobs) -> list[TopLogprob]:
@@ -568,20 +575,19 @@ class EngineWorker:
         until weight-sync announces at least that version, for up to
         ``SF_ENGINE_MIN_VERSION_WAIT_S``: the trainer stored it before releasing its
         slots, so only weight-sync's announcement can lag."""
-        delay = 0.1
+
+        async def ask() -> CurrentVersion:
+            current: CurrentVersion = await self.ctx.bus.request(
+                self.ctx.subjects.weights_current(),
+                CurrentVersionQuery(engine_id=self.engine_id),
+                CurrentVersion,
+                timeout=2.0,
+            )
+            return current
+
         deadline = asyncio.get_running_loop().time() + self.settings.min_version_wait_s
         while True:
-            try:
-                current = await self.ctx.bus.request(
-                    self.ctx.subjects.weights_current(),
-                    CurrentVersionQuery(engine_id=self.engine_id),
-                    CurrentVersion,
-                    timeout=2.0,
-                )
-            except NoResponder:
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 2.0)
-                continue
+            current = await retry(ask, CURRENT_VERSION_RETRY)
             if current.version < min_version and asyncio.get_running_loop().time() < deadline:
                 await asyncio.sleep(0.02)
                 continue

@@ -43,7 +43,6 @@ import math
 import time
 from dataclasses import dataclass, replace
 
-import nats.js.errors
 import orjson
 
 from seamlessflow import telemetry
@@ -115,7 +114,7 @@ class TagScheduler:
 
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
-        self.kv = await ctx.bus.js.create_key_value(bucket=ctx.subjects.kv_resources())
+        self.kv = await ctx.bus.key_value(ctx.subjects.kv_resources())
         await self._restore()
         await ctx.bus.serve(ctx.subjects.sched_register(), ResourceRegister, self.on_register)
         await ctx.bus.serve(ctx.subjects.sched_claim(), SlotsClaim, self.on_claim)
@@ -190,15 +189,11 @@ class TagScheduler:
         ``dead_after_s``); one whose recorded role differs from what the policy says now
         (an engine lent before the restart) is told its role. Lending decisions and
         their measurements start afresh."""
-        try:
-            keys = await self.kv.keys()
-        except nats.js.errors.NoKeysError:
-            return
-        for key in keys:
-            entry = await self.kv.get(key)
-            if entry.value is None:
+        for key in await self.kv.keys():
+            value = await self.kv.get(key)
+            if value is None:
                 continue
-            record = orjson.loads(entry.value)
+            record = orjson.loads(value)
             view = ResourceView(
                 record["resource_id"],
                 record["kind"],

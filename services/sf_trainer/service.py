@@ -56,15 +56,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
-import nats.errors
-import nats.js.errors
 import torch
 from nats.aio.msg import Msg
-from nats.js.client import JetStreamContext
 
 from seamlessflow import telemetry
 from seamlessflow.batches import TRANSIENT_ERRORS, BatchPayloadMissing, fetch_batch
-from seamlessflow.bus import NoResponder, RemoteError, ack_redeliverable
+from seamlessflow.bus import DurableConsumer, NoResponder, RemoteError, ack_redeliverable
 from seamlessflow.protocol import (
     TRAINER_DURABLE,
     BatchReady,
@@ -104,6 +101,12 @@ is awaited. A trainer killed while it held a batch unacked leaves that batch to 
 back after the consumer's ack wait (30 s), behind the ones after it; training those
 first would skip it for good (it is then at or before the data position). Past this
 wait, the missing batch is taken as never published and the next one is trained."""
+
+BATCH_REDELIVERY_DELAY_S = 1.0
+"""How long a batch put back on the consumer (nak) waits before it comes again: one
+ahead of its turn (``IN_ORDER_WAIT_S``), or one whose payload cannot be read now (a
+broker restarting). Redelivery is how a payload read is retried: the trainer never
+loops on one batch, and sees a stop between tries."""
 T = TypeVar("T")
 
 
@@ -170,16 +173,10 @@ class Trainer:
             try:
                 await self.membership.wait_for_role("train")
                 await self._release_slots()
-                batches = await ctx.bus.js.pull_subscribe(
-                    ctx.subjects.batch_ready(),
-                    durable=TRAINER_DURABLE,
-                    stream=ctx.subjects.stream_batches(),
-                )
-                try:
+                async with ctx.bus.durable_consumer(
+                    ctx.subjects.stream_batches(), ctx.subjects.batch_ready(), TRAINER_DURABLE
+                ) as batches:
                     await self._train_loop(batches)
-                finally:
-                    # a pull subscription left open makes the connection's drain wait forever
-                    await batches.unsubscribe()
             finally:
                 heartbeat.cancel()
                 self.membership.end_phase()
@@ -239,7 +236,7 @@ class Trainer:
         )
         return max((w.version for w in announced), default=0)
 
-    async def _train_loop(self, batches: JetStreamContext.PullSubscription) -> None:
+    async def _train_loop(self, batches: DurableConsumer) -> None:
         while self.step < self.settings.steps and not self.ctx.stopping.is_set():
             self.membership.set_phase("idle")
             wait_started = time.monotonic()
@@ -267,7 +264,7 @@ class Trainer:
             if announced.batch_index > self.data_position + 1 and self._waits_in_order(
                 announced.batch_index
             ):
-                await msg.nak(delay=1.0)
+                await msg.nak(delay=BATCH_REDELIVERY_DELAY_S)
                 continue
             try:
                 batch = await fetch_batch(self.ctx.bus, announced)
@@ -278,7 +275,7 @@ class Trainer:
             except TRANSIENT_ERRORS as exc:
                 log.warning("batch %d: payload not readable now (%r): retrying",
                             announced.batch_index, exc)  # fmt: skip
-                await msg.nak(delay=1.0)
+                await msg.nak(delay=BATCH_REDELIVERY_DELAY_S)
                 continue
             self._ahead_since = None
             with telemetry.extracted_context(msg.headers):
@@ -319,19 +316,18 @@ class Trainer:
                     self.data_position + 1, IN_ORDER_WAIT_S, batch_index)  # fmt: skip
         return False
 
-    async def _next_batch(self, batches: JetStreamContext.PullSubscription) -> Msg | None:
+    async def _next_batch(self, batches: DurableConsumer) -> Msg | None:
         stop = asyncio.create_task(self.ctx.stopping.wait())
         try:
             while not self.ctx.stopping.is_set():
-                fetch = asyncio.create_task(batches.fetch(1, timeout=1.0))
+                fetch = asyncio.create_task(batches.next(timeout=1.0))
                 await asyncio.wait({fetch, stop}, return_when=asyncio.FIRST_COMPLETED)
                 if not fetch.done():
                     fetch.cancel()
                     return None
-                try:
-                    return fetch.result()[0]
-                except nats.errors.TimeoutError:
-                    continue
+                msg = fetch.result()
+                if msg is not None:
+                    return msg
             return None
         finally:
             stop.cancel()

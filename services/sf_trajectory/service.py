@@ -65,8 +65,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import nats.errors
-import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
@@ -645,13 +643,10 @@ class TrajectoryService:
         return max((m.batch_index + 1 for m in metrics), default=0)
 
     async def _trainer_finished(self, line: PolicyLine) -> bool:
-        try:
-            await self.ctx.bus.js.get_last_msg(
-                line.subjects.stream_metrics(), line.subjects.train_finished()
-            )
-        except nats.js.errors.NotFoundError:
-            return False
-        return True
+        finished = await self.ctx.bus.last_stored(
+            line.subjects.stream_metrics(), line.subjects.train_finished()
+        )
+        return finished is not None
 
     def _train_finished_handler(
         self, line: PolicyLine
@@ -663,13 +658,12 @@ class TrajectoryService:
         return on_train_finished
 
     async def _last_plan(self, line: PolicyLine) -> TrainingPlanned | None:
-        try:
-            msg = await self.ctx.bus.js.get_last_msg(
-                line.subjects.stream_metrics(), line.subjects.train_plan()
-            )
-        except nats.js.errors.NotFoundError:
+        msg = await self.ctx.bus.last_stored(
+            line.subjects.stream_metrics(), line.subjects.train_plan()
+        )
+        if msg is None:
             return None
-        plan: TrainingPlanned = decode(msg.data or b"", TrainingPlanned)
+        plan: TrainingPlanned = decode(msg.data, TrainingPlanned)
         return plan
 
     def _check_plan(self, plan: TrainingPlanned) -> None:

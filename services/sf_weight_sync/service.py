@@ -26,11 +26,8 @@ import asyncio
 import logging
 import time
 
-import nats.errors
-import nats.js.errors
-
 from seamlessflow import telemetry
-from seamlessflow.bus import ack_redeliverable
+from seamlessflow.bus import DurableConsumer, ack_redeliverable
 from seamlessflow.protocol import (
     WEIGHT_SYNC_DURABLE,
     CurrentVersion,
@@ -71,20 +68,16 @@ class WeightSync:
         await ctx.bus.subscribe(subjects.weights_loaded(), WeightsLoaded, self._on_loaded)
         await ctx.bus.subscribe(subjects.sched_phase(), PhaseChanged, self._on_phase)
         await ctx.bus.serve(subjects.weights_current(), CurrentVersionQuery, self.on_query)
-        self.published = await ctx.bus.js.pull_subscribe(
-            subjects.weights_published(),
-            durable=WEIGHT_SYNC_DURABLE,
-            stream=subjects.stream_weights(),
-        )
-        log.info("weight-sync up at version %d", self.chain.version)
-        self.ready.set()
-        try:
-            await supervise(ctx.stopping, self._published_loop())
-        finally:
-            for watcher in self._watchers:
-                watcher.cancel()
-            # a pull subscription left open makes the connection's drain wait forever
-            await self.published.unsubscribe()
+        async with ctx.bus.durable_consumer(
+            subjects.stream_weights(), subjects.weights_published(), WEIGHT_SYNC_DURABLE
+        ) as published:
+            log.info("weight-sync up at version %d", self.chain.version)
+            self.ready.set()
+            try:
+                await supervise(ctx.stopping, self._published_loop(published))
+            finally:
+                for watcher in self._watchers:
+                    watcher.cancel()
 
     async def on_query(self, query: CurrentVersionQuery) -> CurrentVersion:
         async with self._loaded:
@@ -114,21 +107,18 @@ class WeightSync:
     async def _reload_chain(self) -> None:
         """After a restart: walk the stream back from its last message to the latest
         full payload, then replay forward."""
-        subjects = self.ctx.subjects
-        js = self.ctx.bus.js
-        try:
-            last = await js.get_last_msg(subjects.stream_weights(), subjects.weights_published())
-        except nats.js.errors.NotFoundError:
+        subjects, bus = self.ctx.subjects, self.ctx.bus
+        last = await bus.last_stored(subjects.stream_weights(), subjects.weights_published())
+        if last is None:
             return
         found: list[WeightManifest] = []
         sequence = last.seq
-        while sequence is not None and sequence > 0:
-            try:
-                raw = await js.get_msg(subjects.stream_weights(), sequence)
-            except nats.js.errors.NotFoundError:
+        while sequence > 0:
+            raw = await bus.stored_at(subjects.stream_weights(), sequence)
+            if raw is None:
                 break
             sequence -= 1
-            if raw.subject != subjects.weights_published() or raw.data is None:
+            if raw.subject != subjects.weights_published() or not raw.data:
                 continue
             try:
                 manifest = decode(raw.data, WeightsPublished).manifest
@@ -141,24 +131,22 @@ class WeightSync:
         for manifest in reversed(found):
             self.chain.extend(manifest)
 
-    async def _published_loop(self) -> None:
+    async def _published_loop(self, consumer: DurableConsumer) -> None:
         # Checked on every turn: on Python 3.11 a cancellation that lands as fetch's
         # time-out fires comes out as a TimeoutError, which alone would keep us looping.
         while not self.ctx.stopping.is_set():
-            try:
-                messages = await self.published.fetch(1, timeout=1.0)
-            except nats.errors.TimeoutError:
+            msg = await consumer.next(timeout=1.0)
+            if msg is None:
                 continue
-            for msg in messages:
-                try:
-                    published = decode(msg.data, WeightsPublished)
-                except ValueError as exc:
-                    log.warning("terminating malformed weights message: %s", exc)
-                    await msg.term()
-                    continue
-                with telemetry.extracted_context(msg.headers):
-                    await self._sync(published)
-                await ack_redeliverable(msg)  # a redelivered version is not synced again
+            try:
+                published = decode(msg.data, WeightsPublished)
+            except ValueError as exc:
+                log.warning("terminating malformed weights message: %s", exc)
+                await msg.term()
+                continue
+            with telemetry.extracted_context(msg.headers):
+                await self._sync(published)
+            await ack_redeliverable(msg)  # a redelivered version is not synced again
 
     async def _sync(self, published: WeightsPublished) -> None:
         manifest = published.manifest

@@ -41,6 +41,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from seamlessflow.agents import AgentReward, AgentTask, get_agent
 from seamlessflow.bus import NoResponder, Unrecoverable
 from seamlessflow.protocol import NoTask, TaskAssignment, TaskClaim
+from seamlessflow.retry import RetryPolicy, retry
 from seamlessflow.service import ServiceContext, supervise
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,16 @@ AGENT_CALL_RETRIES = 8
 back-off (0.5 s doubling to 8 s) spans about 40 s, longer than a gateway's restart. The
 gateway marks the errors a retry cannot fix (4xx) as not to be retried."""
 
-GATEWAY_ATTEMPTS = 5
-"""Attempts of one of the runner's own calls (open, reward, finish) that could not
-connect; each waits for the gateway's health check first."""
+GATEWAY_CALL_RETRY = RetryPolicy(
+    retry_on=(aiohttp.ClientConnectionError,), first_delay_s=0.0, attempts=5
+)
+"""One of the runner's own calls (open, reward, finish) that could not connect is made up
+to 5 times; before each new attempt it waits for the gateway's health check (no fixed
+delay: the gateway answering is what it waits for)."""
+
+TASK_CLAIM_RETRY = RetryPolicy(retry_on=(NoResponder,), first_delay_s=0.5)
+"""A task claim nobody answered (the trajectory service restarting or busy) is repeated,
+with the same claim id, every 0.5 s until an answer comes back."""
 
 
 class GatewayRefused(Exception):
@@ -148,20 +156,24 @@ class AgentRunner:
                 )
             await asyncio.sleep(0.2)
 
-    async def _worker(self) -> None:
-        # A claim unanswered in time may still have been handed a sample (it waited
-        # behind other claims, or its reply was lost): it is repeated with the same id,
-        # which gets that same sample, until an answer comes back.
+    async def _claim(self) -> TaskAssignment | NoTask:
+        """The trajectory service's answer to a new claim. A claim unanswered in time
+        may still have been handed a sample (it waited behind other claims, or its reply
+        was lost): it is repeated with the same id, which gets that same sample, until
+        an answer comes back (``TASK_CLAIM_RETRY``)."""
         claim = TaskClaim(runner_id=self.runner_id, claim_id=uuid.uuid4().hex)
+
+        async def ask() -> TaskAssignment | NoTask:
+            reply: TaskAssignment | NoTask = await self.ctx.bus.request(
+                self.ctx.subjects.task_claim(), claim, TaskAssignment | NoTask, timeout=5.0
+            )
+            return reply
+
+        return await retry(ask, TASK_CLAIM_RETRY)
+
+    async def _worker(self) -> None:
         while True:
-            try:
-                reply: TaskAssignment | NoTask = await self.ctx.bus.request(
-                    self.ctx.subjects.task_claim(), claim, TaskAssignment | NoTask, timeout=5.0
-                )
-            except NoResponder:
-                await asyncio.sleep(0.5)  # the trajectory service is (re)starting or busy
-                continue
-            claim = TaskClaim(runner_id=self.runner_id, claim_id=uuid.uuid4().hex)
+            reply = await self._claim()
             if isinstance(reply, NoTask):
                 if reply.reason == "exhausted":
                     return
@@ -244,19 +256,19 @@ class AgentRunner:
     ) -> tuple[int, str]:
         """POST to the gateway: (status, body text). A call that cannot connect (the
         gateway restarting) is made again once the gateway answers its health check;
-        the restarted gateway knows the session."""
-        for attempt in range(1, GATEWAY_ATTEMPTS + 1):
-            try:
-                async with self.http.post(
-                    f"{self.gateway_url}{path}", json=body, headers=headers
-                ) as response:
-                    return response.status, await response.text()
-            except aiohttp.ClientConnectionError as exc:
-                if attempt == GATEWAY_ATTEMPTS:
-                    raise
-                log.warning("POST %s: %s; trying again once the gateway answers", path, exc)
-                await self._wait_for_gateway()
-        raise AssertionError("unreachable")
+        the restarted gateway knows the session (``GATEWAY_CALL_RETRY``)."""
+
+        async def post() -> tuple[int, str]:
+            async with self.http.post(
+                f"{self.gateway_url}{path}", json=body, headers=headers
+            ) as response:
+                return response.status, await response.text()
+
+        async def wait_for_gateway(exc: BaseException) -> None:
+            log.warning("POST %s: %s; trying again once the gateway answers", path, exc)
+            await self._wait_for_gateway()
+
+        return await retry(post, GATEWAY_CALL_RETRY, on_retry=wait_for_gateway)
 
 
 def _reward_bodies(reward: AgentReward) -> list[dict[str, object]]:

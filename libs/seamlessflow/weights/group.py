@@ -24,12 +24,17 @@ from typing import Any, TypeVar
 
 from seamlessflow.bus import Bus, NoResponder
 from seamlessflow.protocol import WeightManifest, WeightsGroupOffer, WeightsGroupQuery
+from seamlessflow.retry import RetryPolicy, retry
 from seamlessflow.weights import collective
 from seamlessflow.weights.collective import Collective
 from seamlessflow.weights.settings import WeightTransferSettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+GROUP_OFFER_RETRY = RetryPolicy(retry_on=(NoResponder,), first_delay_s=1.0)
+"""An engine asks for the push group's offer every second until the trainer, which
+forms the group, is up and answers."""
 
 
 def _gloo(settings: WeightTransferSettings) -> Collective:
@@ -70,17 +75,17 @@ async def form_as_trainer(bus: Bus, settings: WeightTransferSettings) -> Collect
 async def join_as_engine(bus: Bus, settings: WeightTransferSettings) -> Collective:
     if settings.group_backend == "gloo":
         return await in_daemon_thread(lambda: _gloo(settings))
-    while True:
-        try:
-            offer = await bus.request(
-                bus.subjects.weights_group(),
-                WeightsGroupQuery(rank=settings.group_rank),
-                WeightsGroupOffer,
-                timeout=5.0,
-            )
-            break
-        except NoResponder:
-            await asyncio.sleep(1.0)  # the trainer is not up yet
+
+    async def ask() -> WeightsGroupOffer:
+        offer: WeightsGroupOffer = await bus.request(
+            bus.subjects.weights_group(),
+            WeightsGroupQuery(rank=settings.group_rank),
+            WeightsGroupOffer,
+            timeout=5.0,
+        )
+        return offer
+
+    offer = await retry(ask, GROUP_OFFER_RETRY)
     rank, unique_id = settings.group_rank, tuple(offer.unique_id)
     return await in_daemon_thread(
         lambda: collective.CupyNcclCollective(offer.size, rank, unique_id)

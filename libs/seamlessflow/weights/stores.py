@@ -20,7 +20,6 @@ anything, and refuses a mismatch (``WeightsCorrupted``).
 from __future__ import annotations
 
 import asyncio
-import base64
 import io
 import mmap
 import os
@@ -28,11 +27,7 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
-import nats.js.errors
-from nats.js.api import ObjectInfo, ObjectMeta, ObjectMetaOptions
-from nats.js.object_store import OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, ObjectStore
-
-from seamlessflow.bus import Bus
+from seamlessflow.bus import Bus, NotFound, ObjectBucket
 from seamlessflow.protocol import WeightManifest
 from seamlessflow.weights.codec import EncodedWeights, WeightsCorrupted
 from seamlessflow.weights.layout import bucket_ranges
@@ -86,27 +81,25 @@ class ObjectStorePayloads:
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
-        self._store: ObjectStore | None = None
+        self._store: ObjectBucket | None = None
         self._bucket = bus.subjects.object_store_weights()
 
-    async def _objects(self) -> ObjectStore:
+    async def _objects(self) -> ObjectBucket:
         if self._store is None:
-            try:
-                self._store = await self.bus.js.object_store(self._bucket)
-            except nats.js.errors.BucketNotFoundError:
-                self._store = await self.bus.js.create_object_store(self._bucket)
+            self._store = await self.bus.object_bucket(self._bucket)
         return self._store
 
     async def put(self, encoded: EncodedWeights) -> WeightManifest:
         store = await self._objects()
         location = payload_name(encoded.manifest)
-        meta_options = ObjectMetaOptions(max_chunk_size=OBJECT_CHUNK_BYTES)
         for index, (start, end) in enumerate(
             bucket_ranges(len(encoded.payload), encoded.manifest.bucket_bytes)
         ):
-            name = _bucket_object(location, index)
-            meta = ObjectMeta(name=name, options=meta_options)
-            await store.put(name, bytes(encoded.payload[start:end]), meta=meta)
+            await store.put(
+                _bucket_object(location, index),
+                bytes(encoded.payload[start:end]),
+                chunk_bytes=OBJECT_CHUNK_BYTES,
+            )
         return _located(encoded.manifest, self.name, location)
 
     async def fetch(self, manifest: WeightManifest) -> memoryview:
@@ -116,11 +109,11 @@ class ObjectStorePayloads:
         # A manifest is input: its sizes must be those of the stored objects before its
         # payload is allocated, or one message could make an engine allocate anything.
         for index, (start, end) in enumerate(ranges):
-            info = await self._stored_info(store, manifest, index)
-            if info.size != end - start:
+            size = await self._stored_size(store, manifest, index)
+            if size != end - start:
                 raise WeightsCorrupted(
                     f"version {manifest.version}: the manifest makes bucket {index} "
-                    f"{end - start} bytes; the store holds {info.size}"
+                    f"{end - start} bytes; the store holds {size}"
                 )
         payload = memoryview(bytearray(manifest.payload_bytes))
         # several buckets at once: each get waits on nats-py's flow-control replies,
@@ -133,8 +126,8 @@ class ObjectStorePayloads:
             into = _SliceWriter(payload[start:end])
             async with parallel:
                 try:
-                    await store.get(_bucket_object(manifest.location, index), writeinto=into)
-                except nats.js.errors.ObjectNotFoundError as exc:
+                    await store.read_into(_bucket_object(manifest.location, index), into)
+                except NotFound as exc:
                     raise PayloadMissing(f"{manifest.location} bucket {index}") from exc
             if into.written != end - start:
                 raise PayloadMissing(f"{manifest.location} bucket {index}: {into.written} bytes")
@@ -147,43 +140,25 @@ class ObjectStorePayloads:
             raise missing.exceptions[0] from None
         return payload
 
-    async def _stored_info(
-        self, store: ObjectStore, manifest: WeightManifest, index: int
-    ) -> ObjectInfo:
+    async def _stored_size(self, store: ObjectBucket, manifest: WeightManifest, index: int) -> int:
         try:
-            return await store.get_info(_bucket_object(manifest.location, index))
-        except nats.js.errors.ObjectNotFoundError as exc:
+            return await store.size(_bucket_object(manifest.location, index))
+        except NotFound as exc:
             raise PayloadMissing(f"{manifest.location} bucket {index}") from exc
 
     async def delete(self, manifest: WeightManifest) -> None:
-        """Remove every message of the payload from the bucket's stream.
-
-        The object store's own delete purges an object's chunks but leaves a "deleted"
-        meta message behind, forever (a marker for watchers; nothing here watches).
-        Those markers are spread over the stream's files, so the server could never drop
-        a file and disk grew by a payload per version. Purging the marker as well leaves
-        an old file with no live message, and the server removes it whole."""
+        """Remove every message of the payload from the bucket's stream, the object
+        store's "deleted" markers too (``ObjectBucket.remove``: otherwise disk grew by a
+        payload per version)."""
         store = await self._objects()
         for index in range(len(manifest.bucket_sha256)):
-            await self._delete_object(store, _bucket_object(manifest.location, index))
-
-    async def _delete_object(self, store: ObjectStore, name: str) -> None:
-        try:
-            await store.delete(name)
-        except nats.js.errors.ObjectNotFoundError:
-            pass  # deleted before: its marker may still be there
-        stream = OBJ_STREAM_TEMPLATE.format(bucket=self._bucket)
-        await self.bus.js.purge_stream(stream, subject=_meta_subject(self._bucket, name))
+            await store.remove(_bucket_object(manifest.location, index))
 
     async def delete_before(self, version: int) -> None:
         store = await self._objects()
-        try:
-            stored = await store.list(ignore_deletes=True)
-        except nats.js.errors.NotFoundError:
-            return  # an empty store
-        for info in stored:
-            if info.name is not None and _payload_version(info.name) < version:
-                await self._delete_object(store, info.name)
+        for name in await store.names():
+            if _payload_version(name) < version:
+                await store.remove(name)
 
 
 class SharedMemoryPayloads:
@@ -267,12 +242,6 @@ def _check_buckets(manifest: WeightManifest) -> None:
 
 def _bucket_object(location: str, index: int) -> str:
     return f"{location}.b{index:05d}"
-
-
-def _meta_subject(bucket: str, name: str) -> str:
-    """The subject of an object's meta messages (the object store's own naming)."""
-    encoded = base64.urlsafe_b64encode(name.encode()).decode()
-    return OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=encoded)
 
 
 def _located(manifest: WeightManifest, transport: str, location: str) -> WeightManifest:

@@ -1,0 +1,105 @@
+"""``Bus``'s JetStream and inbox methods on a real nats-server: what is missing comes back
+as None, an empty list or ``NotFound``, never as a nats-py exception."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import pytest
+
+from seamlessflow.bus import Bus, NotFound, next_message
+from seamlessflow.protocol import MessageIds, TrainingPlanned
+
+
+async def test_stored_messages_are_read_by_subject_and_by_sequence(bus: Bus) -> None:
+    s = bus.subjects
+    assert await bus.last_stored(s.stream_metrics(), s.train_plan()) is None
+    plan = TrainingPlanned(steps=3, seed=1, policy=s.policy)
+    seq = await bus.js_publish(s.train_plan(), plan, msg_id=MessageIds.train_plan(s.policy, "t"))
+    last = await bus.last_stored(s.stream_metrics(), s.train_plan())
+    assert last is not None and (last.subject, last.seq) == (s.train_plan(), seq)
+    at = await bus.stored_at(s.stream_metrics(), seq)
+    assert at == last
+    assert await bus.stored_at(s.stream_metrics(), seq + 1) is None
+
+
+async def test_a_stream_exists_once_created(bus: Bus) -> None:
+    assert await bus.stream_exists(bus.subjects.stream_metrics())
+    assert not await bus.stream_exists(bus.subjects.stream_metrics() + "_NOT_CREATED")
+
+
+async def test_a_durable_consumer_hands_out_messages_and_none_on_a_quiet_stream(bus: Bus) -> None:
+    s = bus.subjects
+    async with bus.durable_consumer(s.stream_metrics(), s.train_plan(), "test-durable") as c:
+        assert await c.next(timeout=0.2) is None
+        plan = TrainingPlanned(steps=3, seed=1, policy=s.policy)
+        await bus.js_publish(s.train_plan(), plan)
+        msg = await c.next(timeout=5.0)
+        assert msg is not None and msg.subject == s.train_plan()
+        await msg.ack_sync()
+    info = await bus.js.consumer_info(s.stream_metrics(), "test-durable")
+    assert info.num_ack_pending == 0
+
+
+async def test_a_key_value_bucket_is_empty_then_holds_what_was_put(bus: Bus) -> None:
+    kv = await bus.key_value(bus.subjects.kv_resources())
+    assert await kv.keys() == []
+    assert await kv.get("engine-0") is None
+    await kv.put("engine-0", b"{}")
+    again = await bus.key_value(bus.subjects.kv_resources())  # created once: idempotent
+    assert await again.keys() == ["engine-0"]
+    assert await again.get("engine-0") == b"{}"
+
+
+async def test_an_object_bucket_reads_removes_and_reports_what_is_missing(bus: Bus) -> None:
+    objects = await bus.object_bucket(bus.subjects.object_store_weights())
+    assert await objects.names() == []
+    with pytest.raises(NotFound):
+        await objects.size("absent")
+    with pytest.raises(NotFound):
+        await objects.read_into("absent", io.BytesIO())
+    await objects.remove("absent")  # removing what is not there is not an error
+    data = bytes(range(256)) * 40
+    await objects.put("obj", data, chunk_bytes=1000)
+    assert await objects.names() == ["obj"]
+    assert await objects.size("obj") == len(data)
+    into = io.BytesIO()
+    await objects.read_into("obj", into)
+    assert into.getvalue() == data
+    await objects.remove("obj")
+    assert await objects.names() == []
+    with pytest.raises(NotFound):
+        await objects.size("obj")
+    stream = f"OBJ_{bus.subjects.object_store_weights()}"
+    assert (await bus.js.stream_info(stream)).state.messages == 0  # no "deleted" marker left
+
+
+async def test_an_inbox_delivers_every_subject_under_its_prefix(bus: Bus) -> None:
+    got: list[tuple[str, bytes]] = []
+    arrived = asyncio.Event()
+
+    async def on_message(msg) -> None:  # type: ignore[no-untyped-def]
+        got.append((msg.subject, msg.data))
+        if len(got) == 2:
+            arrived.set()
+
+    prefix = await bus.subscribe_inbox(on_message)
+    await bus.nc.publish(f"{prefix}.a", b"1")
+    await bus.nc.publish(f"{prefix}.b", b"2")
+    await asyncio.wait_for(arrived.wait(), 5.0)
+    assert got == [(f"{prefix}.a", b"1"), (f"{prefix}.b", b"2")]
+
+
+async def test_next_message_of_a_followed_stream_is_none_when_nothing_comes(bus: Bus) -> None:
+    s = bus.subjects
+    sub, last_seq = await bus.follow(s.stream_metrics(), s.train_all())
+    try:
+        assert last_seq == 0
+        assert await next_message(sub, timeout=0.2) is None
+        plan = TrainingPlanned(steps=3, seed=1, policy=s.policy)
+        await bus.js_publish(s.train_plan(), plan)
+        msg = await next_message(sub, timeout=5.0)
+        assert msg is not None and msg.subject == s.train_plan()
+    finally:
+        await sub.unsubscribe()
