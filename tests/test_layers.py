@@ -71,3 +71,22 @@ def test_a_service_imports_only_itself_and_the_library(service: str) -> None:
         if tops - allowed
     }
     assert not wrong, wrong
+
+
+def test_only_the_bus_imports_the_nats_client() -> None:
+    """``Bus`` is the only way into NATS (docs/architecture.md, "How the parts talk"):
+    nats-py's client, JetStream context and errors are used in ``seamlessflow.bus`` only;
+    the rest names its types through it."""
+    importers = set()
+    for root in ("app", "libs", "services"):
+        for path in sorted((ROOT / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    names = [node.module]
+                else:
+                    continue
+                if any(name == "nats" or name.startswith("nats.") for name in names):
+                    importers.add(str(path.relative_to(ROOT)))
+    assert importers == {"libs/seamlessflow/bus.py"}

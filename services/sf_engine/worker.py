@@ -52,11 +52,10 @@ import time
 from collections.abc import Callable
 
 import torch
-from nats.aio.subscription import Subscription
 
 from seamlessflow import telemetry, weights
 from seamlessflow.assets.model_check import ModelNeeds, check_model, context_need
-from seamlessflow.bus import DomainError, NoResponder
+from seamlessflow.bus import DomainError, NoResponder, Subscription
 from seamlessflow.plugins import Registry
 from seamlessflow.protocol import (
     ENGINE_QUEUE,

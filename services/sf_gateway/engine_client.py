@@ -23,10 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nats.aio.msg import Msg
-
 from seamlessflow import telemetry
-from seamlessflow.bus import Bus, NoResponder, RemoteError
+from seamlessflow.bus import Bus, Msg, NoResponder, RemoteError
 from seamlessflow.protocol import (
     AbortGeneration,
     GenerateChunk,
@@ -227,9 +225,7 @@ class EngineClient:
         if not self._chunk_prefix:
             async with self._chunk_subscribing:
                 if not self._chunk_prefix:
-                    prefix = self.bus.nc.new_inbox()
-                    await self.bus.nc.subscribe(f"{prefix}.*", cb=self.on_chunk)
-                    self._chunk_prefix = prefix
+                    self._chunk_prefix = await self.bus.subscribe_inbox(self.on_chunk)
         return self._chunk_prefix
 
     async def on_chunk(self, msg: Msg) -> None:

@@ -57,11 +57,10 @@ from typing import Any, TypeVar
 
 import msgspec
 import torch
-from nats.aio.msg import Msg
 
 from seamlessflow import telemetry
 from seamlessflow.batches import TRANSIENT_ERRORS, BatchPayloadMissing, fetch_batch
-from seamlessflow.bus import DurableConsumer, NoResponder, RemoteError, ack_redeliverable
+from seamlessflow.bus import DurableConsumer, Msg, NoResponder, RemoteError, ack_redeliverable
 from seamlessflow.protocol import (
     TRAINER_DURABLE,
     BatchReady,

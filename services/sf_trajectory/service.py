@@ -65,12 +65,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-
 from seamlessflow import telemetry
 from seamlessflow.batches import publish_batch, stored_announcements
-from seamlessflow.bus import NotFound, Unrecoverable
+from seamlessflow.bus import Msg, NotFound, Subscription, Unrecoverable
 from seamlessflow.protocol import (
     BatchFilterReport,
     BatchProgress,

@@ -29,11 +29,8 @@ import secrets
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
-import nats.errors
-
-from seamlessflow.bus import FOLLOW_HEARTBEAT_S, Unrecoverable, connect
+from seamlessflow.bus import Bus, Unrecoverable, connect, next_message
 from seamlessflow.connection import RunConnection
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import (
@@ -294,22 +291,17 @@ class EmbeddedRun(Supervisor):
             self.state.status = f"failed: {exc}"
             log.error("%s", exc)
             return
-        nc = follower.nc
         metrics_file = (self.run_dir / "metrics.jsonl").open("a")
         progress = Progress(self.config, self.run_id, enabled=self.config.live)
         try:
-            js = nc.jetstream()
-            problem = await self._wait_for_stream(js, subjects.stream_metrics(), stop)
+            problem = await self._wait_for_stream(follower, subjects.stream_metrics(), stop)
             if problem:
                 self.state.status = f"failed: {problem}"
                 log.error(problem)
                 return
-            sub = await js.subscribe(
-                subjects.train_all(),
-                stream=subjects.stream_metrics(),
-                ordered_consumer=True,
-                idle_heartbeat=FOLLOW_HEARTBEAT_S,  # back within seconds of a NATS restart
-            )
+            # an ordered consumer from the start, with a heartbeat: back within seconds of
+            # a NATS restart (the replay marker is unused: every message is handled alike)
+            sub, _ = await follower.follow(subjects.stream_metrics(), subjects.train_all())
             with progress:
                 while not stop.is_set():
                     problem = self.unexpected_exit()
@@ -318,9 +310,8 @@ class EmbeddedRun(Supervisor):
                         progress.tick(self.state)  # the live table shows why, as its caption
                         log.error(problem)
                         return
-                    try:
-                        msg = await sub.next_msg(timeout=0.5)
-                    except nats.errors.TimeoutError:
+                    msg = await next_message(sub, timeout=0.5)
+                    if msg is None:
                         progress.tick(self.state)
                         continue
                     message = decode(
@@ -349,21 +340,17 @@ class EmbeddedRun(Supervisor):
             self.state.status = "interrupted"
         finally:
             metrics_file.close()
-            await nc.close()
+            await follower.close()
 
-    async def _wait_for_stream(self, js: Any, name: str, stop: asyncio.Event) -> str | None:
+    async def _wait_for_stream(self, bus: Bus, name: str, stop: asyncio.Event) -> str | None:
         """Wait until a service created the run's streams; a crashed service is returned."""
-        import nats.js.errors
-
         while not stop.is_set():
-            try:
-                await js.stream_info(name)
+            if await bus.stream_exists(name):
                 return None
-            except nats.js.errors.NotFoundError:
-                problem = self.unexpected_exit()
-                if problem:
-                    return problem
-                await asyncio.sleep(0.2)
+            problem = self.unexpected_exit()
+            if problem:
+                return problem
+            await asyncio.sleep(0.2)
         return None
 
 
