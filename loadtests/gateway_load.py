@@ -963,12 +963,12 @@ async def run_levels(
 ) -> None:
     from seamlessflow.bus import connect
     from seamlessflow.protocol import Subjects
-    from sf_engine.config import EngineSettings
-    from sf_engine.worker import EngineWorker
-    from sf_gateway.config import GatewaySettings
-    from sf_gateway.gateway import GatewayService
-    from sf_tag_scheduler.service import TagScheduler
-    from sf_weight_sync.service import WeightSync
+    from sf_engine.service import EngineService
+    from sf_engine.settings import EngineSettings
+    from sf_gateway.service import GatewayService
+    from sf_gateway.settings import GatewaySettings
+    from sf_tag_scheduler.service import TagSchedulerService
+    from sf_weight_sync.service import WeightSyncService
 
     run_id = "load" + uuid.uuid4().hex[:8]
     mesh = InProcessMesh(nats_url, run_id, model_dir)
@@ -978,11 +978,11 @@ async def run_levels(
     bus = None
     try:
         t0 = time.perf_counter()
-        await mesh.start(TagScheduler())
-        await mesh.start(WeightSync())
+        await mesh.start(TagSchedulerService())
+        await mesh.start(WeightSyncService())
         engines = [
             await mesh.start(
-                EngineWorker(
+                EngineService(
                     EngineSettings(
                         engine_id=f"engine-{i}",
                         backend=args.engine_backend,

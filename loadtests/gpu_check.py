@@ -433,9 +433,9 @@ def check_fsdp2_bf16_step(ctx: Context) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from sf_trainer.config import TrainerSettings
     from sf_trainer.distributed import TrainGroup, forward_precision
     from sf_trainer.logprobs import target_logprobs
+    from sf_trainer.settings import TrainerSettings
 
     model_dir = ctx.model("qwen2-tied")
     device = torch.device("cuda", 0) if ctx.device == "cuda" else torch.device("cpu")

@@ -39,7 +39,7 @@ def one(tokens: int, chunk: int, threads: int) -> dict[str, float]:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from seamlessflow.protocol import SampleGroup, TrainBatch, TrainSample
-    from sf_trainer.config import TrainerSettings
+    from sf_trainer.settings import TrainerSettings
     from sf_trainer.step import train_step
 
     torch.set_num_threads(threads)

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from sf_trainer.advantages import batch_advantages
-    from sf_trainer.config import TrainerSettings
+    from sf_trainer.settings import TrainerSettings
     from sf_trainer.step import train_step
 
     if args.model_dir is None:

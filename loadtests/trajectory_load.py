@@ -100,8 +100,8 @@ async def measure(nats_url: str, args: argparse.Namespace, sessions: int) -> dic
     from seamlessflow.protocol import Subjects
     from seamlessflow.service import ServiceContext
     from seamlessflow.settings import MeshSettings
-    from sf_trajectory.config import TrajectorySettings
     from sf_trajectory.service import TrajectoryService
+    from sf_trajectory.settings import TrajectorySettings
 
     run_id = "tl" + uuid.uuid4().hex[:10]
     writer = await connect(nats_url, Subjects(run_id), name="writer")

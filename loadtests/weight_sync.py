@@ -90,8 +90,8 @@ from seamlessflow.weights import (
     collective,
 )
 from seamlessflow.weights.settings import WeightTransferSettings
-from sf_trainer.config import TrainerSettings
 from sf_trainer.grpo import token_logprobs
+from sf_trainer.settings import TrainerSettings
 from sf_trainer.step import train_step
 
 MB = 1_000_000

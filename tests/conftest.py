@@ -194,7 +194,7 @@ def openai_shapes(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     package's types (tests/openai_shapes.py); any mismatch fails the test."""
     from openai_shapes import ShapeChecker
 
-    from sf_gateway.gateway import Gateway
+    from sf_gateway.service import Gateway
 
     checker = ShapeChecker()
     serve = Gateway.app

@@ -2,7 +2,7 @@
 engine interface: batching, stop ids, budgets, aborts, versions) with the tokens of
 given texts instead of its pseudo-random draws.
 
-``scripted_engine(monkeypatch, replies)`` makes every ``EngineWorker`` of the test build
+``scripted_engine(monkeypatch, replies)`` makes every ``EngineService`` of the test build
 a ``ReplyEngine``; request k (in arrival order) is answered with ``replies[k]``
 tokenized by the model's tokenizer, then the chat's end-of-turn token (a stop id). A
 random-weights model cannot be made to write a tool call or a think block; this can,
@@ -56,12 +56,12 @@ def scripted_engine(
     monkeypatch: pytest.MonkeyPatch, model_dir: Path, texts: Sequence[str]
 ) -> list[list[int]]:
     """Workers started from now on answer with ``texts`` in order; returns their ids."""
-    import sf_engine.worker as engine_worker
+    import sf_engine.service as engine_service
 
     replies = script_tokens(model_dir, texts)
     queue = list(replies)
     monkeypatch.setattr(
-        engine_worker,
+        engine_service,
         "build_engine",
         lambda settings, model_dir: ReplyEngine(
             model_dir, queue, max_batch_size=settings.max_batch_size, step_s=0.0

@@ -40,10 +40,10 @@ from seamlessflow.protocol import (
 )
 from seamlessflow.service import ServiceContext
 from seamlessflow.settings import MeshSettings
-from sf_trainer.config import TrainerSettings
-from sf_trainer.service import Trainer
-from sf_trajectory.config import TrajectorySettings
+from sf_trainer.service import TrainerService
+from sf_trainer.settings import TrainerSettings
 from sf_trajectory.service import TrajectoryService
+from sf_trajectory.settings import TrajectorySettings
 
 # --------------------------------------------------------------------------- encoding
 
@@ -315,9 +315,9 @@ async def test_a_64_by_4k_token_batch_with_a_16k_sample_is_trained(
     service's batch -> the real nats-server -> the trainer, which trains it in one step
     (micro-batches of ``micro_batch_tokens``). Fails on a build that publishes the batch
     as one message: NATS refuses it (``MaxPayloadError``)."""
-    from sf_tag_scheduler.service import TagScheduler
+    from sf_tag_scheduler.service import TagSchedulerService
 
-    await mesh.start(TagScheduler())
+    await mesh.start(TagSchedulerService())
     trajectory = await mesh.start(
         TrajectoryService(
             TrajectorySettings(group_size=GROUP_SIZE, groups_per_batch=GROUPS, data_filters="")
@@ -349,7 +349,7 @@ async def test_a_64_by_4k_token_batch_with_a_16k_sample_is_trained(
     )  # fmt: skip
     trainer_bus = await connect(run.nats_url, Subjects(run.run_id), name="trainer")
     try:
-        trainer = Trainer(TrainerSettings(steps=1, micro_batch_tokens=LONG_SAMPLE))
+        trainer = TrainerService(TrainerSettings(steps=1, micro_batch_tokens=LONG_SAMPLE))
         await asyncio.wait_for(trainer.run(ServiceContext(mesh=run, bus=trainer_bus)), 300)
     finally:
         await trainer_bus.drain()
@@ -399,9 +399,9 @@ async def test_a_batch_left_unacked_is_fetched_whole_by_the_next_trainer(
     """A trainer that stops after one step leaves the second batch in the consumer; the
     next trainer process fetches its payload and trains it (the payload outlives the
     process that did not ack it)."""
-    from sf_tag_scheduler.service import TagScheduler
+    from sf_tag_scheduler.service import TagSchedulerService
 
-    await mesh.start(TagScheduler())
+    await mesh.start(TagSchedulerService())
     sent = [big_batch(0, [[300, 200], [250, 100]], 400), big_batch(1, [[400, 150], [120, 90]], 400)]
     for batch in sent:
         await batches.publish_batch(bus, batch)
@@ -412,7 +412,7 @@ async def test_a_batch_left_unacked_is_fetched_whole_by_the_next_trainer(
     for steps in (1, 2):
         trainer_bus = await connect(run.nats_url, Subjects(run.run_id), name="trainer")
         try:
-            trainer = Trainer(TrainerSettings(steps=steps, resume="latest"))
+            trainer = TrainerService(TrainerSettings(steps=steps, resume="latest"))
             await asyncio.wait_for(trainer.run(ServiceContext(mesh=run, bus=trainer_bus)), 60)
         finally:
             await trainer_bus.drain()
@@ -441,10 +441,10 @@ async def test_a_batch_whose_payload_is_gone_is_terminated_with_one_error(
     """Retention dropped batch 0's payload: the trainer says so and terminates it (no
     retry can bring it back), then trains batch 1 once it stops waiting for batch 0."""
     import sf_trainer.service
-    from sf_tag_scheduler.service import TagScheduler
+    from sf_tag_scheduler.service import TagSchedulerService
 
     monkeypatch.setattr(sf_trainer.service, "IN_ORDER_WAIT_S", 0.0)
-    await mesh.start(TagScheduler())
+    await mesh.start(TagSchedulerService())
     lost = await batches.publish_batch(bus, big_batch(0, [[300, 200]], 400))
     await batches.publish_batch(bus, big_batch(1, [[250, 100]], 400))
     await bus.js.purge_stream(
@@ -456,7 +456,7 @@ async def test_a_batch_whose_payload_is_gone_is_terminated_with_one_error(
     )  # fmt: skip
     trainer_bus = await connect(run.nats_url, Subjects(run.run_id), name="trainer")
     try:
-        trainer = Trainer(TrainerSettings(steps=1))
+        trainer = TrainerService(TrainerSettings(steps=1))
         await asyncio.wait_for(trainer.run(ServiceContext(mesh=run, bus=trainer_bus)), 60)
     finally:
         await trainer_bus.drain()

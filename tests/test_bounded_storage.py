@@ -33,8 +33,8 @@ from seamlessflow.weights import (
     WeightsCorrupted,
 )
 from seamlessflow.weights.stores import OBJECT_CHUNK_BYTES
-from sf_weight_sync.config import WeightSyncSettings
-from sf_weight_sync.service import WeightSync
+from sf_weight_sync.service import WeightSyncService
+from sf_weight_sync.settings import WeightSyncSettings
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -127,7 +127,7 @@ async def test_weight_sync_knows_only_engines_it_heard_from_lately(
     expiry_s = 2.0
     mesh = InProcessMesh(nats_url, run_id, None)
     try:
-        sync = await mesh.start(WeightSync(WeightSyncSettings(engine_expiry_s=expiry_s)))
+        sync = await mesh.start(WeightSyncService(WeightSyncSettings(engine_expiry_s=expiry_s)))
         await asyncio.wait_for(sync.ready.wait(), 30)
 
         async def ask(engine_id: str) -> None:

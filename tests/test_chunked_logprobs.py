@@ -24,11 +24,11 @@ from transformers import AutoModelForCausalLM, Gemma2Config, PreTrainedModel, Qw
 
 from seamlessflow.assets.loading import causal_lm_from_config
 from seamlessflow.protocol import TrainBatch
-from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.grpo import chunked_token_logprobs, token_logprobs
 from sf_trainer.learner import Learner
 from sf_trainer.logprobs import chunked_head_refusal, target_logprobs
+from sf_trainer.settings import TrainerSettings
 
 FP32_UNIT_ROUNDOFF = torch.finfo(torch.float32).eps / 2
 BF16_UNIT_ROUNDOFF = 2.0**-8

@@ -45,7 +45,7 @@ import yaml
 from compose_render import MissingVariable, environment, interpolate, render, restarts_after
 
 from seamlessflow.natsserver import server_binary
-from sf_gateway.config import GatewaySettings
+from sf_gateway.settings import GatewaySettings
 from sf_trainer import checkpoint
 
 # other processes (services, servers, ranks or tools started as commands): see conftest

@@ -16,11 +16,11 @@ from seamlessflow.protocol import (
     TurnRecorded,
 )
 from seamlessflow.tasks import TaskItem
-from sf_trajectory.config import TrajectorySettings
 from sf_trajectory.data_filters import DataFilters, DynamicSampling, HistoryResampling, Staleness
 from sf_trajectory.dispatch import Dispatcher
 from sf_trajectory.grouping import Grouper
 from sf_trajectory.schedule import Stage, StageSpec, parse_stages
+from sf_trajectory.settings import TrajectorySettings
 
 
 def no_verifier(name: str):  # type: ignore[no-untyped-def]

@@ -15,21 +15,21 @@ from openai import AsyncOpenAI
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import GenerateChunk, GenerateReply, GenerateRequest, decode
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
-from sf_tag_scheduler.service import TagScheduler
-from sf_weight_sync.service import WeightSync
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_weight_sync.service import WeightSyncService
 
 MAX_TOKENS = 12
 
 
-async def _start_engine(mesh: InProcessMesh) -> EngineWorker:
-    await mesh.start(TagScheduler())
-    await mesh.start(WeightSync())
+async def _start_engine(mesh: InProcessMesh) -> EngineService:
+    await mesh.start(TagSchedulerService())
+    await mesh.start(WeightSyncService())
     # the scripted engine: one token per request per decode step, no model compute
-    engine = await mesh.start(EngineWorker(EngineSettings(engine_id="e", backend="scripted")))
+    engine = await mesh.start(EngineService(EngineSettings(engine_id="e", backend="scripted")))
     async with asyncio.timeout(60):
         await engine.ready.wait()
     return engine

@@ -17,13 +17,13 @@ import httpx
 from openai import AsyncOpenAI
 
 from seamlessflow.bus import Bus
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
-from sf_tag_scheduler.config import TagSchedulerSettings
-from sf_tag_scheduler.service import TagScheduler
-from sf_weight_sync.service import WeightSync
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_tag_scheduler.settings import TagSchedulerSettings
+from sf_weight_sync.service import WeightSyncService
 
 AGENTS = 8
 MAX_TOKENS = 200
@@ -67,9 +67,9 @@ async def test_requests_on_a_killed_engine_finish_on_another(
     )
     try:
         scheduler = await mesh.start(
-            TagScheduler(TagSchedulerSettings(dead_after_s=1.5, check_interval_s=0.2))
+            TagSchedulerService(TagSchedulerSettings(dead_after_s=1.5, check_interval_s=0.2))
         )
-        await mesh.start(WeightSync())
+        await mesh.start(WeightSyncService())
         gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
         async with asyncio.timeout(90):
             await gateway.ready.wait()
@@ -111,7 +111,7 @@ async def test_requests_on_a_killed_engine_finish_on_another(
             engine_a.send_signal(signal.SIGKILL)
             await engine_a.wait()
             held_by_dead_engine = len(gateway.gateway.engines._engine_calls.get("engine-a", {}))
-            engine_b = await mesh.start(EngineWorker(EngineSettings(engine_id="engine-b")))
+            engine_b = await mesh.start(EngineService(EngineSettings(engine_id="engine-b")))
             async with asyncio.timeout(120):
                 texts = await asyncio.gather(*agents)
         assert engine_b.ready.is_set()
@@ -148,9 +148,9 @@ async def test_a_request_no_engine_confirms_is_resubmitted(
     )
     try:
         # liveness far longer than the test: only the first-chunk time-out can help
-        scheduler = await mesh.start(TagScheduler(TagSchedulerSettings(dead_after_s=600)))
-        await mesh.start(WeightSync())
-        live = await mesh.start(EngineWorker(EngineSettings(engine_id="engine-live")))
+        scheduler = await mesh.start(TagSchedulerService(TagSchedulerSettings(dead_after_s=600)))
+        await mesh.start(WeightSyncService())
+        live = await mesh.start(EngineService(EngineSettings(engine_id="engine-live")))
         gateway = await mesh.start(
             GatewayService(
                 GatewaySettings(

@@ -52,8 +52,8 @@ from sf_app.run import supervisor
 from sf_app.run.config import RunConfig
 from sf_app.run.embedded import EmbeddedRun
 from sf_app.run.report import Summary
-from sf_tag_scheduler.config import TagSchedulerSettings
-from sf_tag_scheduler.service import TagScheduler
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_tag_scheduler.settings import TagSchedulerSettings
 
 # other processes (services, servers, ranks or tools started as commands): see conftest
 pytestmark = pytest.mark.integration
@@ -160,11 +160,11 @@ async def test_a_restarted_tag_scheduler_knows_its_resources_and_their_new_proce
                     return change.resource_id
 
     first = InProcessMesh(nats_url, run_id, None)
-    await asyncio.wait_for((await first.start(TagScheduler(settings))).ready.wait(), 10)
+    await asyncio.wait_for((await first.start(TagSchedulerService(settings))).ready.wait(), 10)
     await register("engine-a", pid=1)  # then silent
     await first.stop()
     again = InProcessMesh(nats_url, run_id, None)
-    scheduler = await again.start(TagScheduler(settings))
+    scheduler = await again.start(TagSchedulerService(settings))
     try:
         await asyncio.wait_for(scheduler.ready.wait(), 10)
         assert "engine-a" in scheduler.resources

@@ -25,14 +25,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from seamlessflow.assets.families import ADD_TOOL, build_family_model
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
 from sf_gateway.choice import Choice
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
 from sf_gateway.tool_parsers import QwenToolParser
-from sf_tag_scheduler.service import TagScheduler
-from sf_weight_sync.service import WeightSync
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_weight_sync.service import WeightSyncService
 
 TOOLS: list[dict[str, Any]] = [
     ADD_TOOL,
@@ -71,9 +71,9 @@ def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def gateway_url(nats_url: str, run_id: str, tied_model_dir: Path) -> AsyncIterator[str]:
     mesh = InProcessMesh(nats_url, run_id, tied_model_dir)
     try:
-        await mesh.start(TagScheduler())
-        await mesh.start(WeightSync())
-        await mesh.start(EngineWorker(EngineSettings(engine_id="engine-f", max_batch_size=4)))
+        await mesh.start(TagSchedulerService())
+        await mesh.start(WeightSyncService())
+        await mesh.start(EngineService(EngineSettings(engine_id="engine-f", max_batch_size=4)))
         gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
         await asyncio.wait_for(gateway.ready.wait(), 30)
         yield f"http://127.0.0.1:{gateway.bound_port}"

@@ -45,14 +45,14 @@ from openai_shapes import ShapeChecker
 from seamlessflow.bus import Bus, connect
 from seamlessflow.protocol import PhaseChanged, Subjects, encode
 from seamlessflow.rewards import reward_names
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import Gateway, GatewayService
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
 from sf_gateway.request_body import MAX_BODY_BYTES
-from sf_tag_scheduler.service import TagScheduler
+from sf_gateway.service import Gateway, GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_tag_scheduler.service import TagSchedulerService
 from sf_trajectory.service import TrajectoryService
-from sf_weight_sync.service import WeightSync
+from sf_weight_sync.service import WeightSyncService
 
 OPERATOR_KEY = "sk-operator-fuzz"
 MAX_CONTEXT = 48
@@ -106,10 +106,10 @@ async def fz(nats_url: str, base_model_dir: Path) -> AsyncIterator[Fuzzed]:
     try:
         await bus.ensure_streams()
         services = [
-            await mesh.start(TagScheduler()),
-            await mesh.start(WeightSync()),
+            await mesh.start(TagSchedulerService()),
+            await mesh.start(WeightSyncService()),
             await mesh.start(
-                EngineWorker(EngineSettings(engine_id="engine-fz", max_batch_size=16))
+                EngineService(EngineSettings(engine_id="engine-fz", max_batch_size=16))
             ),
             await mesh.start(TrajectoryService()),
         ]

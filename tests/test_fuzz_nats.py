@@ -81,12 +81,12 @@ from seamlessflow.protocol import (
     decode,
     encode,
 )
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_tag_scheduler.service import TagScheduler
-from sf_trajectory.config import TrajectorySettings
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_tag_scheduler.service import TagSchedulerService
 from sf_trajectory.service import TrajectoryService
-from sf_weight_sync.service import WeightSync
+from sf_trajectory.settings import TrajectorySettings
+from sf_weight_sync.service import WeightSyncService
 
 ENGINE_ID = "engine-nz"
 FUZZ = settings(
@@ -103,10 +103,10 @@ FUZZ = settings(
 @dataclass
 class Mesh:
     bus: Bus
-    scheduler: TagScheduler
-    weight_sync: WeightSync
+    scheduler: TagSchedulerService
+    weight_sync: WeightSyncService
     trajectory: TrajectoryService
-    engine: EngineWorker
+    engine: EngineService
     tasks: list[asyncio.Task[None]]
 
     @property
@@ -170,13 +170,13 @@ async def nz(nats_url: str, base_model_dir: Path) -> AsyncIterator[Mesh]:
     bus = await connect(nats_url, Subjects(run_id), name="fuzz")
     try:
         await bus.ensure_streams()
-        scheduler = await mesh.start(TagScheduler())
-        weight_sync = await mesh.start(WeightSync())
+        scheduler = await mesh.start(TagSchedulerService())
+        weight_sync = await mesh.start(WeightSyncService())
         trajectory = await mesh.start(
             TrajectoryService(TrajectorySettings(group_size=2, groups_per_batch=1))
         )
         engine = await mesh.start(
-            EngineWorker(EngineSettings(engine_id=ENGINE_ID, max_batch_size=8, max_context=64))
+            EngineService(EngineSettings(engine_id=ENGINE_ID, max_batch_size=8, max_context=64))
         )
         async with asyncio.timeout(60):
             for service in (scheduler, weight_sync, trajectory, engine):
@@ -717,7 +717,7 @@ async def test_a_junk_message_in_a_durable_stream_does_not_stop_a_restart(
     async with own_run(nats_url, base_model_dir) as (bus, mesh):
         await bus.js.publish(getattr(bus.subjects, stream_subject)(), b"\x00 not a message")
         services = [
-            await mesh.start(WeightSync()),
+            await mesh.start(WeightSyncService()),
             await mesh.start(TrajectoryService(TrajectorySettings(group_size=2))),
         ]
         tasks = [task for _, _, task in mesh.running]

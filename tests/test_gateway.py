@@ -19,12 +19,12 @@ from transformers import AutoTokenizer
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import SessionOpened, TrajectoryEvent, TurnRecorded, decode
 from sf_app.run.supervisor import free_port
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
-from sf_tag_scheduler.service import TagScheduler
-from sf_weight_sync.service import WeightSync
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_weight_sync.service import WeightSyncService
 
 # every answer the gateway gives in these tests is checked against the openai types
 pytestmark = pytest.mark.usefixtures("openai_shapes")
@@ -32,9 +32,9 @@ pytestmark = pytest.mark.usefixtures("openai_shapes")
 
 @pytest.fixture
 async def gateway_url(mesh) -> str:  # type: ignore[no-untyped-def]
-    await mesh.start(TagScheduler())
-    await mesh.start(WeightSync())
-    await mesh.start(EngineWorker(EngineSettings(engine_id="engine-t", max_batch_size=8)))
+    await mesh.start(TagSchedulerService())
+    await mesh.start(WeightSyncService())
+    await mesh.start(EngineService(EngineSettings(engine_id="engine-t", max_batch_size=8)))
     gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=128)))
     await asyncio.wait_for(gateway.ready.wait(), 30)
     return f"http://127.0.0.1:{gateway.bound_port}"
@@ -614,7 +614,7 @@ async def test_a_session_opened_the_moment_the_gateway_listens_gets_a_callable_b
     """The public URL is known before the first request can arrive (it was set by a task
     polling uvicorn's `started`, so a session opened at once got a relative base_url)."""
     port = free_port()
-    await mesh.start(TagScheduler())
+    await mesh.start(TagSchedulerService())
     service = await mesh.start(GatewayService(GatewaySettings(port=port, max_context=128)))
     async with asyncio.timeout(60):
         while True:

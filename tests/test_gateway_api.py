@@ -21,16 +21,16 @@ from starlette.routing import Route
 from seamlessflow.assets.families import FAMILIES, build_tokenizer, family_spec
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TopLogprob, TrajectoryEvent, TurnRecorded, decode
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
 from sf_gateway.choice import Choice
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
 from sf_gateway.openapi import OPERATIONS
 from sf_gateway.responses import ChatFormat
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
 from sf_gateway.templating import ChatTokenizer
-from sf_tag_scheduler.service import TagScheduler
-from sf_weight_sync.service import WeightSync
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_weight_sync.service import WeightSyncService
 
 pytestmark = pytest.mark.usefixtures("openai_shapes")
 
@@ -40,9 +40,9 @@ SPLIT_TEXT = "日本語 🙂 café ü"
 
 @pytest.fixture
 async def gateway(mesh) -> GatewayService:  # type: ignore[no-untyped-def]
-    await mesh.start(TagScheduler())
-    await mesh.start(WeightSync())
-    await mesh.start(EngineWorker(EngineSettings(engine_id="engine-a", max_batch_size=8)))
+    await mesh.start(TagSchedulerService())
+    await mesh.start(WeightSyncService())
+    await mesh.start(EngineService(EngineSettings(engine_id="engine-a", max_batch_size=8)))
     service = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=128)))
     await asyncio.wait_for(service.ready.wait(), 30)
     return service  # type: ignore[no-any-return]

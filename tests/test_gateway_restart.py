@@ -22,13 +22,13 @@ from seamlessflow.protocol import (
     TurnRecorded,
     decode,
 )
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
-from sf_tag_scheduler.service import TagScheduler
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_tag_scheduler.service import TagSchedulerService
 from sf_trajectory.service import TrajectoryService
-from sf_weight_sync.service import WeightSync
+from sf_weight_sync.service import WeightSyncService
 
 # every answer the gateway gives here is checked against the openai types
 pytestmark = pytest.mark.usefixtures("openai_shapes")
@@ -76,9 +76,9 @@ async def test_a_restarted_gateway_continues_its_open_sessions_from_the_stream(
     base_model_dir: Path,
     agents: list[AsyncOpenAI],
 ) -> None:
-    await mesh.start(TagScheduler())
-    await mesh.start(WeightSync())
-    await mesh.start(EngineWorker(EngineSettings(engine_id="engine-r", max_batch_size=8)))
+    await mesh.start(TagSchedulerService())
+    await mesh.start(WeightSyncService())
+    await mesh.start(EngineService(EngineSettings(engine_id="engine-r", max_batch_size=8)))
     trajectory = await mesh.start(TrajectoryService())
     await asyncio.wait_for(trajectory.ready.wait(), 30)
 

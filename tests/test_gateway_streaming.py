@@ -22,19 +22,19 @@ from seamlessflow.protocol import (
     TurnRecorded,
     decode,
 )
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
-from sf_tag_scheduler.service import TagScheduler
-from sf_weight_sync.service import WeightSync
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_weight_sync.service import WeightSyncService
 
 # every answer the gateway gives in these tests is checked against the openai types
 pytestmark = pytest.mark.usefixtures("openai_shapes")
 
 
 class Mesh:
-    def __init__(self, engine: EngineWorker, url: str) -> None:
+    def __init__(self, engine: EngineService, url: str) -> None:
         self.engine = engine
         self.url = url
 
@@ -45,10 +45,10 @@ async def chatty(nats_url: str, run_id: str, chatty_model_dir: Path) -> AsyncIte
 
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
     try:
-        await mesh.start(TagScheduler())
-        await mesh.start(WeightSync())
+        await mesh.start(TagSchedulerService())
+        await mesh.start(WeightSyncService())
         settings = EngineSettings(engine_id="engine-s", max_batch_size=8, interrupt_mode="abort")
-        engine = await mesh.start(EngineWorker(settings))
+        engine = await mesh.start(EngineService(settings))
         gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
         async with asyncio.timeout(60):
             await engine.ready.wait()

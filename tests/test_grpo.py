@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from seamlessflow.protocol import SampleGroup, TrainBatch, TrainSample
-from sf_trainer.config import TrainerSettings
 from sf_trainer.grpo import token_logprobs
+from sf_trainer.settings import TrainerSettings
 from sf_trainer.step import micro_batches, pack
 
 

@@ -17,13 +17,13 @@ from conftest import session_auth
 from openai import AsyncOpenAI
 
 from seamlessflow.protocol import GenerateReply, GenerateRequest
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
-from sf_tag_scheduler.service import TagScheduler
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_tag_scheduler.service import TagSchedulerService
 from sf_trajectory.service import TrajectoryService
-from sf_weight_sync.service import WeightSync
+from sf_weight_sync.service import WeightSyncService
 
 TOOLS = [
     {
@@ -40,7 +40,7 @@ TOOLS = [
 ]
 
 
-class AuditedEngineWorker(EngineWorker):
+class AuditedEngineService(EngineService):
     """Records every (prompt ids, produced ids) pair at the engine worker's boundary."""
 
     def __init__(self, settings: EngineSettings) -> None:
@@ -56,10 +56,10 @@ class AuditedEngineWorker(EngineWorker):
 async def test_trained_tokens_of_a_tool_using_agent_that_edits_history(
     mesh, base_model_dir: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    await mesh.start(TagScheduler())
-    await mesh.start(WeightSync())
+    await mesh.start(TagSchedulerService())
+    await mesh.start(WeightSyncService())
     trajectory = await mesh.start(TrajectoryService())
-    engine = await mesh.start(AuditedEngineWorker(EngineSettings(engine_id="engine-a")))
+    engine = await mesh.start(AuditedEngineService(EngineSettings(engine_id="engine-a")))
     gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
     async with asyncio.timeout(60):
         for service in (trajectory, engine, gateway):

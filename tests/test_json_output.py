@@ -19,12 +19,12 @@ from openai import AsyncOpenAI
 from seamlessflow.assets.families import build_family_model
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
-from sf_tag_scheduler.service import TagScheduler
-from sf_weight_sync.service import WeightSync
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_weight_sync.service import WeightSyncService
 
 pytestmark = [
     pytest.mark.slow,  # starts vLLM
@@ -55,12 +55,12 @@ async def gateway_url(nats_url: str, run_id: str, tied_model_dir: Path) -> Async
         pytest.skip(f"`import vllm` failed ({exc!r})")
     mesh = InProcessMesh(nats_url, run_id, tied_model_dir)
     try:
-        await mesh.start(TagScheduler())
-        await mesh.start(WeightSync())
+        await mesh.start(TagSchedulerService())
+        await mesh.start(WeightSyncService())
         settings = EngineSettings(
             engine_id="engine-v", backend="vllm", max_batch_size=4, max_context=512
         )
-        await mesh.start(EngineWorker(settings))
+        await mesh.start(EngineService(settings))
         gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
         await asyncio.wait_for(gateway.ready.wait(), 30)
         yield f"http://127.0.0.1:{gateway.bound_port}"

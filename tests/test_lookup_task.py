@@ -51,12 +51,12 @@ from seamlessflow.tasks.lookup import (
     item_number,
     lookup,
 )
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
-from sf_tag_scheduler.service import TagScheduler
-from sf_weight_sync.service import WeightSync
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_weight_sync.service import WeightSyncService
 
 
 def test_task_is_deterministic_with_disjoint_splits() -> None:
@@ -311,9 +311,9 @@ async def test_tool_user_against_the_real_gateway(
 
     mesh = InProcessMesh(nats_url, run_id, calling_model)
     try:
-        await mesh.start(TagScheduler())
-        await mesh.start(WeightSync())
-        await mesh.start(EngineWorker(EngineSettings(engine_id="engine-t", max_batch_size=8)))
+        await mesh.start(TagSchedulerService())
+        await mesh.start(WeightSyncService())
+        await mesh.start(EngineService(EngineSettings(engine_id="engine-t", max_batch_size=8)))
         gateway = await mesh.start(GatewayService(GatewaySettings(port=0)))
         await asyncio.wait_for(gateway.ready.wait(), 60)
         items = get_task_source("lookup", seed=0).items("eval")[:8]

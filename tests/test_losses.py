@@ -24,10 +24,10 @@ from sf_trainer.advantages import (
     get_advantage_estimator,
     overlong_penalty,
 )
-from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.learner import Learner
 from sf_trainer.losses import LOSSES, BatchTotals, LossInputs, LossOutput, get_loss, kl_k3
+from sf_trainer.settings import TrainerSettings
 
 # advantages ----------------------------------------------------------------------------
 

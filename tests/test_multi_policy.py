@@ -32,16 +32,16 @@ from seamlessflow.protocol import (
     WeightsPublished,
     decode,
 )
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
-from sf_tag_scheduler.service import TagScheduler
-from sf_trainer.config import TrainerSettings
-from sf_trainer.service import Trainer
-from sf_trajectory.config import TrajectorySettings
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_trainer.service import TrainerService
+from sf_trainer.settings import TrainerSettings
 from sf_trajectory.service import TrajectoryService
-from sf_weight_sync.service import WeightSync
+from sf_trajectory.settings import TrajectorySettings
+from sf_weight_sync.service import WeightSyncService
 
 # every answer the gateway gives here is checked against the openai types
 pytestmark = pytest.mark.usefixtures("openai_shapes")
@@ -58,19 +58,19 @@ async def test_two_policies_train_together_each_on_its_own_version_line(
 ) -> None:
     mesh = InProcessMesh(nats_url, run_id, base_model_dir, policies="solver,verifier")
     mesh.mesh = mesh.mesh.model_copy(update={"run_dir": tmp_path})
-    trainers: dict[str, Trainer] = {}
+    trainers: dict[str, TrainerService] = {}
     try:
-        scheduler = await mesh.start(TagScheduler())
+        scheduler = await mesh.start(TagSchedulerService())
         trajectory = await mesh.start(
             TrajectoryService(TrajectorySettings(group_size=2, groups_per_batch=2))
         )
         engines = []
         for policy, steps in STEPS.items():
-            await mesh.start(WeightSync(), policy=policy)
+            await mesh.start(WeightSyncService(), policy=policy)
             trainers[policy] = await mesh.start(
-                Trainer(TrainerSettings(steps=steps, lr=1e-3)), policy=policy
+                TrainerService(TrainerSettings(steps=steps, lr=1e-3)), policy=policy
             )
-            engine = EngineWorker(EngineSettings(engine_id=f"{policy}-engine", max_batch_size=8))
+            engine = EngineService(EngineSettings(engine_id=f"{policy}-engine", max_batch_size=8))
             engines.append(await mesh.start(engine, policy=policy))
         gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
         async with asyncio.timeout(120):
@@ -182,7 +182,7 @@ async def test_a_resource_naming_two_policies_is_refused(
 ) -> None:
     mesh = InProcessMesh(nats_url, run_id, None)
     try:
-        scheduler = await mesh.start(TagScheduler())
+        scheduler = await mesh.start(TagSchedulerService())
         async with asyncio.timeout(10):
             await scheduler.ready.wait()
         request = ResourceRegister(

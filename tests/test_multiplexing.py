@@ -31,13 +31,13 @@ from seamlessflow.protocol import (
     SlotsReleased,
 )
 from seamlessflow.settings import MeshSettings
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
-from sf_tag_scheduler.config import TagSchedulerSettings
-from sf_tag_scheduler.service import TagScheduler
-from sf_weight_sync.service import WeightSync
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_tag_scheduler.settings import TagSchedulerSettings
+from sf_weight_sync.service import WeightSyncService
 
 AGENTS = 8
 MAX_TOKENS = 160
@@ -45,9 +45,9 @@ MAX_TOKENS = 160
 
 async def start_engine(
     mesh, engine_id: str, tags: str, slot: str, backend: str = "hf"
-) -> EngineWorker:  # type: ignore[no-untyped-def]
+) -> EngineService:  # type: ignore[no-untyped-def]
     """An engine worker with its own resource tags (SF_RESOURCE_TAGS in production)."""
-    worker = EngineWorker(
+    worker = EngineService(
         EngineSettings(engine_id=engine_id, max_batch_size=AGENTS, backend=backend)
     )
     saved = mesh.mesh
@@ -66,12 +66,12 @@ async def start_engine(
 
 async def start_lending_mesh(  # type: ignore[no-untyped-def]
     mesh, settings: TagSchedulerSettings, backend: str = "hf"
-) -> tuple[TagScheduler, EngineWorker, EngineWorker, GatewayService]:
+) -> tuple[TagSchedulerService, EngineService, EngineService, GatewayService]:
     """A multiplexed mesh: the tag-scheduler, weight-sync, a dedicated engine
     (``engine-d``), a lendable one on the trainer's slot (``engine-l``) and the gateway,
     all up and registered."""
-    scheduler = await mesh.start(TagScheduler(settings))
-    await mesh.start(WeightSync())
+    scheduler = await mesh.start(TagSchedulerService(settings))
+    await mesh.start(WeightSyncService())
     dedicated = await start_engine(mesh, "engine-d", "rollout", "slot-0", backend)
     lendable = await start_engine(mesh, "engine-l", "train,rollout", "slot-1", backend)
     gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
@@ -191,8 +191,8 @@ async def test_a_late_engine_serves_only_after_catching_up(
 
     mesh = InProcessMesh(nats_url, run_id, base_model_dir)
     try:
-        await mesh.start(TagScheduler())
-        weight_sync = await mesh.start(WeightSync())
+        await mesh.start(TagSchedulerService())
+        weight_sync = await mesh.start(WeightSyncService())
         base = AutoModelForCausalLM.from_pretrained(str(base_model_dir)).state_dict()
         for version in (1, 2):
             await publish_perturbed_version(bus, version, base)
@@ -200,7 +200,7 @@ async def test_a_late_engine_serves_only_after_catching_up(
             while weight_sync.chain.version < 2:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
 
-        late = await mesh.start(EngineWorker(EngineSettings(engine_id="engine-late")))
+        late = await mesh.start(EngineService(EngineSettings(engine_id="engine-late")))
         async with asyncio.timeout(60):
             await late.ready.wait()
         assert late.engine.version == 2
@@ -322,8 +322,8 @@ async def test_a_request_handed_to_an_engine_that_left_resumes_on_any_engine(
     max_tokens = 480
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
     try:
-        await mesh.start(TagScheduler())
-        await mesh.start(WeightSync())
+        await mesh.start(TagSchedulerService())
+        await mesh.start(WeightSyncService())
         engine = await start_engine(mesh, "engine-d", "rollout", "slot-0", "scripted")
         gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
         async with asyncio.timeout(60):

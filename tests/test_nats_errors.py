@@ -20,12 +20,12 @@ from seamlessflow.protocol import (
     decode,
     encode,
 )
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_tag_scheduler.service import TagScheduler
-from sf_trajectory.config import TrajectorySettings
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_tag_scheduler.service import TagSchedulerService
 from sf_trajectory.service import TrajectoryService
-from sf_weight_sync.service import WeightSync
+from sf_trajectory.settings import TrajectorySettings
+from sf_weight_sync.service import WeightSyncService
 
 GARBAGE = [b"", b"not json", b'{"type": "task.claim"}', b'{"type": "no.such.type"}', b"[1,2,3]"]
 
@@ -39,12 +39,12 @@ async def raw_request(bus: Bus, subject: str, payload: bytes) -> ErrorReply:
 
 @pytest.fixture
 async def services(mesh):  # type: ignore[no-untyped-def]
-    scheduler = await mesh.start(TagScheduler())
-    weight_sync = await mesh.start(WeightSync())
+    scheduler = await mesh.start(TagSchedulerService())
+    weight_sync = await mesh.start(WeightSyncService())
     trajectory = await mesh.start(
         TrajectoryService(TrajectorySettings(group_size=2, groups_per_batch=1))
     )
-    engine = await mesh.start(EngineWorker(EngineSettings(engine_id="engine-e", max_batch_size=4)))
+    engine = await mesh.start(EngineService(EngineSettings(engine_id="engine-e", max_batch_size=4)))
     async with asyncio.timeout(60):
         for service in (scheduler, weight_sync, trajectory, engine):
             await service.ready.wait()

@@ -18,19 +18,21 @@ from transformers import AutoModelForCausalLM
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
-from sf_tag_scheduler.service import TagScheduler
-from sf_weight_sync.service import WeightSync
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_weight_sync.service import WeightSyncService
 
 AGENTS = 12
 VERSIONS = 5
 MAX_TOKENS = 48
 
 
-async def publish_versions(bus: Bus, engine: EngineWorker, base: dict, done: asyncio.Event) -> None:  # type: ignore[type-arg]
+async def publish_versions(
+    bus: Bus, engine: EngineService, base: dict, done: asyncio.Event
+) -> None:  # type: ignore[type-arg]
     """Publish VERSIONS versions, each as soon as the engine serves the previous one."""
     from conftest import publish_perturbed_version
 
@@ -51,10 +53,10 @@ async def test_agents_never_notice_weight_updates(
 
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
     try:
-        await mesh.start(TagScheduler())
-        await mesh.start(WeightSync())
+        await mesh.start(TagSchedulerService())
+        await mesh.start(WeightSyncService())
         engine = await mesh.start(
-            EngineWorker(
+            EngineService(
                 EngineSettings(
                     engine_id="engine-p", max_batch_size=16, interrupt_mode=interrupt_mode
                 )

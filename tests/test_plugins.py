@@ -9,7 +9,7 @@ from seamlessflow.agents import AGENTS
 from seamlessflow.plugins import Registry, UnknownPlugin
 from seamlessflow.rewards.registry import REWARDS
 from seamlessflow.tasks import TASKS
-from sf_engine.worker import ENGINE_BACKENDS
+from sf_engine.service import ENGINE_BACKENDS
 from sf_gateway.tool_parsers import TOOL_PARSERS
 from sf_trainer.advantages import ESTIMATORS
 from sf_trainer.losses import LOSSES

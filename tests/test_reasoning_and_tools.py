@@ -24,15 +24,15 @@ from scripted_replies import scripted_engine
 
 from seamlessflow.assets.families import ADD_TOOL, build_family_model
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
 from sf_gateway.reasoning import Qwen3ReasoningParser, reasoning_parser_for
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
 from sf_gateway.tool_parsers import Llama3JsonToolParser, QwenToolParser, tool_parser_for
-from sf_tag_scheduler.service import TagScheduler
+from sf_tag_scheduler.service import TagSchedulerService
 from sf_trajectory.service import TrajectoryService
-from sf_weight_sync.service import WeightSync
+from sf_weight_sync.service import WeightSyncService
 
 TOOLS = [ADD_TOOL]
 
@@ -195,10 +195,10 @@ async def start_run(
         replies = scripted_engine(monkeypatch, model_dir, texts)
         mesh = InProcessMesh(nats_url, run_id, model_dir)
         meshes.append(mesh)
-        await mesh.start(TagScheduler())
-        await mesh.start(WeightSync())
+        await mesh.start(TagSchedulerService())
+        await mesh.start(WeightSyncService())
         engine = await mesh.start(
-            EngineWorker(EngineSettings(engine_id="engine-r", backend="scripted"))
+            EngineService(EngineSettings(engine_id="engine-r", backend="scripted"))
         )
         trajectory = await mesh.start(TrajectoryService())
         gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))

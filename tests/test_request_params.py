@@ -21,10 +21,8 @@ from openai.types.chat import completion_create_params as chat_types
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
 from sf_gateway.openai_api import (
     CHAT_PARAMS,
     COMPLETION_PARAMS,
@@ -32,8 +30,10 @@ from sf_gateway.openai_api import (
     VLLM_EXTRAS,
     Param,
 )
-from sf_tag_scheduler.service import TagScheduler
-from sf_weight_sync.service import WeightSync
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_weight_sync.service import WeightSyncService
 
 MAX_CONTEXT = 128
 
@@ -146,9 +146,9 @@ def test_every_refused_or_ignored_parameter_is_exercised(table: dict[str, Param]
 
 @pytest.fixture
 async def gateway_url(mesh) -> str:  # type: ignore[no-untyped-def]
-    await mesh.start(TagScheduler())
-    await mesh.start(WeightSync())
-    await mesh.start(EngineWorker(EngineSettings(engine_id="engine-p", max_batch_size=8)))
+    await mesh.start(TagSchedulerService())
+    await mesh.start(WeightSyncService())
+    await mesh.start(EngineService(EngineSettings(engine_id="engine-p", max_batch_size=8)))
     gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=MAX_CONTEXT)))
     await asyncio.wait_for(gateway.ready.wait(), 30)
     return f"http://127.0.0.1:{gateway.bound_port}"

@@ -23,8 +23,8 @@ from transformers import AutoTokenizer
 from seamlessflow.assets.families import build_family_model
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
 
 pytestmark = pytest.mark.usefixtures("openai_shapes")
 

@@ -35,18 +35,18 @@ from seamlessflow.protocol import (
     decode,
     encode,
 )
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_gateway.config import GatewaySettings
-from sf_gateway.gateway import GatewayService
-from sf_tag_scheduler.service import TagScheduler
-from sf_trainer.config import TrainerSettings
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_tag_scheduler.service import TagSchedulerService
 from sf_trainer.grpo import token_logprobs
+from sf_trainer.settings import TrainerSettings
 from sf_trainer.step import pack, train_step
-from sf_trajectory.config import TrajectorySettings
 from sf_trajectory.grouping import branch
 from sf_trajectory.service import TrajectoryService
-from sf_weight_sync.service import WeightSync
+from sf_trajectory.settings import TrajectorySettings
+from sf_weight_sync.service import WeightSyncService
 
 ENGINE_TRAINER_GAP = 1e-4
 """The engine contract (``sf_engine.backends.base``, enforced by test_engine_contract):
@@ -107,12 +107,12 @@ async def test_each_turn_is_trained_at_the_temperature_it_was_sampled_at(
     # the random-init model: answers run to their budget, its distributions are broad
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
     try:
-        await mesh.start(TagScheduler())
-        await mesh.start(WeightSync())
+        await mesh.start(TagSchedulerService())
+        await mesh.start(WeightSyncService())
         trajectory = await mesh.start(
             TrajectoryService(TrajectorySettings(groups_per_batch=1, data_filters=""))
         )
-        engine = await mesh.start(EngineWorker(EngineSettings(engine_id="engine-t")))
+        engine = await mesh.start(EngineService(EngineSettings(engine_id="engine-t")))
         gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
         async with asyncio.timeout(60):
             for service in (trajectory, engine, gateway):

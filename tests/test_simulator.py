@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from sf_app.cli import app
 from sf_app.simulator import (
     AGENTIC,
-    COLOCATED_SYNC,
+    COLOCATED,
     SINGLE_TURN,
     Deployment,
     EngineModel,
@@ -25,7 +25,7 @@ from sf_app.simulator import (
     TrainerModel,
     WorkloadModel,
     calibrate_from_run,
-    disaggregated_async,
+    disaggregated,
     multiplexed,
     simulate,
 )
@@ -112,10 +112,10 @@ def test_a_freshly_lent_engine_gets_work_from_the_busiest(
 
 
 def test_disaggregated_never_lends_and_colocated_always_does() -> None:
-    split = simulate(replace(SMALL, deployment=disaggregated_async(0.5)))
+    split = simulate(replace(SMALL, deployment=disaggregated(0.5)))
     assert split.lends == split.reclaims == split.declined == 0
     assert split.train_gpus == 4
-    colocated = simulate(replace(SMALL, deployment=COLOCATED_SYNC))
+    colocated = simulate(replace(SMALL, deployment=COLOCATED))
     assert colocated.train_gpus == 8
     assert colocated.lends == colocated.reclaims == 8 * SMALL.steps
     assert colocated.declined == 0
@@ -127,8 +127,8 @@ def test_disaggregated_never_lends_and_colocated_always_does() -> None:
 @pytest.mark.parametrize(
     ("deployment", "workload", "rebalance", "options"),
     [
-        (COLOCATED_SYNC, SINGLE_TURN, False, {}),
-        (disaggregated_async(0.5), SINGLE_TURN, False, {}),
+        (COLOCATED, SINGLE_TURN, False, {}),
+        (disaggregated(0.5), SINGLE_TURN, False, {}),
         (multiplexed(0.75), AGENTIC, False, {}),
         (multiplexed(0.5), AGENTIC, True, {}),
         (multiplexed(0.5), SINGLE_TURN, True, {"reclaim_early_at": 0.5}),
@@ -163,7 +163,7 @@ def test_every_sample_is_trained_exactly_once(
 
 
 def test_stale_samples_are_dropped_and_never_trained() -> None:
-    sim = Simulation(replace(SMALL, deployment=disaggregated_async(0.5), max_staleness=0))
+    sim = Simulation(replace(SMALL, deployment=disaggregated(0.5), max_staleness=0))
     result = sim.run()
     dropped = [s for s in sim.dispatched if s.dropped]
     assert result.dropped_samples == len(dropped) > 0
@@ -181,8 +181,8 @@ def test_lending_fills_bubbles(workload: WorkloadModel) -> None:
     results = {
         name: simulate(replace(base, deployment=deployment))
         for name, deployment in [
-            ("colocated", COLOCATED_SYNC),
-            ("split", disaggregated_async(0.5)),
+            ("colocated", COLOCATED),
+            ("split", disaggregated(0.5)),
             ("multiplexed", multiplexed(0.5)),
         ]
     }
@@ -197,7 +197,7 @@ def test_lending_fills_bubbles(workload: WorkloadModel) -> None:
 BY_HAND = SimConfig(
     gpus=2,
     steps=1,
-    deployment=disaggregated_async(0.5),
+    deployment=disaggregated(0.5),
     workload=WorkloadModel(
         samples_per_gpu=1,
         group_size=2,
@@ -313,19 +313,19 @@ def test_the_cli_prints_the_three_deployments(tmp_path: Path) -> None:
         app, ["simulate", "--gpus", "8", "--steps", "3", "--json", str(out)]
     )
     assert result.exit_code == 0, result.output
-    for name in ("colocated-sync", "disaggregated-async", "multiplexed"):
+    for name in ("colocated", "disaggregated", "multiplexed"):
         assert f"| 8 | {name} |" in result.output
     rows = json.loads(out.read_text())["rows"]
     assert [r["deployment"] for r in rows] == [
-        "colocated-sync",
-        "disaggregated-async",
+        "colocated",
+        "disaggregated",
         "multiplexed",
     ]
     assert rows[0]["speedup"] == 1.0 and all(0 <= r["bubble_ratio"] <= 1 for r in rows)
     bad = CliRunner().invoke(app, ["simulate", "--task", "poetry"])
     assert bad.exit_code != 0
     synchronous = CliRunner().invoke(app, ["simulate", "--max-batches-ahead", "0"])
-    assert synchronous.exit_code != 0  # that is colocated-sync's pacing, not an async one
+    assert synchronous.exit_code != 0  # that is colocated's synchronous pacing, not an async one
 
 
 def test_the_cli_passes_the_multiplexing_knobs(tmp_path: Path) -> None:
@@ -366,8 +366,6 @@ def test_a_bounded_dispatch_cannot_refill_dropped_groups() -> None:
     """Like the trajectory service once its trainer announced a step budget: once a
     whole group is dropped as stale, the last batch can never fill. The simulator says
     so instead of spinning."""
-    config = replace(
-        SMALL, deployment=disaggregated_async(0.5), max_staleness=1, bounded_dispatch=True
-    )
+    config = replace(SMALL, deployment=disaggregated(0.5), max_staleness=1, bounded_dispatch=True)
     with pytest.raises(RuntimeError, match="stalled"):
         simulate(config)

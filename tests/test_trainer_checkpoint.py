@@ -27,10 +27,10 @@ from seamlessflow.service import ServiceContext
 from seamlessflow.settings import MeshSettings
 from sf_trainer import checkpoint
 from sf_trainer.checkpoint import TrainerState
-from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.learner import Learner
-from sf_trainer.service import Trainer
+from sf_trainer.service import TrainerService
+from sf_trainer.settings import TrainerSettings
 
 SETTINGS = TrainerSettings(lr=1e-3, micro_batch_tokens=48)
 BATCHES = [
@@ -186,7 +186,7 @@ async def run_trainer(mesh: MeshSettings, settings: TrainerSettings) -> None:
     """One trainer process's life, in this event loop, until it finishes its steps."""
     trainer_bus = await connect(mesh.nats_url, Subjects(mesh.run_id), name="trainer")
     try:
-        trainer = Trainer(settings)
+        trainer = TrainerService(settings)
         await asyncio.wait_for(trainer.run(ServiceContext(mesh=mesh, bus=trainer_bus)), 60)
     finally:
         await trainer_bus.drain()
@@ -195,9 +195,9 @@ async def run_trainer(mesh: MeshSettings, settings: TrainerSettings) -> None:
 async def test_a_resumed_trainer_skips_trained_batches_and_keeps_versions_monotonic(
     mesh: InProcessMesh, bus: Bus, base_model_dir: Path, tmp_path: Path
 ) -> None:
-    from sf_tag_scheduler.service import TagScheduler
+    from sf_tag_scheduler.service import TagSchedulerService
 
-    await mesh.start(TagScheduler())
+    await mesh.start(TagSchedulerService())
     subjects = bus.subjects
     run = trainer_mesh(mesh, base_model_dir, tmp_path)
     for batch in BATCHES[:2]:
@@ -255,9 +255,9 @@ async def test_a_trainer_started_again_after_it_finished_keeps_the_trained_final
     same command) finds the step budget reached at once. Without a resume it holds the
     base model, with ``latest`` the final policy: either way `final` keeps the trained
     weights, and no batch is trained."""
-    from sf_tag_scheduler.service import TagScheduler
+    from sf_tag_scheduler.service import TagSchedulerService
 
-    await mesh.start(TagScheduler())
+    await mesh.start(TagSchedulerService())
     run = trainer_mesh(mesh, base_model_dir, tmp_path)
     for batch in BATCHES[:2]:
         await bus.js_publish(bus.subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}")
@@ -292,9 +292,9 @@ async def test_a_batch_that_comes_back_late_is_still_trained_in_order(
     consumer's ack wait, behind batch k + 1 (here: stored in that order). Training k + 1
     first would skip k for good (at or before the data position) and leave the run a
     step short forever; the trainer puts k + 1 back until k has come."""
-    from sf_tag_scheduler.service import TagScheduler
+    from sf_tag_scheduler.service import TagSchedulerService
 
-    await mesh.start(TagScheduler())
+    await mesh.start(TagSchedulerService())
     subjects = bus.subjects
     run = trainer_mesh(mesh, base_model_dir, tmp_path)
     await bus.js_publish(subjects.batch_ready(), BATCHES[1], msg_id="batch-1")

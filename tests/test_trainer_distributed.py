@@ -37,9 +37,9 @@ from sf_trainer.checkpoint import (
     load_optimizer_state,
     read_state,
 )
-from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup, partition_by_tokens
 from sf_trainer.learner import Learner
+from sf_trainer.settings import TrainerSettings
 from sf_trainer.step import micro_batches, plan_micro_batches, trained_token_count
 
 WORKER = Path(__file__).with_name("trainer_rank.py")
@@ -389,9 +389,9 @@ async def start_torchrun(
 ) -> asyncio.subprocess.Process:
     """``torchrun --standalone --nproc-per-node 2 -m sf_trainer``; its output goes to
     ``<run_dir>.log``."""
-    from sf_tag_scheduler.service import TagScheduler
+    from sf_tag_scheduler.service import TagSchedulerService
 
-    await mesh.start(TagScheduler())
+    await mesh.start(TagSchedulerService())
     env = {
         **os.environ,
         "SF_NATS_URL": mesh.mesh.nats_url,

@@ -23,12 +23,12 @@ from transformers import AutoTokenizer
 
 from seamlessflow.tasks import get_task_source
 from sf_trainer.checkpoint import TrainerState, load_model_state, load_optimizer_state
-from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.evaluation import EvalSet
 from sf_trainer.grpo import token_logprobs
 from sf_trainer.learner import Learner
 from sf_trainer.schedule import lr_at
+from sf_trainer.settings import TrainerSettings
 from sf_trainer.step import pack
 
 BASE = {"lr": 1e-3, "micro_batch_tokens": 48}

@@ -23,9 +23,9 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from seamlessflow.assets.loading import causal_lm_from_config
 from sf_trainer.checkpoint import TrainerState, load_model_state, load_optimizer_state, read_state
-from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.learner import Learner
+from sf_trainer.settings import TrainerSettings
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 SETTINGS = TrainerSettings(lr=1e-3, micro_batch_tokens=48)

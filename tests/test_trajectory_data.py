@@ -41,8 +41,8 @@ from seamlessflow.rewards import register_reward
 from seamlessflow.service import unrecoverable_cause
 from seamlessflow.tasks import TaskItem, TaskSource, get_task_source
 from sf_trajectory import schedule
-from sf_trajectory.config import TrajectorySettings
 from sf_trajectory.service import TrajectoryService
+from sf_trajectory.settings import TrajectorySettings
 
 
 @dataclass

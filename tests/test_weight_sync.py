@@ -23,10 +23,10 @@ from seamlessflow.weights import (
     WeightMirror,
     WeightPublisher,
 )
-from sf_engine.config import EngineSettings
-from sf_engine.worker import EngineWorker
-from sf_tag_scheduler.service import TagScheduler
-from sf_weight_sync.service import WeightSync
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_weight_sync.service import WeightSyncService
 
 
 def small_state(seed: int) -> dict[str, torch.Tensor]:
@@ -94,11 +94,11 @@ async def test_the_publisher_keeps_only_its_latest_chains(tmp_path: Path) -> Non
     assert os.listdir(tmp_path) == []
 
 
-async def engine_weights(worker: EngineWorker) -> dict[str, torch.Tensor]:
+async def engine_weights(worker: EngineService) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in worker.engine._params.items()}  # type: ignore[attr-defined]
 
 
-async def wait_for_version(worker: EngineWorker, version: int) -> None:
+async def wait_for_version(worker: EngineService, version: int) -> None:
     async with asyncio.timeout(60):
         while worker.engine.version < version:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
@@ -129,9 +129,9 @@ async def test_engines_follow_deltas_join_late_and_refuse_corrupted_payloads(
 
     mesh = InProcessMesh(nats_url, run_id, base_model_dir)
     try:
-        await mesh.start(TagScheduler())
-        weight_sync = await mesh.start(WeightSync())
-        early = await mesh.start(EngineWorker(EngineSettings(engine_id="engine-early")))
+        await mesh.start(TagSchedulerService())
+        weight_sync = await mesh.start(WeightSyncService())
+        early = await mesh.start(EngineService(EngineSettings(engine_id="engine-early")))
         async with asyncio.timeout(60):
             await early.ready.wait()
 
@@ -146,7 +146,7 @@ async def test_engines_follow_deltas_join_late_and_refuse_corrupted_payloads(
         got = await engine_weights(early)
         assert all(torch.equal(got[name], want[name]) for name in want)
 
-        late = await mesh.start(EngineWorker(EngineSettings(engine_id="engine-late")))
+        late = await mesh.start(EngineService(EngineSettings(engine_id="engine-late")))
         async with asyncio.timeout(60):
             await late.ready.wait()
         assert late.engine.version == 3
@@ -193,12 +193,12 @@ async def test_weight_sync_rebuilds_the_chain_after_a_restart(
         await announce_weights(bus, await publisher.publish(version, state))
     mesh = InProcessMesh(nats_url, run_id, None)
     try:
-        first = await mesh.start(WeightSync())
+        first = await mesh.start(WeightSyncService())
         async with asyncio.timeout(30):
             while first.chain.version < 5:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
         await mesh.stop()
-        restarted = await mesh.start(WeightSync())
+        restarted = await mesh.start(WeightSyncService())
         await asyncio.wait_for(restarted.ready.wait(), 30)
         current: CurrentVersion = await bus.request(
             bus.subjects.weights_current(), CurrentVersionQuery(engine_id="e"), CurrentVersion

@@ -28,7 +28,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-import sf_engine.worker
+import sf_engine.service
 from sf_engine.backends.base import GeneratedToken, GenerationStream, SamplingParams
 from sf_engine.backends.scripted_engine import ScriptedEngine, _Request
 
@@ -80,7 +80,7 @@ def use_tool_script_engine(monkeypatch: Any) -> None:
     def build(settings: Any, model_dir: str) -> ToolScriptEngine:
         return ToolScriptEngine(model_dir, max_batch_size=settings.max_batch_size)
 
-    monkeypatch.setattr(sf_engine.worker, "build_engine", build)
+    monkeypatch.setattr(sf_engine.service, "build_engine", build)
 
 
 @contextlib.asynccontextmanager
@@ -91,22 +91,22 @@ async def tool_script_gateway(
     gateway) on ``nats_url``; yields the gateway's URL."""
     from conftest import InProcessMesh
 
-    from sf_engine.config import EngineSettings
-    from sf_engine.worker import EngineWorker
-    from sf_gateway.config import GatewaySettings
-    from sf_gateway.gateway import GatewayService
-    from sf_tag_scheduler.service import TagScheduler
+    from sf_engine.service import EngineService
+    from sf_engine.settings import EngineSettings
+    from sf_gateway.service import GatewayService
+    from sf_gateway.settings import GatewaySettings
+    from sf_tag_scheduler.service import TagSchedulerService
     from sf_trajectory.service import TrajectoryService
-    from sf_weight_sync.service import WeightSync
+    from sf_weight_sync.service import WeightSyncService
 
     use_tool_script_engine(monkeypatch)
     mesh = InProcessMesh(nats_url, run_id, model_dir)
     try:
-        await mesh.start(TagScheduler())
-        await mesh.start(WeightSync())
+        await mesh.start(TagSchedulerService())
+        await mesh.start(WeightSyncService())
         await mesh.start(TrajectoryService())
         engine = await mesh.start(
-            EngineWorker(EngineSettings(engine_id="engine-tools", backend="scripted"))
+            EngineService(EngineSettings(engine_id="engine-tools", backend="scripted"))
         )
         gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
         async with asyncio.timeout(60):

@@ -24,10 +24,10 @@ import torch
 
 from seamlessflow.protocol import TrainBatch
 from sf_trainer.checkpoint import TrainerState
-from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.launch import exit_now
 from sf_trainer.learner import Learner
+from sf_trainer.settings import TrainerSettings
 
 
 def main(spec_path: str) -> None:

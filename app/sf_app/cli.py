@@ -393,9 +393,9 @@ def simulate(
         ),
     ] = True,
 ) -> None:
-    """Simulate colocated-sync, disaggregated-async and multiplexed on 8-1024 GPUs with
+    """Simulate colocated, disaggregated and multiplexed on 8-1024 GPUs with
     the production scheduling policy on virtual time; print throughput, bubble ratio and
-    speedup over colocated-sync. Durations are modeled (or calibrated with --from-run)."""
+    speedup over colocated. Durations are modeled (or calibrated with --from-run)."""
     from sf_app.simulator import (
         TABLE_HEADER,
         WORKLOADS,
@@ -417,7 +417,7 @@ def simulate(
     if not sizes or min(sizes) < 2 or not fractions or not all(0 < f < 1 for f in fractions):
         raise typer.BadParameter("need --gpus >= 2 and --train-fractions in (0, 1)")
     if max_batches_ahead < 1:
-        raise typer.BadParameter("--max-batches-ahead must be >= 1 (0 is colocated-sync)")
+        raise typer.BadParameter("--max-batches-ahead must be >= 1 (0: colocated, synchronous)")
     if not shares or 1.0 not in shares or not all(0 < f <= 1 for f in shares):
         raise typer.BadParameter("--lend-shares must be in (0, 1] and include 1")
     if not 0 < reclaim_early_at <= 1:
@@ -446,7 +446,7 @@ def simulate(
         f"lend-in {switch.lend_in_s:g}s, reclaim {switch.reclaim_s:g}s"
     )
     typer.echo(
-        "# disaggregated-async and multiplexed: best training share of "
+        "# disaggregated and multiplexed: best training share of "
         f"{', '.join(f'{f:g}' for f in fractions)} (by trained tokens/s), "
         f"{max_batches_ahead} batch(es) ahead"
         + ("" if rebalance_on_lend else "; without rebalance on lend")

@@ -15,9 +15,9 @@ The cluster and the three deployments
 is one resource sharded over them. A deployment is only tags, a policy mode and the
 rollout pacing (:class:`Deployment`); the mechanics below never branch on it:
 
-- ``colocated-sync``: ``T = G``; every slot's engine is tagged ``{train, rollout}``
+- ``colocated``: ``T = G``; every slot's engine is tagged ``{train, rollout}``
   (lendable); mode ``colocated`` (always lend); ``max_batches_ahead = 0``.
-- ``disaggregated-async``: ``T < G`` trains, no engine on training slots, the other
+- ``disaggregated``: ``T < G`` trains, no engine on training slots, the other
   slots' engines are tagged ``{rollout}``; mode ``disaggregated``; one batch ahead.
 - ``multiplexed``: as disaggregated, plus a lendable ``{train, rollout}`` engine on each
   training slot; mode ``multiplexed`` (lend when it pays); one batch ahead.
@@ -273,11 +273,11 @@ class Deployment:
         return views
 
 
-COLOCATED_SYNC = Deployment("colocated-sync", "colocated", 1.0, True, 0)
+COLOCATED = Deployment("colocated", "colocated", 1.0, True, 0)
 
 
-def disaggregated_async(train_fraction: float, batches_ahead: int = 1) -> Deployment:
-    return Deployment("disaggregated-async", "disaggregated", train_fraction, False, batches_ahead)
+def disaggregated(train_fraction: float, batches_ahead: int = 1) -> Deployment:
+    return Deployment("disaggregated", "disaggregated", train_fraction, False, batches_ahead)
 
 
 def multiplexed(train_fraction: float, batches_ahead: int = 1) -> Deployment:
@@ -294,7 +294,7 @@ class SimConfig:
     """Optimizer steps; the run ends when the last one's weights are published."""
     seed: int = 0
     """Seeds the workload (response lengths, turns, tool latencies) and the routing."""
-    deployment: Deployment = COLOCATED_SYNC
+    deployment: Deployment = COLOCATED
     workload: WorkloadModel = SINGLE_TURN
     engine: EngineModel = EngineModel()
     trainer: TrainerModel = TrainerModel()
@@ -1018,7 +1018,7 @@ DEFAULT_TRAIN_FRACTIONS = (0.25, 0.5, 0.75)
 class Row:
     result: SimResult
     speedup: float
-    """Trained tokens/s over colocated-sync's at the same G."""
+    """Trained tokens/s over colocated's at the same G."""
     swept: tuple[float, ...] = ()
     """The train fractions tried (the best is shown)."""
 
@@ -1029,14 +1029,14 @@ def compare(
     train_fractions: Sequence[float] = DEFAULT_TRAIN_FRACTIONS,
     batches_ahead: int = 1,
 ) -> list[Row]:
-    """Colocated-sync, and the best split of disaggregated-async and of multiplexed
+    """Colocated (synchronous), and the best split of disaggregated and of multiplexed
     (both running ``batches_ahead`` batches ahead of training), at every cluster size,
     on the same workload and seed."""
     rows: list[Row] = []
     for g in gpus:
-        baseline = simulate(replace(base, gpus=g, deployment=COLOCATED_SYNC))
+        baseline = simulate(replace(base, gpus=g, deployment=COLOCATED))
         rows.append(Row(baseline, 1.0))
-        for make in (disaggregated_async, multiplexed):
+        for make in (disaggregated, multiplexed):
             tried = [
                 simulate(replace(base, gpus=g, deployment=make(f, batches_ahead)))
                 for f in train_fractions
@@ -1052,7 +1052,7 @@ TABLE_HEADER = (
     "| staleness mean/max | untrained | lends/declined |\n" + "|---" * 10 + "|"
 )
 """Markdown: trained tokens and samples per virtual second, bubble ratio, speedup over
-colocated-sync, token-weighted mean and max staleness, share of decoded tokens not
+colocated, token-weighted mean and max staleness, share of decoded tokens not
 trained (stale or still in flight at the end), policy lends and declined decisions."""
 
 

@@ -1,7 +1,7 @@
 """Settings shared by every service (env prefix ``SF_``).
 
 Each service adds its own settings class with its own prefix (``SF_TRAINER_`` ...);
-see the service's ``config.py``. Every field has a docstring: they are the
+see the service's ``settings.py``. Every field has a docstring: they are the
 configuration reference (``seamlessflow config`` prints them).
 """
 

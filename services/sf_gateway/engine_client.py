@@ -34,8 +34,8 @@ from seamlessflow.protocol import (
     decode,
 )
 from sf_gateway.choice import Choice
-from sf_gateway.config import GatewaySettings
 from sf_gateway.openai_api import ApiError
+from sf_gateway.settings import GatewaySettings
 from sf_gateway.templating import ChatTokenizer
 from sf_gateway.turns import Turn
 

@@ -43,7 +43,7 @@ from sf_gateway.sse import turn_updates
 if TYPE_CHECKING:
     import asyncio
 
-    from sf_gateway.gateway import Gateway
+    from sf_gateway.service import Gateway
     from sf_gateway.turns import Turn
 
 

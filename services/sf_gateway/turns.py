@@ -3,7 +3,7 @@ fits the context, what every choice asks the engines for (``Plan``), the choices
 the view that formats them for the agent.
 
 Everything here is checked before anything is stored: a request that fails a check is
-a 4xx and changes nothing. Running a turn and recording it are ``sf_gateway.gateway``'s;
+a 4xx and changes nothing. Running a turn and recording it are ``sf_gateway.service``'s;
 its engine calls are ``sf_gateway.engine_client``'s.
 """
 
@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from seamlessflow.protocol import SEEDS
 from sf_gateway.choice import Choice
-from sf_gateway.config import GatewaySettings
 from sf_gateway.conversation import Conversation, NodeKey
 from sf_gateway.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
 from sf_gateway.reasoning import ReasoningParser
 from sf_gateway.responses import ChatFormat, CompletionFormat
 from sf_gateway.sessions import GatewaySession
+from sf_gateway.settings import GatewaySettings
 from sf_gateway.templating import ChatTokenizer
 from sf_gateway.tool_parsers import ToolParser
 

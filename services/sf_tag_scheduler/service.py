@@ -67,8 +67,8 @@ from seamlessflow.protocol import (
     policy_of_tags,
 )
 from seamlessflow.service import ServiceContext, supervise
-from sf_tag_scheduler.config import TagSchedulerSettings
 from sf_tag_scheduler.policy import LendPlan, ResourceView, TagPolicy
+from sf_tag_scheduler.settings import TagSchedulerSettings
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -88,7 +88,7 @@ class ResourceState:
     """Requests in flight, as its last heartbeat said."""
 
 
-class TagScheduler:
+class TagSchedulerService:
     name = "tag-scheduler"
 
     def __init__(self, settings: TagSchedulerSettings | None = None) -> None:

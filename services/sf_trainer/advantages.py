@@ -19,7 +19,7 @@ import torch
 
 from seamlessflow.plugins import Registry
 from seamlessflow.protocol import SampleGroup, TrainSample
-from sf_trainer.config import TrainerSettings
+from sf_trainer.settings import TrainerSettings
 
 STD_EPS = 1e-6
 """Added to a standard deviation before dividing by it: rewards without spread give 0."""

@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 
 from seamlessflow.rewards import get_reward
 from seamlessflow.tasks import TaskItem, get_task_source
-from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup, forward_precision
+from sf_trainer.settings import TrainerSettings
 
 EVAL_BATCH = 16
 """Prompts generated together (left-padded)."""

@@ -25,10 +25,10 @@ import sys
 from seamlessflow.service import configure_logging
 from seamlessflow.service import main as run_service_process
 from seamlessflow.settings import MeshSettings
-from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.learner import Learner
-from sf_trainer.service import Trainer
+from sf_trainer.service import TrainerService
+from sf_trainer.settings import TrainerSettings
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     group = TrainGroup.from_env(settings.device, settings.collective_timeout_s)
     try:
         if group.is_leader:
-            run_service_process(Trainer(settings, group))
+            run_service_process(TrainerService(settings, group))
         else:
             follow_rank_zero(settings, group, MeshSettings())
     finally:

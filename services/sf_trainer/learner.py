@@ -25,12 +25,12 @@ from seamlessflow.weights.tied import tied_aliases, with_aliases, without_aliase
 from sf_trainer import checkpoint
 from sf_trainer.advantages import get_advantage_estimator
 from sf_trainer.checkpoint import TrainerState
-from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.evaluation import EvalResult, EvalSet, evaluate
 from sf_trainer.logprobs import chunked_head_refusal
 from sf_trainer.losses import get_loss
 from sf_trainer.schedule import lr_at
+from sf_trainer.settings import TrainerSettings
 from sf_trainer.step import StepResult, train_step
 
 log = logging.getLogger(__name__)

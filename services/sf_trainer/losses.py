@@ -32,8 +32,8 @@ from typing import NamedTuple
 import torch
 
 from seamlessflow.plugins import Registry
-from sf_trainer.config import TrainerSettings
 from sf_trainer.grpo import ppo_clip
+from sf_trainer.settings import TrainerSettings
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from sf_trainer.config import TrainerSettings
+from sf_trainer.settings import TrainerSettings
 
 
 def lr_at(step: int, settings: TrainerSettings) -> float:

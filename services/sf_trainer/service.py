@@ -85,9 +85,9 @@ from seamlessflow.weights.group import form_as_trainer
 from seamlessflow.weights.settings import WeightTransferSettings, publisher
 from sf_trainer import checkpoint
 from sf_trainer.checkpoint import TrainerState
-from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.learner import Learner
+from sf_trainer.settings import TrainerSettings
 from sf_trainer.step import StepResult
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ loops on one batch, and sees a stop between tries."""
 T = TypeVar("T")
 
 
-class Trainer:
+class TrainerService:
     name = "trainer"
 
     def __init__(

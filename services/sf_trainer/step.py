@@ -23,10 +23,10 @@ import torch
 
 from seamlessflow.protocol import UNRECORDED_TEMPERATURE, TrainBatch, TrainSample
 from sf_trainer.advantages import batch_advantages
-from sf_trainer.config import TrainerSettings
 from sf_trainer.distributed import TrainGroup, as_float, forward_precision, partition_by_tokens
 from sf_trainer.logprobs import target_logprobs
 from sf_trainer.losses import BatchTotals, LossInputs, get_loss
+from sf_trainer.settings import TrainerSettings
 
 
 @dataclass

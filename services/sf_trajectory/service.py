@@ -91,11 +91,11 @@ from seamlessflow.protocol import (
 )
 from seamlessflow.rewards import RewardFn, get_reward, reward_names
 from seamlessflow.service import ServiceContext, supervise
-from sf_trajectory.config import TrajectorySettings
 from sf_trajectory.data_filters import DataFilters
 from sf_trajectory.dispatch import Dispatcher, group_id, group_index
 from sf_trajectory.grouping import Grouper, export_session
 from sf_trajectory.schedule import build_stages, stage_of_batch
+from sf_trajectory.settings import TrajectorySettings
 from sf_trajectory.timeouts import GroupTimeouts
 
 log = logging.getLogger(__name__)

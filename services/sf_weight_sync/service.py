@@ -41,13 +41,13 @@ from seamlessflow.protocol import (
 )
 from seamlessflow.service import ServiceContext, supervise
 from seamlessflow.weights import VersionChain
-from sf_weight_sync.config import WeightSyncSettings
+from sf_weight_sync.settings import WeightSyncSettings
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
 
 
-class WeightSync:
+class WeightSyncService:
     name = "weight-sync"
 
     def __init__(self, settings: WeightSyncSettings | None = None) -> None:

@@ -97,7 +97,6 @@ from seamlessflow.protocol import (
 from seamlessflow.service import ServiceContext
 from sf_gateway.auth import Access, key_digest
 from sf_gateway.choice import Choice
-from sf_gateway.config import GatewaySettings
 from sf_gateway.conversation import NodeKey
 from sf_gateway.engine_client import EngineClient
 from sf_gateway.openai_api import (
@@ -118,6 +117,7 @@ from sf_gateway.request_body import read_json
 from sf_gateway.responses import ChatFormat, CompletionFormat, logprob_token
 from sf_gateway.responses_api import create_response
 from sf_gateway.sessions import GatewaySession, add_node, new_session
+from sf_gateway.settings import GatewaySettings
 from sf_gateway.sse import Events, EventStream, chunk_events
 from sf_gateway.templating import ChatTokenizer
 from sf_gateway.tool_parsers import tool_parser_for

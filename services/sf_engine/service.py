@@ -87,7 +87,7 @@ from sf_engine.backends import (
     TopLogprobs,
     TransformersEngine,
 )
-from sf_engine.config import EngineSettings
+from sf_engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -187,7 +187,7 @@ class InFlight:
         return self._busy_total + running
 
 
-class EngineWorker:
+class EngineService:
     name = "engine"
 
     def __init__(self, settings: EngineSettings | None = None) -> None:
