@@ -90,6 +90,14 @@ class RunConfig(BaseModel):
     trajectory, weight-sync, tag-scheduler) to slot 0's core, so a trainer's slot is
     really idle while it waits, as a GPU would be, instead of being filled by the
     operating system with other work. Used by the mode benchmark."""
+    run_file: Path | None = None
+    """The run file this run was started from (``--config``): copied into the run
+    directory as ``run.toml``, from which every process reads its own section
+    (``SF_CONFIG``). Its ``[run]`` table gave this configuration's values, below the
+    options given on the command line."""
+    report_to: list[str] = Field(default_factory=list)
+    """Experiment tracking (``sf_app.tracking``): ``tensorboard``, ``wandb``, both, or
+    ``all``; empty or ``none``: none. Fed by this run's metrics stream, in the runner."""
 
     @model_validator(mode="after")
     def _valid_policies(self) -> RunConfig:
@@ -99,6 +107,13 @@ class RunConfig(BaseModel):
             check_policy(name)
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"a policy is listed twice: {self.policies}")
+        return self
+
+    @model_validator(mode="after")
+    def _known_trackers(self) -> RunConfig:
+        from sf_app.tracking import parse_report_to
+
+        self.report_to = list(parse_report_to(self.report_to))
         return self
 
     @model_validator(mode="after")

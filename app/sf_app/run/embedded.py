@@ -26,8 +26,10 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from seamlessflow.bus import Bus, Unrecoverable, connect, next_message
@@ -41,14 +43,19 @@ from seamlessflow.protocol import (
     TrainStepMetrics,
     decode,
 )
+from seamlessflow.runfile import RUN_FILE_VARIABLE
 from seamlessflow.settings import MeshSettings
 from seamlessflow.tasks import task_names
 from sf_app.run.config import RunConfig, default_run_id, deployment, is_users_model
 from sf_app.run.report import Progress, RunState, Summary, struct_dict, write_report
 from sf_app.run.supervisor import Supervisor, free_port
 from sf_app.service_table import SERVICE_TABLE
+from sf_app.tracking import Tracker
 
 log = logging.getLogger(__name__)
+
+RUN_FILE_COPY = "run.toml"
+"""The run file, as the run was started from it, in the run directory."""
 
 
 class EmbeddedRun(Supervisor):
@@ -72,6 +79,8 @@ class EmbeddedRun(Supervisor):
             restarts=self.restarts,
         )
         self.nats_token = ""
+        self.tracker = Tracker((), run_dir=self.run_dir, run_id=self.run_id, policies=[], config={})
+        """Experiment tracking (``--report-to``), started with the run."""
         self.gateway_key = ""
         """The gateway's operator key this run made (the agent runner's), if it made one."""
 
@@ -111,6 +120,11 @@ class EmbeddedRun(Supervisor):
                 "TOKENIZERS_PARALLELISM": "false",
             }
         )
+        # every process reads its section of the run's copy of the run file, or none: a
+        # file named in this environment but not given to the run must not leak in
+        env.pop(RUN_FILE_VARIABLE, None)
+        if c.run_file is not None:
+            env[RUN_FILE_VARIABLE] = str(self.run_dir / RUN_FILE_COPY)
         # what a restarted trainer resumes from is the latest; keep one more (unless the
         # user's environment says otherwise)
         env.setdefault("SF_TRAINER_KEEP_CHECKPOINTS", "2")
@@ -123,6 +137,20 @@ class EmbeddedRun(Supervisor):
 
         c = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if c.run_file is not None:
+            shutil.copyfile(c.run_file, self.run_dir / RUN_FILE_COPY)
+        try:
+            self.tracker = Tracker(
+                c.report_to,
+                run_dir=self.run_dir,
+                run_id=self.run_id,
+                policies=c.policies,
+                config=json.loads(c.model_dump_json()),
+            )
+        except Exception as exc:  # e.g. W&B online without a login: say so, start nothing
+            self.state.status = f"failed: --report-to: {type(exc).__name__}: {exc}"
+            log.error("%s", self.state.status)
+            return self.report()
         if c.model_dir is not None and is_users_model(c.model_dir):
             model_dir = c.model_dir  # the user's model, used as it is
             problem = await asyncio.to_thread(self.check_users_model, model_dir)
@@ -130,7 +158,7 @@ class EmbeddedRun(Supervisor):
                 # before any process starts: one line, all of it, as the run's status
                 self.state.status = f"failed: {problem}"
                 log.error("%s", problem)
-                return write_report(self.state)
+                return self.report()
         else:
             # The built-in model is warmed up on a built-in task; a data file (or any other
             # task without a teacher) gets the arithmetic one: bring a real model for it.
@@ -213,7 +241,7 @@ class EmbeddedRun(Supervisor):
             finally:
                 signal.signal(signal.SIGTERM, previous)
             nats_server.stop()
-        return write_report(self.state)
+        return self.report()
 
     def check_users_model(self, model_dir: Path) -> str | None:
         """What the model lacks for this run (every service's needs, and a context for
@@ -323,6 +351,7 @@ class EmbeddedRun(Supervisor):
                     if isinstance(message, TrainingPlanned):
                         continue  # the trainer's budget: the run's own configuration
                     if isinstance(message, TrainEvalMetrics):
+                        self.tracker.evaluation(message)
                         metrics_file.write(json.dumps(struct_dict(message)) + "\n")
                         metrics_file.flush()
                         continue
@@ -334,6 +363,7 @@ class EmbeddedRun(Supervisor):
                             return
                         continue
                     self.state.metrics_by_policy[message.policy].append(message)
+                    self.tracker.step(message)
                     metrics_file.write(json.dumps(struct_dict(message)) + "\n")
                     metrics_file.flush()
                     progress.update(self.state, message.policy)
@@ -341,6 +371,14 @@ class EmbeddedRun(Supervisor):
         finally:
             metrics_file.close()
             await follower.close()
+
+    def report(self) -> Summary:
+        """The run's report (``sf_app.run.report``), then its figures to the trackers,
+        which are closed (a run reports once)."""
+        summary = write_report(self.state)
+        self.tracker.finish(asdict(summary), self.run_dir)
+        self.tracker.close()
+        return summary
 
     async def _wait_for_stream(self, bus: Bus, name: str, stop: asyncio.Event) -> str | None:
         """Wait until a service created the run's streams; a crashed service is returned."""
@@ -360,4 +398,4 @@ def run_embedded(config: RunConfig) -> Summary:
     run = EmbeddedRun(config)
     with contextlib.suppress(KeyboardInterrupt):
         return uvloop.run(run.run())
-    return write_report(run.state)
+    return run.report()

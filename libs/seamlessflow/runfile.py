@@ -1,0 +1,142 @@
+"""The run file: one TOML file that describes a run and every service's settings.
+
+    [run]            # the run as a whole: seamlessflow up's options (--steps ...)
+    steps = 300
+    mode = "multiplexed"
+
+    [trainer]        # one section per settings class: its fields, without the prefix
+    loss = "dr_grpo"  # = SF_TRAINER_LOSS
+
+``seamlessflow up --config run.toml`` reads all of it (options given on the command line
+win) and copies it into the run directory. A process started alone reads the same file
+when ``SF_CONFIG`` names it: its settings class takes its own section and the ``[run]``
+keys that set one of its fields (``RUN_KEYS``), so compose and the embedded run can
+share one description. Precedence, highest first: arguments in code, environment
+variables, the run file, defaults.
+
+A section is named after its settings class's variable prefix (``SF_TRAINER_`` ->
+``trainer``, ``SF_TAG_SCHEDULER_`` -> ``tag_scheduler``, ``-`` works too; the prefix
+``SF_`` itself -> ``mesh``). A key no class knows is an error naming the closest valid
+one; so is a service key that ``[run]`` owns (set twice, one would silently win).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+RUN_FILE_VARIABLE = "SF_CONFIG"
+"""The environment variable naming a process's run file."""
+
+RUN_SECTION = "run"
+
+RUN_KEYS: dict[str, tuple[str, ...]] = {
+    "seed": ("SF_SEED",),
+    "policies": ("SF_POLICIES",),
+    "mode": ("SF_TAG_SCHEDULER_MODE",),
+    "task": ("SF_TRAJECTORY_TASK", "SF_TRAINER_EVAL_TASK"),
+    "group_size": ("SF_TRAJECTORY_GROUP_SIZE",),
+    "groups_per_batch": ("SF_TRAJECTORY_GROUPS_PER_BATCH",),
+    "max_batches_ahead": ("SF_TRAJECTORY_MAX_BATCHES_AHEAD",),
+    "group_timeout_s": ("SF_TRAJECTORY_GROUP_TIMEOUT_S",),
+    "steps": ("SF_TRAINER_STEPS",),
+    "checkpoint_every": ("SF_TRAINER_CHECKPOINT_EVERY",),
+    "lr": ("SF_TRAINER_LR",),
+    "max_tokens": ("SF_TRAINER_EVAL_MAX_TOKENS", "SF_AGENTS_MAX_TOKENS"),
+    "engine_batch_size": ("SF_ENGINE_MAX_BATCH_SIZE",),
+    "agent": ("SF_AGENTS_AGENT",),
+    "agent_concurrency": ("SF_AGENTS_CONCURRENCY",),
+}
+"""``[run]`` keys that are service settings: each sets these variables' fields. The
+embedded run passes them to its processes as these variables; a process reading the
+file alone takes them from ``[run]``. The other ``[run]`` keys (``engines``,
+``runs_dir``, ``report_to`` ...) concern only the embedded run."""
+
+
+class RunFileError(ValueError):
+    """The run file cannot be read or names something unknown (one line says which)."""
+
+
+def section_of(env_prefix: str) -> str:
+    """The run-file section of a settings class with this variable prefix."""
+    name = env_prefix.removeprefix("SF_").rstrip("_").lower()
+    return name or "mesh"
+
+
+def load(path: Path) -> dict[str, dict[str, Any]]:
+    """The file's sections (names normalised: ``-`` -> ``_``), each a table."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise RunFileError(f"run file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise RunFileError(f"run file {path} is not valid TOML: {exc}") from None
+    sections: dict[str, dict[str, Any]] = {}
+    for name, table in data.items():
+        if not isinstance(table, dict):
+            raise RunFileError(
+                f"run file {path}: {name!r} is outside any section; put it under [run] or "
+                "under its service's section"
+            )
+        sections[name.replace("-", "_")] = table
+    return sections
+
+
+def nearest(name: str, valid: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest valid name, or nothing."""
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def owned_by_run(env_prefix: str, field: str) -> str | None:
+    """The ``[run]`` key that sets ``field`` of the class with ``env_prefix``, if any."""
+    variable = (env_prefix + field).upper()
+    for key, variables in RUN_KEYS.items():
+        if variable in variables:
+            return key
+    return None
+
+
+def check_section(
+    path: Path, section: str, table: dict[str, Any], env_prefix: str, fields: Iterable[str]
+) -> None:
+    """Every key of a service section is a field of its class, and not one ``[run]`` owns."""
+    known = set(fields)
+    for key in table:
+        if key not in known:
+            raise RunFileError(f"run file {path}: unknown key {section}.{key}{nearest(key, known)}")
+        run_key = owned_by_run(env_prefix, key)
+        if run_key is not None:
+            raise RunFileError(
+                f"run file {path}: {section}.{key} is a run setting: set it as [run] {run_key}"
+            )
+
+
+def values_for(env_prefix: str, fields: Iterable[str], path: Path) -> dict[str, Any]:
+    """What the run file at ``path`` sets for a settings class: its section's keys and
+    the ``[run]`` keys that set one of its fields (checked as :func:`check_section`)."""
+    known = set(fields)
+    sections = load(path)
+    section = section_of(env_prefix)
+    table = sections.get(section, {})
+    check_section(path, section, table, env_prefix, known)
+    values = dict(table)
+    for key, value in sections.get(RUN_SECTION, {}).items():
+        for variable in RUN_KEYS.get(key, ()):
+            if not variable.startswith(env_prefix):
+                continue
+            field = variable.removeprefix(env_prefix).lower()
+            if field in known:
+                # a list in [run] (policies) is a comma-separated variable to a service
+                values[field] = ",".join(map(str, value)) if isinstance(value, list) else value
+    return values
+
+
+def run_file_from_environment() -> Path | None:
+    """The run file ``SF_CONFIG`` names (None: unset or empty)."""
+    value = os.environ.get(RUN_FILE_VARIABLE, "")
+    return Path(value) if value else None
