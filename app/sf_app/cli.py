@@ -208,10 +208,18 @@ def attach(
 @app.command()
 def timeline(
     run_dir: Annotated[Path, typer.Argument(help="A run directory (runs/<run-id>).")],
+    chrome_trace: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also write the lanes as a Trace Event JSON file (Chrome/Perfetto "
+            "format: one track per resource on each slot, the bubbles, the scheduler's "
+            "lend/reclaim spans) to this path; open it in ui.perfetto.dev."
+        ),
+    ] = None,
 ) -> None:
     """Render a run's timeline (one lane per resource, bubbles marked) as HTML and PNG
     and print the bubble ratio (idle resource-time / total)."""
-    from sf_app.timeline import render_run
+    from sf_app.timeline import render_run, write_chrome_trace
 
     if not (run_dir / "spans.jsonl").exists():
         raise typer.BadParameter(f"{run_dir} has no spans.jsonl")
@@ -221,6 +229,9 @@ def timeline(
         typer.echo(f"{resource:40s} busy {100 * busy:5.1f}%")
     typer.echo(f"bubble ratio {result.bubble_ratio:.3f} over {result.duration:.1f}s")
     typer.echo(f"wrote {run_dir / 'timeline.html'} and {run_dir / 'timeline.png'}")
+    if chrome_trace is not None:
+        slices = write_chrome_trace(run_dir / "spans.jsonl", chrome_trace)
+        typer.echo(f"wrote {chrome_trace} ({slices} slices; open it in ui.perfetto.dev)")
 
 
 @app.command("build-model")

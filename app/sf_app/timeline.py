@@ -13,6 +13,11 @@ Definitions (used by ``summary.json`` and ``seamlessflow timeline``):
 - a slot's *busy* time is the union of the non-idle phase intervals of every process on
   it, inside the window; everything else in the window is idle: a *bubble*;
 - ``bubble_ratio = idle slot-time / (slots x window)``.
+
+Output: ``timeline.html`` and ``timeline.png`` (``render_run``), and on request the same
+lanes as a Trace Event file (``chrome_trace``, ``seamlessflow timeline --chrome-trace``)
+for Perfetto or ``chrome://tracing``, where the intervals can be zoomed, measured and
+read alongside the scheduler's lend and reclaim spans.
 """
 
 from __future__ import annotations
@@ -198,3 +203,138 @@ def render_run(run_dir: Path) -> Timeline:
     render_png(timeline, run_dir / "timeline.png", run_dir.name)
     render_html(timeline, run_dir / "timeline.html", run_dir.name)
     return timeline
+
+
+# -- the Trace Event format (Chrome's tracing, Perfetto) ----------------------------------
+
+BUBBLES = "bubbles"
+"""The name of each slot's track of idle gaps (the same bubbles ``Timeline`` counts)."""
+
+
+@dataclass(frozen=True)
+class TraceSlice:
+    """One interval on one track: ``process`` is a slot or a service, ``track`` a
+    resource, ``bubbles`` or a span name."""
+
+    process: str
+    track: str
+    name: str
+    category: str
+    start: float
+    end: float
+    args: dict[str, object]
+
+
+def trace_slices(spans_path: Path) -> list[TraceSlice]:
+    """Every phase interval on each of its slots (the track: its resource), the slots'
+    bubbles (the ``bubbles`` track), and the scheduler's ``sched.*`` spans (one track
+    per span name, in a process named after the service)."""
+    slices: list[TraceSlice] = []
+    with spans_path.open() as lines:
+        for line in lines:
+            span = json.loads(line)
+            name, start, end = span["name"], span["start"], span["end"]
+            attributes = span.get("attributes") or {}
+            if end < start:
+                continue
+            if name.startswith("phase."):
+                resource = attributes.get("resource.id")
+                if not resource:
+                    continue
+                args = {
+                    "resource.id": resource,
+                    "resource.kind": attributes.get("resource.kind", ""),
+                    "seconds": end - start,
+                }
+                for slot in attributes.get("resource.slots") or [resource]:
+                    slices.append(
+                        TraceSlice(
+                            slot, resource, name.removeprefix("phase."), "phase", start, end, args
+                        )
+                    )
+            elif name.startswith("sched."):
+                service = span.get("service") or "tag-scheduler"
+                args = {**attributes, "seconds": end - start}
+                slices.append(TraceSlice(service, name, name, "scheduler", start, end, args))
+    timeline = build_timeline(load_phase_spans(spans_path))
+    for slot in timeline.lanes:
+        for start, end in timeline.bubbles(slot):
+            slices.append(
+                TraceSlice(slot, BUBBLES, "bubble", "bubble", start, end, {"seconds": end - start})
+            )
+    return slices
+
+
+def _stacked(slices: list[TraceSlice]) -> list[list[TraceSlice]]:
+    """Slices of one track as rows in which none overlaps the next: a viewer nests the
+    slices of one thread, so a slice that overlaps without nesting goes one row down."""
+    rows: list[list[TraceSlice]] = []
+    for piece in sorted(slices, key=lambda s: (s.start, s.end)):
+        for row in rows:
+            if row[-1].end <= piece.start:
+                row.append(piece)
+                break
+        else:
+            rows.append([piece])
+    return rows
+
+
+def chrome_trace(spans_path: Path) -> dict[str, object]:
+    """A run's phases as a Trace Event file (``{"traceEvents": [...]}``) for Perfetto
+    or ``chrome://tracing``: one process per slot, in it one track per resource on that
+    slot and one of bubbles; the scheduler's spans in a process of their own. Complete
+    events (``"ph": "X"``), times in microseconds since the first slice starts."""
+    slices = trace_slices(spans_path)
+    t0 = min((s.start for s in slices), default=0.0)
+    # slots first, then services (a slot and a service may share a name: kept apart)
+    processes = sorted({(s.category == "scheduler", s.process) for s in slices})
+    events: list[dict[str, object]] = []
+    for pid, (is_service, process) in enumerate(processes, start=1):
+        events.append(_metadata("process_name", pid, 0, process))
+        events.append(_metadata("process_sort_index", pid, 0, pid))
+        mine = [
+            s for s in slices if (s.category == "scheduler", s.process) == (is_service, process)
+        ]
+        # resources by name, the bubbles under them
+        tracks = sorted({s.track for s in mine}, key=lambda t: (t == BUBBLES, t))
+        tid = 0
+        for track in tracks:
+            rows = _stacked([s for s in mine if s.track == track])
+            for index, row in enumerate(rows):
+                tid += 1
+                label = track if index == 0 else f"{track} ({index + 1})"
+                events.append(_metadata("thread_name", pid, tid, label))
+                events.append(_metadata("thread_sort_index", pid, tid, tid))
+                events.extend(
+                    {
+                        "name": s.name,
+                        "cat": s.category,
+                        "ph": "X",
+                        "ts": round((s.start - t0) * 1e6, 3),
+                        "dur": round((s.end - s.start) * 1e6, 3),
+                        "pid": pid,
+                        "tid": tid,
+                        "args": s.args,
+                    }
+                    for s in row
+                )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"source": str(spans_path), "start_unix_s": t0},
+    }
+
+
+def _metadata(name: str, pid: int, tid: int, value: object) -> dict[str, object]:
+    key = "sort_index" if name.endswith("sort_index") else "name"
+    return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": {key: value}}
+
+
+def write_chrome_trace(spans_path: Path, out: Path) -> int:
+    """Write :func:`chrome_trace` to ``out``; the number of slices written."""
+    trace = chrome_trace(spans_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(trace))
+    events = trace["traceEvents"]
+    assert isinstance(events, list)
+    return sum(1 for e in events if e["ph"] == "X")

@@ -96,7 +96,10 @@ class MeshSettings(BaseSettings):
         default="",
         validation_alias=AliasChoices("SF_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
     )
-    """OTLP/HTTP endpoint for spans (e.g. http://jaeger:4318); empty = JSONL only."""
+    """OTLP/HTTP endpoint for spans, a base URL (e.g. http://jaeger:4318; ``/v1/traces``
+    is appended). ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (a full URL) wins over it; the
+    other ``OTEL_*`` variables apply as the OpenTelemetry SDK defines them
+    (docs/observability.md). Empty = JSONL only."""
 
     @field_validator("run_id")
     @classmethod

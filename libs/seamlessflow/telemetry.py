@@ -1,13 +1,36 @@
 """OpenTelemetry set-up shared by every process, and trace context in NATS headers.
 
 Spans go to two places: a JSONL file in the run directory (always, so every run can be
-rendered into a timeline offline) and an OTLP/HTTP endpoint when
-``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (Jaeger in compose).
+rendered into a timeline offline: ``seamlessflow timeline``, the run report) and an
+OTLP/HTTP endpoint when one is configured (Jaeger in compose; the trace store of
+``just trace-store`` on a workstation).
+
+The standard OpenTelemetry environment variables apply as the OTel SDK defines them,
+with the project's own settings fitted in (docs/observability.md has the table):
+
+- service name: ``OTEL_SERVICE_NAME``, else ``service.name`` in
+  ``OTEL_RESOURCE_ATTRIBUTES``, else the service's own name (``tag-scheduler``, ...).
+  Compose sets ``OTEL_SERVICE_NAME=sf-<service>``, so two engine deployments (CPU and
+  GPU) are two services in Jaeger.
+- resource: ``OTEL_RESOURCE_ATTRIBUTES`` is merged in; ``sf.run_id`` is always the run's
+  id (``SF_RUN_ID``): a stale value there would file spans under another run.
+- endpoint: ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (the full URL, used as it is), else
+  the settings' base URL (``SF_OTLP_ENDPOINT``, else ``OTEL_EXPORTER_OTLP_ENDPOINT``)
+  with ``/v1/traces`` appended; none of them = no export.
+- headers, timeout, compression, TLS files: ``OTEL_EXPORTER_OTLP_TRACES_*``, else
+  ``OTEL_EXPORTER_OTLP_*``; the SDK's exporter reads them itself.
+- protocol: OTLP/HTTP with protobuf only; ``OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL``
+  naming another one stops the process rather than sending to a port that does not
+  speak it.
+- ``OTEL_SDK_DISABLED=true``: nothing is exported. The JSONL file is still written: it
+  is the run's own record, which the report and the timeline read, not an export.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -15,11 +38,16 @@ from typing import Any
 
 import orjson
 from opentelemetry import context, propagate, trace
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+log = logging.getLogger(__name__)
+
 _provider: TracerProvider | None = None
+
+TRACES_PATH = "/v1/traces"
+PROTOCOL = "http/protobuf"
 
 
 class JsonlSpanExporter(SpanExporter):
@@ -60,27 +88,80 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
     }
 
 
+def sdk_disabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """``OTEL_SDK_DISABLED``, read as the SDK reads it (only ``true`` disables)."""
+    return environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+
+
+def traces_endpoint(base_url: str, environ: Mapping[str, str] = os.environ) -> str:
+    """The URL spans are sent to, or ``""`` for none (see the module docstring).
+
+    ``base_url`` is the settings' ``otlp_endpoint`` (``SF_OTLP_ENDPOINT``, else
+    ``OTEL_EXPORTER_OTLP_ENDPOINT``)."""
+    if sdk_disabled(environ):
+        return ""
+    if signal_url := environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip():
+        return signal_url
+    base = base_url.strip().rstrip("/")
+    if not base:
+        return ""
+    return base if base.endswith(TRACES_PATH) else base + TRACES_PATH
+
+
+def check_protocol(environ: Mapping[str, str] = os.environ) -> None:
+    """Refuse an OTLP protocol other than the one spans are sent with."""
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        protocol = environ.get(name, "").strip()
+        if protocol:
+            if protocol != PROTOCOL:
+                raise ValueError(
+                    f"{name}={protocol}: spans are sent as OTLP {PROTOCOL} only; set it to "
+                    f"{PROTOCOL} (or unset it) and point the endpoint at the receiver's "
+                    "OTLP/HTTP port (4318 on Jaeger and the OpenTelemetry Collector)"
+                )
+            return  # the signal-specific variable wins over the generic one
+
+
+def service_resource(service_name: str, run_id: str = "") -> Resource:
+    """The process's resource: ``service_name`` as the default ``service.name``, under
+    what ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_SERVICE_NAME`` say; ``sf.run_id`` last."""
+    # Resource.create() also merges these variables, but *under* the attributes it is
+    # given, so a service.name passed to it would beat OTEL_SERVICE_NAME
+    attributes: dict[str, Any] = {SERVICE_NAME: service_name}
+    attributes.update(OTELResourceDetector().detect().attributes)
+    if run_id:
+        attributes["sf.run_id"] = run_id
+    return Resource.create(attributes)
+
+
 def setup(
     service_name: str, *, jsonl_path: Path | None, otlp_endpoint: str = "", run_id: str = ""
 ) -> None:
     """Install the global tracer provider for this process (once). Every span carries
-    the resource attribute ``sf.run_id``: in Jaeger, the tag that finds a run."""
+    the resource attribute ``sf.run_id``: in Jaeger, the tag that finds a run.
+
+    ``service_name`` is the default ``service.name`` (``OTEL_SERVICE_NAME`` wins);
+    ``otlp_endpoint`` is the settings' OTLP base URL (see :func:`traces_endpoint`)."""
     global _provider
     if _provider is not None:
         return
-    attributes = {"service.name": service_name}
-    if run_id:
-        attributes["sf.run_id"] = run_id
-    provider = TracerProvider(resource=Resource.create(attributes))
+    endpoint = traces_endpoint(otlp_endpoint)
+    if endpoint:
+        check_protocol()
+    resource = service_resource(service_name, run_id)
+    provider = TracerProvider(resource=resource)
+    # The SDK turns every tracer into a no-op under OTEL_SDK_DISABLED=true; the JSONL
+    # record is the run's own (report, timeline), so only the export is left out (above).
+    provider._disabled = False
     if jsonl_path is not None:
         provider.add_span_processor(BatchSpanProcessor(JsonlSpanExporter(jsonl_path)))
-    if otlp_endpoint:
+    if endpoint:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        endpoint = otlp_endpoint.rstrip("/")
-        if not endpoint.endswith("/v1/traces"):
-            endpoint += "/v1/traces"
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        log.info("spans: OTLP to %s as %s", endpoint, resource.attributes[SERVICE_NAME])
+    elif sdk_disabled() and (otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        log.info("spans: no OTLP export (OTEL_SDK_DISABLED=true); JSONL only")
     trace.set_tracer_provider(provider)
     _provider = provider
 
