@@ -217,7 +217,7 @@ def test_a_step_with_chunked_logprobs_has_the_whole_logits_gradients(model_dir: 
     (whole, whole_grads), (chunked, chunked_grads) = steps[0], steps[5]
     assert whole_grads.keys() == chunked_grads.keys()
     assert len(whole_grads) == len(list(learner.model.parameters()))
-    for key in ("loss", "logprob_abs_diff", "kl_mean", "grad_norm"):
+    for key in ("loss", "logprob_abs_diff", "kl_mean", "grad_norm", "entropy_mean"):
         assert getattr(chunked, key) == pytest.approx(getattr(whole, key), rel=FLOAT64_REORDERING)
     assert whole.kl_mean > 1e-4  # the reference's logprobs entered the loss
     for name, expected in whole_grads.items():

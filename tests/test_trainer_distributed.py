@@ -187,18 +187,36 @@ def assert_same_results(
     assert len(got) == len(expected)
     grad_norm_bounds = grad_norm_noise(reference_run)[-len(expected) :]
     for a, b, grad_norm_bound in zip(got, expected, grad_norm_bounds, strict=True):
-        for key in ("samples", "tokens_trained", "max_staleness"):
+        for key in ("samples", "tokens_trained", "max_staleness", *BATCH_FIGURES):
             assert a[key] == b[key], key
         # means over trained tokens (or sequences) of terms of order 1 (a ratio times a
         # unit-scale advantage, a log-probability gap, a reward): float noise is relative
         # to the terms, not to their mean, which cancels towards 0
         for key in ("loss", "logprob_abs_diff", "mean_reward", "kl_mean"):
             assert a[key] == pytest.approx(b[key], rel=0, abs=GRADIENT_NOISE), key
+        # an entropy H moves by at most 2 H x the largest change of a (scaled) logit
+        # (|dH| <= sum p |log p + H| |dz|), a logprob by at most 2 x it: the logprobs'
+        # bound above, relative to H (a mean of positive terms: no cancellation)
+        assert a["entropy_mean"] == pytest.approx(b["entropy_mean"], rel=GRADIENT_NOISE)
+        assert b["entropy_mean"] > 0
         # noise can tip a ratio sitting on the clip boundary: one token either way
         one_token = 1 / b["tokens_trained"]
         assert a["clip_fraction"] == pytest.approx(b["clip_fraction"], abs=one_token * 1.001)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=grad_norm_bound), "grad_norm"
 
+
+BATCH_FIGURES = (
+    "reward_std",
+    "reward_min",
+    "reward_max",
+    "completion_tokens_mean",
+    "completion_tokens_max",
+    "prompt_tokens_mean",
+    "mean_staleness",
+    "completions_truncated_fraction",
+)
+"""Step figures that are functions of the batch alone, which every rank holds whole:
+the same numbers on any number of ranks."""
 
 # How far float noise can move a gradient entry, relative to the largest entry of its
 # tensor in that step. The ranks sum the same per-token terms as one process in another
@@ -454,6 +472,13 @@ async def test_the_trainer_service_on_two_ranks_trains_and_publishes_versions(
     alone = run_one_process(spec(base_model_dir, BATCHES, tmp_path / "alone"))
     expected_losses = [r["loss"] for r in alone]
     assert [m.loss for m in metrics] == pytest.approx(expected_losses, rel=0, abs=GRADIENT_NOISE)
+    # the step's figures reach its published metrics (tolerances: assert_same_results)
+    for m, r in zip(metrics, alone, strict=True):
+        assert {k: getattr(m, k) for k in BATCH_FIGURES} == {k: r[k] for k in BATCH_FIGURES}
+        assert m.entropy_mean == pytest.approx(r["entropy_mean"], rel=GRADIENT_NOISE)
+    bounds = grad_norm_noise(tmp_path / "alone")
+    for m, r, bound in zip(metrics, alone, bounds, strict=True):
+        assert m.grad_norm == pytest.approx(r["grad_norm"], rel=bound)
     # the final checkpoint has read one more batch than the reference's (data position)
     assert_same_checkpoint(final, tmp_path / "alone", same_state=False)
 

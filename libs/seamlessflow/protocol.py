@@ -714,6 +714,10 @@ class TrainSample(msgspec.Struct, kw_only=True):
     0 = greedy), at which the trainer recomputes its logprob; ``UNRECORDED_TEMPERATURE``
     for a turn recorded without one. Empty: a sample made before samples carried
     temperatures (every token unrecorded)."""
+    finish_reason: str = ""
+    """Why the sample's last generation (the turn it ends at) ended:
+    ``TurnRecorded.finish_reason`` (``stop``, or ``length`` when it reached its token
+    budget). "": a sample made before samples carried it."""
 
 
 class SampleGroup(msgspec.Struct, kw_only=True):
@@ -993,6 +997,34 @@ class TrainStepMetrics(Message, tag="train.metrics"):
     weights_state_bytes: int = 0
     lr: float = 0.0
     """The learning rate this step used (``SF_TRAINER_LR_SCHEDULE``); 0: not recorded."""
+    grad_norm: float = 0.0
+    """Global gradient norm before clipping (``SF_TRAINER_MAX_GRAD_NORM``), over every
+    rank's gradient."""
+    reward_std: float = 0.0
+    """Standard deviation of the batch's sample rewards (population: divided by the
+    sample count), unshaped like ``mean_reward``."""
+    reward_min: float = 0.0
+    """Lowest sample reward of the batch."""
+    reward_max: float = 0.0
+    """Highest sample reward of the batch."""
+    completion_tokens_mean: float = 0.0
+    """Mean per sample of the tokens the policy generated and is trained on (loss mask
+    1), summed over the turns of a multi-turn sample."""
+    completion_tokens_max: int = 0
+    """Most such tokens of one sample."""
+    prompt_tokens_mean: float = 0.0
+    """Mean per sample of the tokens the policy did not generate (loss mask 0): the
+    prompt, and in a multi-turn sample the tool results and other context between its
+    turns (a constrained-decoding turn, never trained, counts here too)."""
+    entropy_mean: float = 0.0
+    """Mean over trained tokens of the entropy (nats) of the policy's next-token
+    distribution, at each token's sampling temperature (1 for greedy tokens, like their
+    logprobs), under the weights the step started from."""
+    mean_staleness: float = 0.0
+    """Mean version gap of the trained tokens (``staleness_histogram``, token-weighted)."""
+    completions_truncated_fraction: float = 0.0
+    """Fraction of the samples whose last generation stopped at its token budget
+    (``TrainSample.finish_reason`` ``length``); 0 for samples that do not say."""
     policy: str = DEFAULT_POLICY
     timestamp: float = msgspec.field(default_factory=time.time)
 

@@ -63,6 +63,7 @@ def target_logprobs(
     chunk_tokens: int,
     precision: Callable[[], AbstractContextManager[object]],
     needed: torch.Tensor | None = None,
+    entropy: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """log p(targets[:, t]) at position t (``targets`` = ``input_ids[:, 1:]``), each at
     its temperature, float32 (at least). ``chunk_tokens`` > 0 and a plain head: chunk
@@ -75,7 +76,14 @@ def target_logprobs(
     are 0. In RL batches most positions are prompt, so this skips most of the head's
     work. Each needed logprob is the same row computation as without ``needed``. No
     needed position at all (a padding pass) computes every position, so the loss still
-    depends on every parameter (every rank's backward reduces every gradient)."""
+    depends on every parameter (every rank's backward reduces every gradient).
+
+    ``entropy``: if given, the entropy (nats) of the next-token distribution at each
+    position, at its temperature, is appended to it, shaped like ``targets``, float32 (at
+    least), without grad; 0 where the logprob is (outside ``needed``). It comes from the
+    log-softmax the logprobs are taken from (``sf_trainer.grpo.token_logprobs``): the
+    logprobs and their gradient are unchanged, and the extra memory is two temporaries
+    of ``sf_trainer.grpo.ENTROPY_ROWS`` x vocab floats."""
     selected: torch.Tensor | None = None
     if needed is not None:
         selected = needed.reshape(-1).nonzero().squeeze(-1)
@@ -86,9 +94,14 @@ def target_logprobs(
             logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         # float32 from here (token_logprobs upcasts): bf16 logits, float32 log-softmax
         if selected is None:
-            return token_logprobs(logits[:, :-1], targets, temperatures)
+            return token_logprobs(logits[:, :-1], targets, temperatures, entropy)
         rows = logits[:, :-1].reshape(-1, logits.shape[-1])[selected]
-        picked = token_logprobs(rows, targets.reshape(-1)[selected], _pick(temperatures, selected))
+        picked_entropy: list[torch.Tensor] | None = None if entropy is None else []
+        picked = token_logprobs(
+            rows, targets.reshape(-1)[selected], _pick(temperatures, selected), picked_entropy
+        )
+        if entropy is not None and picked_entropy is not None:
+            entropy.append(_scatter(picked_entropy[0], selected, targets.shape))
         return _scatter(picked, selected, targets.shape)
     captured: list[torch.Tensor] = []
 
@@ -112,16 +125,20 @@ def target_logprobs(
     with precision():
         if selected is None:
             return chunked_token_logprobs(
-                hidden[:, :-1], head_weight, targets, temperatures, chunk_tokens
+                hidden[:, :-1], head_weight, targets, temperatures, chunk_tokens, entropy
             )
         rows = hidden[:, :-1].reshape(-1, hidden.shape[-1])[selected]
+        picked_entropy = None if entropy is None else []
         picked = chunked_token_logprobs(
             rows,
             head_weight,
             targets.reshape(-1)[selected],
             _pick(temperatures, selected),
             chunk_tokens,
+            picked_entropy,
         )
+    if entropy is not None and picked_entropy is not None:
+        entropy.append(_scatter(picked_entropy[0], selected, targets.shape))
     return _scatter(picked, selected, targets.shape)
 
 

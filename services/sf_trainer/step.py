@@ -10,12 +10,14 @@ order).
 A step: shaped rewards -> advantages (``SF_TRAINER_ADVANTAGE``) -> for each
 micro-batch, policy (and, with ``SF_TRAINER_KL_COEF`` > 0, reference) logprobs, each
 token's at the temperature it was sampled at (``TrainSample.temperatures``), from the
-final hidden states in chunks of ``SF_TRAINER_LOGPROB_CHUNK_TOKENS`` -> loss
-(``SF_TRAINER_LOSS``) -> backward; then one clipped optimizer step.
+final hidden states in chunks of ``SF_TRAINER_LOGPROB_CHUNK_TOKENS`` (with the policy's
+entropy at the trained tokens, a metric) -> loss (``SF_TRAINER_LOSS``) -> backward; then
+one clipped optimizer step.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -47,6 +49,31 @@ class StepResult:
     """Global gradient norm before clipping."""
     kl_mean: float
     """Mean k3 KL to the reference model over trained tokens (0: no KL term)."""
+    reward_std: float
+    """Standard deviation of the samples' rewards (population: over the batch's samples,
+    divided by their count), as ``mean_reward`` before any shaping."""
+    reward_min: float
+    """Lowest sample reward (0 for an empty batch)."""
+    reward_max: float
+    """Highest sample reward (0 for an empty batch)."""
+    completion_tokens_mean: float
+    """Mean over samples of the tokens the policy generated and is trained on (loss mask
+    1), over all turns of a multi-turn sample."""
+    completion_tokens_max: int
+    """Most such tokens of one sample."""
+    prompt_tokens_mean: float
+    """Mean over samples of the tokens the policy did not generate (loss mask 0): the
+    prompt and, in a multi-turn sample, the tool results and other context between its
+    turns (and a constrained turn's tokens, which are never trained)."""
+    entropy_mean: float
+    """Mean over trained tokens of the entropy (nats) of the policy's next-token
+    distribution, at each token's sampling temperature (1 for a greedy token, like its
+    logprob), under the weights before this step's update."""
+    mean_staleness: float
+    """Trained tokens' mean version gap (``staleness_histogram`` weighted by tokens)."""
+    completions_truncated_fraction: float
+    """Fraction of the samples whose last generation stopped at its token budget
+    (``TrainSample.finish_reason`` ``length``)."""
     lr: float = 0.0
     """The learning rate the optimizer step used."""
 
@@ -182,7 +209,7 @@ def train_step(
 
     optimizer.zero_grad(set_to_none=True)
     loss_fn = get_loss(settings.loss)
-    loss_sum = clipped = truncated = abs_diff = kl_sum = 0.0
+    loss_sum = clipped = truncated = abs_diff = kl_sum = entropy_sum = 0.0
     plan = plan_micro_batches(samples, group.world_size, settings.micro_batch_tokens)
     for micro in plan[group.rank]:
         packed = pack(
@@ -192,7 +219,8 @@ def train_step(
         ).to(group.device)
         if not micro.trained:
             packed.loss_mask.zero_()
-        logprobs = _logprobs(model, packed, settings, group)
+        entropy: list[torch.Tensor] = []
+        logprobs = _logprobs(model, packed, settings, group, entropy)
         inputs = LossInputs(
             logprobs=logprobs,
             behaviour_logprobs=packed.old_logprobs,
@@ -213,17 +241,23 @@ def train_step(
         abs_diff += float(
             ((logprobs.detach() - packed.old_logprobs).abs() * packed.loss_mask).sum()
         )
-    loss_sum, clipped, truncated, abs_diff, kl_sum = group.all_reduce_sum(
-        [loss_sum, clipped, truncated, abs_diff, kl_sum]
+        entropy_sum += float((entropy[0] * packed.loss_mask).sum())
+    loss_sum, clipped, truncated, abs_diff, kl_sum, entropy_sum = group.all_reduce_sum(
+        [loss_sum, clipped, truncated, abs_diff, kl_sum, entropy_sum]
     )
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
     optimizer.step()
 
     versions = [v for s in samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
     histogram = Counter(current_version - v for v in versions)
+    # every rank holds the whole batch: its per-sample figures need no collective
+    rewards = [s.reward for s in samples]
+    mean_reward = sum(rewards) / max(len(samples), 1)
+    completion = [sum(s.loss_mask) for s in samples]
+    prompt = [len(s.token_ids) - n for s, n in zip(samples, completion, strict=True)]
     return StepResult(
         loss=loss_sum,
-        mean_reward=sum(s.reward for s in samples) / max(len(samples), 1),
+        mean_reward=mean_reward,
         clip_fraction=clipped / totals.tokens,
         samples=len(samples),
         tokens_generated=total_tokens,
@@ -234,6 +268,17 @@ def train_step(
         truncated_fraction=truncated / totals.tokens,
         grad_norm=as_float(grad_norm),
         kl_mean=kl_sum / totals.tokens,
+        reward_std=math.sqrt(sum((r - mean_reward) ** 2 for r in rewards) / max(len(samples), 1)),
+        reward_min=min(rewards, default=0.0),
+        reward_max=max(rewards, default=0.0),
+        completion_tokens_mean=sum(completion) / max(len(samples), 1),
+        completion_tokens_max=max(completion, default=0),
+        prompt_tokens_mean=sum(prompt) / max(len(samples), 1),
+        entropy_mean=entropy_sum / totals.tokens,
+        mean_staleness=sum(gap * n for gap, n in histogram.items()) / max(len(versions), 1),
+        completions_truncated_fraction=(
+            sum(s.finish_reason == "length" for s in samples) / max(len(samples), 1)
+        ),
         lr=float(optimizer.param_groups[0]["lr"]),
     )
 
@@ -252,11 +297,17 @@ def _reference_logprobs(
 
 
 def _logprobs(
-    model: torch.nn.Module, packed: PackedSamples, settings: TrainerSettings, group: TrainGroup
+    model: torch.nn.Module,
+    packed: PackedSamples,
+    settings: TrainerSettings,
+    group: TrainGroup,
+    entropy: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The targets' logprobs, float32, chunked by ``logprob_chunk_tokens``
     (``sf_trainer.logprobs``), the forward in the step's precision; only the trained
-    positions' (the loss mask's), 0 elsewhere: every loss and metric masks the rest."""
+    positions' (the loss mask's), 0 elsewhere: every loss and metric masks the rest.
+    ``entropy``: receives the next-token distributions' entropies at those positions
+    (``target_logprobs``)."""
     return target_logprobs(
         model,
         packed.input_ids,
@@ -266,4 +317,5 @@ def _logprobs(
         settings.logprob_chunk_tokens,
         lambda: forward_precision(settings.precision == "bf16-mixed", group),
         needed=packed.loss_mask > 0,
+        entropy=entropy,
     )

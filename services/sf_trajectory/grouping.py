@@ -68,7 +68,8 @@ def branch(
     indexes already trained in another sample of the session), nor a ``constrained`` one
     (its logprobs are not the weights' distribution: it is context only). Every
     masked-in token is one the engine produced (docs/architecture.md, invariant 1), with
-    the logprob, version and temperature it was produced with.
+    the logprob, version and temperature it was produced with. The sample's
+    ``finish_reason`` is the leaf's: how its last generation ended.
     """
     token_ids = [*leaf.prompt_ids, *leaf.completion_ids]
     loss_mask = [0] * len(token_ids)
@@ -99,6 +100,7 @@ def branch(
         versions=versions,
         reward=0.0,
         temperatures=temperatures,
+        finish_reason=leaf.finish_reason,
     )
     return sample, on_path
 
