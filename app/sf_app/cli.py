@@ -25,6 +25,7 @@ app = typer.Typer(
 
 @app.command()
 def up(
+    context: typer.Context,
     steps: Annotated[int, typer.Option(help="Trainer optimizer steps.")] = 300,
     run_id: Annotated[str, typer.Option(help="Run id (default: from the time).")] = "",
     runs_dir: Annotated[Path, typer.Option(help="Where runs/<run-id>/ is written.")] = Path("runs"),
@@ -68,33 +69,60 @@ def up(
     checkpoint_every: Annotated[
         int, typer.Option(help="Trainer checkpoint interval in steps (0: at the end only).")
     ] = 10,
+    report_to: Annotated[
+        str,
+        typer.Option(
+            help="Experiment tracking: none | tensorboard | wandb | all, or several "
+            "comma-separated (W&B without a network: WANDB_MODE=offline)."
+        ),
+    ] = "none",
+    config_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            envvar="SF_CONFIG",
+            help="A run file (TOML): [run] takes these options, each other section one "
+            "service's settings (examples/run_files/, docs/configuration.md). Options given "
+            "here win over it.",
+        ),
+    ] = None,
 ) -> None:
     """Embedded local run: NATS, every service as a process, agents, training."""
+    from pydantic import ValidationError
+
+    from seamlessflow.runfile import RunFileError
     from sf_app.run.config import RunConfig
     from sf_app.run.embedded import run_embedded
+    from sf_app.run.file import read_run_file
 
-    config = RunConfig(
-        task=task,
-        **({"max_tokens": max_tokens} if max_tokens is not None else {}),  # type: ignore[arg-type]
-        steps=steps,
-        run_id=run_id,
-        runs_dir=runs_dir,
-        model_dir=model_dir,
-        model_size=model_size,
-        group_size=group_size,
-        groups_per_batch=groups_per_batch,
-        max_batches_ahead=max_batches_ahead,
-        lr=lr,
-        engines=engines,
-        agent=agent,
-        policies=[name.strip() for name in policies.split(",") if name.strip()],
-        seed=seed,
-        mode=mode,  # type: ignore[arg-type]
-        pin_slots=pin_slots,
-        live=live,
-        max_restarts=max_restarts,
-        checkpoint_every=checkpoint_every,
-    )
+    options: dict[str, Any] = {
+        "task": task, "max_tokens": max_tokens, "steps": steps, "run_id": run_id,
+        "runs_dir": runs_dir, "model_dir": model_dir, "model_size": model_size,
+        "group_size": group_size, "groups_per_batch": groups_per_batch,
+        "max_batches_ahead": max_batches_ahead, "lr": lr, "engines": engines, "agent": agent,
+        "policies": [name.strip() for name in policies.split(",") if name.strip()],
+        "seed": seed, "mode": mode, "pin_slots": pin_slots, "live": live,
+        "max_restarts": max_restarts, "checkpoint_every": checkpoint_every,
+        "report_to": report_to.split(","),
+    }  # fmt: skip
+    # The run file's [run] table, then the options given on the command line; what
+    # neither sets keeps RunConfig's default (which may depend on other fields: the
+    # task's completion budget, colocated's synchronous pacing).
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            values = read_run_file(config_file, settings_classes())
+        except RunFileError as exc:
+            fail(str(exc))
+        values["run_file"] = config_file
+    for name, value in options.items():
+        source = context.get_parameter_source(name)
+        if source is not None and source.name == "COMMANDLINE":
+            values[name] = value
+    try:
+        config = RunConfig(**values)
+    except ValidationError as exc:
+        fail(f"invalid run configuration: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}")
     summary = run_embedded(config)
     typer.echo(json.dumps({k: v for k, v in summary.__dict__.items() if k != "config"}, indent=2))
     typer.echo(f"run directory: {(config.runs_dir / summary.run_id).resolve()}")
@@ -232,6 +260,26 @@ def timeline(
     if chrome_trace is not None:
         slices = write_chrome_trace(run_dir / "spans.jsonl", chrome_trace)
         typer.echo(f"wrote {chrome_trace} ({slices} slices; open it in ui.perfetto.dev)")
+
+
+@app.command()
+def compare(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories (runs/<run-id>).")],
+    out: Annotated[Path, typer.Option(help="Where the overlaid curves go (PNG).")] = Path(
+        "compare.png"
+    ),
+) -> None:
+    """Several runs side by side: a table of their figures and their reward and
+    throughput curves overlaid (by step and by time)."""
+    from sf_app.compare import NotARun, load_run, plot, table
+
+    try:
+        records = [load_run(run_dir) for run_dir in run_dirs]
+    except NotARun as exc:
+        fail(str(exc))
+    typer.echo(table(records))
+    plot(records, out)
+    typer.echo(f"wrote {out}")
 
 
 @app.command("build-model")
@@ -493,20 +541,44 @@ SETTINGS: dict[str, str] = {
 }
 
 
+def settings_classes() -> list[Any]:
+    """Every settings class of the mesh (what a run file's sections may name)."""
+    from sf_app.service_table import load
+
+    return [load(path) for path in dict.fromkeys(SETTINGS.values())]
+
+
 def configuration_reference() -> str:
     """Markdown reference of every environment variable, from the settings classes."""
+    from seamlessflow.runfile import RUN_KEYS, section_of
+
     lines = [
         "# Configuration reference",
         "",
-        "Generated by `seamlessflow config` from the settings classes; every service reads",
-        "its settings from environment variables (a `.env` file is not read).",
+        "Generated by `seamlessflow config` from the settings classes. Every process reads",
+        "its settings from environment variables, then from the run file `SF_CONFIG` names",
+        "(a TOML file, `seamlessflow.runfile`: each class below reads the section named",
+        "under its heading, its fields without the prefix, and the `[run]` keys that set",
+        "them; `seamlessflow up --config` reads the same file), then the defaults below.",
+        "A `.env` file is not read. Examples: `examples/run_files/`.",
+        "",
+        "`[run]` keys that set service settings (the embedded run's other options, such as",
+        "`engines` or `report_to`, concern only it):",
+        "",
+        "| `[run]` key | sets |",
+        "|---|---|",
+        *(
+            f"| `{key}` | {', '.join(f'`{name}`' for name in names)} |"
+            for key, names in RUN_KEYS.items()
+        ),
     ]
     for owner, path in SETTINGS.items():
         module_name, _, attr = path.partition(":")
         settings_class = getattr(importlib.import_module(module_name), attr)
         prefix = settings_class.model_config.get("env_prefix", "")
-        lines += ["", f"## {owner} (`{attr}`)", "", "| variable | default | meaning |",
-                  "|---|---|---|"]  # fmt: skip
+        section = section_of(prefix)
+        lines += ["", f"## {owner} (`{attr}`, run file `[{section}]`)", "",
+                  "| variable | default | meaning |", "|---|---|---|"]  # fmt: skip
         for name, info in settings_class.model_fields.items():
             alias = info.validation_alias
             if alias is not None:

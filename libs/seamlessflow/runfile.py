@@ -29,6 +29,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from pydantic import AliasChoices
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+
 RUN_FILE_VARIABLE = "SF_CONFIG"
 """The environment variable naming a process's run file."""
 
@@ -140,3 +144,50 @@ def run_file_from_environment() -> Path | None:
     """The run file ``SF_CONFIG`` names (None: unset or empty)."""
     value = os.environ.get(RUN_FILE_VARIABLE, "")
     return Path(value) if value else None
+
+
+def _input_key(field: FieldInfo, name: str) -> str:
+    """The key a settings class accepts for ``name``: its first alias if it has any."""
+    alias = field.validation_alias
+    if isinstance(alias, AliasChoices):
+        first = alias.choices[0]
+        return first if isinstance(first, str) else name
+    return alias if isinstance(alias, str) else name
+
+
+class RunFileSource(PydanticBaseSettingsSource):
+    """A settings source: what the run file ``SF_CONFIG`` names sets for this class."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # the whole file is read at once in __call__
+
+    def __call__(self) -> dict[str, Any]:
+        path = run_file_from_environment()
+        if path is None:
+            return {}
+        fields = self.settings_cls.model_fields
+        prefix = str(self.settings_cls.model_config.get("env_prefix", ""))
+        values = values_for(prefix, fields, path)
+        return {_input_key(fields[name], name): value for name, value in values.items()}
+
+
+class RunFileSettings(BaseSettings):
+    """Settings read from the environment, then from the run file (``SF_CONFIG``), then
+    their defaults. Every settings class of the mesh derives from it."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (
+            init_settings,
+            env_settings,
+            dotenv_settings,
+            RunFileSource(settings_cls),
+            file_secret_settings,
+        )

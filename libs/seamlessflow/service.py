@@ -23,6 +23,7 @@ from typing import Any, NoReturn, Protocol
 from seamlessflow import telemetry
 from seamlessflow.bus import EXIT_UNRECOVERABLE, Bus, Unrecoverable, connect
 from seamlessflow.protocol import Subjects
+from seamlessflow.runfile import RunFileError
 from seamlessflow.settings import MeshSettings
 
 log = logging.getLogger(__name__)
@@ -137,9 +138,10 @@ def main(service: Service, mesh: MeshSettings | None = None) -> None:
 
 def run_process(name: str, start: Callable[[], object]) -> None:
     """This process is service ``name`` (its ``python -m`` entry): ``start`` builds it
-    from the environment and runs it. Invalid settings end the process with one line
-    naming each problem (exit code ``EXIT_UNRECOVERABLE``: a supervisor that restarts it
-    would only meet the same error)."""
+    from the environment (and the run file ``SF_CONFIG`` names) and runs it. Invalid
+    settings end the process with one line naming each problem (exit code
+    ``EXIT_UNRECOVERABLE``: a supervisor that restarts it would only meet the same
+    error)."""
     from pydantic import ValidationError
 
     try:
@@ -150,6 +152,9 @@ def run_process(name: str, start: Callable[[], object]) -> None:
             for error in exc.errors()
         )
         print(f"{name}: invalid settings ({exc.title}): {problems}", file=sys.stderr)
+        raise SystemExit(EXIT_UNRECOVERABLE) from None
+    except RunFileError as exc:  # a key no settings class knows, or an unreadable file
+        print(f"{name}: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_UNRECOVERABLE) from None
 
 

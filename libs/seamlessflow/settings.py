@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from seamlessflow.protocol import DEFAULT_POLICY, check_policy, check_run_id
+from seamlessflow.runfile import RunFileSettings
 
 REPLACED_VARIABLES = {
     "SF_TRAINER_SEED": "the run's seed is SF_SEED, one for every service",
@@ -29,7 +30,7 @@ REPLACED_VARIABLES = {
 with that line instead of being ignored."""
 
 
-class MeshSettings(BaseSettings):
+class MeshSettings(RunFileSettings):
     """Where the mesh is and which run this process belongs to."""
 
     model_config = SettingsConfigDict(
@@ -151,7 +152,7 @@ class StreamLimits:
     max_bytes: int
 
 
-class RetentionSettings(BaseSettings):
+class RetentionSettings(RunFileSettings):
     """How long the run's durable streams keep their messages, and how many bytes.
 
     A restart rebuilds each service's state from these streams, so a limit decides what

@@ -1,9 +1,11 @@
 from typing import Literal
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from seamlessflow.runfile import RunFileSettings
 
 
-class EngineSettings(BaseSettings):
+class EngineSettings(RunFileSettings):
     """engine-worker settings (env prefix ``SF_ENGINE_``)."""
 
     model_config = SettingsConfigDict(

@@ -1,11 +1,13 @@
 from pydantic import SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from seamlessflow.runfile import RunFileSettings
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 """Bind addresses meaning "every interface": a session's ``base_url`` cannot use them."""
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(RunFileSettings):
     """rollout-gateway settings (env prefix ``SF_GATEWAY_``)."""
 
     model_config = SettingsConfigDict(

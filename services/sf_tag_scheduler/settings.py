@@ -1,12 +1,13 @@
 from typing import Self
 
 from pydantic import model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from seamlessflow.runfile import RunFileSettings
 from sf_tag_scheduler.policy import Mode, PolicyConfig
 
 
-class TagSchedulerSettings(BaseSettings):
+class TagSchedulerSettings(RunFileSettings):
     """tag-scheduler settings (env prefix ``SF_TAG_SCHEDULER_``)."""
 
     model_config = SettingsConfigDict(

@@ -44,8 +44,8 @@ from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedModel
 
-from seamlessflow import settings
 from seamlessflow.protocol import DEFAULT_POLICY
+from seamlessflow.settings import checkpoints_dir
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -189,7 +189,7 @@ def resolve_resume(resume: str, run_dir: Path | None, policy: str = DEFAULT_POLI
     if resume == LATEST:
         if run_dir is None:
             raise ValueError(f"SF_TRAINER_RESUME={LATEST} needs SF_RUN_DIR")
-        return latest(settings.checkpoints_dir(run_dir, policy))
+        return latest(checkpoints_dir(run_dir, policy))
     path = Path(resume)
     for name in (STATE_FILE, OPTIMIZER_FILE):
         if not (path / name).is_file():

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from seamlessflow.runfile import RunFileSettings
 
 
-class TrainerSettings(BaseSettings):
+class TrainerSettings(RunFileSettings):
     """trainer settings (env prefix ``SF_TRAINER_``)."""
 
     model_config = SettingsConfigDict(

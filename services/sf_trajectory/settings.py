@@ -1,11 +1,12 @@
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from seamlessflow.runfile import RunFileSettings
 from sf_trajectory.data_filters import parse_filter_names
 from sf_trajectory.schedule import StageSpec, parse_stages
 
 
-class TrajectorySettings(BaseSettings):
+class TrajectorySettings(RunFileSettings):
     """trajectory settings (env prefix ``SF_TRAJECTORY_``)."""
 
     model_config = SettingsConfigDict(

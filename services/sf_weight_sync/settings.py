@@ -1,7 +1,9 @@
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from seamlessflow.runfile import RunFileSettings
 
 
-class WeightSyncSettings(BaseSettings):
+class WeightSyncSettings(RunFileSettings):
     """weight-sync settings (env prefix ``SF_WEIGHT_SYNC_``)."""
 
     model_config = SettingsConfigDict(

@@ -43,7 +43,7 @@ from seamlessflow.protocol import (
     TrainStepMetrics,
     decode,
 )
-from seamlessflow.runfile import RUN_FILE_VARIABLE
+from seamlessflow.runfile import RUN_FILE_VARIABLE, RUN_KEYS
 from seamlessflow.settings import MeshSettings
 from seamlessflow.tasks import task_names
 from sf_app.run.config import RunConfig, default_run_id, deployment, is_users_model
@@ -87,34 +87,23 @@ class EmbeddedRun(Supervisor):
     # ---------------------------------------------------------------- processes
 
     def service_env(self, nats_url: str, model_dir: Path, gateway_port: int) -> dict[str, str]:
+        """Every process's environment: the caller's, the run's settings as the
+        variables ``RUN_KEYS`` maps them to (the same the run file sets), and where the
+        run is."""
         c = self.config
         env = dict(os.environ)
+        for key, variables in RUN_KEYS.items():
+            value = getattr(c, key)
+            text = ",".join(value) if isinstance(value, list) else str(value)
+            env.update(dict.fromkeys(variables, text))
         env.update(
             {
                 "SF_NATS_URL": nats_url,
                 "SF_RUN_ID": self.run_id,
                 "SF_RUN_DIR": str(self.run_dir),
                 "SF_MODEL_DIR": str(model_dir),
-                "SF_POLICIES": ",".join(c.policies),
-                "SF_SEED": str(c.seed),
-                "SF_TAG_SCHEDULER_MODE": c.mode,
-                "SF_TRAJECTORY_TASK": c.task,
-                "SF_TRAJECTORY_GROUP_SIZE": str(c.group_size),
-                "SF_TRAJECTORY_GROUPS_PER_BATCH": str(c.groups_per_batch),
-                "SF_TRAJECTORY_MAX_BATCHES_AHEAD": str(c.max_batches_ahead),
-                "SF_TRAJECTORY_GROUP_TIMEOUT_S": str(c.group_timeout_s),
-                "SF_TRAINER_STEPS": str(c.steps),
-                "SF_TRAINER_CHECKPOINT_EVERY": str(c.checkpoint_every),
-                "SF_TRAINER_LR": str(c.lr),
-                # what SF_TRAINER_EVAL_EVERY evaluates: the run's task, split as rolled out
-                "SF_TRAINER_EVAL_TASK": c.task,
-                "SF_TRAINER_EVAL_MAX_TOKENS": str(c.max_tokens),
                 "SF_GATEWAY_PORT": str(gateway_port),
-                "SF_ENGINE_MAX_BATCH_SIZE": str(c.engine_batch_size),
                 "SF_AGENTS_GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
-                "SF_AGENTS_AGENT": c.agent,
-                "SF_AGENTS_CONCURRENCY": str(c.agent_concurrency),
-                "SF_AGENTS_MAX_TOKENS": str(c.max_tokens),
                 # each process uses one core; several share the machine
                 "OMP_NUM_THREADS": "1",
                 "TOKENIZERS_PARALLELISM": "false",

@@ -36,12 +36,13 @@ from collections.abc import Mapping
 import aiohttp
 from openai import AsyncOpenAI, DefaultAioHttpClient
 from pydantic import SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from seamlessflow.agents import AgentReward, AgentTask, get_agent
 from seamlessflow.bus import NoResponder, Unrecoverable
 from seamlessflow.protocol import NoTask, TaskAssignment, TaskClaim
 from seamlessflow.retry import RetryPolicy, retry
+from seamlessflow.runfile import RunFileSettings
 from seamlessflow.service import ServiceContext, supervise
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class GatewayRefused(Exception):
     """The gateway answered one of the runner's calls with an error status."""
 
 
-class AgentRunnerSettings(BaseSettings):
+class AgentRunnerSettings(RunFileSettings):
     """agent-runner settings (env prefix ``SF_AGENTS_``)."""
 
     model_config = SettingsConfigDict(

@@ -57,7 +57,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from seamlessflow.runfile import RunFileSettings
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ NOT_RUN = "not run"
 """Outcome of a test the harness never reported (the run died or timed out first)."""
 
 
-class SandboxSettings(BaseSettings):
+class SandboxSettings(RunFileSettings):
     """Limits of the code sandbox used by the ``code_tests`` reward (env prefix
     ``SF_REWARD_CODE_``); read by the process that computes rewards."""
 

@@ -6,16 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from seamlessflow.bus import Bus
+from seamlessflow.runfile import RunFileSettings
 from seamlessflow.weights.codec import WeightEncoder
 from seamlessflow.weights.layout import torch_dtype
 from seamlessflow.weights.stores import ObjectStorePayloads, PayloadStore, SharedMemoryPayloads
 from seamlessflow.weights.sync import WeightPublisher
 
 
-class WeightTransferSettings(BaseSettings):
+class WeightTransferSettings(RunFileSettings):
     """Weight transfer from trainer to engines."""
 
     model_config = SettingsConfigDict(

@@ -39,7 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from seamlessflow.runfile import RunFileSettings
 
 from .base import (
     EngineError,
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
     import torch
 
 
-class ScriptedSettings(BaseSettings):
+class ScriptedSettings(RunFileSettings):
     """scripted-engine settings (env prefix ``SF_ENGINE_SCRIPTED_``)."""
 
     model_config = SettingsConfigDict(
