@@ -236,6 +236,33 @@ async def test_a_restarted_publisher_deletes_what_the_previous_process_stored(
         assert len(await store.fetch(new[1])) == new[1].payload_bytes
 
 
+async def test_a_broker_away_while_old_payloads_are_deleted_fails_no_version(
+    tmp_path: Path,
+) -> None:
+    """Deleting old payloads is housekeeping: a broker error then (a NATS restart) is
+    logged and the deletion is retried at the next publish; the new version stands."""
+
+    class BrokerAwayOnce(SharedMemoryPayloads):
+        failures = 1
+
+        async def delete(self, manifest: WeightManifest) -> None:
+            if self.failures:
+                self.failures -= 1
+                raise TimeoutError("the broker restarts")
+            await super().delete(manifest)
+
+    store = BrokerAwayOnce("away", tmp_path)
+    publisher = WeightPublisher(store, WeightEncoder(bucket_bytes=1 << 20), keep_chains=1)
+    first, second = [await publisher.publish(v, small_state(v)) for v in (1, 2)]
+    assert len(await store.fetch(first)) == first.payload_bytes  # its delete failed
+    assert len(await store.fetch(second)) == second.payload_bytes
+    third = await publisher.publish(3, small_state(3))
+    for pruned in (first, second):
+        with pytest.raises(PayloadMissing):
+            await store.fetch(pruned)
+    assert len(await store.fetch(third)) == third.payload_bytes
+
+
 def small_state(seed: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(1000, generator=torch.Generator().manual_seed(seed))}
 

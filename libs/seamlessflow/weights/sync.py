@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
+from seamlessflow.bus import BROKER_ERRORS
 from seamlessflow.protocol import WeightManifest
 from seamlessflow.weights import collective
 from seamlessflow.weights.codec import EncodedWeights, WeightEncoder, WeightMirror
@@ -48,6 +49,9 @@ class WeightPublisher:
         self._chains: list[list[WeightManifest]] = []
         self._swept = False
         """Payloads older than this process's kept chains were deleted (done once)."""
+        self._sweep_due = False
+        self._expired: list[WeightManifest] = []
+        """Payloads of dropped chains not deleted yet (the broker was away)."""
 
     async def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightManifest:
         """Store ``version`` completely (cast to ``dtype`` if set); its manifest."""
@@ -59,13 +63,31 @@ class WeightPublisher:
             self._chains.append([])
         self._chains[-1].append(manifest)
         while len(self._chains) > self.keep_chains:
-            for old in self._chains.pop(0):
-                await self.store.delete(old)
-            if not self._swept:
-                # what an earlier trainer process stored is older than every chain kept
-                await self.store.delete_before(self._chains[0][0].version)
-                self._swept = True
+            self._expired.extend(self._chains.pop(0))
+            # what an earlier trainer process stored goes with this process's first drop
+            self._sweep_due = not self._swept
+        if self._expired or self._sweep_due:
+            await self._delete_expired()
         return manifest
+
+    async def _delete_expired(self) -> None:
+        """Delete the payloads of dropped chains and, once, what an earlier trainer
+        process stored (older than every chain kept). Housekeeping: a broker that is away
+        right now leaves them for the next publish, instead of failing the version just
+        stored (and the trainer with it)."""
+        try:
+            while self._expired:
+                await self.store.delete(self._expired[0])
+                self._expired.pop(0)
+            if self._sweep_due:
+                await self.store.delete_before(self._chains[0][0].version)
+                self._sweep_due, self._swept = False, True
+        except BROKER_ERRORS as exc:
+            log.warning(
+                "deleting old weight payloads failed (%r); %d left for the next publish",
+                exc,
+                len(self._expired),
+            )
 
     async def _broadcast(self, group: Collective, encoded: EncodedWeights) -> None:
         try:
