@@ -7,10 +7,12 @@ import math
 from pathlib import Path
 
 import matplotlib
+import msgspec
 import pytest
 from wandb_records import logged
 
-from seamlessflow.protocol import TrainEvalMetrics, TrainStepMetrics
+from seamlessflow.bus import Bus
+from seamlessflow.protocol import TrainEvalMetrics, TrainingFinished, TrainStepMetrics
 from sf_app.tracking import ReportToError, Tracker, parse_report_to, step_values
 
 matplotlib.use("Agg")
@@ -173,3 +175,45 @@ def test_a_failing_backend_is_dropped_and_the_others_go_on(tmp_path: Path) -> No
         tracker.backends["broken"] = Broken()  # type: ignore[assignment]
         tracker.step(step_metrics("solver", 1, 0.0))
         assert list(tracker.backends) == ["tensorboard"]
+
+
+@pytest.mark.integration  # a real nats-server, a real `seamlessflow track` process
+async def test_track_follows_a_deployed_runs_stream_until_every_policy_finished(
+    bus: Bus, nats_url: str, run_id: str, tmp_path: Path
+) -> None:
+    """What the trainers published before `track` started is replayed, steps of a
+    policy the run does not name are skipped, and it stops once both finished."""
+    import asyncio
+    import os
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sent = []
+    for step in (1, 2, 3):
+        for policy in (*POLICIES, "stranger"):
+            metrics = step_metrics(policy if policy in POLICIES else "solver", step, 0.0)
+            metrics = msgspec.structs.replace(metrics, policy=policy)
+            await bus.js_publish(bus.subjects.for_policy(policy).train_metrics(), metrics)
+            if policy in POLICIES:
+                sent.append(metrics)
+    for policy in POLICIES:
+        finish = TrainingFinished(steps=3, final_version=3, checkpoint_dir="", policy=policy)
+        await bus.js_publish(bus.subjects.for_policy(policy).train_finished(), finish)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SF_")}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "sf_app", "track", "--report-to", "tensorboard",
+        "--run-id", run_id, "--nats-url", nats_url, "--policies", ",".join(POLICIES),
+        "--out-dir", str(tmp_path),
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(process.communicate(), timeout=120)
+    assert process.returncode == 0, err.decode()[-2000:]
+    assert f"tracked {len(sent)} steps of run {run_id}" in out.decode()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    for policy in POLICIES:
+        series = [e.step for e in events.Scalars(f"{policy}/mean_reward")]
+        assert series == [1, 2, 3]
+    assert not any(tag.startswith("stranger/") for tag in events.Tags()["scalars"])

@@ -220,6 +220,70 @@ def export(
 
 
 @app.command()
+def track(
+    report_to: Annotated[
+        str, typer.Option(help="tensorboard | wandb | all, or several comma-separated.")
+    ],
+    run_dir: RunDirOption = None,
+    run_id: Annotated[str, typer.Option(envvar="SF_RUN_ID", help="Run id.")] = "",
+    nats_url: Annotated[str, typer.Option(envvar="SF_NATS_URL", help="NATS URL.")] = (
+        "nats://127.0.0.1:4222"
+    ),
+    policies: Annotated[
+        str, typer.Option(envvar="SF_POLICIES", help="The run's policies, comma-separated.")
+    ] = DEFAULT_POLICY,
+    out_dir: Annotated[
+        Path | None,
+        typer.Option(help="Where the trackers write (default: runs/<run-id>)."),
+    ] = None,
+) -> None:
+    """Experiment tracking beside a deployed mesh: follow the run's metrics stream from
+    its start into TensorBoard / W&B until every policy finishes (Ctrl-C stops).
+    NATS's token comes from SF_NATS_TOKEN, or from --run-dir."""
+    import asyncio
+    import signal
+
+    from seamlessflow.bus import Unrecoverable, connect
+    from seamlessflow.protocol import Subjects
+    from sf_app.tracking import ReportToError, Tracker, parse_report_to, track_run
+
+    run_id, nats_url, token = mesh_address(run_dir, run_id, nats_url)
+    try:
+        backends = parse_report_to(report_to)
+    except ReportToError as exc:
+        fail(str(exc))
+    if not backends:
+        fail("--report-to names no tracker: nothing to do")
+    names = [name.strip() for name in policies.split(",") if name.strip()] or [DEFAULT_POLICY]
+    directory = out_dir or Path("runs") / run_id
+
+    async def follow() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        bus = await connect(
+            nats_url, Subjects(run_id), name="seamlessflow-track", token=token,
+            wait_s=CLI_NATS_WAIT_S,
+        )  # fmt: skip
+        config = {"run_id": run_id, "policies": names, "nats_url": nats_url}
+        try:
+            with Tracker(
+                backends, run_dir=directory, run_id=run_id, policies=names, config=config
+            ) as tracker:
+                return await track_run(bus, tracker, names, stop)
+        finally:
+            await bus.close()
+
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        steps = asyncio.run(follow())
+    except Unrecoverable as exc:
+        fail(str(exc), code=1)
+    typer.echo(f"tracked {steps} steps of run {run_id} into {directory}")
+
+
+@app.command()
 def attach(
     run_dir: Annotated[Path, typer.Argument(help="A run directory (runs/<run-id>).")],
 ) -> None:

@@ -27,6 +27,7 @@ so that policies interleaving their steps do not drop each other's points).
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import os
@@ -36,7 +37,14 @@ from typing import Any, Protocol
 
 import msgspec
 
-from seamlessflow.protocol import TrainEvalMetrics, TrainStepMetrics
+from seamlessflow.bus import Bus, next_message
+from seamlessflow.protocol import (
+    TrainEvalMetrics,
+    TrainingFinished,
+    TrainingPlanned,
+    TrainStepMetrics,
+    decode,
+)
 
 log = logging.getLogger(__name__)
 
@@ -289,3 +297,45 @@ def step_values(metrics: TrainStepMetrics, previous_timestamp: float | None) -> 
 def _markdown_table(config: dict[str, Any]) -> str:
     rows = "\n".join(f"| {key} | {value} |" for key, value in sorted(config.items()))
     return "| setting | value |\n|---|---|\n" + rows
+
+
+STREAM_WAIT_LOG_S = 30.0
+"""``seamlessflow track`` says it is still waiting for the run this often."""
+
+
+async def track_run(bus: Bus, tracker: Tracker, policies: list[str], stop: asyncio.Event) -> int:
+    """Follow a run's metrics stream from its start into ``tracker`` until every policy
+    announced its finish (or ``stop``): ``seamlessflow track`` beside a deployed mesh.
+    Steps of other policies are skipped. Returns the steps tracked."""
+    stream = bus.subjects.stream_metrics()
+    waited = 0.0
+    while not await bus.stream_exists(stream):
+        if stop.is_set():
+            return 0
+        if waited % STREAM_WAIT_LOG_S == 0:
+            log.info("waiting for run %s to start (no %s yet)", bus.subjects.run_id, stream)
+        await asyncio.sleep(1.0)
+        waited += 1.0
+    sub, _ = await bus.follow(stream, bus.subjects.train_all())
+    finished: set[str] = set()
+    steps = 0
+    kinds = TrainStepMetrics | TrainEvalMetrics | TrainingFinished | TrainingPlanned
+    while not stop.is_set() and not finished >= set(policies):
+        msg = await next_message(sub, timeout=1.0)
+        if msg is None:
+            continue
+        try:
+            message = decode(msg.data, kinds)
+        except ValueError as exc:  # a producer of another version: skip, say so
+            log.warning("skipped a metrics message: %s", exc)
+            continue
+        if message.policy not in policies:
+            continue
+        if isinstance(message, TrainStepMetrics):
+            tracker.step(message)
+            steps += 1
+        elif isinstance(message, TrainEvalMetrics):
+            tracker.evaluation(message)
+        elif isinstance(message, TrainingFinished):
+            finished.add(message.policy)
+    return steps
