@@ -128,7 +128,7 @@ class Learner:
         self._announce(command)
         result = self._step(command)
         if self.reference is not None:
-            # TrainStepMetrics has no KL field yet: the log is where it shows
+            # also in TrainStepMetrics.kl_mean; the log shows it beside the coefficient
             log.info("step on version %d: KL to the reference %.6f (coef %g)",
                      version, result.kl_mean, self.settings.kl_coef)  # fmt: skip
         return result
