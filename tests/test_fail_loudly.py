@@ -177,3 +177,18 @@ def test_a_service_with_invalid_settings_exits_with_one_line(
     assert result.returncode == EXIT_UNRECOVERABLE, result.stderr
     [line] = result.stderr.strip().splitlines()
     assert line.startswith(f"{service}: invalid settings") and expected in line
+
+
+def test_an_otlp_protocol_the_exporter_does_not_speak_stops_a_service_with_one_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sf_app", "serve", "tag-scheduler"],
+        env=clean_env(
+            OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", OTEL_EXPORTER_OTLP_PROTOCOL="grpc"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == EXIT_UNRECOVERABLE, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("tag-scheduler: OTEL_EXPORTER_OTLP_PROTOCOL=grpc: spans are sent")

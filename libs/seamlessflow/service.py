@@ -80,9 +80,12 @@ def configure_logging(service_name: str, level: str) -> None:
 async def run_service(service: Service, mesh: MeshSettings) -> None:
     """Run one service until it finishes or is signalled; always drain and flush spans."""
     jsonl = mesh.run_dir / "spans" / f"{service.name}-{os.getpid()}.jsonl" if mesh.run_dir else None
-    telemetry.setup(
-        service.name, jsonl_path=jsonl, otlp_endpoint=mesh.otlp_endpoint, run_id=mesh.run_id
-    )
+    try:
+        telemetry.setup(
+            service.name, jsonl_path=jsonl, otlp_endpoint=mesh.otlp_endpoint, run_id=mesh.run_id
+        )
+    except telemetry.TelemetryConfigError as exc:  # a restart would meet the same variables
+        raise Unrecoverable(str(exc)) from None
     bus = await connect(
         mesh.nats_url,
         Subjects(mesh.run_id, mesh.policy),

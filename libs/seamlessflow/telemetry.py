@@ -108,13 +108,17 @@ def traces_endpoint(base_url: str, environ: Mapping[str, str] = os.environ) -> s
     return base if base.endswith(TRACES_PATH) else base + TRACES_PATH
 
 
+class TelemetryConfigError(ValueError):
+    """The OpenTelemetry variables ask for something this process cannot do."""
+
+
 def check_protocol(environ: Mapping[str, str] = os.environ) -> None:
     """Refuse an OTLP protocol other than the one spans are sent with."""
     for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         protocol = environ.get(name, "").strip()
         if protocol:
             if protocol != PROTOCOL:
-                raise ValueError(
+                raise TelemetryConfigError(
                     f"{name}={protocol}: spans are sent as OTLP {PROTOCOL} only; set it to "
                     f"{PROTOCOL} (or unset it) and point the endpoint at the receiver's "
                     "OTLP/HTTP port (4318 on Jaeger and the OpenTelemetry Collector)"
