@@ -212,8 +212,12 @@ class Tracker:
     ) -> None:
         self.policies = policies
         self.backends: dict[str, Backend] = {}
-        for name in backends:
-            self.backends[name] = BACKEND_CLASSES[name](run_dir, run_id, config)
+        try:
+            for name in backends:
+                self.backends[name] = BACKEND_CLASSES[name](run_dir, run_id, config)
+        except Exception:
+            self.close()  # the ones already started (a W&B run would stay open)
+            raise
         self._previous_timestamp: dict[str, float] = {}
 
     def __enter__(self) -> Tracker:
