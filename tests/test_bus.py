@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,67 @@ async def test_next_message_of_a_followed_stream_is_none_when_nothing_comes(bus:
         assert msg is not None and msg.subject == s.train_plan()
     finally:
         await sub.unsubscribe()
+
+
+async def test_reconnect_callbacks_run_once_the_broker_is_back(tmp_path: Path) -> None:
+    """A broker restart is reported to whoever waits for core NATS replies (the
+    gateway re-routes its engine calls then: a reply sent meanwhile may be lost)."""
+    from seamlessflow.bus import connect
+    from seamlessflow.natsserver import EmbeddedNats
+    from seamlessflow.protocol import Subjects
+
+    with EmbeddedNats(tmp_path / "nats") as server:
+        bus = await connect(server.url, Subjects("r"), name="t")
+        try:
+            back = asyncio.Event()
+            calls: list[bool] = []
+
+            async def failing() -> None:
+                raise RuntimeError("one callback's failure")
+
+            async def noted() -> None:
+                calls.append(bus.nc.is_connected)
+                back.set()
+
+            bus.on_reconnect(failing)
+            bus.on_reconnect(noted)
+            assert server.process is not None
+            server.process.kill()
+            server.process.wait()
+            server.restart()
+            await asyncio.wait_for(back.wait(), timeout=30)
+            assert calls == [True]  # once, connected, despite the failing one before it
+        finally:
+            await bus.drain()
+
+
+async def test_an_object_stored_right_after_a_broker_restart_is_stored(tmp_path: Path) -> None:
+    """The broker answers JetStream requests only once it recovered its streams; a put
+    meanwhile waits for it (``OBJECT_PUT_RETRY``) instead of failing the publisher."""
+    from seamlessflow.bus import connect
+    from seamlessflow.natsserver import EmbeddedNats
+    from seamlessflow.protocol import Subjects
+
+    with EmbeddedNats(tmp_path / "nats") as server:
+        bus = await connect(server.url, Subjects("r"), name="t")
+        try:
+            bucket = await bus.object_bucket("restart")
+            await bucket.put("before", b"x" * 1000, chunk_bytes=256)
+            back = asyncio.Event()
+
+            async def reconnected() -> None:
+                back.set()
+
+            bus.on_reconnect(reconnected)
+            assert server.process is not None
+            server.process.kill()
+            server.process.wait()
+            server.restart()
+            await asyncio.wait_for(back.wait(), timeout=30)
+            await bucket.put("after", b"y" * 1000, chunk_bytes=256)
+            for name, byte in (("before", b"x"), ("after", b"y")):
+                into = io.BytesIO()
+                await bucket.read_into(name, into)
+                assert into.getvalue() == byte * 1000
+        finally:
+            await bus.drain()

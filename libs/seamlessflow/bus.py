@@ -94,6 +94,19 @@ JS_PUBLISH_RETRY = RetryPolicy(
 """A publish with a message id that the broker does not ack (a time-out, or no stream
 answering: a broker restarting) is tried again every 0.5 s for up to 30 s."""
 
+OBJECT_PUT_RETRY = RetryPolicy(
+    retry_on=(
+        nats.errors.TimeoutError,
+        nats.js.errors.NoStreamResponseError,
+        nats.js.errors.ServiceUnavailableError,
+    ),
+    first_delay_s=0.5,
+    deadline_s=30.0,
+)
+"""Storing an object the broker does not answer for (a broker restarting: JetStream
+takes a few seconds to recover its streams after the connection is back) is tried again
+every 0.5 s for up to 30 s; storing it again replaces what a failed try left."""
+
 BROKER_ERRORS = (nats.errors.Error, asyncio.TimeoutError)
 """What a call through the bus raises while the broker is away (restarting, out of
 reach): the same call may work later."""
@@ -130,6 +143,22 @@ class Bus:
         self.subjects = subjects
         self._subscriptions: list[Subscription] = []
         self._handlers: set[asyncio.Task[None]] = set()
+        self._reconnect_callbacks: list[Callable[[], Awaitable[None]]] = []
+
+    def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """Call ``callback`` each time the connection is back after the broker went
+        away. Core NATS messages sent meanwhile may be lost, replies included: a reply
+        published before the requester's subscription was restored on the new
+        connection reaches no one. A caller waiting for such a reply re-asks here."""
+        self._reconnect_callbacks.append(callback)
+
+    async def _reconnected(self) -> None:
+        log.warning("nats: connection restored")
+        for callback in list(self._reconnect_callbacks):
+            try:
+                await callback()
+            except Exception:  # one callback's failure must not skip the others
+                log.exception("a reconnect callback failed")
 
     # ------------------------------------------------------------------ core NATS
 
@@ -570,7 +599,11 @@ class ObjectBucket:
         """Store ``data`` as object ``name``, in messages of ``chunk_bytes`` (under the
         server's ``max_payload``); complete when this returns."""
         meta = ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=chunk_bytes))
-        await self._store.put(name, data, meta=meta)
+
+        async def store() -> None:
+            await self._store.put(name, data, meta=meta)
+
+        await retry(store, OBJECT_PUT_RETRY)
 
     async def size(self, name: str) -> int:
         """The size (bytes) of object ``name``."""
@@ -671,6 +704,12 @@ async def connect(
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
+    made: list[Bus] = []
+    """The Bus of the attempt that connects (made once it has)."""
+
+    async def on_reconnected() -> None:
+        for bus in made:
+            await bus._reconnected()
 
     async def attempt() -> Client:
         nc = Client()
@@ -684,6 +723,7 @@ async def connect(
                 max_reconnect_attempts=1,
                 reconnect_time_wait=0,  # NATS_CONNECT_RETRY waits between attempts
                 error_cb=on_error,
+                reconnected_cb=on_reconnected,
                 connect_timeout=int(max(1, min(5, deadline - loop.time()))),
                 token=token or None,
             )
@@ -718,4 +758,6 @@ async def connect(
     nc.options["max_reconnect_attempts"] = -1
     nc.options["reconnect_time_wait"] = 0.5
     connected = True
-    return Bus(nc, subjects)
+    bus = Bus(nc, subjects)
+    made.append(bus)
+    return bus

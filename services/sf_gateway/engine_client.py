@@ -278,6 +278,25 @@ class EngineClient:
             self._lost[request_id] = change.resource_id
             reply_task.cancel()
 
+    async def on_reconnect(self) -> None:
+        """NATS came back: a reply or chunk an engine sent while it was away may be
+        lost (published before this gateway's subscriptions were restored), and the call
+        would wait ``generate_timeout_s`` for it. Re-route every call in flight, as for
+        a dead engine: each keeps the tokens streamed so far and is re-submitted, and its
+        engine drops its copy on the abort."""
+        calls = {
+            request_id: reply_task
+            for engine_calls in self._engine_calls.values()
+            for request_id, reply_task in engine_calls.items()
+        }
+        self._engine_calls.clear()
+        if calls:
+            log.warning("NATS reconnected; re-routing %d requests in flight", len(calls))
+        for request_id, reply_task in calls.items():
+            await self._abort(request_id, "NATS reconnected")
+            self._lost[request_id] = "(reconnect)"
+            reply_task.cancel()
+
     def _forget_call(self, request_id: str) -> None:
         for calls in self._engine_calls.values():
             calls.pop(request_id, None)

@@ -597,6 +597,7 @@ class GatewayService:
         await ctx.bus.subscribe(
             ctx.subjects.sched_phase(), PhaseChanged, self.gateway.engines.on_phase
         )
+        ctx.bus.on_reconnect(self.gateway.engines.on_reconnect)
         config = uvicorn.Config(
             self.gateway.app(),
             host=self.settings.host,
