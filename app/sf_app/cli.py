@@ -95,16 +95,13 @@ def up(
     from sf_app.run.embedded import run_embedded
     from sf_app.run.file import read_run_file
 
+    # every option of this command is a RunConfig field; two need their list form
     options: dict[str, Any] = {
-        "task": task, "max_tokens": max_tokens, "steps": steps, "run_id": run_id,
-        "runs_dir": runs_dir, "model_dir": model_dir, "model_size": model_size,
-        "group_size": group_size, "groups_per_batch": groups_per_batch,
-        "max_batches_ahead": max_batches_ahead, "lr": lr, "engines": engines, "agent": agent,
+        **context.params,
         "policies": [name.strip() for name in policies.split(",") if name.strip()],
-        "seed": seed, "mode": mode, "pin_slots": pin_slots, "live": live,
-        "max_restarts": max_restarts, "checkpoint_every": checkpoint_every,
         "report_to": report_to.split(","),
-    }  # fmt: skip
+    }
+    del options["config_file"]
     # The run file's [run] table, then the options given on the command line; what
     # neither sets keeps RunConfig's default (which may depend on other fields: the
     # task's completion budget, colocated's synchronous pacing).

@@ -41,7 +41,7 @@ from seamlessflow.bus import Bus, next_message
 from seamlessflow.protocol import (
     TrainEvalMetrics,
     TrainingFinished,
-    TrainingPlanned,
+    TrainProgress,
     TrainStepMetrics,
     decode,
 )
@@ -323,13 +323,12 @@ async def track_run(bus: Bus, tracker: Tracker, policies: list[str], stop: async
     sub, _ = await bus.follow(stream, bus.subjects.train_all())
     finished: set[str] = set()
     steps = 0
-    kinds = TrainStepMetrics | TrainEvalMetrics | TrainingFinished | TrainingPlanned
     while not stop.is_set() and not finished >= set(policies):
         msg = await next_message(sub, timeout=1.0)
         if msg is None:
             continue
         try:
-            message = decode(msg.data, kinds)
+            message = decode(msg.data, TrainProgress)
         except ValueError as exc:  # a producer of another version: skip, say so
             log.warning("skipped a metrics message: %s", exc)
             continue

@@ -1067,6 +1067,10 @@ class TrainingFinished(Message, tag="train.finished"):
     policy: str = DEFAULT_POLICY
 
 
+TrainProgress = TrainStepMetrics | TrainEvalMetrics | TrainingPlanned | TrainingFinished
+"""Every message of ``Subjects.train_all()`` (a trainer's progress, for observers)."""
+
+
 # tag scheduler ---------------------------------------------------------------------
 
 

@@ -40,7 +40,7 @@ from seamlessflow.protocol import (
     TrainEvalMetrics,
     TrainingFinished,
     TrainingPlanned,
-    TrainStepMetrics,
+    TrainProgress,
     decode,
 )
 from seamlessflow.runfile import RUN_FILE_VARIABLE, RUN_KEYS
@@ -331,10 +331,7 @@ class EmbeddedRun(Supervisor):
                     if msg is None:
                         progress.tick(self.state)
                         continue
-                    message = decode(
-                        msg.data,
-                        TrainStepMetrics | TrainEvalMetrics | TrainingFinished | TrainingPlanned,
-                    )
+                    message = decode(msg.data, TrainProgress)
                     if message.policy not in self.state.metrics_by_policy:
                         continue  # not a policy of this run's configuration
                     if isinstance(message, TrainingPlanned):
