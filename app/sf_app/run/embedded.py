@@ -123,6 +123,7 @@ class EmbeddedRun(Supervisor):
 
     async def run(self) -> Summary:
         from seamlessflow.assets.base_model import built_model_name, ensure_base_model, sized_config
+        from seamlessflow.assets.pretrained import ensure_pretrained
 
         c = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -140,8 +141,17 @@ class EmbeddedRun(Supervisor):
             self.state.status = f"failed: --report-to: {type(exc).__name__}: {exc}"
             log.error("%s", self.state.status)
             return self.report()
-        if c.model_dir is not None and is_users_model(c.model_dir):
-            model_dir = c.model_dir  # the user's model, used as it is
+        if c.model or (c.model_dir is not None and is_users_model(c.model_dir)):
+            if c.model:  # a packaged pretrained model, converted once into the cache
+                try:
+                    model_dir = await asyncio.to_thread(ensure_pretrained, c.model, c.cache_dir)
+                except Unrecoverable as exc:  # e.g. its package is not installed
+                    self.state.status = f"failed: {exc}"
+                    log.error("%s", exc)
+                    return self.report()
+            else:
+                assert c.model_dir is not None
+                model_dir = c.model_dir  # the user's model, used as it is
             problem = await asyncio.to_thread(self.check_users_model, model_dir)
             if problem:
                 # before any process starts: one line, all of it, as the run's status
