@@ -1,5 +1,6 @@
 """Held-out evaluation in the trainer: greedy answers of the policy, scored by the task's
-reward function.
+evaluation reward (its ``eval_reward_fn`` where it names one, e.g. an accuracy without the
+training reward's format term; else its ``reward_fn``).
 
 The trainer evaluates with its own model (``SF_TRAINER_EVAL_EVERY``), not through the
 gateway and the engines: no rollout capacity is taken, the result does not depend on
@@ -43,7 +44,8 @@ class EvalSet:
             items = items[: settings.eval_items]
         if not items:
             raise ValueError(f"SF_TRAINER_EVAL_TASK={settings.eval_task}: no eval items")
-        return cls(task=settings.eval_task, items=items, reward_fn=source.reward_fn)
+        reward_fn = getattr(source, "eval_reward_fn", source.reward_fn)
+        return cls(task=settings.eval_task, items=items, reward_fn=reward_fn)
 
 
 @dataclass(frozen=True)

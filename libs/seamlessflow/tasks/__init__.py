@@ -6,7 +6,11 @@ deterministic given the seed the source was built with, and the splits are disjo
 
 Besides the registered sources ("arithmetic", "counting", "lookup"), a task name can point to a
 local JSONL or Parquet file: ``path/to/tasks.jsonl?reward=math_answer`` (see
-`seamlessflow.tasks.files` for the columns, splits and reward selection).
+`seamlessflow.tasks.files` for the columns, splits and reward selection), or name a
+reasoning-gym dataset: ``rg:basic_arithmetic?max_digits=2`` (see
+`seamlessflow.tasks.reasoning_gym`). A source may also name ``eval_reward_fn``, the reward
+the trainer's held-out evaluation reports (an accuracy without training-only terms);
+``reward_fn`` otherwise.
 """
 
 from __future__ import annotations
@@ -99,7 +103,10 @@ def split_of(splits: dict[str, list[TaskItem]], split: str) -> list[TaskItem]:
 TASKS: Registry[Callable[[int], TaskSource]] = Registry(
     "task",
     "SF_TRAJECTORY_TASK, --task",
-    hint="or a data file: [jsonl:|parquet:]PATH[?reward=NAME] (PATH ending .jsonl / .parquet)",
+    hint=(
+        "or a data file: [jsonl:|parquet:]PATH[?reward=NAME] (PATH ending .jsonl / .parquet); "
+        "or a reasoning-gym dataset: rg:DATASET[?key=value&...]"
+    ),
 )
 """Factories by name, each building its source with a seed; they import lazily so that
 listing the registry imports nothing else."""
@@ -130,11 +137,17 @@ task_names = TASKS.names
 
 
 def get_task_source(name: str, seed: int = 0) -> TaskSource:
-    """The task source registered as `name`, built with `seed`, or the data file `name`
-    points to (`seamlessflow.tasks.files`; its split does not depend on the seed)."""
+    """The task source registered as `name`, built with `seed`; the reasoning-gym
+    dataset an ``rg:`` name names, built with `seed` (`seamlessflow.tasks.reasoning_gym`);
+    or the data file `name` points to (`seamlessflow.tasks.files`; its split does not
+    depend on the seed)."""
     factory = TASKS.find(name)
     if factory is not None:
         return factory(seed)
+    if name.startswith("rg:"):
+        from seamlessflow.tasks.reasoning_gym import ReasoningGymTask
+
+        return ReasoningGymTask(name, seed=seed)
     from seamlessflow.tasks.files import load_file_task, parse_file_task_name
 
     if parse_file_task_name(name) is not None:
