@@ -129,7 +129,7 @@ def test_each_process_checks_its_own_section(
     [
         ("[trainr]\nloss = 'grpo'\n", "unknown section [trainr] (did you mean 'trainer'?)"),
         ("[run]\nstepz = 3\n", "unknown key run.stepz (did you mean 'steps'?)"),
-        ("[trainer]\neval_every = 'often'\n", "trainer.eval_every = 'often'"),
+        ("[trainer]\neval_items = 'many'\n", "trainer.eval_items = 'many'"),
         ("[gateway]\nprot = 9000\n", "unknown key gateway.prot (did you mean 'port'?)"),
     ],
 )
@@ -207,9 +207,9 @@ groups_per_batch = 2
 agent_concurrency = 8
 engine_batch_size = 8
 report_to = ["tensorboard", "wandb"]
+eval_every = 2
 
 [trainer]
-eval_every = 2
 eval_items = 4
 """,
     )
@@ -232,7 +232,8 @@ eval_items = 4
     steps = [line for line in lines if line["type"] == "train.metrics"]
     evals = [line for line in lines if line["type"] == "train.eval"]
     assert [m["step"] for m in steps] == [1, 2]
-    assert [(e["step"], e["samples"]) for e in evals] == [(2, 4)]  # [trainer] reached it
+    # [run] eval_every and [trainer] eval_items reached the trainer: the base model, step 2
+    assert [(e["step"], e["samples"]) for e in evals] == [(0, 4), (2, 4)]
 
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
@@ -240,7 +241,7 @@ eval_items = 4
     assert [step for step, _ in curve] == [1, 2]
     for (_, value), step in zip(curve, steps, strict=True):
         assert value == pytest.approx(step["mean_reward"], rel=1e-6, abs=1e-7)  # float32
-    assert [e.value for e in events.Scalars("eval/samples")] == [4.0]
+    assert [e.value for e in events.Scalars("eval/samples")] == [4.0, 4.0]
 
     history = [row for row in logged(run_dir)["history"] if "train/step" in row]
     assert [row["train/step"] for row in history] == [1, 2]

@@ -314,25 +314,31 @@ async def test_an_embedded_run_records_evaluations_and_rates_in_metrics_jsonl(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    steps = 4
+    steps = 5
     for name, value in {
-        "SF_TRAINER_EVAL_EVERY": "2",
         "SF_TRAINER_EVAL_ITEMS": "8",
         "SF_TRAINER_WARMUP_STEPS": "2",
         "SF_TRAINER_LR_SCHEDULE": "linear",
     }.items():
         monkeypatch.setenv(name, value)
-    run = small_embedded_run(run_id, tmp_path, base_model_dir, steps, nats_url=nats_url)
+    run = small_embedded_run(
+        run_id, tmp_path, base_model_dir, steps, nats_url=nats_url, eval_every=2
+    )
     summary = await run.run()
     assert summary.status == "finished", summary
     metrics = (tmp_path / run_id / "metrics.jsonl").read_text().splitlines()
     lines = [json.loads(line) for line in metrics]
     step_records = [r for r in lines if r["type"] == "train.metrics"]
     evals = [r for r in lines if r["type"] == "train.eval"]
-    assert [r["step"] for r in step_records] == [1, 2, 3, 4]
-    assert [(r["step"], r["version"]) for r in evals] == [(2, 2), (4, 4)]
+    assert [r["step"] for r in step_records] == [1, 2, 3, 4, 5]
+    # the base model before the first step, every 2 steps, and after the last
+    assert [(r["step"], r["version"]) for r in evals] == [(0, 0), (2, 2), (4, 4), (5, 5)]
     assert all(r["samples"] == 8 and r["task"] == "arithmetic" for r in evals)
     assert all(0.0 <= r["mean_reward"] <= 1.0 for r in evals)
+    assert summary.eval_first is not None and summary.eval_last is not None
+    assert (summary.eval_first["step"], summary.eval_last["step"]) == (0, steps)
+    assert summary.eval_first["mean_reward"] == evals[0]["mean_reward"]
+    assert summary.eval_last["mean_reward"] == evals[-1]["mean_reward"]
     settings = TrainerSettings(lr=run.config.lr, steps=steps, warmup_steps=2, lr_schedule="linear")
     assert [r["lr"] for r in step_records] == pytest.approx(
         [lr_at(s, settings) for s in range(steps)]

@@ -132,6 +132,13 @@ def up(
         fail(f"invalid run configuration: {where}{error['msg']}")
     summary = run_embedded(config)
     typer.echo(json.dumps({k: v for k, v in summary.__dict__.items() if k != "config"}, indent=2))
+    if summary.eval_first is not None and summary.eval_last is not None:
+        first, last = summary.eval_first, summary.eval_last
+        typer.echo(
+            f"held-out {first['task']} ({first['samples']} prompts, greedy): "
+            f"{first['mean_reward']:.3f} at step {first['step']} -> "
+            f"{last['mean_reward']:.3f} at step {last['step']}"
+        )
     typer.echo(f"run directory: {(config.runs_dir / summary.run_id).resolve()}")
     if summary.status != "finished":
         raise typer.Exit(1 if summary.status.startswith("failed") else 130)

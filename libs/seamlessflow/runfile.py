@@ -50,6 +50,7 @@ RUN_KEYS: dict[str, tuple[str, ...]] = {
     "steps": ("SF_TRAINER_STEPS",),
     "checkpoint_every": ("SF_TRAINER_CHECKPOINT_EVERY",),
     "lr": ("SF_TRAINER_LR",),
+    "eval_every": ("SF_TRAINER_EVAL_EVERY",),
     "max_tokens": ("SF_TRAINER_EVAL_MAX_TOKENS", "SF_AGENTS_MAX_TOKENS"),
     "engine_batch_size": ("SF_ENGINE_MAX_BATCH_SIZE",),
     "agent": ("SF_AGENTS_AGENT",),

@@ -171,6 +171,8 @@ class TrainerService:
             heartbeat = asyncio.create_task(self.membership.heartbeat_loop())
             try:
                 await self.membership.wait_for_role("train")
+                if self.settings.eval_every and self.step == 0:
+                    await self._evaluate()  # the base model: what training is measured from
                 await self._release_slots()
                 async with ctx.bus.durable_consumer(
                     ctx.subjects.stream_batches(), ctx.subjects.batch_ready(), TRAINER_DURABLE
@@ -430,7 +432,8 @@ class TrainerService:
             if self.settings.keep_checkpoints:
                 root = checkpoints_dir(self.ctx.mesh.run_dir, self.policy)
                 await asyncio.to_thread(checkpoint.prune, root, self.settings.keep_checkpoints)
-        if self.settings.eval_every and self.step % self.settings.eval_every == 0:
+        last = self.step == self.settings.steps
+        if self.settings.eval_every and (self.step % self.settings.eval_every == 0 or last):
             await self._evaluate()
 
     async def _evaluate(self) -> None:

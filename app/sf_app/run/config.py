@@ -60,6 +60,11 @@ class RunConfig(BaseModel):
     one, e.g. room for a tool call; else 6)."""
     lr: float = 1e-4
     """Trainer learning rate."""
+    eval_every: int = Field(default=0, ge=0)
+    """Held-out evaluation by the trainer every N steps, and of the base model before the
+    first step and after the last (``SF_TRAINER_EVAL_EVERY``; 0: none): greedy answers to
+    the task's eval split (``[trainer] eval_items`` of them), scored by its accuracy
+    reward."""
     engines: int = 1
     """Engine worker processes."""
     agent_concurrency: int = 64
@@ -157,6 +162,19 @@ class RunConfig(BaseModel):
             task_budget = getattr(get_task_source(self.task, seed=self.seed), "max_tokens", None)
             if task_budget is not None:
                 self.max_tokens = int(task_budget)
+        return self
+
+    @model_validator(mode="after")
+    def _pretrained_defaults(self) -> RunConfig:
+        """A pretrained model's own defaults (``PackagedModel.run_defaults``: chosen by
+        measurement, docs/models.md) for what neither the user nor the task set; after
+        ``_task_max_tokens``, so a task's completion budget wins over the model's."""
+        if self.model:
+            from seamlessflow.assets.pretrained import packaged_model
+
+            for name, value in packaged_model(self.model).run_defaults.items():
+                if name not in self.model_fields_set:
+                    setattr(self, name, value)
         return self
 
 

@@ -347,6 +347,7 @@ class EmbeddedRun(Supervisor):
                     if isinstance(message, TrainingPlanned):
                         continue  # the trainer's budget: the run's own configuration
                     if isinstance(message, TrainEvalMetrics):
+                        self.state.evals_by_policy.setdefault(message.policy, []).append(message)
                         self.tracker.evaluation(message)
                         metrics_file.write(json.dumps(struct_dict(message)) + "\n")
                         metrics_file.flush()

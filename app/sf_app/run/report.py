@@ -32,6 +32,8 @@ class RunState:
     run_dir: Path
     metrics_by_policy: dict[str, list[TrainStepMetrics]]
     finished_by_policy: dict[str, TrainingFinished] = field(default_factory=dict)
+    evals_by_policy: dict[str, list[TrainEvalMetrics]] = field(default_factory=dict)
+    """Held-out evaluations by policy, in the order they arrived."""
     status: str = "running"
     """running, then finished | interrupted | failed: <the one line why>."""
     restarts: dict[str, int] = field(default_factory=dict)
@@ -94,6 +96,11 @@ class Summary:
     policies: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per policy: steps, reward_first, reward_last, final_version, tokens_trained,
     checkpoint. The fields above describe the first policy (the tasks' policy)."""
+    eval_first: dict[str, Any] | None = None
+    """The first held-out evaluation (``eval_every``: the base model, step 0):
+    ``step, version, mean_reward`` (the accuracy for a 0/1 scorer), ``samples``, ``task``."""
+    eval_last: dict[str, Any] | None = None
+    """The last held-out evaluation (after the last step), as ``eval_first``."""
     restarts: dict[str, int] = field(default_factory=dict)
     """Supervision: how many times each process (by label; ``nats`` for the embedded
     server) was started again after an unexpected exit."""
@@ -124,6 +131,7 @@ def write_report(state: RunState) -> Summary:
         bubble_ratio = round(render_run(run_dir).bubble_ratio, 4)
     scheduling = count_scheduling(run_dir / "spans.jsonl")
     metrics = state.metrics
+    evals = sorted(state.evals_by_policy.get(state.config.policies[0], []), key=lambda e: e.step)
     steady_window = metrics[-1].timestamp - metrics[0].timestamp if metrics else 0
     steady_tokens = sum(m.tokens_generated for m in metrics[1:])
     rewards = [m.mean_reward for m in metrics]
@@ -157,6 +165,8 @@ def write_report(state: RunState) -> Summary:
         reclaims=scheduling["reclaims"],
         requests_handed_back=scheduling["handed_back"],
         policies={policy: policy_summary(state, policy) for policy in state.config.policies},
+        eval_first=eval_record(evals[0]) if evals else None,
+        eval_last=eval_record(evals[-1]) if evals else None,
         restarts=dict(state.restarts),
         config=json.loads(state.config.model_dump_json()),
     )
@@ -164,6 +174,16 @@ def write_report(state: RunState) -> Summary:
     if any(state.metrics_by_policy.values()):
         plot_rewards(state.metrics_by_policy, run_dir / "reward_curve.png", state.run_id)
     return summary
+
+
+def eval_record(evaluation: TrainEvalMetrics) -> dict[str, Any]:
+    return {
+        "step": evaluation.step,
+        "version": evaluation.version,
+        "mean_reward": evaluation.mean_reward,
+        "samples": evaluation.samples,
+        "task": evaluation.task,
+    }
 
 
 def checkpoint_of(run_dir: Path, policy: str) -> str | None:

@@ -27,7 +27,8 @@ import importlib.metadata
 import json
 import shutil
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,11 @@ class PackagedModel:
     filename: str
     """The GGUF file's name inside the package."""
     description: str
+    run_defaults: Mapping[str, Any] = field(default_factory=dict)
+    """``seamlessflow up`` options this model trains best with, where the user sets none
+    (a run's ``RunConfig`` field -> value): a pretrained model needs other settings than
+    the built-in toy (a learning rate two orders lower, room for a worked answer).
+    Chosen by measurement: docs/models.md, "SmolLM2-135M-Instruct"."""
 
 
 PRETRAINED: dict[str, PackagedModel] = {
@@ -73,6 +79,13 @@ PRETRAINED: dict[str, PackagedModel] = {
         description="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0): Llama architecture, "
         "135M parameters, tied embeddings, 49k-token BPE, ChatML template, 8k context; "
         "Q4_1 weights dequantized to float32",
+        run_defaults={
+            "lr": 1e-5,
+            "max_tokens": 96,
+            "group_size": 8,
+            "groups_per_batch": 4,
+            "eval_every": 10,
+        },
     ),
 }
 
