@@ -47,6 +47,13 @@ def up(
     groups_per_batch: Annotated[int, typer.Option(help="Tasks per step.")] = 8,
     max_batches_ahead: Annotated[int, typer.Option(help="Rollout lead over training.")] = 1,
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-4,
+    eval_every: Annotated[
+        int,
+        typer.Option(
+            help="Held-out evaluation every N steps, and before the first and after the "
+            "last (0: none)."
+        ),
+    ] = 0,
     engines: Annotated[int, typer.Option(help="Engine worker processes.")] = 1,
     agent: Annotated[str, typer.Option(help="Agent name or dotted path.")] = "single_turn",
     policies: Annotated[
