@@ -121,6 +121,16 @@ peer-long STEPS="80" SIZE="small" ENGINES="vllm,hf": _cpu-only
     {{bin}}/python loadtests/peer_compare.py --task counting --steps {{STEPS}} --model-size {{SIZE}} --engines {{ENGINES}} --base-samples 16 --out runs/load/peer_long.json
     {{bin}}/python loadtests/regression.py runs/load/peer_long.json --baseline loadtests/baselines/peer_long.json
 
+# a real model and a real task: SmolLM2-135M-Instruct (`just pretrained`, converted once into
+# the cache) on a reasoning-gym TASK (prompts with a system message, its own scorer as the
+# reward on both sides), our run on each engine against TRL on every core; held-out
+# accuracy (the same items, greedy, the same code) before the first step, every EVAL_EVERY
+# steps and after the last on both sides, by step and by wall time (evaluation time left
+# out), and the time to base accuracy + 0.10. Defaults as `seamlessflow up --model` trains
+# it. No committed baseline for it yet, so no regression check: runs/load/peer_real.json
+peer-real STEPS="30" TASK="rg:basic_arithmetic?max_terms=2&max_digits=1&allow_parentheses=false&allow_negation=false&answer=last_number" LR="1e-5" MAX_TOKENS="64" GROUP_SIZE="8" ENGINES="vllm,hf" EVAL_EVERY="10" GROUPS="4" PRECISION="bf16-mixed": _cpu-only pretrained
+    {{bin}}/python loadtests/peer_compare.py --model smollm2-135m-instruct --task {{quote(TASK)}} --steps {{STEPS}} --lr {{LR}} --max-tokens {{MAX_TOKENS}} --group-size {{GROUP_SIZE}} --groups-per-batch {{GROUPS}} --precision {{PRECISION}} --engines {{ENGINES}} --eval-every {{EVAL_EVERY}} --eval-items 64 --base-samples 16 --out runs/load/peer_real.json
+
 # gateway load test against a live mesh: 100, 500 and 1000 concurrent multi-turn agent
 # sessions (scripted engine, agents in 2 processes of their own); requests/s, latency
 # percentiles, what the gateway adds, every session stored exactly once

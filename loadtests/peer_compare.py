@@ -17,9 +17,10 @@ turn (never both at once: the machine has two cores) and compares what a user se
 What is the same on both sides: the model directory (weights, tokenizer, chat template;
 TRL's prompt ids are checked against the gateway's at the start), the prompts in the
 order SeamlessFlow's dispatcher hands them out (``sf_trajectory.dispatch``, the
-arithmetic task's train split, seed ``--seed``), rendered by the model's chat template
-with a generation prompt; the reward (the task's own function, ``integer_match``, on the
-completion's text without special tokens); group size = ``num_generations``; prompts
+task's train split, seed ``--seed``), every message of each (a system message too)
+rendered by the model's chat template with a generation prompt; the reward (the task's
+own ``reward_fn``, e.g. ``integer_match`` for arithmetic, on the completion's text
+without special tokens); group size = ``num_generations``; prompts
 per step = ``groups_per_batch``; ``max_tokens`` = ``max_completion_length``;
 temperature 1 with no top-k / top-p; AdamW at ``--lr`` (constant) with betas (0.9,
 0.95), no weight decay, gradient clipping at norm 1; no KL term (``beta`` 0, as
@@ -30,7 +31,13 @@ number of optimizer steps.
 
 ``--task counting`` (``just peer-long``) takes the long-answer task instead: its own base
 model (``--model-size``), its budget (512 tokens) and its verifier (``math_answer``) on
-both sides. ``--engines vllm,hf`` runs our side once per engine backend against the
+both sides. ``--task rg:<dataset>[?k=v&...]`` (``just peer-real``) takes a reasoning-gym
+task (``seamlessflow.tasks.reasoning_gym``): its prompts (a system message, then the
+question), its training reward (``reasoning_gym``) on both sides; it needs a real model,
+``--model smollm2-135m-instruct`` (converted once into the cache, as ``seamlessflow up
+--model`` does) or ``--model-dir``. TRL's reward function is our registered reward
+(``trl_reward_function``) on TRL's completion ids decoded as our gateway decodes them
+(without special tokens). ``--engines vllm,hf`` runs our side once per engine backend against the
 same TRL run (``by_engine``; the headline is the first), and ``--mode multiplexed`` adds
 an engine on the trainer's core, lent while the trainer waits.
 
@@ -63,13 +70,39 @@ model and builds its trainer; TRL's imports come before, ours are in its process
   once here, ``--base-samples`` groups); a side reaches it at the first step whose mean
   reward over the last ``--window`` steps is at least the target. None if never.
 
-``ratios``: SeamlessFlow / TRL for rates, TRL / SeamlessFlow for times, so every ratio
-above 1 means SeamlessFlow is better. ``loadtests/regression.py`` compares them with a
-baseline.
+Held-out accuracy (``--eval-every N``, off by default; ``just peer-real`` sets it): both
+sides are scored by the same code, ``sf_trainer.evaluation.evaluate`` on the same
+``EvalSet`` (the first ``--eval-items`` prompts of the task's eval split for ``--seed``,
+greedy, ``--max-tokens``, the task's ``eval_reward_fn``, an accuracy), when our trainer
+evaluates: the base model before the first step (step 0), every N steps and after the
+last. Ours in our trainer (``eval_every`` of the run, ``SF_TRAINER_EVAL_*``; read back
+from the run's ``train.eval`` lines in ``metrics.jsonl``), TRL's in a ``TrainerCallback``
+(at the start of training and at the end of those steps). The base model is also
+evaluated once here, by the same code, before either side runs: ``base_accuracy``, which
+the accuracy target is measured from. **Evaluation time is excluded from every wall time
+on both sides** (step timestamps, ``train_wall_s``, the rates, both times to target) and
+reported on its own (``eval_s_total``, ``mean_eval_s``). Our rollout does not pause while
+our trainer evaluates (the rhythm lets it get at most ``--max-batches-ahead`` + 1
+batches ahead of the trainer, the first ones during the step-0 evaluation), so leaving
+that time out favours our side by at most that much generation per evaluation; TRL's
+loop does nothing else while it evaluates.
+
+- ``accuracy``: (step, wall seconds since ``started`` at which the evaluation began,
+  accuracy, seconds it took) per evaluation, from step 0;
+- ``time_to_accuracy_s``: the first wall time after a step at which the accuracy is at
+  least ``base_accuracy + --accuracy-delta`` (one evaluation, no window); None if never.
+
+``ratios``: SeamlessFlow / TRL for rates, TRL / SeamlessFlow for times (the time to the
+accuracy target too), so every ratio above 1 means SeamlessFlow is better.
+``loadtests/regression.py`` compares them with a baseline (only the ratios the baseline
+has).
 
     .venv/bin/python loadtests/peer_compare.py [--steps 300] [--out runs/load/peer_compare.json]
     .venv/bin/python loadtests/peer_compare.py --steps 120 --judge-median-ms 1000 \
         --out runs/load/peer_judge.json
+    .venv/bin/python loadtests/peer_compare.py --model smollm2-135m-instruct \
+        --task 'rg:basic_arithmetic?max_digits=2' --steps 60 --lr 1e-5 --max-tokens 96 \
+        --groups-per-batch 4 --eval-every 10 --engines vllm,hf --out runs/load/peer_real.json
 """
 
 from __future__ import annotations
@@ -77,6 +110,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -84,7 +118,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,16 +127,40 @@ import peer_judge
 from regression import PEER_RATIOS, TIME_RATIOS
 
 from seamlessflow.assets.base_model import MODEL_SIZES  # no torch at import
+from seamlessflow.assets.pretrained import PRETRAINED
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = Path("runs/load/peer_compare.json")
 # Rates are SeamlessFlow / TRL, times TRL / SeamlessFlow: above 1 = SeamlessFlow better.
 # The checker's list is the one list of what a result holds.
 RATE_FIGURES = tuple(name for name in PEER_RATIOS if name not in TIME_RATIOS)
+ACCURACY_TIME = "time_to_accuracy_s"
+"""A time ratio besides the checker's: the first wall time at the held-out accuracy target
+(``--eval-every``; None without it)."""
 
 
 TASKS = ("arithmetic", "counting")
+"""Built-in tasks (each with its own built base model); ``rg:`` names besides."""
+RG_PREFIX = "rg:"
 ENGINES = ("hf", "vllm")
+
+
+def task_name(text: str) -> str:
+    """``--task``: a built-in task of ``TASKS`` or a reasoning-gym task, ``rg:<dataset>
+    [?key=value&...]`` (its options are checked when the source is built)."""
+    if text in TASKS:
+        return text
+    if text.startswith(RG_PREFIX):
+        from seamlessflow.tasks.reasoning_gym import parse_rg_task_name
+
+        try:
+            parse_rg_task_name(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+    raise argparse.ArgumentTypeError(
+        f"task must be one of {', '.join(TASKS)} or {RG_PREFIX}<dataset>[?k=v&...]: {text!r}"
+    )
 
 
 def engine_list(text: str) -> list[str]:
@@ -137,13 +195,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     parser.add_argument("--groups-per-batch", type=int, default=8, help="prompts per step")
     parser.add_argument(
-        "--task", choices=TASKS, default="arithmetic",
+        "--task", type=task_name, default="arithmetic", metavar="TASK",
         help="built-in task: arithmetic (answers of ~3 tokens) or counting (worked answers "
-        "of 60-500 tokens: generation-bound; `just peer-long`)",
+        "of 60-500 tokens: generation-bound; `just peer-long`); or a reasoning-gym task, "
+        "rg:<dataset>[?k=v&...], with --model or --model-dir (`just peer-real`)",
     )  # fmt: skip
     parser.add_argument(
         "--max-tokens", type=int, default=None,
-        help="completion budget (default: the task's, 6 for arithmetic)",
+        help="completion budget, also of each held-out answer (default: the task's; 6 for "
+        "arithmetic and for a task that names none)",
     )  # fmt: skip
     parser.add_argument(
         "--engines", type=engine_list, default=["hf"], metavar="NAME,...",
@@ -162,6 +222,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(seamlessflow.assets.base_model.MODEL_SIZES; default %(default)s)",
     )  # fmt: skip
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate (constant)")
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16-mixed"),
+        default="fp32",
+        help="both trainers' compute precision (float32 master weights either way)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--trl-threads", type=int, default=len(os.sched_getaffinity(0)),
@@ -185,9 +251,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--base-samples", type=int, default=64,
         help="prompts (x group size) sampled to measure the base model's reward",
     )  # fmt: skip
-    parser.add_argument(
+    models = parser.add_mutually_exclusive_group()
+    models.add_argument(
         "--model-dir", type=Path, default=None,
         help="model directory used as is by both sides (default: the cached base model)",
+    )  # fmt: skip
+    models.add_argument(
+        "--model", choices=tuple(PRETRAINED), default="",
+        help="a pretrained model by name, converted once into the model cache as "
+        "`seamlessflow up --model` does (seamlessflow.assets.pretrained), used by both sides",
+    )  # fmt: skip
+    parser.add_argument(
+        "--eval-every", type=int, default=0, metavar="N",
+        help="held-out accuracy every N steps on both sides, same items and code "
+        "(sf_trainer.evaluation); 0 (default): none",
+    )  # fmt: skip
+    parser.add_argument(
+        "--eval-items", type=int, default=64,
+        help="prompts of the task's eval split evaluated (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--accuracy-delta", type=float, default=0.10,
+        help="accuracy target = the base model's held-out accuracy + this "
+        "(default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--runs-dir", type=Path, default=Path("runs"),
@@ -210,10 +296,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
-    if args.max_tokens is None:
-        from seamlessflow.tasks import get_task_source
+    from seamlessflow.tasks import get_task_source
 
-        args.max_tokens = int(getattr(get_task_source(args.task, args.seed), "max_tokens", 6))
+    try:
+        source = get_task_source(args.task, args.seed)  # an rg: task checks its options here
+    except ValueError as exc:
+        parser.error(f"--task: {exc}")
+    if args.max_tokens is None:
+        args.max_tokens = int(getattr(source, "max_tokens", 6))
+    if args.task not in TASKS and not (args.model or args.model_dir):
+        parser.error(
+            f"--task {args.task}: no built-in model learns it; give --model or --model-dir"
+        )
     if min(args.steps, args.groups_per_batch, args.max_tokens, args.trl_threads) < 1:
         parser.error("--steps, --groups-per-batch, --max-tokens and --trl-threads must be >= 1")
     if args.trl_threads_sweep is None:
@@ -228,6 +322,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--judge-median-ms and --judge-sigma must be >= 0")
     if args.judge_median_ms > 0 and args.task != "arithmetic":
         parser.error("--judge-median-ms scores the arithmetic task only")
+    if args.eval_every < 0 or args.eval_items < 1 or args.accuracy_delta <= 0:
+        parser.error("--eval-every must be >= 0, --eval-items >= 1, --accuracy-delta > 0")
+    if args.eval_every and args.judge_median_ms > 0:
+        parser.error("--eval-every scores in process: not with --judge-median-ms")
     return args
 
 
@@ -243,6 +341,30 @@ def default_model_dir(task: str = "arithmetic", size: str = "small") -> Path:
     return ensure_base_model(
         cache / "models" / built_model_name(task, size), task=task, config=sized_config(task, size)
     )
+
+
+def model_directory(args: argparse.Namespace) -> Path:
+    """The model both sides train: ``--model-dir`` as is, the pretrained ``--model``
+    (converted once into the cache), or the built-in base model of ``--task``."""
+    if args.model_dir is not None:
+        return Path(args.model_dir).resolve()
+    if args.model:
+        from seamlessflow.assets.pretrained import ensure_pretrained
+
+        cache = Path(os.environ.get("SF_CACHE_DIR", "~/.cache/seamlessflow")).expanduser()
+        return ensure_pretrained(args.model, cache).resolve()
+    return default_model_dir(args.task, args.model_size).resolve()
+
+
+def sampling_tokenizer(model_dir: Path) -> Any:
+    """The model's tokenizer padding on the left, as batched generation needs (right
+    padding puts pad tokens between a prompt and its first generated token)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def dispatch_order(count: int, seed: int, task: str = "arithmetic") -> list[Any]:
@@ -272,25 +394,68 @@ def dispatch_order(count: int, seed: int, task: str = "arithmetic") -> list[Any]
     return items
 
 
-def base_reward(model_dir: Path, items: list[Any], args: argparse.Namespace) -> float:
-    """The base model's mean reward on ``items`` at the runs' sampling settings."""
+def base_figures(
+    model_dir: Path, items: list[Any], args: argparse.Namespace, eval_set: Any | None
+) -> tuple[float, float | None]:
+    """The base model's mean reward on ``items`` at the runs' sampling settings (left
+    padded), and its held-out accuracy on ``eval_set`` (None without one): step 0 of
+    both sides' accuracy curves."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from seamlessflow.assets.base_model import sampled_reward
     from seamlessflow.tasks import get_task_source
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return sampled_reward(
+    reward = sampled_reward(
         model,
-        tokenizer,
+        sampling_tokenizer(model_dir),
         items,
         get_task_source(args.task, args.seed).reward_fn,
         samples_per_prompt=args.group_size,
         max_new_tokens=args.max_tokens,
         seed=args.seed,
     )
+    if eval_set is None:
+        return reward, None
+    return reward, held_out_accuracy(model, model_dir, eval_set, args)
+
+
+def eval_settings(args: argparse.Namespace, task: str) -> Any:
+    """The trainer settings our trainer evaluates with (``SF_TRAINER_EVAL_*``; the
+    embedded run sets the task and the budget from the run's), for the same evaluation
+    here and in TRL's callback."""
+    from sf_trainer.settings import TrainerSettings
+
+    return TrainerSettings(
+        eval_every=args.eval_every,
+        eval_task=task,
+        eval_items=args.eval_items,
+        eval_max_tokens=args.max_tokens,
+    )
+
+
+def held_out_set(args: argparse.Namespace, task: str) -> Any:
+    """The items our trainer evaluates (``sf_trainer.evaluation.EvalSet``, seed
+    ``--seed`` as ``SF_SEED``)."""
+    from sf_trainer.evaluation import EvalSet
+
+    return EvalSet.from_settings(eval_settings(args, task), args.seed)
+
+
+def held_out_accuracy(
+    model: Any, model_dir: Path, eval_set: Any, args: argparse.Namespace
+) -> float:
+    """``model``'s held-out accuracy by our trainer's own evaluation (greedy, left
+    padded, the task's ``eval_reward_fn``), in this process on the CPU."""
+    import torch
+
+    from sf_trainer.distributed import TrainGroup
+    from sf_trainer.evaluation import evaluate
+
+    settings = eval_settings(args, eval_set.task)
+    group = TrainGroup(device=torch.device("cpu"))
+    return evaluate(model, model_dir, eval_set, settings, group).mean_reward
 
 
 def same_prompt_ids(model_dir: Path, items: list[Any]) -> bool:
@@ -381,10 +546,138 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | No
     for name in RATE_FIGURES:
         a, b = ours.get(name), theirs.get(name)
         out[name] = a / b if a is not None and b else None
-    for name in TIME_RATIOS:
+    for name in (*TIME_RATIOS, ACCURACY_TIME):
         a, b = ours.get(name), theirs.get(name)
         out[name] = b / a if a and b is not None else None
     return out
+
+
+# --------------------------------------------------------------------------- held-out accuracy
+
+
+class EvalClock:
+    """``clock()`` (``time.time``) less the time spent in held-out evaluations so far."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.paused = 0.0
+
+    def now(self) -> float:
+        return self.clock() - self.paused
+
+    def evaluation(self, step: int, started: float, accuracy: Callable[[], float]) -> EvalPoint:
+        """One evaluation (``accuracy()``) taken off the clock: its point is when it began,
+        in seconds since ``started`` (a ``now()``)."""
+        wall = self.now() - started
+        began = self.clock()
+        value = accuracy()
+        seconds = self.clock() - began
+        self.paused += seconds
+        return EvalPoint(step, wall, value, seconds)
+
+
+@dataclass(frozen=True)
+class EvalPoint:
+    """One held-out evaluation of one side."""
+
+    step: int
+    """Optimizer steps taken when evaluated (0: the base model)."""
+    wall_s: float
+    """When it began, in seconds since the side's ``started``, earlier evaluations left out."""
+    accuracy: float
+    eval_s: float
+    """How long it took (left out of every wall time)."""
+
+
+def read_eval_records(metrics_file: Path) -> list[dict[str, Any]]:
+    """Our trainer's ``train.eval`` records (``TrainEvalMetrics``) in a run's
+    ``metrics.jsonl``, in time order."""
+    records = [
+        record
+        for line in metrics_file.read_text().splitlines()
+        if line.strip() and (record := json.loads(line)).get("type") == "train.eval"
+    ]
+    return sorted(records, key=lambda record: float(record["timestamp"]))
+
+
+def our_eval_points(records: list[dict[str, Any]], started: float) -> list[EvalPoint]:
+    """``read_eval_records``' records as points: each at the time it began (its record is
+    written when it ends), less the evaluations before it."""
+    points, paused = [], 0.0
+    for record in records:
+        seconds = float(record["eval_seconds"])
+        began = float(record["timestamp"]) - seconds
+        accuracy = float(record["mean_reward"])
+        points.append(EvalPoint(int(record["step"]), began - paused - started, accuracy, seconds))
+        paused += seconds
+    return points
+
+
+def without_evals(timestamp: float, records: list[dict[str, Any]]) -> float:
+    """A ``time.time()`` of our run less the evaluations that had ended by then (our
+    trainer evaluates between steps, so none is under way at a step's end)."""
+    return timestamp - sum(
+        float(r["eval_seconds"]) for r in records if float(r["timestamp"]) <= timestamp
+    )
+
+
+def accuracy_figures(
+    points: list[EvalPoint], base_accuracy: float, target: float
+) -> dict[str, Any]:
+    """A side's accuracy curve from step 0 and when it first reached ``target`` (one
+    evaluation after a step at or above it; None if none did). Step 0 is the side's own
+    evaluation of the base model where it made one (before its first step), else
+    ``base_accuracy`` at 0 s."""
+    trained = [point for point in points if point.step > 0]
+    reached = next((point for point in trained if point.accuracy >= target), None)
+    own = points[0] if points and points[0].step == 0 else None
+    curve = [own or EvalPoint(0, 0.0, base_accuracy, 0.0), *trained]
+    seconds = [point.eval_s for point in points]
+    return {
+        "accuracy": [
+            {
+                "step": p.step,
+                "wall_s": round(p.wall_s, 3),
+                "accuracy": round(p.accuracy, 4),
+                "eval_s": round(p.eval_s, 3),
+            }
+            for p in curve
+        ],
+        "accuracy_last": trained[-1].accuracy if trained else None,
+        "accuracy_best": max(p.accuracy for p in curve),
+        "accuracy_target_step": None if reached is None else reached.step,
+        ACCURACY_TIME: None if reached is None else reached.wall_s,
+        "eval_s_total": sum(seconds),
+        "mean_eval_s": sum(seconds) / len(seconds) if seconds else None,
+    }
+
+
+def trl_reward_function(
+    reward_fn: str,
+    decode: Callable[[list[list[int]]], list[str]],
+    on_scores: Callable[[list[float], list[list[int]]], None] | None = None,
+) -> Callable[..., list[float | None]]:
+    """TRL's reward function for a task: our registered reward ``reward_fn`` (the scorer
+    our trajectory service calls) on each completion's text, ``decode``d from TRL's
+    completion ids (the tokenizer's ``batch_decode`` without special tokens, as our
+    gateway decodes: not TRL's message form, which may parse the text), against the
+    dataset's ``reference`` column (a task's ``TaskItem.reference``, e.g. reasoning-gym's
+    JSON). ``on_scores`` sees each batch's scores and ids."""
+    from seamlessflow.rewards import get_reward
+
+    score = get_reward(reward_fn)
+
+    def reward(
+        completions: list[Any], completion_ids: list[list[int]], reference: list[str], **_: Any
+    ) -> list[float | None]:
+        texts = decode(completion_ids)
+        scores = [float(score(text, ref)) for text, ref in zip(texts, reference, strict=True)]
+        if on_scores is not None:
+            on_scores(scores, completion_ids)
+        return [*scores]  # TRL's reward type admits None for a sample
+
+    reward.__name__ = reward_fn  # TRL logs each reward function's mean under its name
+    return reward
 
 
 # --------------------------------------------------------------------------- the sides
@@ -396,8 +689,12 @@ def run_seamlessflow(
     from sf_app.run.config import RunConfig, deployment
     from sf_app.run.embedded import EmbeddedRun
 
-    # the engine processes read their backend from the environment they inherit
+    # the engine processes read their backend from the environment they inherit, the
+    # trainer its number of held-out items (the run sets SF_TRAINER_EVAL_EVERY from
+    # eval_every, SF_TRAINER_EVAL_TASK and SF_TRAINER_EVAL_MAX_TOKENS from task and
+    # max_tokens: RUN_KEYS)
     os.environ["SF_ENGINE_BACKEND"] = engine
+    os.environ["SF_TRAINER_EVAL_ITEMS"] = str(args.eval_items)
     config = RunConfig(
         run_id=f"peer-sf-{engine}-{time.strftime('%Y%m%d-%H%M%S')}",
         runs_dir=args.runs_dir,
@@ -408,6 +705,8 @@ def run_seamlessflow(
         groups_per_batch=args.groups_per_batch,
         max_tokens=args.max_tokens,
         lr=args.lr,
+        eval_every=args.eval_every,
+        precision=args.precision,
         seed=args.seed,
         max_batches_ahead=args.max_batches_ahead,
         mode=args.mode,
@@ -419,10 +718,19 @@ def run_seamlessflow(
     finished = time.time()
     if summary.status != "finished":
         raise RuntimeError(f"the SeamlessFlow run did not finish: {summary.status}")
+    # our trainer's evaluations are taken off the clock, as TRL's (module docstring)
+    evals = read_eval_records(run.run_dir / "metrics.jsonl")
     steps = [
-        Step(m.mean_reward, m.samples, m.tokens_generated, m.tokens_trained, m.timestamp)
+        Step(
+            m.mean_reward,
+            m.samples,
+            m.tokens_generated,
+            m.tokens_trained,
+            without_evals(m.timestamp, evals),
+        )
         for m in run.state.metrics
     ]
+    finished = without_evals(finished, evals)
     extra = {
         "engine": engine,
         "run_dir": str(run.run_dir),
@@ -438,12 +746,18 @@ def run_seamlessflow(
         "max_batches_ahead": config.max_batches_ahead,
         # the embedded run gives the trainer one torch thread per training slot
         "trainer_torch_threads": len(deployment(config.mode, config.engines).trainer_slots),
+        "eval_points": our_eval_points(evals, started),
     }
     return steps, started, finished, extra
 
 
 def run_trl(
-    args: argparse.Namespace, model_dir: Path, items: list[Any], judged: bool, threads: int
+    args: argparse.Namespace,
+    model_dir: Path,
+    items: list[Any],
+    judged: bool,
+    threads: int,
+    eval_set: Any | None = None,
 ) -> tuple[list[Step], float, float, dict[str, Any]]:
     # Imports stay outside the clock (our side's are inside: its processes start in it).
     import warnings
@@ -460,12 +774,12 @@ def run_trl(
 
     from peer_judge import trl_judge_reward
 
-    from seamlessflow.rewards import get_reward
     from seamlessflow.tasks import get_task_source
 
-    task_reward = get_reward(get_task_source(args.task, args.seed).reward_fn)
+    reward_fn = get_task_source(args.task, args.seed).reward_fn
     torch.set_num_threads(threads)
-    started = time.time()
+    clock = EvalClock()
+    started = clock.now()
 
     calls: list[tuple[float, int, int]] = []  # (mean reward, samples, tokens) per batch
     scored: list[float] = []  # when each batch was scored: its generation had ended
@@ -473,15 +787,7 @@ def run_trl(
     def record(scores: list[float], completion_ids: list[list[int]]) -> None:
         tokens = sum(len(ids) for ids in completion_ids)
         calls.append((sum(scores) / len(scores), len(scores), tokens))
-        scored.append(time.time())
-
-    def reward(
-        completions: list[Any], completion_ids: list[list[int]], reference: list[str], **_: Any
-    ) -> list[float | None]:
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        scores = [task_reward(t, r) for t, r in zip(texts, reference, strict=True)]
-        record(scores, completion_ids)
-        return [*scores]  # TRL's reward type admits None for a sample
+        scored.append(clock.now())
 
     async def judged_reward(
         completions: list[Any], completion_ids: list[list[int]], reference: list[str], **_: Any
@@ -491,10 +797,26 @@ def run_trl(
         return scores
 
     ends: list[float] = []
+    points: list[EvalPoint] = []
+
+    def evaluated(step: int, model: Any) -> None:
+        """The held-out accuracy after ``step`` steps, its time taken off the clock."""
+        accuracy = functools.partial(held_out_accuracy, model, model_dir, eval_set, args)
+        points.append(clock.evaluation(step, started, accuracy))
 
     class StepClock(TrainerCallback):
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            ends.append(time.time())
+        """Each step's end; the held-out accuracy when our trainer evaluates (before the
+        first step, every ``--eval-every`` steps and after the last), off the clock."""
+
+        def on_train_begin(self, _args: Any, state: Any, _control: Any, **kwargs: Any) -> None:
+            if eval_set is not None:
+                evaluated(state.global_step, kwargs["model"])
+
+        def on_step_end(self, _args: Any, state: Any, _control: Any, **kwargs: Any) -> None:
+            ends.append(clock.now())
+            step = state.global_step
+            if eval_set is not None and (step % args.eval_every == 0 or step == args.steps):
+                evaluated(step, kwargs["model"])
 
     dataset = Dataset.from_list(
         [{"prompt": list(item.messages), "reference": item.reference} for item in items]
@@ -503,7 +825,9 @@ def run_trl(
         config = GRPOConfig(
             output_dir=output_dir,
             use_cpu=True,
-            bf16=False,
+            # the same compute precision as our trainer (--precision): autocast in bf16
+            # with float32 master weights, as TrainerSettings.precision "bf16-mixed"
+            bf16=args.precision == "bf16-mixed",
             gradient_checkpointing=False,
             per_device_train_batch_size=args.group_size * args.groups_per_batch,
             gradient_accumulation_steps=1,
@@ -535,6 +859,9 @@ def run_trl(
         )
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        reward = trl_reward_function(
+            reward_fn, lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True), record
+        )
         trainer = GRPOTrainer(
             model=model,
             reward_funcs=judged_reward if judged else reward,
@@ -545,7 +872,7 @@ def run_trl(
         )
         trainer.remove_callback(PrinterCallback)  # its log line per step; we keep our own
         trainer.train()
-    finished = time.time()
+    finished = clock.now()
     if len(calls) != len(ends):
         raise RuntimeError(f"TRL scored {len(calls)} batches for {len(ends)} optimizer steps")
     steps = [
@@ -562,6 +889,7 @@ def run_trl(
         "reward": "judge service (async, whole batch at once)" if judged else "in process",
         "mean_generate_s": sum(generate) / len(generate) if generate else None,
         "mean_train_s": sum(train) / len(train) if train else None,
+        "eval_points": points,
     }
     return steps, started, finished, extra
 
@@ -670,6 +998,8 @@ def print_table(report: dict[str, Any]) -> None:
                   f"{judge['max_s']:.3f} s")  # fmt: skip
     print(f"1-min load average before / after: SeamlessFlow {ours['loadavg_1m']}, "
           f"TRL {theirs['loadavg_1m']}")  # fmt: skip
+    if report.get("accuracy_target") is not None:
+        print_accuracy(report)
     if len(report["by_engine"]) > 1:
         print(f"\nSeamlessFlow by engine (the headline above: {settings['engines'][0]})")
         header = (f"{'engine':>7} {'steps/s':>8} {'steady':>8} {'to target (s)':>14} "
@@ -684,6 +1014,8 @@ def print_table(report: dict[str, Any]) -> None:
                   f"{fmt(r['steps_per_s'], 2):>15} {fmt(r['steady_steps_per_s'], 2):>7} "
                   f"{fmt(r['time_to_target_s'], 2):>10} "
                   f"{fmt(side['reward_last'], 3):>12}")  # fmt: skip
+        print("per step (s):")
+        print_phases(report)
     print(f"\nTRL by torch threads (the headline above: {settings['trl_threads']} threads)")
     header = (f"{'threads':>7} {'steps/s':>8} {'steady':>8} {'to target (s)':>14} "
               f"{'SF/TRL steps/s':>15} {'steady':>7} {'to target':>10}")  # fmt: skip
@@ -695,6 +1027,48 @@ def print_table(report: dict[str, Any]) -> None:
               f"{fmt(entry['steady_steps_per_s'], 3):>8} {fmt(entry['time_to_target_s']):>14} "
               f"{fmt(r['steps_per_s'], 2):>15} {fmt(r['steady_steps_per_s'], 2):>7} "
               f"{fmt(r['time_to_target_s'], 2):>10}")  # fmt: skip
+
+
+def curve_text(side: dict[str, Any]) -> str:
+    """``step:accuracy@seconds`` per evaluation."""
+    return " ".join(f"{p['step']}:{p['accuracy']:.3f}@{p['wall_s']:.0f}s" for p in side["accuracy"])
+
+
+def print_accuracy(report: dict[str, Any]) -> None:
+    """The held-out accuracy part of the table: each side's curve and time to target,
+    each of our engines against the same TRL run."""
+    settings, theirs = report["settings"], report["trl"]
+    print(f"\nheld-out accuracy: {settings['eval_items']} items of the eval split, greedy, "
+          f"max_tokens {settings['eval_max_tokens']}, {settings['eval_reward_fn']}, every "
+          f"{settings['eval_every']} steps; target {report['accuracy_target']:.3f} (base "
+          f"{report['base_accuracy']:.3f} + {settings['accuracy_delta']}); evaluation time "
+          "left out of every wall time")  # fmt: skip
+    header = (f"{'side':<16} {'acc. last':>9} {'acc. best':>9} {'target step':>11} "
+              f"{'to target (s)':>13} {'TRL/SF time':>11} {'eval s':>7}")  # fmt: skip
+    print(header)
+    print("-" * len(header))
+    rows = [(f"SeamlessFlow {engine}", entry["seamlessflow"], entry["ratios"][ACCURACY_TIME])
+            for engine, entry in report["by_engine"].items()]  # fmt: skip
+    rows.append((f"TRL {settings['trl_threads']} threads", theirs, None))
+    for label, side, ratio in rows:
+        print(f"{label:<16} {fmt(side['accuracy_last'], 3):>9} "
+              f"{fmt(side['accuracy_best'], 3):>9} {fmt(side['accuracy_target_step'], 0):>11} "
+              f"{fmt(side[ACCURACY_TIME]):>13} {fmt(ratio, 2):>11} "
+              f"{fmt(side['eval_s_total']):>7}")  # fmt: skip
+    for label, side, _ in rows:
+        print(f"{label}: {curve_text(side)}")
+
+
+def print_phases(report: dict[str, Any]) -> None:
+    """Each side's per-step phases (means, seconds), each of our engines."""
+    theirs = report["trl"]
+    for engine, entry in report["by_engine"].items():
+        ours = entry["seamlessflow"]
+        print(f"  SeamlessFlow {engine}: trainer step {fmt(ours['mean_step_s'], 3)}, waiting "
+              f"for its batch {fmt(ours['mean_wait_s'], 3)}, publishing weights "
+              f"{fmt(ours['mean_publish_s'], 3)}")  # fmt: skip
+    print(f"  TRL: generate + score {fmt(theirs['mean_generate_s'], 3)}, train "
+          f"{fmt(theirs['mean_train_s'], 3)}")  # fmt: skip
 
 
 def compare(
@@ -714,10 +1088,12 @@ def compare(
             "engines": args.engines,
             "mode": args.mode,
             "model_size": args.model_size,
+            "model": args.model or None,
             "group_size": args.group_size,
             "groups_per_batch": args.groups_per_batch,
             "max_tokens": args.max_tokens,
             "lr": args.lr,
+            "precision": args.precision,
             "seed": args.seed,
             "temperature": 1.0,
             "trl_threads": args.trl_threads,
@@ -729,14 +1105,27 @@ def compare(
             "judge_median_ms": args.judge_median_ms if judge_url else None,
             "judge_sigma": args.judge_sigma if judge_url else None,
             "max_batches_ahead": args.max_batches_ahead,
+            "eval_every": args.eval_every,
+            "eval_items": args.eval_items if args.eval_every else None,
+            "eval_max_tokens": args.max_tokens if args.eval_every else None,
+            "accuracy_delta": args.accuracy_delta if args.eval_every else None,
+            "eval_time": "excluded from every wall time, reported as eval_s_total",
         },
     }
+    eval_set = held_out_set(args, task) if args.eval_every else None
+    if eval_set is not None:
+        report["settings"]["eval_items"] = len(eval_set.items)
+        report["settings"]["eval_reward_fn"] = eval_set.reward_fn
     if not same_prompt_ids(model_dir, items[: args.base_samples]):
         raise RuntimeError("TRL's prompt ids differ from the gateway's: not the same prompts")
     report["prompt_ids_identical"] = True
-    report["base_reward"] = base_reward(model_dir, items[: args.base_samples], args)
+    base_reward, base_accuracy = base_figures(model_dir, items[: args.base_samples], args, eval_set)
+    report["base_reward"] = base_reward
     target = report["base_reward"] + args.target_gain
     report["reward_target"] = target
+    report["base_accuracy"] = base_accuracy
+    accuracy_target = None if base_accuracy is None else base_accuracy + args.accuracy_delta
+    report["accuracy_target"] = accuracy_target
 
     def measured(side: str, threads: int, engine: str = "hf") -> dict[str, Any]:
         if judge_url:
@@ -749,9 +1138,14 @@ def compare(
         else:
             print(f"TRL GRPOTrainer {trl_version}: {args.steps} steps on {threads} torch "
                   "threads ...", flush=True)  # fmt: skip
-            run = run_trl(args, model_dir, items, bool(judge_url), threads)
+            run = run_trl(args, model_dir, items, bool(judge_url), threads, eval_set)
             steps, started, finished, extra = run
+        points = extra.pop("eval_points")
         figures = side_figures(steps, started, finished, target, args.window) | extra
+        if base_accuracy is not None and accuracy_target is not None:
+            figures |= accuracy_figures(points, base_accuracy, accuracy_target)
+        else:
+            figures[ACCURACY_TIME] = None
         figures["loadavg_1m"] = [load, loadavg()]
         if judge_url:
             figures["judge"] = peer_judge.stats(judge_url)
@@ -788,6 +1182,7 @@ SWEEP_FIGURES = (
     "mean_generate_s",
     "mean_train_s",
     "loadavg_1m",
+    ACCURACY_TIME,
 )
 """What ``trl_sweep`` keeps of each TRL run (the headline's ``trl`` has every figure)."""
 
@@ -816,7 +1211,7 @@ def main(argv: list[str] | None = None) -> int:
     except PackageNotFoundError:
         print("TRL is not installed: pip install -e '.[bench]'", file=sys.stderr)
         return 2
-    model_dir = (args.model_dir or default_model_dir(args.task, args.model_size)).resolve()
+    model_dir = model_directory(args)
     with contextlib.ExitStack() as stack:
         judge_url, task = None, args.task
         if args.judge_median_ms > 0:

@@ -47,6 +47,9 @@ def up(
     groups_per_batch: Annotated[int, typer.Option(help="Tasks per step.")] = 8,
     max_batches_ahead: Annotated[int, typer.Option(help="Rollout lead over training.")] = 1,
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-4,
+    precision: Annotated[
+        str, typer.Option(help="Trainer compute precision: fp32 | bf16-mixed.")
+    ] = "fp32",
     eval_every: Annotated[
         int,
         typer.Option(

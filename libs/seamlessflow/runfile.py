@@ -51,6 +51,7 @@ RUN_KEYS: dict[str, tuple[str, ...]] = {
     "checkpoint_every": ("SF_TRAINER_CHECKPOINT_EVERY",),
     "lr": ("SF_TRAINER_LR",),
     "eval_every": ("SF_TRAINER_EVAL_EVERY",),
+    "precision": ("SF_TRAINER_PRECISION",),
     "max_tokens": ("SF_TRAINER_EVAL_MAX_TOKENS", "SF_AGENTS_MAX_TOKENS"),
     "engine_batch_size": ("SF_ENGINE_MAX_BATCH_SIZE",),
     "agent": ("SF_AGENTS_AGENT",),

@@ -117,6 +117,8 @@ class EmbeddedRun(Supervisor):
         # what a restarted trainer resumes from is the latest; keep one more (unless the
         # user's environment says otherwise)
         env.setdefault("SF_TRAINER_KEEP_CHECKPOINTS", "2")
+        if "SF_WEIGHTS_TRANSPORT" not in env:
+            env["SF_WEIGHTS_TRANSPORT"] = local_weight_transport(model_dir)
         return env
 
     # ---------------------------------------------------------------- the run
@@ -396,3 +398,30 @@ def run_embedded(config: RunConfig) -> Summary:
     with contextlib.suppress(KeyboardInterrupt):
         return uvloop.run(run.run())
     return run.report()
+
+
+SHM_DIR = Path("/dev/shm")
+SHM_COPIES = 6
+"""Shared memory an embedded run asks for before it sends weights through it, in copies
+of the model's weights: the trainer keeps ``SF_WEIGHTS_KEEP_CHAINS`` (2) chains of a full
+payload and its deltas, and writes the next beside them."""
+
+
+def local_weight_transport(model_dir: Path) -> str:
+    """How weights travel in an embedded run, where every process is on this host:
+    ``shm`` (the trainer writes a file in /dev/shm, engines map it: a memcpy) unless
+    /dev/shm is missing or has room for fewer than ``SHM_COPIES`` copies of the weights
+    (a container's default is 64 MB), then ``object`` (the broker's object store, which
+    any host reaches: each payload crosses loopback TCP twice and JetStream's file store).
+    For 538 MB (SmolLM2-135M in fp32) that is ~1.5 s of syncing per version against ~8 s
+    (docs/benchmarks.md, "Weight sync"). ``SF_WEIGHTS_TRANSPORT`` set by the user wins."""
+    weights = sum(path.stat().st_size for path in Path(model_dir).glob("*.safetensors"))
+    try:
+        free = shutil.disk_usage(SHM_DIR).free
+    except OSError:
+        return "object"
+    if free < SHM_COPIES * weights:
+        log.info("weights through the object store: /dev/shm has %d MB free, fewer than "
+                 "%d copies of the weights", free >> 20, SHM_COPIES)  # fmt: skip
+        return "object"
+    return "shm"

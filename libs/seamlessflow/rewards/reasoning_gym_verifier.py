@@ -104,8 +104,8 @@ def stated_in_format(completion_text: str, answer_format: str) -> bool:
     if answer_format == "last_number":
         number = extract_answer(completion_text, answer_format)
         last_line = extract_answer(completion_text, "last_line")
-        return number is not None and last_line is not None and (
-            last_line.replace(",", "") == number
+        return (
+            number is not None and last_line is not None and (last_line.replace(",", "") == number)
         )
     if answer_format != "tag":
         return extract_answer(completion_text, answer_format) is not None
