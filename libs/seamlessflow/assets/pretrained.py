@@ -91,6 +91,7 @@ PRETRAINED: dict[str, PackagedModel] = {
         "Q4_1 weights dequantized to float32",
         run_defaults={
             "task": SMOLLM2_TASK,
+            "steps": 30,
             "lr": 1e-5,
             "max_tokens": 64,
             "group_size": 8,
