@@ -164,7 +164,7 @@ async def test_engines_serve_the_trainers_weights_before_and_after_a_step(
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir), local_files_only=True)
     prompts = [_chat_ids(tokenizer, list(messages)) for messages in CHATS]
     learner = Learner(
-        TrainerSettings(lr=1e-4, torch_threads=2),
+        TrainerSettings(lr=1e-4),
         TrainGroup(device=torch.device("cpu")),
         smollm2_dir,
     )

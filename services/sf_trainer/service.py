@@ -16,7 +16,8 @@ Produces:
 - with a push group (``SF_WEIGHTS_GROUP_*``): each payload broadcast to the group's
   engines; with ``nccl`` it answers ``sf.<run>.weights.<policy>.group`` (the NCCL id)
 - ``sf.<run>.train.<policy>.metrics`` / ``.finished`` (JetStream ``SF_<RUN>_METRICS``),
-  and ``.eval`` (TrainEvalMetrics, every ``SF_TRAINER_EVAL_EVERY`` steps)
+  and ``.eval`` (TrainEvalMetrics, every ``SF_TRAINER_EVAL_EVERY`` steps, of the base
+  model before the first step and after the last)
 - ``sf.<run>.sched.register`` / ``sf.<run>.sched.heartbeat.<trainer>``
 - ``sf.<run>.sched.claim`` (SlotsClaim: a batch is here, reclaim engines lent from my
   slots) before each step; ``sf.<run>.sched.release`` (SlotsReleased: I wait, my
