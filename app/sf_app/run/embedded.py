@@ -306,7 +306,10 @@ class EmbeddedRun(Supervisor):
                 **env,
                 "SF_RESOURCE_TAGS": layout.trainer_tags,
                 "SF_RESOURCE_SLOTS": ",".join(trainer_slots),
-                "SF_TRAINER_TORCH_THREADS": str(len(trainer_slots)),
+                # one thread per slot it trains on, unless the user's environment says
+                # otherwise (more threads than its slots' cores is the user's choice)
+                "SF_TRAINER_TORCH_THREADS": env.get("SF_TRAINER_TORCH_THREADS")
+                or str(len(trainer_slots)),
             }
             self.spawn(label, service, env, trainer_slots)
         else:
