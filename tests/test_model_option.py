@@ -45,3 +45,13 @@ def test_an_unknown_model_or_two_models_are_refused_naming_the_known_ones() -> N
         packaged_model("nope")
     with pytest.raises(ValidationError, match="model_dir"):
         RunConfig(model=NAME, model_dir=Path("/models/mine"))
+
+
+def test_a_task_whose_extra_is_missing_is_one_line_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # as if not installed
+    with pytest.raises(ValidationError, match=r"seamlessflow\[reasoning\]"):
+        RunConfig(model=NAME)  # its default task is a reasoning-gym one

@@ -175,7 +175,11 @@ class RunConfig(BaseModel):
         if "max_tokens" not in given:
             from seamlessflow.tasks import get_task_source
 
-            task_budget = getattr(get_task_source(self.task, seed=self.seed), "max_tokens", None)
+            try:
+                source = get_task_source(self.task, seed=self.seed)
+            except ImportError as exc:  # an optional extra the task needs: one line
+                raise ValueError(str(exc)) from None
+            task_budget = getattr(source, "max_tokens", None)
             if task_budget is not None:
                 self.max_tokens = int(task_budget)
         return self
