@@ -52,6 +52,8 @@ def test_a_task_whose_extra_is_missing_is_one_line_naming_the_extra(
 ) -> None:
     import sys
 
-    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # as if not installed
+    # as if not installed (a submodule an earlier test imported is found by its own name)
+    for name in [m for m in sys.modules if m.split(".")[0] == "reasoning_gym"] + ["reasoning_gym"]:
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ValidationError, match=r"seamlessflow\[reasoning\]"):
         RunConfig(model=NAME)  # its default task is a reasoning-gym one
