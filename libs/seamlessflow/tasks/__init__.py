@@ -100,6 +100,22 @@ def split_of(splits: dict[str, list[TaskItem]], split: str) -> list[TaskItem]:
     return list(splits[split])
 
 
+def fraction_option(
+    task: str, key: str, text: str | None, default: float, error: type[ValueError] = ValueError
+) -> float:
+    """A task name's option ``key`` that is a fraction in [0, 1) (``default`` when the name
+    does not give it); anything else raises ``error`` naming the task and the option."""
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise error(f"task {task!r}: {key} must be in [0, 1), got {text!r}")
+    return value
+
+
 TASKS: Registry[Callable[[int], TaskSource]] = Registry(
     "task",
     "SF_TRAJECTORY_TASK, --task",

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
-from seamlessflow.tasks import SPLITS, TaskItem
+from seamlessflow.tasks import SPLITS, TaskItem, fraction_option
 
 FORMATS = {"jsonl": "json", "parquet": "parquet"}
 """Our format name -> the ``datasets`` builder that reads it."""
@@ -104,15 +104,7 @@ def parse_file_task_name(name: str) -> FileTaskSpec | None:
 
 
 def _eval_fraction(name: str, text: str | None) -> float:
-    if text is None:
-        return DEFAULT_EVAL_FRACTION
-    try:
-        fraction = float(text)
-    except ValueError:
-        fraction = -1.0
-    if not 0.0 <= fraction < 1.0:
-        raise TaskFileError(f"task {name!r}: eval_fraction must be in [0, 1), got {text!r}")
-    return fraction
+    return fraction_option(name, "eval_fraction", text, DEFAULT_EVAL_FRACTION, TaskFileError)
 
 
 @dataclass

@@ -58,7 +58,7 @@ from seamlessflow.rewards.reasoning_gym_verifier import (
     build_dataset,
     dataset_fields,
 )
-from seamlessflow.tasks import SPLITS, TaskItem
+from seamlessflow.tasks import SPLITS, TaskItem, fraction_option
 
 PREFIX = "rg:"
 DEFAULT_SIZE = 2000
@@ -124,7 +124,7 @@ def parse_rg_task_name(name: str) -> RgTaskSpec | None:
         size=DEFAULT_SIZE if size is None else size,
         eval_size=DEFAULT_EVAL_SIZE if eval_size is None else eval_size,
         answer_format=reserved.get("answer", DEFAULT_ANSWER_FORMAT),
-        format_reward=_format_weight(name, reserved.get("format_reward")),
+        format_reward=fraction_option(name, "format_reward", reserved.get("format_reward"), 0.0),
         max_tokens=_count(name, reserved, "max_tokens", minimum=1),
     )
     if spec.answer_format not in ANSWER_FORMATS:
@@ -147,18 +147,6 @@ def _count(name: str, options: dict[str, str], key: str, *, minimum: int) -> int
     if not text.isdigit() or int(text) < minimum:
         raise ValueError(f"task {name!r}: {key} must be an integer >= {minimum}, got {text!r}")
     return int(text)
-
-
-def _format_weight(name: str, text: str | None) -> float:
-    if text is None:
-        return 0.0
-    try:
-        weight = float(text)
-    except ValueError:
-        weight = -1.0
-    if not 0.0 <= weight < 1.0:
-        raise ValueError(f"task {name!r}: format_reward must be in [0, 1), got {text!r}")
-    return weight
 
 
 def split_seed(seed: int, split: str) -> int:
