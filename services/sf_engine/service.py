@@ -114,6 +114,7 @@ def _transformers(settings: EngineSettings, model_dir: str) -> InferenceEngine:
     return TransformersEngine(
         model_dir,
         dtype=getattr(torch, settings.dtype),
+        device=settings.device,
         max_batch_size=settings.max_batch_size,
         max_context=settings.max_context,
     )

@@ -29,6 +29,11 @@ class EngineSettings(RunFileSettings):
     dtype: str = "float32"
     """Weights dtype of the engine (float32 keeps logprobs comparable with the trainer)."""
 
+    device: str = "cpu"
+    """torch device of the ``hf`` backend's model (``cpu``, ``cuda``, ``cuda:1``); vLLM
+    places itself. Several engines may share one GPU with the trainer: each process
+    allocates only what its model and KV cache need."""
+
     torch_threads: int = 1
     """torch intra-op threads (processes share a few cores in embedded mode)."""
 

