@@ -556,7 +556,9 @@ def run_check(check: Check, ctx: Context) -> Outcome:
 
 def run_isolated(name: str, ctx: Context) -> Outcome:
     """Run one check in a child process (a crash, a hang or a CUDA fault stays there)."""
-    command = [sys.executable, __file__, "--run-one", name, "--device", ctx.device]
+    # the child chooses CUDA itself (``auto``); ``cpu`` asks for the CPU forms
+    device = "cpu" if ctx.device == "cpu" else "auto"
+    command = [sys.executable, __file__, "--run-one", name, "--device", device]
     command += ["--engine", ctx.engine, "--workdir", str(ctx.workdir)]
     started = time.perf_counter()
     try:

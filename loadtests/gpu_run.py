@@ -56,7 +56,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path("/tmp/sf-site")
@@ -301,7 +301,8 @@ def small_model(ctx: Context, dtype: Any) -> tuple[str, Any]:
 
     if ctx.pretrained is None:
         return "tiny (config)", config_model(TINY_SHAPE, ctx.device, dtype)
-    return PRETRAINED, load_causal_lm(ctx.pretrained, dtype).to(ctx.device)
+    model: Any = load_causal_lm(ctx.pretrained, dtype)
+    return PRETRAINED, model.to(ctx.device)
 
 
 def matmul_parameters(model: Any) -> int:
@@ -392,7 +393,7 @@ def trainer_case(ctx: Context, name: str, model: Any, samples: int) -> dict[str,
     from sf_trainer.settings import TrainerSettings
     from sf_trainer.step import train_step
 
-    precision = "bf16-mixed" if ctx.device == "cuda" else "fp32"
+    precision: Literal["fp32", "bf16-mixed"] = "bf16-mixed" if ctx.device == "cuda" else "fp32"
     settings = TrainerSettings(device=ctx.device, precision=precision, lr=1e-6)
     model.train()
     optimizer = torch.optim.AdamW(
@@ -504,12 +505,41 @@ def part_engine(ctx: Context) -> dict[str, Any]:
             await engine.close()
 
     rows = asyncio.run(drive())
+    for n in ctx.sizes.engine_batches:  # the yardstick: transformers' own generate
+        seconds, tokens = hf_generate(model, prompt, n, ctx.sizes.engine_tokens, ctx.device)
+        rows[str(n)] |= {"generate_tokens_per_s": tokens / seconds}
+        rows[str(n)]["of_generate"] = rows[str(n)]["tokens_per_s"] / (tokens / seconds)
     return {
         "model": name,
         "max_tokens": ctx.sizes.engine_tokens,
         "prompt_tokens": len(prompt),
         "batches": rows,
     }
+
+
+def hf_generate(
+    model: Any, prompt: list[int], n: int, tokens: int, device: str
+) -> tuple[float, int]:
+    """Seconds and tokens of ``model.generate`` sampling ``tokens`` new tokens for ``n``
+    copies of ``prompt`` (no stop token, as the engine was asked)."""
+    import torch
+
+    ids = torch.tensor([prompt] * n, device=device)
+    kwargs = dict(
+        max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True, temperature=1.0,
+        top_p=1.0, top_k=0, pad_token_id=0,
+    )  # fmt: skip
+    with torch.no_grad():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            **(kwargs | {"max_new_tokens": 2, "min_new_tokens": 2}),
+        )
+        synchronize(device)
+        started = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        synchronize(device)
+    return time.perf_counter() - started, int(out[:, len(prompt) :].numel())
 
 
 def _ipc_engine(requests: Any, replies: Any, model_source: Any, device: str) -> None:
@@ -573,8 +603,8 @@ def handoff_case(ctx: Context, name: str, trainer_model: Any) -> dict[str, Any]:
         try:
             for version in range(1, ctx.sizes.handoff_repeats + 1):
                 marks = [time.perf_counter()]
-                state = without_aliases(group.full_model_state(trainer_model), tied)
-                state = {k: v.to(dtype) for k, v in state.items()}
+                # as the trainer publishes: cast where the weights live, then to the host
+                state = without_aliases(group.full_model_state(trainer_model, dtype), tied)
                 marks.append(time.perf_counter())
                 encoder = WeightEncoder(WeightTransferSettings().bucket_bytes)
                 encoded = await asyncio.to_thread(encoder.encode, version, state)
@@ -736,7 +766,12 @@ def part_checks(ctx: Context) -> dict[str, Any]:
         raise RuntimeError(
             f"gpu_check wrote nothing (exit {done.returncode}): {done.stderr[-400:]}"
         )
-    return {o["name"]: {"status": o["status"], "detail": o["detail"]} for o in outcomes}
+    out = {o["name"]: {"status": o["status"], "detail": o["detail"]} for o in outcomes}
+    failed = [name for name, outcome in out.items() if outcome["status"] == "fail"]
+    if failed:
+        ctx.figures["checks"] = out  # recorded before the part is marked failed
+        raise RuntimeError(f"gpu_check: {', '.join(failed)} failed")
+    return out
 
 
 PART_RUNS: dict[str, Callable[[Context], dict[str, Any]]] = {
@@ -781,7 +816,10 @@ def table(figures: dict[str, Any]) -> str:
             )
     engine = figures.get("engine", {})
     if "batches" in engine:
-        per = ", ".join(f"{n}: {fmt(r['tokens_per_s'])}" for n, r in engine["batches"].items())
+        per = ", ".join(
+            f"{n}: {fmt(r['tokens_per_s'])} (generate {fmt(r.get('generate_tokens_per_s'))})"
+            for n, r in engine["batches"].items()
+        )
         lines.append(f"engine {engine['model']} tokens/s by requests in flight: {per}")
     for key, row in figures.get("handoff", {}).items():
         if isinstance(row, dict) and "shm" in row:

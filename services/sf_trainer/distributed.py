@@ -172,11 +172,18 @@ class TrainGroup:
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         return summed.tolist()
 
-    def full_model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def full_model_state(
+        self, model: torch.nn.Module, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
         """The unsharded weights as CPU tensors on rank 0 (a copy, never the live
-        parameters); ``{}`` on the other ranks. Every rank must call it."""
+        parameters); ``{}`` on the other ranks. Every rank must call it. ``dtype``: the
+        floating-point tensors in it; one process casts them where they live (on a GPU
+        that halves fp32 -> bf16's bytes over PCIe and keeps the cast off the host)."""
         if not self.distributed:
-            return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            return {
+                k: _host_copy(v.detach(), dtype if v.is_floating_point() else None)
+                for k, v in model.state_dict().items()
+            }
         return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=_GATHER))
 
     def full_optimizer_state(
@@ -198,6 +205,13 @@ class TrainGroup:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.distributed)
         set_model_state_dict(model, model_state, options=options)
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
+
+def _host_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A CPU copy of ``tensor`` in ``dtype`` (cast first, on its device)."""
+    if dtype is not None and tensor.dtype != dtype:
+        return tensor.to(dtype).to("cpu")  # the cast is a new tensor already
+    return tensor.to("cpu", copy=True)
 
 
 def forward_precision(bf16_mixed: bool, group: TrainGroup) -> AbstractContextManager[object]:

@@ -133,10 +133,11 @@ class Learner:
                      version, result.kl_mean, self.settings.kl_coef)  # fmt: skip
         return result
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """The unsharded weights, a CPU copy (the state published as a version)."""
+    def full_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The unsharded weights, a CPU copy (the state published as a version), its
+        floating-point tensors in ``dtype`` if given (the weights' travel dtype)."""
         self._announce(GatherWeights())
-        return without_aliases(self.group.full_model_state(self.model), self.tied)
+        return without_aliases(self.group.full_model_state(self.model, dtype), self.tied)
 
     def save(self, out: Path, state: TrainerState) -> Path:
         self._announce(GatherCheckpoint())

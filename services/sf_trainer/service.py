@@ -377,7 +377,9 @@ class TrainerService:
         with tracer.start_as_current_span(
             "trainer.publish_weights", attributes={"version": self.version}
         ):
-            state = await self._on_learner(self.learner.full_weights)
+            # cast to the travel dtype where the weights live (the publisher's cast
+            # then has nothing left to do)
+            state = await self._on_learner(self.learner.full_weights, self.publisher.dtype)
             manifest = await self.publisher.publish(self.version, state)
         publish_seconds = time.monotonic() - started
         self.membership.version = self.version

@@ -10,7 +10,9 @@ dtype and every element size divides every offset (the delta codec relies on it)
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -113,12 +115,27 @@ def bucket_ranges(total: int, bucket_bytes: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + bucket_bytes, total)
 
 
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
+"""Buckets hashed at once: hashlib releases the GIL over large buffers, so a payload of
+many buckets hashes in parallel (measured on an H100 machine's 16 cores: sha256 was most
+of a 3.5 GB hand-off through shared memory)."""
+_hash_pool: ThreadPoolExecutor | None = None
+
+
+def _sha256(view: memoryview) -> str:
+    return hashlib.sha256(view).hexdigest()
+
+
 def bucket_digests(data: memoryview | bytes, bucket_bytes: int) -> list[str]:
+    """The sha256 of each bucket of ``data``, in order."""
+    global _hash_pool
     view = memoryview(data)
-    return [
-        hashlib.sha256(view[start:end]).hexdigest()
-        for start, end in bucket_ranges(len(view), bucket_bytes)
-    ]
+    buckets = [view[start:end] for start, end in bucket_ranges(len(view), bucket_bytes)]
+    if len(buckets) < 2 or HASH_THREADS == 1:
+        return [_sha256(bucket) for bucket in buckets]
+    if _hash_pool is None:
+        _hash_pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="sf-sha256")
+    return list(_hash_pool.map(_sha256, buckets))
 
 
 def state_digest(digests: list[str]) -> str:
