@@ -74,10 +74,16 @@ class CupyNcclCollective:  # pragma: no cover - needs a GPU (tests/test_gpu_nccl
         self._cupy, self._nccl = cupy, nccl
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self._comm = nccl.NcclCommunicator(world_size, unique_id, rank)
+        try:  # CuPy < 14 takes the id as a tuple of ints
+            self._comm = nccl.NcclCommunicator(world_size, unique_id, rank)
+        except TypeError:  # CuPy 14 as bytes (seen on an H100 machine, cupy-cuda13x 14.2)
+            id_bytes = bytes(value & 0xFF for value in unique_id)
+            self._comm = nccl.NcclCommunicator(world_size, id_bytes, rank)
 
     @staticmethod
     def new_unique_id() -> tuple[int, ...]:
+        """The id as a tuple of ints whichever form CuPy gives (bytes or a tuple), so it
+        travels in a message as a list."""
         from cupy.cuda import nccl
 
         return tuple(nccl.get_unique_id())
