@@ -32,6 +32,7 @@ from seamlessflow.protocol import (
     TaskAssignment,
     TaskClaim,
     TrainBatch,
+    TrainStepMetrics,
     TrajectoryEvent,
     TurnRecorded,
     decode,
@@ -275,6 +276,37 @@ async def test_each_ready_group_of_the_next_batch_is_announced_as_progress(
         (0, 2, 3),
     ]
     assert {p.policy for p in seen} == {bus.subjects.policy}
+
+
+async def published(bus: Bus, batch_index: int, version: int) -> None:
+    """What the trainer sends once it stored ``version``, trained on ``batch_index``."""
+    metrics = TrainStepMetrics(
+        step=version, version=version, batch_index=batch_index, mean_reward=0.5, loss=0.1,
+        clip_fraction=0.0, samples=4, tokens_generated=4, tokens_trained=4,
+        max_staleness=0, step_seconds=0.1, wait_seconds=0.0, publish_seconds=0.1,
+        policy=bus.subjects.policy,
+    )  # fmt: skip
+    await bus.js_publish(bus.subjects.train_metrics(), metrics)
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+async def test_a_synchronous_run_serves_each_batch_on_the_version_published_before_it(
+    bus: Bus, trajectory, ahead: int
+) -> None:  # type: ignore[no-untyped-def]
+    """With ``max_batches_ahead=0`` every assignment names the version the trainer
+    published last as its floor (engines still loading it must not serve the batch on
+    the version before); with a lead, staleness is allowed and no floor is set."""
+    traj = trajectory(group_size=2, groups_per_batch=1, steps=3, max_batches_ahead=ahead)
+    service = await traj.start()
+    first = await claim_group(bus, 2)
+    assert {t.min_version for t in first} == {0}
+    for task, reward in zip(first, (1.0, 0.0), strict=True):
+        await play(bus, task, reward=reward)
+    await batches_published(traj, 1)
+    await published(bus, batch_index=0, version=1)
+    await until(lambda: service.lines[bus.subjects.policy].trained_batches == 1)
+    second = await claim_group(bus, 2)
+    assert {t.min_version for t in second} == {1 if ahead == 0 else 0}
 
 
 async def test_a_trainer_with_another_seed_stops_the_trajectory_service(

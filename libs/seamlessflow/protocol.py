@@ -439,6 +439,10 @@ class GenerateRequest(Message, tag="engine.generate"):
     """Token chunks at most this often (0: one per decode step; chunk 0, which names
     the engine, is always sent at once). A caller that does not stream the answer
     needs the tokens so far only to re-route a dead engine's request: fewer messages."""
+    min_version: int = 0
+    """The engine starts this request only on weights of at least this version: one
+    that holds older ones first catches up (waiting up to ``SF_ENGINE_MIN_VERSION_WAIT_S``
+    for weight-sync to announce it). 0: any version."""
 
 
 GREEDY_BELOW = 1e-5
@@ -560,6 +564,9 @@ class SessionOpened(Message, tag="traj.session_opened"):
     key_sha256: str = ""
     """sha256 of the session's API key (never the key): the session's routes take only
     that key."""
+    min_version: int = 0
+    """The task's ``min_version`` (``TaskAssignment``): the session's calls to ``policy``
+    ask engines for at least this weight version."""
     opened_at: float = msgspec.field(default_factory=time.time)
 
 
@@ -683,6 +690,11 @@ class TaskAssignment(Message, tag="task.assignment"):
     reward_fn: str
     policy: str = DEFAULT_POLICY
     """The task's policy (the run's first): ``reward_fn`` scores its last answer."""
+    min_version: int = 0
+    """Serve this sample's calls to ``policy`` with weights of at least this version
+    (0: any). Set in synchronous runs (``SF_TRAJECTORY_MAX_BATCHES_AHEAD=0``) to the
+    version the trainer last published, so no token of the batch is generated on the
+    weights before it while an engine is still loading the new ones."""
 
 
 class NoTask(Message, tag="task.none"):

@@ -373,6 +373,10 @@ class EngineService:
         self.membership.in_flight = len(self._in_flight)
         self.membership.set_phase("rollout")
         try:
+            if request.min_version > self.engine.version:
+                # a synchronous run's request that came before this engine loaded the
+                # version it belongs to: load it first (bounded by min_version_wait_s)
+                await self._catch_up(request.min_version)
             with tracer.start_as_current_span(
                 "engine.generate",
                 attributes={"engine.id": self.engine_id, "prompt_tokens": len(request.prompt_ids)},

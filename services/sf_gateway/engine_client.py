@@ -81,6 +81,7 @@ class EngineClient:
         cancelled (the client left) aborts the engine request and never re-submits.
         """
         plan = turn.plan
+        opened = turn.session.opened
         engine_wait_deadline = time.monotonic() + self.settings.engine_wait_s
         resume_on = ""
         """The engine an interrupted request was handed over to (rebalance on lend)."""
@@ -88,7 +89,7 @@ class EngineClient:
             request_id = uuid.uuid4().hex
             request = GenerateRequest(
                 request_id=request_id,
-                session_id=turn.session.opened.session_id,
+                session_id=opened.session_id,
                 prompt_ids=plan.prompt_ids + choice.token_ids,
                 max_tokens=plan.max_tokens - len(choice.token_ids),
                 temperature=plan.temperature,
@@ -102,6 +103,8 @@ class EngineClient:
                 # and carry its tokens so far, so a dead engine's requests can be re-routed.
                 stream_subject=f"{await self._chunk_inbox()}.{request_id}",
                 chunk_every_s=0.0 if plan.engine_stream else PROGRESS_CHUNK_S,
+                # the task's version floor binds its own policy's engines only
+                min_version=opened.min_version if plan.policy == opened.policy else 0,
             )
             try:
                 reply = await self._call_engine(

@@ -570,6 +570,9 @@ class SessionCreate(BaseModel):
     policy: str = ""
     """The task's policy (its answers are what ``reward_fn`` scores); empty = the run's
     first policy."""
+    min_version: int = Field(default=0, ge=0)
+    """Engines answer this session's calls to ``policy`` on weights of at least this
+    version (a synchronous run's runner passes its task's ``min_version``); 0: any."""
 
 
 class RewardBody(BaseModel):

@@ -316,6 +316,7 @@ class Gateway:
             reward_fn=body.reward_fn,
             policy=policy,
             key_sha256=key_digest(api_key),
+            min_version=body.min_version,
         )
         await self.bus.js_publish(self.bus.subjects.trajectory_event(session_id), opened)
         self.sessions[session_id] = new_session(opened, self.tokenizer, self.reasoning_parser)

@@ -115,6 +115,9 @@ class PolicyLine:
     """Index of the next batch this policy's trainer gets (= the version training it)."""
     trained_batches: int = 0
     """Batches the policy's trainer has consumed (from its metrics)."""
+    published_version: int = 0
+    """The weight version its trainer published last (from its metrics, which it sends
+    once the version is stored): what a synchronous run's next samples are served on."""
     finished: bool = False
     """Its trainer reached its step budget (TrainingFinished): it no longer sets the pace."""
     progress_reported: tuple[int, int] = (0, 0)
@@ -173,7 +176,7 @@ class TrajectoryService:
             line = PolicyLine(line_subjects, grouper)
             await self._load_batched_sessions(line)
             await self._load_reported_drops(line)
-            line.trained_batches = await self._load_trained_batches(line)
+            line.trained_batches, line.published_version = await self._load_trained(line)
             # batch indices never repeat, even once retention dropped every batch: the
             # trainer skips a batch at or below the last one it trained
             line.next_batch_index = max(line.next_batch_index, line.trained_batches)
@@ -326,6 +329,12 @@ class TrajectoryService:
             groups_lost = max(line.grouper.groups_lost for line in self._pacing())
             answer = self.dispatcher.claim(self.trained_batches, groups_lost, self.next_batch_index)
             await self._record_epochs()
+            if isinstance(answer, TaskAssignment) and self.settings.max_batches_ahead == 0:
+                # synchronous: every group of this batch was dispatched after the version
+                # it must be generated on was stored; engines may still be loading it
+                line = self.lines.get(answer.policy)
+                if line is not None:
+                    answer.min_version = line.published_version
             if isinstance(answer, TaskAssignment):
                 self.timeouts.progress(
                     answer.group_id, answer.task_id, answer.group_size, time.monotonic()
@@ -632,12 +641,14 @@ class TrajectoryService:
             subjects.stream_metrics(), subjects.data_epoch_report(), EpochFilterReport
         )
 
-    async def _load_trained_batches(self, line: PolicyLine) -> int:
+    async def _load_trained(self, line: PolicyLine) -> tuple[int, int]:
+        """Batches the trainer consumed and the version it published last (a restart)."""
         subjects = line.subjects
         metrics = await self.ctx.bus.read_decoded(
             subjects.stream_metrics(), subjects.train_metrics(), TrainStepMetrics
         )
-        return max((m.batch_index + 1 for m in metrics), default=0)
+        batches = max((m.batch_index + 1 for m in metrics), default=0)
+        return batches, max((m.version for m in metrics), default=0)
 
     async def _trainer_finished(self, line: PolicyLine) -> bool:
         finished = await self.ctx.bus.last_stored(
@@ -706,6 +717,7 @@ class TrajectoryService:
     ) -> Callable[[TrainStepMetrics], Awaitable[None]]:
         async def on_train_metrics(metrics: TrainStepMetrics) -> None:
             line.trained_batches = max(line.trained_batches, metrics.batch_index + 1)
+            line.published_version = max(line.published_version, metrics.version)
 
         return on_train_metrics
 

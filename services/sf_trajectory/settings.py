@@ -63,8 +63,10 @@ class TrajectorySettings(RunFileSettings):
 
     max_batches_ahead: int = 1
     """Rollout rhythm: how many batches may be dispatched beyond what the trainer has
-    consumed. 0 = synchronous (on-policy); larger values overlap rollout and training
-    at the cost of staleness (a sample is at most ``max_batches_ahead + 1`` versions old)."""
+    consumed. 0 = synchronous (on-policy: each assignment names the version just
+    published as its floor, and engines catch up to it before they answer); larger
+    values overlap rollout and training at the cost of staleness (a sample is at most
+    ``max_batches_ahead + 1`` versions old)."""
 
     group_timeout_s: float = 600.0
     """A group handed out to agents that makes no progress (no claim of one of its

@@ -200,6 +200,7 @@ class AgentRunner:
             "reference": assignment.reference,
             "reward_fn": assignment.reward_fn,
             "policy": assignment.policy,
+            "min_version": assignment.min_version,
         }
         status, answer = await self._post("/sessions", body)
         if status in (401, 403):
