@@ -218,3 +218,42 @@ def test_seamlessflow_timeline_writes_the_chrome_trace(tmp_path: Path) -> None:
         "train",
     ]
     assert (tmp_path / "timeline.html").exists()  # the usual outputs too
+
+
+def test_timeline_of_a_compose_run_volume_merges_every_process_file(tmp_path: Path) -> None:
+    """Under compose nothing merges the spans at the end: the run volume holds only
+    ``spans/<service>-<host>-<pid>.jsonl``. ``seamlessflow timeline`` merges them (two
+    engine replicas, both pid 1 on their own hosts, two files)."""
+    parts = tmp_path / "spans"
+    parts.mkdir()
+    for name, lines in {
+        "engine-a1b2-1.jsonl": [span("engine-a", "rollout", 10, 12)],
+        "engine-c3d4-1.jsonl": [span("engine-b", "rollout", 10, 11)],
+        "trainer-e5f6-1.jsonl": [span("trainer", "train", 12, 13)],
+    }.items():
+        (parts / name).write_text("".join(json.dumps(s) + "\n" for s in lines))
+    result = CliRunner().invoke(app, ["timeline", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert {"engine-a", "engine-b", "trainer"} <= set(render_run(tmp_path).lanes)
+    assert len((tmp_path / "spans.jsonl").read_text().splitlines()) == 3
+
+
+def test_timeline_of_a_directory_without_spans_says_so(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["timeline", str(tmp_path)])
+    assert result.exit_code != 0
+    assert "neither spans.jsonl nor spans/" in result.output
+
+
+def test_replicas_on_two_hosts_never_share_a_spans_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from seamlessflow.service import spans_file_name
+
+    names = set()
+    for host in ("0f3a9c1d2b4e", "7e6d5c4b3a21"):  # two containers' host names, both pid 1
+        monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
+        monkeypatch.setattr("os.getpid", lambda: 1)
+        names.add(spans_file_name("engine"))
+    assert names == {"engine-0f3a9c1d2b4e-1.jsonl", "engine-7e6d5c4b3a21-1.jsonl"}
+    monkeypatch.setattr(socket, "gethostname", lambda: "a/b c")  # never a path
+    assert spans_file_name("engine") == "engine-a_b_c-1.jsonl"

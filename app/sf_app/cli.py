@@ -335,10 +335,13 @@ def timeline(
 ) -> None:
     """Render a run's timeline (one lane per resource, bubbles marked) as HTML and PNG
     and print the bubble ratio (idle resource-time / total)."""
+    from sf_app.run.report import merge_spans
     from sf_app.timeline import render_run, write_chrome_trace
 
-    if not (run_dir / "spans.jsonl").exists():
-        raise typer.BadParameter(f"{run_dir} has no spans.jsonl")
+    if not (run_dir / "spans.jsonl").exists() and not (run_dir / "spans").is_dir():
+        raise typer.BadParameter(f"{run_dir} has neither spans.jsonl nor spans/")
+    # a compose run's volume (or a run still going) has only the per-process files
+    merge_spans(run_dir)
     result = render_run(run_dir)
     for resource in sorted(result.lanes):
         busy = result.busy(resource) / result.duration if result.duration else 0.0

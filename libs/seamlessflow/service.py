@@ -77,9 +77,17 @@ def configure_logging(service_name: str, level: str) -> None:
         logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
+def spans_file_name(service: str) -> str:
+    """This process's file in ``<run>/spans/``: the host name as well as the pid, since
+    every container of a compose stack is pid 1 on its own host (two engine replicas
+    writing one file interleave their lines)."""
+    host = "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname())
+    return f"{service}-{host or 'host'}-{os.getpid()}.jsonl"
+
+
 async def run_service(service: Service, mesh: MeshSettings) -> None:
     """Run one service until it finishes or is signalled; always drain and flush spans."""
-    jsonl = mesh.run_dir / "spans" / f"{service.name}-{os.getpid()}.jsonl" if mesh.run_dir else None
+    jsonl = mesh.run_dir / "spans" / spans_file_name(service.name) if mesh.run_dir else None
     try:
         telemetry.setup(
             service.name, jsonl_path=jsonl, otlp_endpoint=mesh.otlp_endpoint, run_id=mesh.run_id

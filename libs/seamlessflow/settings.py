@@ -72,7 +72,7 @@ class MeshSettings(RunFileSettings):
     naming both."""
 
     run_dir: Path | None = None
-    """Directory for this process's spans (``spans/<service>.jsonl``) and artefacts."""
+    """Directory for this process's spans (``spans/<service>-<host>-<pid>.jsonl``) and artefacts."""
 
     model_dir: Path | None = None
     """The base model directory (HF layout: config, safetensors, tokenizer)."""

@@ -116,14 +116,23 @@ def window_mean(values: list[float], first: bool) -> float | None:
     return sum(chosen) / len(chosen)
 
 
+def merge_spans(run_dir: Path) -> Path:
+    """``run_dir/spans.jsonl`` rewritten from every process's ``spans/*.jsonl`` (where
+    they are; a run directory holding only a merged file is left as it is)."""
+    merged_path = run_dir / "spans.jsonl"
+    parts = sorted((run_dir / "spans").glob("*.jsonl"))
+    if parts or not merged_path.exists():
+        with merged_path.open("wb") as merged:
+            for part in parts:
+                merged.write(part.read_bytes())
+    return merged_path
+
+
 def write_report(state: RunState) -> Summary:
     """Merge the spans, then write ``summary.json`` and the reward curve; the timeline
     (``sf_app.timeline``) gives the bubble ratio."""
     run_dir = state.run_dir
-    spans = run_dir / "spans"
-    with (run_dir / "spans.jsonl").open("wb") as merged:
-        for part in sorted(spans.glob("*.jsonl")) if spans.exists() else []:
-            merged.write(part.read_bytes())
+    merge_spans(run_dir)
     bubble_ratio = None
     if (run_dir / "spans.jsonl").stat().st_size:
         from sf_app.timeline import render_run
