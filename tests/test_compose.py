@@ -10,6 +10,7 @@ PATH, `config -q` validates the file against the Compose schema as well.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -495,18 +496,47 @@ def compose_cli() -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("profile", [None, "gpu"])
-def test_compose_config_is_valid(profile: str | None) -> None:
+REQUIRED_SECRETS = {"SF_NATS_TOKEN": "t" * 32, "SF_GATEWAY_API_KEYS": "sk-" + "k" * 32}
+"""What a user sets before ``up`` (compose/README.md, Credentials): the file refuses to
+render without them."""
+
+
+def compose_config(
+    profile: str | None, env: dict[str, str], tmp_path: Path
+) -> subprocess.CompletedProcess[str]:
     cli = compose_cli()
     if cli is None:
         pytest.skip("neither `docker-compose` nor `docker compose` is on PATH")
-    cmd = [*cli, "-f", str(COMPOSE_FILE)]
+    # not the user's compose/.env either: only what the test gives
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    cmd = [*cli, "--env-file", str(empty), "-f", str(COMPOSE_FILE)]
     if profile:
         cmd += ["--profile", profile]
-    result = subprocess.run(
-        [*cmd, "config", "-q"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    # the caller's environment without the secrets (a developer's own must not leak in)
+    base = {k: v for k, v in os.environ.items() if k not in REQUIRED_SECRETS}
+    return subprocess.run(
+        [*cmd, "config", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=base | env,
     )
+
+
+@pytest.mark.parametrize("profile", [None, "gpu"])
+def test_compose_config_is_valid(profile: str | None, tmp_path: Path) -> None:
+    result = compose_config(profile, REQUIRED_SECRETS, tmp_path)
     assert result.returncode == 0, result.stderr or result.stdout
+
+
+@pytest.mark.parametrize("missing", sorted(REQUIRED_SECRETS))
+def test_compose_config_without_a_secret_names_it(missing: str, tmp_path: Path) -> None:
+    given = {k: v for k, v in REQUIRED_SECRETS.items() if k != missing}
+    result = compose_config(None, given, tmp_path)
+    assert result.returncode != 0
+    assert f"set {missing}" in result.stderr + result.stdout
 
 
 def test_every_seamlessflow_setting_in_compose_exists_in_the_code() -> None:
@@ -545,3 +575,39 @@ def test_credentials_are_required_and_passed_to_every_service(
     assert str(env_of(raw["agents"])["SF_AGENTS_GATEWAY_KEY"]).startswith("${SF_GATEWAY_API_KEYS:?")
     health = " ".join(services["gateway"]["healthcheck"]["test"])
     assert "/healthz" in health  # needs no key
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"), [({}, "127.0.0.1"), ({"SF_PUBLISH_ADDRESS": "0.0.0.0"}, "0.0.0.0")]
+)
+def test_published_ports_bind_loopback_unless_a_variable_widens_them(
+    given: dict[str, str], expected: str
+) -> None:
+    """NATS, the OTLP receivers and the gateway are reachable from this host only by
+    default: an OTLP port open to the network takes anyone's spans."""
+    from compose_render import render
+
+    rendered = render(COMPOSE_FILE, REQUIRED_SECRETS | given, profiles=("multiplexed", "gpu"))
+    ports = [str(p) for svc in rendered["services"].values() for p in svc.get("ports") or []]
+    assert len(ports) >= 5
+    assert all(p.startswith(f"{expected}:") for p in ports), ports
+
+
+def test_compose_secrets_are_ignored_by_git_and_by_the_image_build() -> None:
+    """compose/.env holds the NATS token and the gateway keys: never committed
+    (``git add -A``), never sent to the Docker daemon as build context."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    checked = subprocess.run(
+        ["git", "check-ignore", "-q", "compose/.env"], cwd=ROOT, timeout=30, check=False
+    )
+    assert checked.returncode == 0, "git would commit compose/.env"
+    patterns = (ROOT / ".dockerignore").read_text().split()
+    assert "**/.env" in patterns
+
+
+def test_the_dockerfile_names_no_frontend_image() -> None:
+    """A ``# syntax=`` line makes BuildKit fetch its frontend from a registry even when
+    every base image is local (no registry is reachable on an offline builder)."""
+    first_lines = DOCKERFILE.read_text().splitlines()[:5]
+    assert not any(line.lower().startswith("# syntax=") for line in first_lines)
