@@ -321,3 +321,31 @@ async def test_a_trainer_that_cannot_resume_leaves_the_final_checkpoint_alone(
     with pytest.raises(FileNotFoundError, match="no-such-checkpoint"):
         await run_trainer(run, missing)
     assert checkpoint.read_state(final) == kept
+
+
+def other_uids_can_read(directory: Path) -> list[str]:
+    """The paths under ``directory`` another uid could not read (or enter)."""
+    unreadable = []
+    for path in [directory, *directory.rglob("*")]:
+        needed = 0o005 if path.is_dir() else 0o004
+        if path.stat().st_mode & needed != needed:
+            unreadable.append(f"{path.name} {oct(path.stat().st_mode & 0o777)}")
+    return unreadable
+
+
+def test_checkpoints_and_built_models_are_readable_by_other_uids(
+    base_model_dir: Path, tmp_path: Path
+) -> None:
+    """safetensors writes the weights 0600: a service in another container (another
+    uid) reading a checkpoint got PermissionError (compose, issue 25)."""
+    from seamlessflow.assets.families import build_family_model
+
+    learner(base_model_dir).save(
+        tmp_path / "final", TrainerState(step=0, version=0, data_position=-1)
+    )
+    assert other_uids_can_read(tmp_path / "final") == []
+    assert other_uids_can_read(build_family_model("qwen2-tied", tmp_path / "family", seed=0)) == []
+    fresh = tmp_path / "base"
+    from seamlessflow.assets.base_model import ensure_base_model
+
+    assert other_uids_can_read(ensure_base_model(fresh, sft_steps=0)) == []

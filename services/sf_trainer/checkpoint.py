@@ -44,6 +44,7 @@ from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedModel
 
+from seamlessflow.assets.loading import readable_by_all
 from seamlessflow.protocol import DEFAULT_POLICY
 from seamlessflow.settings import checkpoints_dir
 
@@ -102,6 +103,7 @@ def save(
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(staging)
     torch.save(optimizer_state, staging / OPTIMIZER_FILE)
     (staging / STATE_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(state)))
+    readable_by_all(staging)  # another uid (a container, an evaluation job) reads it
     _replace(out, staging)
     log.info("checkpoint %s: step %d (%d trained), version %d, data position %d",
              out, state.step, state.trained, state.version, state.data_position)  # fmt: skip

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from seamlessflow.assets.loading import readable_by_all
 from seamlessflow.rewards import get_reward
 from seamlessflow.tasks import TaskItem, TaskSource, ToolTaskSource, get_task_source
 
@@ -793,7 +794,7 @@ def build_base_model(
         "build_seconds": round(time.perf_counter() - started, 2),
     }
     (out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    return out_dir
+    return readable_by_all(out_dir)
 
 
 def ensure_base_model(

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from seamlessflow.assets.base_model import _GENERIC_TEXT
 from seamlessflow.assets.base_model import CHAT_TEMPLATE as QWEN2_CHAT_TEMPLATE
+from seamlessflow.assets.loading import readable_by_all
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -504,7 +505,7 @@ def build_family_model(family: str, out_dir: Path, *, seed: int = 0) -> Path:
         "num_parameters": sum(p.numel() for p in model.parameters()),
     }
     (out_dir / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    return out_dir
+    return readable_by_all(out_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

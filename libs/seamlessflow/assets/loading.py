@@ -62,3 +62,14 @@ def check_tied(model: PreTrainedModel) -> None:
         "with a separate output matrix: transformers' tying was switched off in this "
         "process (a model loaded concurrently outside seamlessflow.assets.loading)"
     )
+
+
+def readable_by_all(directory: Path) -> Path:
+    """Give ``directory`` and every file in it read (and, for directories, search)
+    permission for everyone, keeping the other bits. A model or checkpoint is read by
+    other uids (a service in another container, a colleague's process), but safetensors
+    writes its weights 0600 and ``mkdtemp`` makes 0700 directories."""
+    for path in [directory, *Path(directory).rglob("*")]:
+        extra = 0o555 if path.is_dir() else 0o444
+        path.chmod(path.stat().st_mode | extra)
+    return directory

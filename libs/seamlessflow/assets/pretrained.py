@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from seamlessflow.assets.loading import readable_by_all
 from seamlessflow.bus import Unrecoverable
 
 BUILD_INFO = "build_info.json"
@@ -221,11 +222,7 @@ def convert_pretrained(name: str, out: Path) -> Path:
             "check_prompts": list(CHECK_PROMPTS),
         }
         (staging / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
-        # readable by any uid (a service in another container, a colleague): mkdtemp's
-        # directory is 0700 and the weights are written 0600
-        staging.chmod(0o755)
-        for path in staging.iterdir():
-            path.chmod(0o644)
+        readable_by_all(staging)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
