@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -175,6 +176,41 @@ async def test_a_restarted_tag_scheduler_knows_its_resources_and_their_new_proce
         assert scheduler.resources["engine-b"].alive
     finally:
         await again.stop()
+        await phases.unsubscribe()
+
+
+async def test_a_resource_that_leaves_is_retired_at_once_without_a_warning(
+    nats_url: str, run_id: str, bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process that stops cleanly (the trainer at the end of its run) sends a last
+    heartbeat saying so: retired at once with a "left" line, not declared dead
+    ``dead_after_s`` later with a warning."""
+    from seamlessflow.protocol import Heartbeat
+
+    settings = TagSchedulerSettings(dead_after_s=30.0, check_interval_s=0.1)
+    phases = await bus.nc.subscribe(bus.subjects.sched_phase())
+    mesh = InProcessMesh(nats_url, run_id, None)
+    scheduler = await mesh.start(TagSchedulerService(settings))
+    try:
+        await asyncio.wait_for(scheduler.ready.wait(), 10)
+        request = ResourceRegister(
+            resource_id="trainer-x", kind="trainer", tags=["train"], host="h", pid=1
+        )
+        await bus.request(bus.subjects.sched_register(), request, RoleAssignment)
+        beat = Heartbeat(resource_id="trainer-x", phase="idle", leaving=True)
+        with caplog.at_level(logging.INFO, logger="sf_tag_scheduler.service"):
+            await bus.publish(bus.subjects.sched_heartbeat("trainer-x"), beat)
+            async with asyncio.timeout(5):  # far less than dead_after_s
+                while True:
+                    change = decode((await phases.next_msg(timeout=5)).data, PhaseChanged)
+                    if change.resource_id == "trainer-x" and change.phase == "dead":
+                        break
+        assert not scheduler.resources["trainer-x"].alive
+        messages = [r.getMessage() for r in caplog.records]
+        assert "resource trainer-x left" in messages
+        assert not any("missed heartbeats" in m for m in messages)
+    finally:
+        await mesh.stop()
         await phases.unsubscribe()
 
 

@@ -1178,6 +1178,9 @@ class Heartbeat(Message, tag="sched.heartbeat"):
     in_flight: int = 0
     version: int = 0
     sent_at: float = msgspec.field(default_factory=time.time)
+    leaving: bool = False
+    """The last beat of a process that stops cleanly: the tag-scheduler retires it now
+    (a "left" line, not a "missed heartbeats" warning ``dead_after_s`` later)."""
 
 
 class PhaseChanged(Message, tag="sched.phase"):

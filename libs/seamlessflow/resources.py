@@ -181,6 +181,17 @@ class ResourceMembership:
             self._phase_span.end()
             self._phase_span = None
 
+    async def leave(self) -> None:
+        """Tell the tag-scheduler this process stops cleanly (its last heartbeat). Best
+        effort: with NATS already gone the scheduler declares it dead later instead."""
+        beat = Heartbeat(
+            resource_id=self.resource_id, phase=self.phase, version=self.version, leaving=True
+        )
+        try:
+            await self.bus.publish(self.bus.subjects.sched_heartbeat(self.resource_id), beat)
+        except Exception as exc:  # a stopping process: the reason is logged, nothing raised
+            log.info("%s: could not say it leaves (%s)", self.resource_id, exc)
+
     async def heartbeat_loop(self) -> None:
         subject = self.bus.subjects.sched_heartbeat(self.resource_id)
         while True:

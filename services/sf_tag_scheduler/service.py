@@ -454,6 +454,11 @@ class TagSchedulerService:
         state = self.resources.get(beat.resource_id)
         if state is None:
             return  # not registered (yet); its register request will follow
+        if beat.leaving:
+            if state.alive:
+                log.info("resource %s left", beat.resource_id)
+                await self._retire(beat.resource_id, state)
+            return
         state.last_seen = time.time()
         state.in_flight = beat.in_flight
         revived = not state.alive
@@ -475,18 +480,21 @@ class TagSchedulerService:
             now = time.time()
             for resource_id, state in list(self.resources.items()):
                 if state.alive and now - state.last_seen > self.settings.dead_after_s:
-                    state.alive = False
-                    decisions = self.decisions(state.policy)
-                    decisions.remove(resource_id)
                     log.warning("resource %s missed heartbeats: declared dead", resource_id)
-                    await self.ctx.bus.publish(
-                        self.ctx.subjects.sched_phase(),
-                        PhaseChanged(resource_id=resource_id, phase="dead"),
-                    )
-                    await self._store(resource_id)
-                    self._lend_others(
-                        state.policy, decisions.rebalance(time.monotonic()), resource_id
-                    )
+                    await self._retire(resource_id, state)
+
+    async def _retire(self, resource_id: str, state: ResourceState) -> None:
+        """``resource_id`` is gone (it left, or missed its heartbeats): out of the
+        decisions, announced as dead (the gateway re-routes what it held), stored."""
+        state.alive = False
+        decisions = self.decisions(state.policy)
+        decisions.remove(resource_id)
+        await self.ctx.bus.publish(
+            self.ctx.subjects.sched_phase(),
+            PhaseChanged(resource_id=resource_id, phase="dead"),
+        )
+        await self._store(resource_id)
+        self._lend_others(state.policy, decisions.rebalance(time.monotonic()), resource_id)
 
     def _lend_others(self, policy: str, plan: LendPlan, except_id: str) -> None:
         """Queue the lends of ``plan`` except ``except_id`` (told in its registration reply)."""

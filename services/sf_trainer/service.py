@@ -182,6 +182,7 @@ class TrainerService:
             finally:
                 heartbeat.cancel()
                 self.membership.end_phase()
+                await self.membership.leave()
                 await self.publisher.close()
         finally:
             # Ctrl-C or SIGTERM still leaves a loadable checkpoint of the latest policy.
