@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -192,3 +194,51 @@ def test_an_otlp_protocol_the_exporter_does_not_speak_stops_a_service_with_one_l
     assert result.returncode == EXIT_UNRECOVERABLE, result.stderr
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("tag-scheduler: OTEL_EXPORTER_OTLP_PROTOCOL=grpc: spans are sent")
+
+
+async def weight_sync_answers(url: str, run_id: str) -> None:
+    """Until weight-sync answers a current-version query (it is connected and serving)."""
+    from seamlessflow.protocol import CurrentVersion, CurrentVersionQuery
+
+    bus = await connect(url, Subjects(run_id), name="probe")
+    try:
+        async with asyncio.timeout(60):
+            while True:
+                try:
+                    query = CurrentVersionQuery(engine_id="probe")
+                    await bus.request(
+                        bus.subjects.weights_current(), query, CurrentVersion, timeout=1.0
+                    )
+                    return
+                except Exception:  # no responder yet
+                    await asyncio.sleep(0.2)
+    finally:
+        await bus.drain()
+
+
+def test_a_service_stopped_after_nats_went_away_exits_cleanly_with_one_line(
+    tmp_path: Path,
+) -> None:
+    """compose: ``down`` without the profile of one service leaves it running; stopped
+    later, with NATS gone, it printed a traceback and exited 1 (closing the connection
+    wrote to a dead transport). It must stop as asked: exit 0, one line saying why
+    nothing was drained."""
+    server = EmbeddedNats(tmp_path / "nats")
+    server.start()
+    env = clean_env(SF_NATS_URL=server.url, SF_RUN_ID="gone")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sf_app", "serve", "weight-sync"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        asyncio.run(weight_sync_answers(server.url, "gone"))
+    finally:
+        server.stop()
+    time.sleep(1.0)  # it is reconnecting now
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    assert "NATS is unreachable: stopping without a drain" in stderr

@@ -510,6 +510,13 @@ class Bus:
         drain and close, all within about ``timeout``. Safe to call twice."""
         if self.nc.is_closed:
             return
+        if not self.nc.is_connected:
+            # the server is gone (the client is reconnecting): nothing can be drained or
+            # flushed, and closing writes to a dead transport (uvloop raises)
+            log.warning("NATS is unreachable: stopping without a drain")
+            with contextlib.suppress(RuntimeError, OSError, nats.errors.Error):
+                await self.nc.close()
+            return
         for sub in self._subscriptions:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
@@ -522,11 +529,14 @@ class Bus:
                 await asyncio.wait(pending, timeout=1.0)
         try:
             await asyncio.wait_for(self.nc.drain(), timeout)
-        except (nats.errors.ConnectionClosedError, TimeoutError):
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+            pass  # the server went while draining: what is left cannot reach it
+        except TimeoutError:
             pass
         finally:
             if not self.nc.is_closed:
-                await self.nc.close()
+                with contextlib.suppress(RuntimeError, OSError, nats.errors.Error):
+                    await self.nc.close()
 
 
 def _stored(subject: str | None, seq: int | None, data: bytes | None) -> StoredMessage:
