@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Mapping
 
 import aiohttp
-from openai import AsyncOpenAI, DefaultAioHttpClient
+from openai import APIConnectionError, AsyncOpenAI, DefaultAioHttpClient
 from pydantic import SecretStr
 from pydantic_settings import SettingsConfigDict
 
@@ -244,6 +244,13 @@ class AgentRunner:
             self.completed += 1
         except asyncio.CancelledError:
             raise
+        except APIConnectionError as exc:
+            # the gateway went away mid-conversation and the client's retries are spent:
+            # not the agent's fault, so one line each, no traceback (the session is
+            # finished below once the gateway answers again)
+            self.failed += 1
+            log.error("agent on %s (session %s): the gateway did not answer its call (%s)",
+                      assignment.task_id, session_id, exc)  # fmt: skip
         except Exception:
             self.failed += 1
             log.exception("agent failed on %s (session %s)", assignment.task_id, session_id)
