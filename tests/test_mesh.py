@@ -104,6 +104,20 @@ async def test_full_mesh_trains_and_every_trained_token_came_from_an_engine(
         assert matching, "a trained sample's logprobs or versions match no engine call"
         assert max(matching[0]["versions"]) <= STEPS
 
+    # the agents' samples are spans too, each the root of its engine calls' trace
+    samples = {s["span_id"]: s for s in spans if s["name"] == "agent.sample"}
+    assert len(samples) >= STEPS * 2 * 4
+    assert {s["attributes"]["outcome"] for s in samples.values()} == {"completed"}
+    by_id = {s["span_id"]: s for s in spans}
+
+    def root(span: dict) -> dict:  # type: ignore[type-arg]
+        while span.get("parent_id") in by_id:
+            span = by_id[span["parent_id"]]
+        return span
+
+    generates = [s for s in spans if s["name"] == "engine.generate"]
+    assert generates and all(root(s)["name"] == "agent.sample" for s in generates)
+
     written = json.loads((run_dir / "summary.json").read_text())
     for key in (
         "run_id",

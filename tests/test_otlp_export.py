@@ -68,3 +68,52 @@ def test_spans_are_exported_over_otlp_http_with_context_propagated(receiver) -> 
     # the child was started from the injected W3C headers: same trace, parent link
     assert spans["child"].trace_id == spans["parent"].trace_id
     assert spans["child"].parent_span_id == spans["parent"].span_id
+
+
+HTTP_CHILD = """
+import asyncio, sys
+from pathlib import Path
+import httpx
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from seamlessflow import telemetry
+telemetry.setup("http-probe", jsonl_path=Path(sys.argv[1]), run_id="probe-run")
+tracer = telemetry.tracer("probe")
+
+async def handler(request):
+    with tracer.start_as_current_span("gateway.turn"):
+        return JSONResponse({})
+
+app = Starlette(routes=[Route("/x", handler, methods=["POST"])],
+                middleware=[Middleware(telemetry.TraceContextMiddleware)])
+
+async def main():
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        with tracer.start_as_current_span("agent.sample"):
+            await http.post("/x", headers=telemetry.inject_headers())
+        await http.post("/x")  # no trace context: a trace of its own
+
+asyncio.run(main())
+telemetry.shutdown()
+"""
+
+
+def test_an_http_call_carrying_trace_context_makes_the_gateway_span_its_child(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """The agents' calls carry the W3C context of their ``agent.sample`` span; the
+    gateway's middleware makes its spans children of it (agents' spans were missing
+    from compose's traces, and nothing linked them to the gateway's)."""
+    import json
+
+    out = tmp_path / "spans.jsonl"
+    subprocess.run([sys.executable, "-c", HTTP_CHILD, str(out)], check=True, timeout=60)
+    spans = [json.loads(line) for line in out.read_text().splitlines()]
+    [agent] = [s for s in spans if s["name"] == "agent.sample"]
+    linked, alone = [s for s in spans if s["name"] == "gateway.turn"]
+    assert linked["trace_id"] == agent["trace_id"]
+    assert linked["parent_id"] == agent["span_id"]
+    assert alone["trace_id"] != agent["trace_id"] and alone["parent_id"] is None

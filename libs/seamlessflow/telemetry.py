@@ -189,6 +189,27 @@ def inject_headers() -> dict[str, str]:
     return carrier
 
 
+class TraceContextMiddleware:
+    """ASGI middleware: each HTTP request runs as a child of the W3C trace context in
+    its headers (``traceparent``), so an agent's span is the parent of the gateway's
+    and, through NATS, of the engine's. Without the header nothing changes."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in scope.get("headers", ())
+            if name in (b"traceparent", b"tracestate")
+        }
+        with extracted_context(headers):
+            await self.app(scope, receive, send)
+
+
 @contextlib.contextmanager
 def extracted_context(headers: Mapping[str, str] | None) -> Iterator[None]:
     """Run the block as a child of the trace context carried in ``headers``."""

@@ -73,6 +73,7 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -253,7 +254,7 @@ class Gateway:
             Route("/s/{session_id}/tokenize", self.tokenize_in_session, methods=["POST"]),
             Route("/s/{session_id}/detokenize", self.detokenize_in_session, methods=["POST"]),
         ]
-        app = Starlette(routes=routes)
+        app = Starlette(routes=routes, middleware=[Middleware(telemetry.TraceContextMiddleware)])
         app.add_exception_handler(ApiError, self._api_error)
         app.add_exception_handler(ClientDisconnect, self._client_left)
         app.add_exception_handler(404, self._not_found)

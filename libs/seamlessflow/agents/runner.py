@@ -5,7 +5,8 @@ Consumes:
 Produces:
 - ``sf.<run>.task.claim`` requests (TaskClaim)
 - HTTP to the gateway: ``POST /sessions``, the agent's OpenAI calls, ``/reward``,
-  ``/finish``
+  ``/finish``, each carrying the W3C trace context of the sample's ``agent.sample``
+  span (the gateway's spans are its children)
 
 Every claimed sample ends with ``/finish`` (also when the agent raised), so the
 trajectory service can always close the group.
@@ -35,9 +36,11 @@ from collections.abc import Mapping
 
 import aiohttp
 from openai import APIConnectionError, AsyncOpenAI, DefaultAioHttpClient
+from opentelemetry import trace
 from pydantic import SecretStr
 from pydantic_settings import SettingsConfigDict
 
+from seamlessflow import telemetry
 from seamlessflow.agents import AgentReward, AgentTask, get_agent
 from seamlessflow.bus import NoResponder, Unrecoverable
 from seamlessflow.protocol import NoTask, TaskAssignment, TaskClaim
@@ -46,6 +49,7 @@ from seamlessflow.runfile import RunFileSettings
 from seamlessflow.service import ServiceContext, supervise
 
 log = logging.getLogger(__name__)
+tracer = telemetry.tracer(__name__)
 
 AGENT_CALL_RETRIES = 8
 """Retries of an agent's OpenAI call that found no gateway (or a 5xx): the client's
@@ -192,6 +196,19 @@ class AgentRunner:
                 await self._wait_for_gateway()
 
     async def run_sample(self, assignment: TaskAssignment) -> None:
+        """One sample, as the span ``agent.sample``: the parent of the gateway's spans
+        for its session (every call carries its W3C trace context)."""
+        attributes: dict[str, str | int] = {
+            "task.id": assignment.task_id,
+            "group.id": assignment.group_id,
+            "sample.index": assignment.sample_index,
+            "policy": assignment.policy,
+        }
+        with tracer.start_as_current_span("agent.sample", attributes=attributes) as span:
+            outcome = await self._run_sample(assignment, span)
+            span.set_attribute("outcome", outcome)
+
+    async def _run_sample(self, assignment: TaskAssignment, span: trace.Span) -> str:
         body = {
             "task_id": assignment.task_id,
             "group_id": assignment.group_id,
@@ -202,7 +219,7 @@ class AgentRunner:
             "policy": assignment.policy,
             "min_version": assignment.min_version,
         }
-        status, answer = await self._post("/sessions", body)
+        status, answer = await self._post("/sessions", body, telemetry.inject_headers())
         if status in (401, 403):
             # every claim would fail the same way: stop the run instead of losing them
             given = "its key" if self.settings.gateway_key.get_secret_value() else "no key"
@@ -215,6 +232,7 @@ class AgentRunner:
             raise GatewayRefused(f"opening a session: HTTP {status} {answer[:200]!r}")
         session = json.loads(answer)
         session_id = session["session_id"]
+        span.set_attribute("session.id", session_id)
         # the session's own key: this agent can reach its session and no other
         session_auth = {"authorization": f"Bearer {session['api_key']}"}
         client = AsyncOpenAI(
@@ -222,6 +240,7 @@ class AgentRunner:
             api_key=session["api_key"],
             max_retries=AGENT_CALL_RETRIES,
             http_client=self.openai_http,
+            default_headers=telemetry.inject_headers(),
         )
         policies = tuple(self.ctx.mesh.policy_names())
         task = AgentTask(
@@ -242,6 +261,7 @@ class AgentRunner:
                 if status != 200:
                     raise GatewayRefused(f"reward: HTTP {status} {answer[:200]!r}")
             self.completed += 1
+            outcome = "completed"
         except asyncio.CancelledError:
             raise
         except APIConnectionError as exc:
@@ -249,16 +269,19 @@ class AgentRunner:
             # not the agent's fault, so one line each, no traceback (the session is
             # finished below once the gateway answers again)
             self.failed += 1
+            outcome = "gateway_lost"
             log.error("agent on %s (session %s): the gateway did not answer its call (%s)",
                       assignment.task_id, session_id, exc)  # fmt: skip
         except Exception:
             self.failed += 1
+            outcome = "agent_error"
             log.exception("agent failed on %s (session %s)", assignment.task_id, session_id)
         finally:
             path = f"/sessions/{session_id}/finish"
             status, answer = await self._post(path, None, session_auth)
             if status not in (200, 409):
                 log.warning("finishing %s: HTTP %d %s", session_id, status, answer[:200])
+        return outcome
 
     async def _post(
         self, path: str, body: dict[str, object] | None, headers: Mapping[str, str] | None = None
