@@ -90,6 +90,22 @@ _cpu-only:
 gpu-check *ARGS:
     {{bin}}/python loadtests/gpu_check.py {{ARGS}}
 
+# compose/README.md: writes compose/.env with fresh secrets (0600) unless it exists,
+# builds the image and starts every service, then says where the gateway, the model and
+# the runs are.
+# First start of the compose stack: secrets, build, up
+compose-up *ARGS:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    {{bin}}/seamlessflow compose-env compose/.env
+    if docker compose version >/dev/null 2>&1; then compose=(docker compose)
+    elif command -v docker-compose >/dev/null; then compose=(docker-compose)
+    else echo "compose-up: no compose CLI (docker compose or docker-compose) on PATH" >&2; exit 1; fi
+    "${compose[@]}" --env-file compose/.env -f compose/docker-compose.yml up --build -d {{ARGS}}
+    echo "gateway: http://${SF_PUBLISH_ADDRESS:-127.0.0.1}:8000 (operator key: SF_GATEWAY_API_KEYS in compose/.env)"
+    echo "model:   volume 'models' (/models in the containers; the build-model service writes it)"
+    echo "runs:    volume 'runs' (/runs/<run-id>); traces: http://${SF_PUBLISH_ADDRESS:-127.0.0.1}:16686"
+
 # The prepared GPU run (loadtests/gpu_run.py; docs/benchmarks.md "On a GPU"): the bf16
 # trainer step (MFU), the engine, the weight hand-off and the mesh on CUDA, one JSON file.
 # `just gpu-bundle` makes .gpu/ here: the wheels the GPU machine lacks and the model

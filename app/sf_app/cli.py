@@ -321,6 +321,41 @@ def attach(
         fail(str(exc))
 
 
+COMPOSE_SECRETS = ("SF_NATS_TOKEN", "SF_GATEWAY_API_KEYS")
+"""What compose refuses to start without (compose/README.md, Credentials)."""
+
+
+@app.command("compose-env")
+def compose_env(
+    path: Annotated[Path, typer.Argument(help="The env file compose reads.")] = Path(
+        "compose/.env"
+    ),
+) -> None:
+    """Write compose's env file with fresh secrets (a NATS token, a gateway operator
+    key), readable by you only, unless it exists; an existing one is kept as it is."""
+    import os
+    import secrets
+    import stat
+
+    if path.exists():
+        mode = stat.S_IMODE(path.stat().st_mode)
+        held = {line.split("=", 1)[0].strip() for line in path.read_text().splitlines()}
+        missing = [name for name in COMPOSE_SECRETS if name not in held]
+        if missing:
+            fail(f"{path} exists without {', '.join(missing)}: add it, or move the file away")
+        if mode & 0o077:
+            typer.echo(f"warning: {path} is readable by others ({oct(mode)}): chmod 600 {path}")
+        typer.echo(f"kept {path}")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # token_urlsafe: A-Z a-z 0-9 - _ only, what a NATS token and a bearer key may hold
+    lines = [f"{name}={secrets.token_urlsafe(24)}\n" for name in COMPOSE_SECRETS]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.writelines(lines)
+    typer.echo(f"wrote {path} (0600): {', '.join(COMPOSE_SECRETS)}")
+
+
 @app.command()
 def timeline(
     run_dir: Annotated[Path, typer.Argument(help="A run directory (runs/<run-id>).")],
