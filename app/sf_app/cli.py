@@ -83,6 +83,13 @@ def up(
     max_restarts: Annotated[
         int, typer.Option(help="Restarts per process after an unexpected exit.")
     ] = 3,
+    nats_url: Annotated[
+        str,
+        typer.Option(
+            help="Use this NATS server or cluster (URL[,URL...], JetStream on) instead of "
+            "starting one; its token from SF_NATS_TOKEN, replicas from SF_NATS_REPLICAS."
+        ),
+    ] = "",
     checkpoint_every: Annotated[
         int, typer.Option(help="Trainer checkpoint interval in steps (0: at the end only).")
     ] = 10,

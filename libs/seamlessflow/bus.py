@@ -30,7 +30,14 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy, DiscardPolicy, ObjectMeta, ObjectMetaOptions, StreamConfig
+from nats.js.api import (
+    DeliverPolicy,
+    DiscardPolicy,
+    ObjectMeta,
+    ObjectMetaOptions,
+    ObjectStoreConfig,
+    StreamConfig,
+)
 from nats.js.kv import KeyValue
 from nats.js.object_store import OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, ObjectStore
 
@@ -137,10 +144,14 @@ class Bus:
     code outside it uses the methods (tests may reach past them to inspect or break
     the broker)."""
 
-    def __init__(self, nc: Client, subjects: Subjects) -> None:
+    def __init__(self, nc: Client, subjects: Subjects, replicas: int | None = None) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.subjects = subjects
+        self.replicas = replicas
+        """Replicas of every stream and bucket this bus creates (``SF_NATS_REPLICAS``);
+        an existing one with another count stops the service with one line. None (tools,
+        tests): create with 1, take existing ones as they are."""
         self._subscriptions: list[Subscription] = []
         self._handlers: set[asyncio.Task[None]] = set()
         self._reconnect_callbacks: list[Callable[[], Awaitable[None]]] = []
@@ -318,7 +329,11 @@ class Bus:
         """``direct``: messages are read by sequence with direct get (raw bytes, no JSON
         envelope), e.g. batch payload chunks."""
         wanted = StreamConfig(
-            name=name, subjects=subjects, duplicate_window=600.0, allow_direct=direct or None
+            name=name,
+            subjects=subjects,
+            duplicate_window=600.0,
+            allow_direct=direct or None,
+            num_replicas=self.replicas or 1,
         )
         if limits is not None:
             wanted.max_age = limits.max_age_s
@@ -335,6 +350,7 @@ class Bus:
                     # another service created it between our lookup and our add
                     info = await self.js.stream_info(name)
             have = info.config
+            self._check_replicas(name, have.num_replicas)
             if limits is None or (have.max_age, have.max_bytes) == (
                 wanted.max_age,
                 wanted.max_bytes,
@@ -429,16 +445,35 @@ class Bus:
         finally:
             await sub.unsubscribe()
 
+    def _check_replicas(self, stream: str, have: int | None) -> None:
+        """One clear line where an existing stream's replicas are not the setting's."""
+        if self.replicas is not None and (have or 1) != self.replicas:
+            raise Unrecoverable(
+                f"stream {stream} has {have or 1} replica(s) but SF_NATS_REPLICAS="
+                f"{self.replicas}: set SF_NATS_REPLICAS={have or 1} to use it, or start a "
+                "new run (another SF_RUN_ID)"
+            )
+
     async def key_value(self, bucket: str) -> KeyValueBucket:
         """The key-value bucket ``bucket``, created if missing (idempotent)."""
-        return KeyValueBucket(await self.js.create_key_value(bucket=bucket))
+        try:
+            self._check_replicas(
+                f"KV_{bucket}", (await self.js.stream_info(f"KV_{bucket}")).config.num_replicas
+            )
+        except nats.js.errors.NotFoundError:
+            pass
+        replicas = self.replicas or 1
+        return KeyValueBucket(await self.js.create_key_value(bucket=bucket, replicas=replicas))
 
     async def object_bucket(self, bucket: str) -> ObjectBucket:
         """The object store ``bucket``, created if missing."""
         try:
             store = await self.js.object_store(bucket)
+            info = await self.js.stream_info(OBJ_STREAM_TEMPLATE.format(bucket=bucket))
+            self._check_replicas(info.config.name or bucket, info.config.num_replicas)
         except nats.js.errors.BucketNotFoundError:
-            store = await self.js.create_object_store(bucket)
+            config = ObjectStoreConfig(bucket=bucket, replicas=self.replicas or 1)
+            store = await self.js.create_object_store(bucket, config=config)
         return ObjectBucket(self.js, store, bucket)
 
     async def follow(self, stream: str, subject: str) -> tuple[Subscription, int]:
@@ -695,8 +730,13 @@ async def connect(
     name: str,
     token: str = "",
     wait_s: float = NATS_CONNECT_WAIT_S,
+    replicas: int | None = None,
 ) -> Bus:
     """Connect to NATS; the first connection is bounded, reconnects are not.
+
+    ``url`` may list several servers of one cluster, comma-separated: the client
+    connects to any of them and moves to another when its server goes away.
+    ``replicas``: see :attr:`Bus.replicas`.
 
     A server that refuses the credentials fails at once, one that cannot be reached
     within ``wait_s`` fails then: both raise :class:`ConnectFailed`, whose message says
@@ -725,7 +765,7 @@ async def connect(
         nc = Client()
         try:
             await nc.connect(
-                servers=[url],
+                servers=server_list(url),
                 name=name,
                 # one attempt per call (nats.py retries a refused connection inside
                 # connect() as many times as max_reconnect_attempts, -1 = forever)
@@ -768,6 +808,14 @@ async def connect(
     nc.options["max_reconnect_attempts"] = -1
     nc.options["reconnect_time_wait"] = 0.5
     connected = True
-    bus = Bus(nc, subjects)
+    bus = Bus(nc, subjects, replicas)
     made.append(bus)
     return bus
+
+
+def server_list(url: str) -> list[str]:
+    """The servers of ``SF_NATS_URL``: one URL, or several comma-separated."""
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+    if not servers:
+        raise ConnectFailed("no NATS server given: set SF_NATS_URL")
+    return servers

@@ -100,6 +100,7 @@ async def run_service(service: Service, mesh: MeshSettings) -> None:
         name=f"{service.name}@{socket.gethostname()}",
         token=mesh.nats_token.get_secret_value(),
         wait_s=mesh.nats_connect_wait_s,
+        replicas=mesh.nats_replicas,
     )
     ctx = ServiceContext(mesh=mesh, bus=bus)
     loop = asyncio.get_running_loop()

@@ -38,7 +38,14 @@ class MeshSettings(RunFileSettings):
     )
 
     nats_url: str = "nats://127.0.0.1:4222"
-    """NATS server URL (JetStream enabled). No credentials in it: URLs get logged."""
+    """NATS server URL (JetStream enabled), or several servers of one cluster separated
+    by commas (any of them takes the connection; another one when it goes away). No
+    credentials in it: URLs get logged."""
+
+    nats_replicas: int = Field(default=1, ge=1, le=5)
+    """Replicas of every stream, KV and object bucket the run creates (a cluster of at
+    least this many JetStream servers). An existing stream with another count stops the
+    service with one line."""
 
     nats_token: SecretStr = SecretStr("")
     """Token the NATS server requires (``nats-server --auth``, or the token the embedded

@@ -92,7 +92,8 @@ class RunConfig(BaseModel):
     unfinished samples are dropped (``SF_TRAJECTORY_GROUP_TIMEOUT_S``; e.g. sessions a
     restarted gateway lost)."""
     nats_url: str = ""
-    """Use this NATS server (JetStream enabled) instead of starting an embedded one."""
+    """Use this NATS server (JetStream enabled), or several servers of one cluster
+    separated by commas, instead of starting an embedded one."""
     mode: Literal["colocated", "disaggregated", "multiplexed"] = "disaggregated"
     """Deployment (see ``deployment``): which slots train, which roll out, which are
     lent. ``colocated`` also defaults ``max_batches_ahead`` to 0 (synchronous)."""
