@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -321,6 +322,59 @@ async def test_two_faults_at_once_and_the_agent_runner_killed_lose_nothing(
     config = faults_config(run_id, base_model_dir, tmp_path, STEPS_AT_ONCE)
     summary = await run_killing(config, KILLS_AT_ONCE)
     await account_for_everything(config, tmp_path, summary)
+
+
+async def stream_leader(run: EmbeddedRun, stream: str) -> str:
+    """The server name of ``stream``'s leader in the run's cluster."""
+    assert run.connection is not None
+    bus = await connect(run.connection.nats_url, Subjects(run.run_id), name="faults-probe",
+                        token=run.nats_token)  # fmt: skip
+    try:
+        info = await bus.js.stream_info(stream)
+        assert info.cluster is not None and info.cluster.leader
+        return info.cluster.leader
+    finally:
+        await bus.drain()
+
+
+@pytest.mark.slow
+async def test_a_cluster_loses_the_stream_leader_mid_run_and_the_run_finishes(
+    run_id: str, base_model_dir: Path, tmp_path: Path
+) -> None:
+    """``--nats-cluster 3``: every stream at three replicas; SIGKILL the node leading
+    the trajectory stream after the first step. The other two keep a quorum, the
+    services move to them, the node restarts and rejoins; the run trains every batch
+    once, in order."""
+    config = faults_config(run_id, base_model_dir, tmp_path, STEPS)
+    config = config.model_copy(update={"nats_cluster": 3})
+    run = EmbeddedRun(config)
+    running = asyncio.create_task(run.run())
+    try:
+        async with asyncio.timeout(300):
+            await wait_until(lambda: len(run.state.metrics) >= 1 or running.done(), "a step", 120)
+            assert not running.done(), run.state.status
+            leader = await stream_leader(run, Subjects(run_id).stream_trajectory())
+            index = int(leader.removeprefix("n"))
+            node = run.nats_servers[index].process
+            assert node is not None
+            os.kill(node.pid, signal.SIGKILL)
+            label = f"nats-{index}"
+            await wait_until(lambda: label in run.restarts or running.done(), "its restart", 30)
+            summary = await running
+    finally:
+        if not running.done():
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+    assert summary.status == "finished", summary.status
+    assert summary.final_version == STEPS
+    assert summary.restarts == {label: 1}, summary.restarts
+    steps = [
+        json.loads(line)
+        for line in (tmp_path / run_id / "metrics.jsonl").read_text().splitlines()
+        if '"train.metrics"' in line
+    ]
+    assert [s["batch_index"] for s in steps] == list(range(STEPS))  # each once, in order
+    assert [s["version"] for s in steps] == list(range(1, STEPS + 1))
 
 
 async def account_for_everything(config: RunConfig, tmp_path: Path, summary: Summary) -> None:

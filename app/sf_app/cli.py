@@ -100,6 +100,13 @@ def up(
             "comma-separated (W&B without a network: WANDB_MODE=offline)."
         ),
     ] = "none",
+    nats_cluster: Annotated[
+        int,
+        typer.Option(
+            help="NATS servers to start: 1, or a cluster of 3 (or 5) on loopback with every "
+            "stream replicated that many times (the run survives losing a node)."
+        ),
+    ] = 1,
     config_file: Annotated[
         Path | None,
         typer.Option(

@@ -126,3 +126,25 @@ class EmbeddedNats:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def embedded_cluster(store_dir: Path, nodes: int, *, token: str = "") -> list[EmbeddedNats]:
+    """``nodes`` nats-servers on loopback routed to each other (one cluster, JetStream
+    on each, a store each under ``store_dir/n<i>``), not started. Each node's route
+    port is fixed, so a node restarted in place rejoins the others."""
+    routes = [free_tcp_port() for _ in range(nodes)]
+    servers = []
+    for index, port in enumerate(routes):
+        others = ",".join(f"nats://127.0.0.1:{p}" for p in routes if p != port)
+        args = ["--server_name", f"n{index}", "--cluster_name", "seamlessflow"]
+        args += ["--cluster", f"nats://127.0.0.1:{port}", "--routes", others]
+        servers.append(EmbeddedNats(store_dir / f"n{index}", extra_args=args, token=token))
+    return servers

@@ -94,6 +94,10 @@ class RunConfig(BaseModel):
     nats_url: str = ""
     """Use this NATS server (JetStream enabled), or several servers of one cluster
     separated by commas, instead of starting an embedded one."""
+    nats_cluster: int = Field(default=1, ge=1, le=5)
+    """NATS servers the run starts: 1, or a cluster of 3 (or 5) on loopback whose every
+    stream and bucket has that many replicas (``SF_NATS_REPLICAS``), so the run survives
+    the loss of a node."""
     mode: Literal["colocated", "disaggregated", "multiplexed"] = "disaggregated"
     """Deployment (see ``deployment``): which slots train, which roll out, which are
     lent. ``colocated`` also defaults ``max_batches_ahead`` to 0 (synchronous)."""
@@ -122,6 +126,16 @@ class RunConfig(BaseModel):
             check_policy(name)
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"a policy is listed twice: {self.policies}")
+        return self
+
+    @model_validator(mode="after")
+    def _one_broker_source(self) -> RunConfig:
+        if self.nats_url and self.nats_cluster > 1:
+            raise ValueError(
+                "nats_cluster starts brokers and nats_url names others: give one of them"
+            )
+        if self.nats_cluster == 2 or self.nats_cluster == 4:
+            raise ValueError("nats_cluster: 1, 3 or 5 (a JetStream quorum needs a majority)")
         return self
 
     @model_validator(mode="after")

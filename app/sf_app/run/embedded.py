@@ -34,7 +34,7 @@ from pathlib import Path
 
 from seamlessflow.bus import Bus, Unrecoverable, connect, next_message
 from seamlessflow.connection import RunConnection
-from seamlessflow.natsserver import EmbeddedNats
+from seamlessflow.natsserver import EmbeddedNats, embedded_cluster
 from seamlessflow.protocol import (
     Subjects,
     TrainEvalMetrics,
@@ -56,6 +56,34 @@ log = logging.getLogger(__name__)
 
 RUN_FILE_COPY = "run.toml"
 """The run file, as the run was started from it, in the run directory."""
+
+
+JETSTREAM_READY_S = 60.0
+"""How long a new embedded cluster may take to elect its JetStream leader."""
+
+
+async def wait_for_jetstream(url: str, token: str) -> None:
+    """Until JetStream answers on ``url`` (a new cluster elects its meta leader first);
+    fails the run with one line after ``JETSTREAM_READY_S``."""
+    import nats.errors
+    import nats.js.errors
+
+    bus = await connect(url, Subjects("probe"), name="seamlessflow-up", token=token)
+    try:
+        deadline = asyncio.get_running_loop().time() + JETSTREAM_READY_S
+        while True:
+            try:
+                await bus.js.account_info()
+                return
+            except (nats.js.errors.APIError, nats.errors.TimeoutError) as exc:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise Unrecoverable(
+                        f"the NATS cluster at {url} has no JetStream after "
+                        f"{JETSTREAM_READY_S:.0f}s ({exc}): see {url} servers' logs"
+                    ) from None
+                await asyncio.sleep(0.5)
+    finally:
+        await bus.drain()
 
 
 class EmbeddedRun(Supervisor):
@@ -187,12 +215,26 @@ class EmbeddedRun(Supervisor):
         if not c.nats_url:
             nats_token = secrets.token_urlsafe(24)
         self.nats_token = nats_token
-        nats_server = EmbeddedNats(self.run_dir / "nats", token=nats_token)
-        if not c.nats_url:
-            self.nats_server = nats_server
-        url = c.nats_url or nats_server.start()
-        if nats_server.process is not None:
-            self.pin(nats_server.process.pid, ["slot-0"])
+        if c.nats_url:
+            servers: list[EmbeddedNats] = []
+        elif c.nats_cluster > 1:
+            servers = embedded_cluster(self.run_dir / "nats", c.nats_cluster, token=nats_token)
+        else:
+            servers = [EmbeddedNats(self.run_dir / "nats", token=nats_token)]
+        self.nats_servers = servers
+        url = c.nats_url or ",".join(server.start() for server in servers)
+        for server in servers:
+            assert server.process is not None
+            self.pin(server.process.pid, ["slot-0"])
+        if len(servers) > 1:
+            try:  # the nodes elect a JetStream leader first: no service starts before
+                await wait_for_jetstream(url, nats_token)
+            except Unrecoverable as exc:
+                for server in servers:
+                    server.stop()
+                self.state.status = f"failed: {exc}"
+                log.error("%s", exc)
+                return self.report()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, stop.set)
@@ -201,6 +243,8 @@ class EmbeddedRun(Supervisor):
             gateway_port = free_port()
             env = self.service_env(url, model_dir, gateway_port)
             env["SF_NATS_TOKEN"] = nats_token
+            if len(servers) > 1:
+                env["SF_NATS_REPLICAS"] = str(len(servers))
             if not env.get("SF_AGENTS_GATEWAY_KEY"):
                 # The agent runner's own operator key, beside the user's keys (if any):
                 # the user's agents open sessions with theirs, the runner with this one.
@@ -241,7 +285,8 @@ class EmbeddedRun(Supervisor):
                 await asyncio.to_thread(self.stop_processes)
             finally:
                 signal.signal(signal.SIGTERM, previous)
-            nats_server.stop()
+            for server in servers:
+                server.stop()
         return self.report()
 
     def check_users_model(self, model_dir: Path) -> str | None:

@@ -64,8 +64,9 @@ class Supervisor:
         self.launches: dict[str, Launch] = {}
         """Label -> how its process was started: a restart starts it the same way."""
         self.restarts: dict[str, int] = {}
-        self.nats_server: EmbeddedNats | None = None
-        """The embedded server (None when the run uses another one)."""
+        self.nats_servers: list[EmbeddedNats] = []
+        """The embedded server, or the nodes of the embedded cluster (none when the run
+        uses another broker)."""
         self.process_policy: dict[str, str] = {}
         """Label of a per-policy process -> its policy."""
         self.finished_policies: set[str] = set()
@@ -163,19 +164,26 @@ class Supervisor:
             ended.append((label, code))
         return ended
 
+    @property
+    def nats_server(self) -> EmbeddedNats | None:
+        """The embedded server (a cluster's first node); None with another broker."""
+        return self.nats_servers[0] if self.nats_servers else None
+
     def unexpected_exit(self) -> str | None:
         """Supervision, polled while the run goes on: start again what ended unexpectedly
         (the embedded NATS server in place: same port, same store), within
         ``max_restarts`` per process. Past the budget: what failed, and the run fails."""
         budget = self.max_restarts
-        nats_server = self.nats_server
-        if nats_server is not None and nats_server.process is not None:
+        for index, nats_server in enumerate(self.nats_servers):
+            if nats_server.process is None:
+                continue
             code = nats_server.process.poll()
             if code is not None:
-                if self.restarts.get("nats", 0) >= budget:
-                    return f"nats-server exited with code {code} after {budget} restarts"
-                self._count_restart("nats", code)
-                nats_server.restart()
+                label = "nats" if len(self.nats_servers) == 1 else f"nats-{index}"
+                if self.restarts.get(label, 0) >= budget:
+                    return f"{label}: nats-server exited with code {code} after {budget} restarts"
+                self._count_restart(label, code)
+                nats_server.restart()  # a cluster node rejoins and catches up
                 self.pin(nats_server.process.pid, ["slot-0"])
         for label, code in self.unexpected_exits():
             if code == EXIT_UNRECOVERABLE:  # a restart would fail the same way
