@@ -115,6 +115,21 @@ def test_a_sample_handed_out_twice_is_dropped_as_surplus() -> None:
     assert batch is not None and [s.session_id for s in batch[0].samples] == ["a", "b"]
 
 
+def test_an_extra_session_still_open_when_its_group_completes_is_dropped_then() -> None:
+    """Its agent may never finish it (killed, or the run ends): it must not stay neither
+    trained nor dropped. Dropped once, as surplus, at the group's completion; its late
+    finish changes nothing."""
+    grouper = Grouper(lookup)
+    grouper.apply(opened("stuck", "g0", 1, 2))
+    play_session(grouper, "a", "g0", 0, 2)
+    assert grouper.tally.dropped_samples == {}
+    play_session(grouper, "b", "g0", 1, 2)  # completes the group
+    assert grouper.tally.dropped_samples == {"surplus": ["stuck"]}
+    grouper.apply(SessionFinished(session_id="stuck"))
+    assert grouper.tally.dropped_samples == {"surplus": ["stuck"]}
+    assert grouper.dropped == {"surplus": 1}
+
+
 def test_drops_a_published_report_named_are_not_reported_again() -> None:
     """The replay after a restart rebuilds every drop; those a published report already
     named count again for the rhythm (groups lost) but are not reported twice."""

@@ -433,6 +433,14 @@ class Grouper:
     def _complete(self, group: Group) -> None:
         del self.groups[group.group_id]
         self.finished_groups.add(group.group_id)
+        # Sessions of the group still open are one too many (an index handed out twice):
+        # dropped now, not when they finish, since one whose agent died never does and
+        # would be neither trained nor dropped (seen under load in tests/test_faults.py)
+        extra = [s for s in self.sessions.values() if s.opened.group_id == group.group_id]
+        for session in extra:
+            del self.sessions[session.opened.session_id]
+        if extra:
+            self._count_dropped_samples("surplus", [s.opened.session_id for s in extra])
         if not group.samples:
             self._lose_group("no_samples", group.group_id)
         else:
