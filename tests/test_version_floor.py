@@ -3,7 +3,10 @@ on-policy. The H100 run found engines serving the first requests of a batch on t
 version before the one the trainer had just published (they were still loading it);
 the trajectory service now names the published version in each assignment, the runner
 opens the session with it, the gateway puts it on every engine call of the task's
-policy, and an engine behind it catches up before it starts the request."""
+policy, and an engine behind it catches up before it starts the request.
+
+Also here, on the same mesh: a session the broker cannot record (what a cluster losing
+a node showed) is a 503 the client retries, and stores nothing."""
 
 from __future__ import annotations
 
@@ -84,3 +87,23 @@ async def test_an_engine_behind_the_floor_catches_up_before_it_answers(
     assert set(second.versions) == {1}  # not one token on the version before
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "min_version"
+
+
+async def test_a_session_the_broker_cannot_record_is_a_503_and_stores_nothing(
+    nats_url: str, run_id: str, base_model_dir: Path, bus: Bus
+) -> None:
+    """JetStream not taking the session's record (here: its stream is gone; in a
+    cluster: a leader election) answers 503 with an OpenAI-style body, which clients
+    retry, not a 500 with a traceback; the gateway holds no session for it."""
+    mesh = InProcessMesh(nats_url, run_id, base_model_dir)
+    try:
+        url = await start_mesh(mesh)
+        await bus.js.delete_stream(bus.subjects.stream_trajectory())
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            refused = await http.post("/sessions", json={})
+            health = (await http.get("/healthz")).json()
+    finally:
+        await mesh.stop()
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "broker_unavailable"
+    assert health["sessions"] == 0

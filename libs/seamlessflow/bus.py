@@ -18,6 +18,7 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
+import functools
 import io
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -100,6 +101,27 @@ JS_PUBLISH_RETRY = RetryPolicy(
 )
 """A publish with a message id that the broker does not ack (a time-out, or no stream
 answering: a broker restarting) is tried again every 0.5 s for up to 30 s."""
+
+JETSTREAM_UNAVAILABLE = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+)
+"""What JetStream answers while it cannot serve: a cluster electing a leader after a node
+was lost, a broker restarting. Transient: seconds."""
+
+JETSTREAM_SETUP_RETRY = RetryPolicy(
+    retry_on=JETSTREAM_UNAVAILABLE, first_delay_s=0.5, deadline_s=60.0
+)
+"""Creating or checking the run's streams at start is tried again for up to 60 s while
+JetStream is unavailable (a cluster electing its leader), then the service fails."""
+
+
+class BrokerUnavailable(Exception):
+    """JetStream did not take a message it was given (unavailable for now): the caller
+    may answer "try again" (the gateway: HTTP 503) instead of failing."""
+
 
 OBJECT_PUT_RETRY = RetryPolicy(
     retry_on=(
@@ -321,7 +343,26 @@ class Bus:
             limits[policy_subjects.stream_batch_payloads()] = retention.batches()
             direct.add(policy_subjects.stream_batch_payloads())
         for name, subjects in streams.items():
-            await self._ensure_stream(name, subjects, limits.get(name), direct=name in direct)
+            ensure = functools.partial(
+                self._ensure_stream, name, subjects, limits.get(name), direct=name in direct
+            )
+            await retry(ensure, JETSTREAM_SETUP_RETRY)
+
+    async def wait_for_jetstream(self, timeout_s: float) -> None:
+        """Until JetStream answers (a new cluster elects its meta leader first); raises
+        ``Unrecoverable`` with one line after ``timeout_s``."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            try:
+                await self.js.account_info()
+                return
+            except (nats.js.errors.APIError, *JETSTREAM_UNAVAILABLE) as exc:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise Unrecoverable(
+                        f"NATS has no JetStream after {timeout_s:.0f}s ({exc}): see the "
+                        "servers' logs"
+                    ) from None
+                await asyncio.sleep(0.5)
 
     async def _ensure_stream(
         self, name: str, subjects: list[str], limits: StreamLimits | None, *, direct: bool = False
@@ -394,7 +435,10 @@ class Bus:
             return ack.seq
 
         if not msg_id:
-            return await publish()
+            try:
+                return await publish()
+            except JETSTREAM_UNAVAILABLE as exc:  # a retry could store it twice: the caller's
+                raise BrokerUnavailable(f"JetStream did not take {subject}: {exc!r}") from exc
 
         async def log_retry(exc: BaseException) -> None:
             log.warning("no ack for %s on %s (%r): retrying", msg_id, subject, exc)
@@ -602,6 +646,10 @@ class DurableConsumer:
             messages = await self._sub.fetch(1, timeout=timeout)
         except nats.errors.TimeoutError:
             return None
+        except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError):
+            # the consumer's leader is being elected (a cluster lost a node): nothing now
+            await asyncio.sleep(min(timeout, 0.5))
+            return None
         return messages[0] if messages else None
 
 
@@ -702,8 +750,8 @@ async def ack_redeliverable(msg: Msg) -> None:
     ack wait and is recognised then."""
     try:
         await msg.ack_sync()
-    except nats.errors.TimeoutError:
-        log.warning("ack of %s not confirmed: it will be redelivered", msg.subject)
+    except JETSTREAM_UNAVAILABLE as exc:  # a restart, or a cluster electing a leader
+        log.warning("ack of %s not confirmed (%r): it will be redelivered", msg.subject, exc)
 
 
 NATS_CONNECT_WAIT_S = 15.0

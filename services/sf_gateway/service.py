@@ -80,7 +80,7 @@ from starlette.routing import Route
 
 from seamlessflow import telemetry
 from seamlessflow.assets.model_check import ModelNeeds, check_model, context_need
-from seamlessflow.bus import Bus, NoResponder, RemoteError, Unrecoverable
+from seamlessflow.bus import BrokerUnavailable, Bus, NoResponder, RemoteError, Unrecoverable
 from seamlessflow.protocol import (
     GroupClosed,
     PhaseChanged,
@@ -256,6 +256,7 @@ class Gateway:
         ]
         app = Starlette(routes=routes, middleware=[Middleware(telemetry.TraceContextMiddleware)])
         app.add_exception_handler(ApiError, self._api_error)
+        app.add_exception_handler(BrokerUnavailable, self._broker_unavailable)
         app.add_exception_handler(ClientDisconnect, self._client_left)
         app.add_exception_handler(404, self._not_found)
         app.add_exception_handler(405, self._method_not_allowed)
@@ -264,6 +265,14 @@ class Gateway:
     async def _api_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         return exc.response()
+
+    async def _broker_unavailable(self, request: Request, exc: Exception) -> Response:
+        """JetStream did not take what this request had to record (a NATS cluster
+        electing a leader, a broker restarting): nothing was stored, so the client may
+        send it again; OpenAI clients retry a 503 by themselves."""
+        log.warning("%s %s: %s (503)", request.method, request.url.path, exc)
+        message = "the message broker is unavailable for a moment: send the request again"
+        return ApiError(503, message, type_="server_error", code="broker_unavailable").response()
 
     async def _client_left(self, request: Request, exc: Exception) -> Response:
         """The client went away before its request was read (an agent stopped): nothing

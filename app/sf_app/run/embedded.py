@@ -65,23 +65,9 @@ JETSTREAM_READY_S = 60.0
 async def wait_for_jetstream(url: str, token: str) -> None:
     """Until JetStream answers on ``url`` (a new cluster elects its meta leader first);
     fails the run with one line after ``JETSTREAM_READY_S``."""
-    import nats.errors
-    import nats.js.errors
-
     bus = await connect(url, Subjects("probe"), name="seamlessflow-up", token=token)
     try:
-        deadline = asyncio.get_running_loop().time() + JETSTREAM_READY_S
-        while True:
-            try:
-                await bus.js.account_info()
-                return
-            except (nats.js.errors.APIError, nats.errors.TimeoutError) as exc:
-                if asyncio.get_running_loop().time() > deadline:
-                    raise Unrecoverable(
-                        f"the NATS cluster at {url} has no JetStream after "
-                        f"{JETSTREAM_READY_S:.0f}s ({exc}): see {url} servers' logs"
-                    ) from None
-                await asyncio.sleep(0.5)
+        await bus.wait_for_jetstream(JETSTREAM_READY_S)
     finally:
         await bus.drain()
 

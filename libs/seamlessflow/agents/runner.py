@@ -56,12 +56,18 @@ AGENT_CALL_RETRIES = 8
 back-off (0.5 s doubling to 8 s) spans about 40 s, longer than a gateway's restart. The
 gateway marks the errors a retry cannot fix (4xx) as not to be retried."""
 
+
+class GatewayBusy(Exception):
+    """The gateway answered 503: it could not record the call now (its broker)."""
+
+
 GATEWAY_CALL_RETRY = RetryPolicy(
-    retry_on=(aiohttp.ClientConnectionError,), first_delay_s=0.0, attempts=5
+    retry_on=(aiohttp.ClientConnectionError, GatewayBusy), first_delay_s=0.0, attempts=5
 )
-"""One of the runner's own calls (open, reward, finish) that could not connect is made up
-to 5 times; before each new attempt it waits for the gateway's health check (no fixed
-delay: the gateway answering is what it waits for)."""
+"""One of the runner's own calls (open, reward, finish) that could not connect, or that
+the gateway answered 503 (it stored nothing), is made up to 5 times; before each new
+attempt it waits for the gateway's health check and half a second (no fixed delay
+otherwise: the gateway answering is what it waits for)."""
 
 TASK_CLAIM_RETRY = RetryPolicy(retry_on=(NoResponder,), first_delay_s=0.5)
 """A task claim nobody answered (the trajectory service restarting or busy) is repeated,
@@ -186,7 +192,7 @@ class AgentRunner:
                 continue
             try:
                 await self.run_sample(reply)
-            except (aiohttp.ClientError, TimeoutError, GatewayRefused) as exc:
+            except (aiohttp.ClientError, TimeoutError, GatewayRefused, GatewayBusy) as exc:
                 # The sample is lost to this runner; the trajectory service closes its
                 # group once it makes no progress (SF_TRAJECTORY_GROUP_TIMEOUT_S). No
                 # new claim before the gateway answers again: it would be lost too.
@@ -294,10 +300,14 @@ class AgentRunner:
             async with self.http.post(
                 f"{self.gateway_url}{path}", json=body, headers=headers
             ) as response:
+                if response.status == 503:
+                    raise GatewayBusy(await response.text())
                 return response.status, await response.text()
 
         async def wait_for_gateway(exc: BaseException) -> None:
             log.warning("POST %s: %s; trying again once the gateway answers", path, exc)
+            if isinstance(exc, GatewayBusy):
+                await asyncio.sleep(0.5)
             await self._wait_for_gateway()
 
         return await retry(post, GATEWAY_CALL_RETRY, on_retry=wait_for_gateway)
