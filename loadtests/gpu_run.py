@@ -306,14 +306,12 @@ def small_model(ctx: Context, dtype: Any) -> tuple[str, Any]:
 
 
 def matmul_parameters(model: Any) -> int:
-    """Parameters the forward multiplies by: all but the input embedding, plus the head
-    (the embedding again when tied)."""
+    """Parameters the forward multiplies by: all but a lookup-only input embedding (a
+    tied one is also the head, a matmul: counted once)."""
     embedding = model.get_input_embeddings().weight
-    total = sum(p.numel() for p in model.parameters())
-    head = model.get_output_embeddings().weight
-    return (
-        total - embedding.numel() + head.numel() if head is embedding else total - embedding.numel()
-    )
+    total = sum(p.numel() for p in model.parameters())  # a tied matrix once
+    tied = model.get_output_embeddings().weight is embedding
+    return int(total if tied else total - embedding.numel())
 
 
 @dataclass
