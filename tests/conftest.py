@@ -230,3 +230,18 @@ def small_embedded_run(  # type: ignore[no-untyped-def]
             **config,  # type: ignore[arg-type]
         )
     )
+
+
+def load_loadtest(name: str):  # type: ignore[no-untyped-def]
+    """``loadtests/<name>.py`` as a module (the loadtests are scripts, not a package),
+    registered under ``loadtests_<name>``: dataclasses look their module up by name."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "loadtests" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"loadtests_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -266,6 +266,13 @@ async def kill_in_turn(
             await wait_until(restarted, f"{label} restart", 30)
 
 
+async def cancel_if_running(running: asyncio.Task) -> None:  # type: ignore[type-arg]
+    """A run the test stopped waiting for (a failed assertion, a time-out) ends here."""
+    if not running.done():
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+
+
 def faults_config(run_id: str, base_model_dir: Path, tmp_path: Path, steps: int) -> RunConfig:
     return RunConfig(
         run_id=run_id,
@@ -294,9 +301,7 @@ async def run_killing(config: RunConfig, kills: list[tuple[str, ...]]) -> Summar
             await kill_in_turn(run, running, kills)
             summary = await running
     finally:
-        if not running.done():
-            running.cancel()
-            await asyncio.gather(running, return_exceptions=True)
+        await cancel_if_running(running)
 
     assert summary.status == "finished", summary.status
     assert summary.final_version == config.steps
@@ -362,9 +367,7 @@ async def test_a_cluster_loses_the_stream_leader_mid_run_and_the_run_finishes(
             await wait_until(lambda: label in run.restarts or running.done(), "its restart", 30)
             summary = await running
     finally:
-        if not running.done():
-            running.cancel()
-            await asyncio.gather(running, return_exceptions=True)
+        await cancel_if_running(running)
     assert summary.status == "finished", summary.status
     assert summary.final_version == STEPS
     assert summary.restarts == {label: 1}, summary.restarts

@@ -4,7 +4,6 @@ comparisons, a stale engine fails the reload check, and any failure exits non-ze
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import load_loadtest
 
 # other processes (services, servers, ranks or tools started as commands): see conftest
 pytestmark = pytest.mark.integration
@@ -20,16 +20,7 @@ pytestmark = pytest.mark.integration
 SCRIPT = Path(__file__).resolve().parents[1] / "loadtests" / "gpu_check.py"
 
 
-def load_gpu_check() -> Any:
-    spec = importlib.util.spec_from_file_location("loadtests_gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = load_gpu_check()
+gpu_check = load_loadtest("gpu_check")
 
 
 @pytest.fixture(scope="module")

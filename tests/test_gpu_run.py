@@ -7,16 +7,15 @@ bucket digests hashed in parallel)."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from conftest import load_loadtest
 
 # the CPU form starts a real nats-server and every service (see conftest)
 pytestmark = pytest.mark.integration
@@ -24,16 +23,7 @@ pytestmark = pytest.mark.integration
 SCRIPT = Path(__file__).resolve().parents[1] / "loadtests" / "gpu_run.py"
 
 
-def load_gpu_run() -> Any:
-    spec = importlib.util.spec_from_file_location("loadtests_gpu_run", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_run = load_gpu_run()
+gpu_run = load_loadtest("gpu_run")
 
 
 def test_cpu_form_runs_every_part_and_writes_its_figures(tmp_path: Path) -> None:

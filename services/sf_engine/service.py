@@ -195,6 +195,8 @@ class EngineService:
         self.settings = settings or EngineSettings()
         self.engine_id = self.settings.engine_id or f"engine-{socket.gethostname()}-{os.getpid()}"
         self._load_lock = asyncio.Lock()
+        self._floor_lock = asyncio.Lock()
+        """Held while requests wait for their version floor (``min_version``)."""
         self.requests_served = 0
         self.handed_back = 0
         self.ready = asyncio.Event()
@@ -375,8 +377,12 @@ class EngineService:
         try:
             if request.min_version > self.engine.version:
                 # a synchronous run's request that came before this engine loaded the
-                # version it belongs to: load it first (bounded by min_version_wait_s)
-                await self._catch_up(request.min_version)
+                # version it belongs to: load it first (bounded by min_version_wait_s);
+                # one catch-up at a time, so a batch of such requests asks weight-sync
+                # once and the others find the version loaded
+                async with self._floor_lock:
+                    if request.min_version > self.engine.version:
+                        await self._catch_up(request.min_version)
             with tracer.start_as_current_span(
                 "engine.generate",
                 attributes={"engine.id": self.engine_id, "prompt_tokens": len(request.prompt_ids)},
