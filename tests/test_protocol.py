@@ -178,6 +178,7 @@ def examples() -> list[p.Message]:
         p.RoleAck(resource_id="e", role="idle", seconds=0.2, handed_back=3),
         p.SlotsClaim(trainer_id="t", batch_index=4),
         p.SlotsGranted(reclaimed=["e"], seconds=0.2, missed=[]),
+        p.CoresLent(trainer_id="t", threads=1, engines=["e"]),
         p.SlotsReleased(trainer_id="t", version=5),
         p.LendReport(lent=["e"], reason="r", expected_wait_s=None, gain_s=None, cost_s=1.0),
         p.LendReport(lent=[], reason="r", expected_wait_s=2.5, gain_s=2.0, cost_s=1.0),

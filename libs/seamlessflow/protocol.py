@@ -259,6 +259,11 @@ class Subjects:
         published, my slots may be lent."""
         return f"{self._root}.sched.release"
 
+    def sched_cores(self, trainer_id: str) -> str:
+        """CoresLent: tag-scheduler -> one trainer (core): the cores of idle rollout
+        engines on its host it may train on now (lending in the other direction)."""
+        return f"{self._root}.sched.cores.{check_token(trainer_id, 'trainer id')}"
+
     # JetStream streams, KV buckets and object stores. Run-level names are
     # ``SF_<RUN>_<KIND>``; a policy's append ``-<policy>`` (a run id has no ``-`` left
     # once upper-cased, so the first ``-`` starts the policy name).
@@ -1037,6 +1042,9 @@ class TrainStepMetrics(Message, tag="train.metrics"):
     completions_truncated_fraction: float = 0.0
     """Fraction of the samples whose last generation stopped at its token budget
     (``TrainSample.finish_reason`` ``length``); 0 for samples that do not say."""
+    lent_thread_seconds: float = 0.0
+    """Thread-seconds the step ran on cores lent by idle rollout engines (CoresLent),
+    beyond the trainer's own threads."""
     policy: str = DEFAULT_POLICY
     timestamp: float = msgspec.field(default_factory=time.time)
 
@@ -1151,6 +1159,20 @@ class SlotsGranted(Message, tag="sched.granted"):
     missed: list[str] = msgspec.field(default_factory=list)
 
 
+class CoresLent(Message, tag="sched.cores"):
+    """tag-scheduler -> trainer (core, lossy: each message replaces the last): while it
+    trains, the dedicated rollout engines on its host that have nothing to generate lend
+    it their cores; it trains on ``threads`` more intra-op threads until the next
+    message. Sent on every change (an engine going idle or busy, a claim, a release)."""
+
+    trainer_id: str
+    threads: int
+    """Extra threads the trainer may run now (0: none; the cores went back)."""
+    engines: list[str] = msgspec.field(default_factory=list)
+    """The idle engines whose slots these are."""
+    policy: str = DEFAULT_POLICY
+
+
 class SlotsReleased(Message, tag="sched.released"):
     """trainer -> tag-scheduler (request): the step's weights are published; I wait."""
 
@@ -1227,6 +1249,7 @@ AnyMessage = (
     | RoleAck
     | SlotsClaim
     | SlotsGranted
+    | CoresLent
     | SlotsReleased
     | LendReport
     | Heartbeat

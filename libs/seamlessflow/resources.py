@@ -94,6 +94,9 @@ class ResourceMembership:
         self.version = 0
         self._role_changed = asyncio.Condition()
         self._phase_span: trace.Span | None = None
+        self._beat_now = asyncio.Event()
+        """Set on a phase change: the heartbeat goes at once, not at the next tick (the
+        tag-scheduler lends an idle engine's cores to training on it)."""
 
     async def register(self) -> RoleAssignment:
         """Register until the scheduler answers (it may start after us)."""
@@ -165,6 +168,7 @@ class ResourceMembership:
             return
         self.end_phase()
         self.phase = phase
+        self._beat_now.set()
         self._phase_span = telemetry.tracer(__name__).start_span(
             f"phase.{phase}",
             context=trace.set_span_in_context(trace.INVALID_SPAN),  # a root: lanes, not trees
@@ -204,4 +208,6 @@ class ResourceMembership:
                     version=self.version,
                 ),
             )
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), HEARTBEAT_INTERVAL_S)
+            self._beat_now.clear()

@@ -17,6 +17,11 @@ Produces:
 - ``sf.<run>.engine.shed.<engine>`` (request ShedRequests -> ShedReport): rebalance
   on lend, once lent engines serve (``TagPolicy.shed_plan`` over the loads the
   engines' heartbeats report)
+- ``sf.<run>.sched.cores.<trainer>`` (CoresLent, core): with
+  ``SF_TAG_SCHEDULER_LEND_CORES_TO_TRAINING``, while a trainer trains (claim to
+  release), the cores of the dedicated rollout engines on its host that have nothing
+  to do (``policy.cores_for_training``); sent on every change, 0 threads when the
+  engines take them back or the trainer stops training
 - ``sf.<run>.sched.phase`` (PhaseChanged: phase transitions and deaths)
 - KV bucket ``sf_<run>_resources``: one entry per resource (tags, slots, role, phase,
   status, process); read back on start-up, so a restarted scheduler knows every
@@ -50,6 +55,7 @@ from seamlessflow.bus import NoResponder, RemoteError
 from seamlessflow.protocol import (
     DEFAULT_POLICY,
     BatchProgress,
+    CoresLent,
     Heartbeat,
     LendReport,
     PhaseChanged,
@@ -67,7 +73,14 @@ from seamlessflow.protocol import (
     policy_of_tags,
 )
 from seamlessflow.service import ServiceContext, supervise
-from sf_tag_scheduler.policy import LendPlan, ResourceView, TagPolicy
+from sf_tag_scheduler.policy import (
+    EngineLoad,
+    LendPlan,
+    ResourceView,
+    TagPolicy,
+    cores_for_training,
+    lent_threads,
+)
 from sf_tag_scheduler.settings import TagSchedulerSettings
 
 log = logging.getLogger(__name__)
@@ -104,6 +117,10 @@ class TagSchedulerService:
         self.trainer_versions: dict[str, int] = {}
         """Per policy, the newest version its trainer released its slots with: engines
         lent to it serve no older weights."""
+        self.training: dict[str, str] = {}
+        """Per policy, the trainer that claimed its slots and has not released them."""
+        self.cores_lent: dict[str, tuple[str, ...]] = {}
+        """Per policy, the engines whose cores its trainer was last told it may use."""
 
     def decisions(self, policy: str = DEFAULT_POLICY) -> TagPolicy:
         """The scheduling policy object of one (RL) policy, made on first use."""
@@ -234,6 +251,8 @@ class TagSchedulerService:
         missed = await self._reclaim(
             claim.policy, plan.reclaim, plan.reason, batch_index=claim.batch_index, early=False
         )
+        self.training[claim.policy] = claim.trainer_id
+        await self._lend_cores(claim.policy)
         seconds = time.monotonic() - started
         return SlotsGranted(reclaimed=list(plan.reclaim), seconds=seconds, missed=missed)
 
@@ -299,6 +318,7 @@ class TagSchedulerService:
     async def on_release(self, release: SlotsReleased) -> LendReport:
         """The trainer waits: decide now, lend in the background (the trainer goes on)."""
         check_policy(release.policy)
+        await self._lend_cores(release.policy, trainer_released=release.trainer_id)
         self.trainer_versions[release.policy] = max(
             self.trainer_versions.get(release.policy, 0), release.version
         )
@@ -460,6 +480,7 @@ class TagSchedulerService:
                 await self._retire(beat.resource_id, state)
             return
         state.last_seen = time.time()
+        load_changed = (beat.in_flight, beat.phase) != (state.in_flight, state.phase)
         state.in_flight = beat.in_flight
         revived = not state.alive
         state.alive = True
@@ -473,6 +494,8 @@ class TagSchedulerService:
                 PhaseChanged(resource_id=beat.resource_id, phase=beat.phase),
             )
             await self._store(beat.resource_id)
+        if (load_changed or revived) and state.view.kind == "engine":
+            await self._lend_cores(state.policy)
 
     async def _liveness_loop(self) -> None:
         while True:
@@ -495,6 +518,50 @@ class TagSchedulerService:
         )
         await self._store(resource_id)
         self._lend_others(state.policy, decisions.rebalance(time.monotonic()), resource_id)
+        await self._lend_cores(state.policy)
+
+    # ------------------------------------------------------------------ cores to training
+
+    async def _lend_cores(self, policy: str, trainer_released: str = "") -> None:
+        """Tell the training trainer of ``policy`` which idle engines' cores it may use,
+        if that changed. ``trainer_released``: that trainer stops training (0 threads)."""
+        trainer_id = self.training.get(policy)
+        if trainer_released:
+            self.training.pop(policy, None)
+        if trainer_id is None or not self.settings.lend_cores_to_training:
+            return
+        if trainer_released:
+            lent: tuple[str, ...] = ()
+        else:
+            trainer = self.resources.get(trainer_id)
+            engines = self._engine_loads(policy)
+            lent = cores_for_training(trainer.process[0] if trainer else "", engines)
+        if lent == self.cores_lent.get(policy, ()):
+            return
+        self.cores_lent[policy] = lent
+        threads = lent_threads(self._engine_loads(policy), lent)
+        with tracer.start_as_current_span(
+            "sched.cores",
+            attributes={
+                "policy": policy,
+                "trainer.id": trainer_id,
+                "engines": list(lent),
+                "threads": threads,
+            },
+        ):
+            await self.ctx.bus.publish(
+                self.ctx.subjects.sched_cores(trainer_id),
+                CoresLent(
+                    trainer_id=trainer_id, threads=threads, engines=list(lent), policy=policy
+                ),
+            )
+
+    def _engine_loads(self, policy: str) -> list[EngineLoad]:
+        return [
+            EngineLoad(state.view, state.process[0], state.phase, state.in_flight, state.alive)
+            for state in self.resources.values()
+            if state.policy == policy and state.view.kind == "engine"
+        ]
 
     def _lend_others(self, policy: str, plan: LendPlan, except_id: str) -> None:
         """Queue the lends of ``plan`` except ``except_id`` (told in its registration reply)."""

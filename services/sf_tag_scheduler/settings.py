@@ -41,6 +41,12 @@ class TagSchedulerSettings(RunFileSettings):
     """Once lent engines serve, move in-flight requests onto them from the busiest
     engines (partial rollout); without it a lent engine gets only new requests."""
 
+    lend_cores_to_training: bool = True
+    """Lending in the other direction: while the trainer trains, dedicated rollout
+    engines on its host that have nothing to generate lend it their cores (CoresLent:
+    it runs more intra-op threads), taken back by the engine's next request. Pays where
+    training is the bottleneck; off: each keeps its own cores."""
+
     switch_cost_prior_s: float = 1.0
     """Lend-in and reclaim time assumed until measured on this run (reported with each
     decision; the decision itself measures steps/s)."""

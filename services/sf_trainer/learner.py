@@ -32,6 +32,7 @@ from sf_trainer.losses import get_loss
 from sf_trainer.schedule import lr_at
 from sf_trainer.settings import TrainerSettings
 from sf_trainer.step import StepResult, train_step
+from sf_trainer.threads import ThreadBudget
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,13 @@ class Learner:
         """{alias: name} of tied matrices: published and checkpointed once, under the
         first name (``seamlessflow.weights.tied``)."""
         self.model = group.shard(model, bf16_mixed=self.bf16_mixed)
+        self.threads: ThreadBudget | None = None
+        """One rank on the CPU: it may train on cores lent by idle rollout engines
+        (``sf_trainer.threads``). Not with several ranks: they step together, so one
+        rank's extra threads would only wait at the next collective."""
+        if group.world_size == 1 and group.device.type == "cpu":
+            self.threads = ThreadBudget(settings.torch_threads)
+            self.threads.install(self.model)
         self.reference = (
             load_reference(model_dir, group, self.bf16_mixed) if settings.kl_coef > 0 else None
         )

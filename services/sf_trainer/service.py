@@ -9,6 +9,8 @@ Consumes:
   ``SF_<RUN>_BATCHDATA-<policy>`` (``seamlessflow.batches``), or a TrainBatch published
   whole; acked only after the step's weights are published)
 - ``sf.<run>.sched.assign.<trainer>`` (RoleAssignment)
+- ``sf.<run>.sched.cores.<trainer>`` (CoresLent: idle rollout engines' cores it may
+  train on now; ``sf_trainer.threads``)
 Produces:
 - weight payloads (``seamlessflow.weights``: full or delta, in the NATS Object Store or
   shared memory, complete before announced; the trainer deletes chains it no longer keeps)
@@ -65,6 +67,7 @@ from seamlessflow.bus import DurableConsumer, Msg, NoResponder, RemoteError, ack
 from seamlessflow.protocol import (
     TRAINER_DURABLE,
     BatchReady,
+    CoresLent,
     LendReport,
     Message,
     MessageIds,
@@ -129,6 +132,8 @@ class TrainerService:
         lost): what decides whether a checkpoint may be replaced."""
         self._ahead_since: float | None = None
         """Since when a batch after the next one to train has been put back."""
+        self._lent_thread_s = 0.0
+        """Thread-seconds the last step ran on lent cores (``sf_trainer.threads``)."""
         self.unsaved_steps = 0
         """Steps since ``checkpoints/final`` was written: a trainer that trained nothing
         (e.g. a bad ``SF_TRAINER_RESUME``) never overwrites it on the way out."""
@@ -169,6 +174,9 @@ class TrainerService:
             )
             self.membership.version = self.version
             await self.membership.register()
+            await ctx.bus.subscribe(
+                ctx.subjects.sched_cores(self.trainer_id), CoresLent, self.on_cores_lent
+            )
             heartbeat = asyncio.create_task(self.membership.heartbeat_loop())
             try:
                 await self.membership.wait_for_role("train")
@@ -342,8 +350,16 @@ class TrainerService:
         if granted is not None and granted.missed:
             log.warning("engines %s did not release their slots in time", granted.missed)
 
+    async def on_cores_lent(self, lent: CoresLent) -> None:
+        """The learner takes the offer at its next layer (``ThreadBudget.apply``)."""
+        if self.learner.threads is not None:
+            self.learner.threads.lend(lent.threads)
+
     async def _release_slots(self) -> None:
-        """Waiting for a batch: the scheduler may lend my slots to rollout meanwhile."""
+        """Waiting for a batch: the scheduler may lend my slots to rollout meanwhile.
+        Lent cores go back first (the engines get work with the version just published)."""
+        if self.learner.threads is not None:
+            self.learner.threads.lend(0)
         release = SlotsReleased(
             trainer_id=self.trainer_id, version=self.version, policy=self.policy
         )
@@ -414,6 +430,7 @@ class TrainerService:
             entropy_mean=result.entropy_mean,
             mean_staleness=result.mean_staleness,
             completions_truncated_fraction=result.completions_truncated_fraction,
+            lent_thread_seconds=self._lent_thread_s,
             weights_kind=manifest.kind,
             weights_payload_bytes=manifest.payload_bytes,
             weights_state_bytes=manifest.state_bytes,
@@ -471,7 +488,10 @@ class TrainerService:
         """One step, on the learner thread. The counters move with the weights: a
         checkpoint queued behind a step that outlived a stop describes what it saves
         (the batch, never acked, is redelivered and then skipped, not trained twice)."""
+        threads = self.learner.threads
+        lent_before = threads.extra_thread_seconds() if threads else 0.0
         result = self.learner.step(batch, self.version, step=self.step)
+        self._lent_thread_s = threads.extra_thread_seconds() - lent_before if threads else 0.0
         self.step += 1
         self.version += 1
         self.data_position = batch.batch_index

@@ -89,6 +89,9 @@ class Summary:
     """Engines taken back for training (``sched.reclaim`` spans)."""
     requests_handed_back: int = 0
     """Requests in flight on reclaimed engines, resumed elsewhere (partial rollout)."""
+    lent_thread_seconds: float = 0.0
+    """Thread-seconds the trainer ran on cores lent by idle rollout engines (lending in
+    the other direction, ``CoresLent``), over the run."""
     weights_bytes_sent: int = 0
     """Weight payload bytes over the run (per engine): fulls plus deltas."""
     weights_bytes_full: int = 0
@@ -173,6 +176,7 @@ def write_report(state: RunState) -> Summary:
         lends=scheduling["lends"],
         reclaims=scheduling["reclaims"],
         requests_handed_back=scheduling["handed_back"],
+        lent_thread_seconds=round(sum(m.lent_thread_seconds for m in metrics), 3),
         policies={policy: policy_summary(state, policy) for policy in state.config.policies},
         eval_first=eval_record(evals[0]) if evals else None,
         eval_last=eval_record(evals[-1]) if evals else None,
