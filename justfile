@@ -166,6 +166,12 @@ peer-long STEPS="80" SIZE="small" ENGINES="vllm,hf": _cpu-only
 peer-real STEPS="30" TASK="rg:basic_arithmetic?max_terms=2&max_digits=1&allow_parentheses=false&allow_negation=false&answer=last_number" LR="1e-5" MAX_TOKENS="64" GROUP_SIZE="8" ENGINES="vllm,hf" EVAL_EVERY="10" GROUPS="4" PRECISION="bf16-mixed": _cpu-only pretrained
     {{bin}}/python loadtests/peer_compare.py --model smollm2-135m-instruct --task {{quote(TASK)}} --steps {{STEPS}} --lr {{LR}} --max-tokens {{MAX_TOKENS}} --group-size {{GROUP_SIZE}} --groups-per-batch {{GROUPS}} --precision {{PRECISION}} --engines {{ENGINES}} --eval-every {{EVAL_EVERY}} --eval-items 64 --base-samples 16 --out runs/load/peer_real.json
 
+# the pretrained model's run defaults, one setting changed at a time (KL, temperature,
+# group size, max_tokens, lr): each variant is a real `seamlessflow up --model` run of
+# STEPS steps with held-out accuracy before and after, its reward curve and step time
+sweep-defaults STEPS="10" VARIANTS="default,kl,temp07,group4,group16": _cpu-only pretrained
+    {{bin}}/python loadtests/defaults_sweep.py --steps {{STEPS}} --variants {{VARIANTS}} --out runs/load/defaults_sweep.json
+
 # gateway load test against a live mesh: 100, 500 and 1000 concurrent multi-turn agent
 # sessions (scripted engine, agents in 2 processes of their own); requests/s, latency
 # percentiles, what the gateway adds, every session stored exactly once
