@@ -6,8 +6,10 @@ deployment but for that setting.
 Per variant it prints and writes (``--out``, JSON): held-out accuracy before the first
 step and after the last (the trainer's own evaluation: greedy, the task's held-out
 split, the dataset's scorer), the training reward curve by step (mean of each batch),
-mean trainer step seconds, wall seconds, tokens generated, and the KL when the
-variant has a KL term. Variants run one after another; run it alone on the machine
+mean trainer step seconds, the step period (first to last step), weight publish
+seconds, wall seconds, tokens generated, thread-seconds trained on lent rollout cores,
+weight bytes sent, the trainer-engine logprob gap, and the KL when the variant has a
+KL term. Variants run one after another; run it alone on the machine
 (every run uses every core).
 
     python loadtests/defaults_sweep.py --steps 10 --variants default,kl,temp07
@@ -64,6 +66,17 @@ VARIANTS: dict[str, Variant] = {
         ),
         Variant("tokens128", "max_tokens 128 (default 64)", options=("--max-tokens", "128")),
         Variant("lr3e-5", "learning rate 3e-5 (default 1e-5)", options=("--lr", "3e-5")),
+        # what a step costs beyond compute (the same learning expected; compare the times)
+        Variant(
+            "no-core-lending",
+            "idle rollout cores not lent to training",
+            env={"SF_TAG_SCHEDULER_LEND_CORES_TO_TRAINING": "false"},
+        ),
+        Variant(
+            "bf16-wire",
+            "weights travel and are served in bfloat16 (deltas between versions)",
+            env={"SF_WEIGHTS_DTYPE": "bfloat16"},
+        ),
     )
 }
 
@@ -118,9 +131,38 @@ def figures(run_dir: Path, variant: Variant, wall_s: float) -> dict[str, Any]:
         "reward_by_step": [round(r["mean_reward"], 4) for r in steps],
         "kl_by_step": [round(r.get("kl_mean", 0.0), 5) for r in steps],
         "mean_step_s": summary.get("mean_step_s"),
+        "mean_publish_s": summary.get("mean_publish_s"),
+        "steady_seconds_per_step": summary.get("steady_seconds_per_step"),
+        "lent_thread_seconds": summary.get("lent_thread_seconds"),
+        "weights_bytes_sent": summary.get("weights_bytes_sent"),
+        "logprob_abs_diff_mean": (
+            sum(r.get("logprob_abs_diff", 0.0) for r in steps) / len(steps) if steps else None
+        ),
         "tokens_generated": summary.get("tokens_generated"),
         "wall_s": round(wall_s, 1),
     }
+
+
+def phase_seconds(run_dir: Path) -> dict[str, dict[str, float]]:
+    """Per resource, seconds in each phase (``phase.*`` spans: idle, rollout, sync, train)
+    and the mean length of its ``sync`` intervals (an engine's: loading a version)."""
+    totals: dict[str, dict[str, float]] = {}
+    syncs: dict[str, list[float]] = {}
+    for part in sorted((run_dir / "spans").glob("*.jsonl")):
+        for line in part.read_text().splitlines():
+            span = json.loads(line)
+            if not span.get("name", "").startswith("phase."):
+                continue
+            resource = span["attributes"].get("resource.id", "?")
+            phase = span["name"].removeprefix("phase.")
+            seconds = span["end"] - span["start"]
+            lane = totals.setdefault(resource, {})
+            lane[phase] = round(lane.get(phase, 0.0) + seconds, 1)
+            if phase == "sync":
+                syncs.setdefault(resource, []).append(seconds)
+    for resource, lengths in syncs.items():
+        totals[resource]["mean_sync_s"] = round(sum(lengths) / len(lengths), 2)
+    return totals
 
 
 def run_variant(args: argparse.Namespace, variant: Variant) -> dict[str, Any]:
@@ -139,24 +181,27 @@ def run_variant(args: argparse.Namespace, variant: Variant) -> dict[str, Any]:
         tail = (completed.stdout + completed.stderr).strip().splitlines()[-5:]
         return {"variant": variant.name, "what": variant.what, "status": "failed",
                 "returncode": completed.returncode, "tail": tail}  # fmt: skip
-    return figures(run_dir, variant, wall_s)
+    row = figures(run_dir, variant, wall_s)
+    row["phases"] = phase_seconds(run_dir)
+    return row
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        f"{'variant':<10} {'held-out before':>15} {'after':>6} {'gain':>6} "
-        f"{'step s':>7} {'wall s':>7}  reward by step"
+        f"{'variant':<16} {'held-out before':>15} {'after':>6} {'gain':>6} "
+        f"{'step s':>7} {'period s':>8} {'publish s':>9} {'wall s':>7}  reward by step"
     ]
     for row in rows:
         if row["status"] != "finished":
-            lines.append(f"{row['variant']:<10} {row['status']}: {' / '.join(row.get('tail', []))}")
+            lines.append(f"{row['variant']:<16} {row['status']}: {' / '.join(row.get('tail', []))}")
             continue
         first, last = row["eval_first"], row["eval_last"]
         gain = last - first if first is not None and last is not None else float("nan")
         curve = " ".join(f"{r:.2f}" for r in row["reward_by_step"])
         lines.append(
-            f"{row['variant']:<10} {first:>15.3f} {last:>6.3f} {gain:>+6.3f} "
-            f"{row['mean_step_s']:>7.1f} {row['wall_s']:>7.0f}  {curve}"
+            f"{row['variant']:<16} {first:>15.3f} {last:>6.3f} {gain:>+6.3f} "
+            f"{row['mean_step_s']:>7.1f} {row.get('steady_seconds_per_step') or 0:>8.1f} "
+            f"{row.get('mean_publish_s') or 0:>9.2f} {row['wall_s']:>7.0f}  {curve}"
         )
     return "\n".join(lines)
 
