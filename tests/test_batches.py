@@ -38,10 +38,12 @@ from seamlessflow.protocol import (
     decode,
     encode,
 )
+from seamlessflow.resources import ResourceMembership
 from seamlessflow.service import ServiceContext
 from seamlessflow.settings import MeshSettings
 from sf_trainer.service import TrainerService
 from sf_trainer.settings import TrainerSettings
+from sf_trainer.threads import usable_cpus
 from sf_trajectory.service import TrajectoryService
 from sf_trajectory.settings import TrajectorySettings
 
@@ -347,11 +349,16 @@ async def test_a_64_by_4k_token_batch_with_a_16k_sample_is_trained(
         nats_url=mesh.mesh.nats_url, run_id=mesh.mesh.run_id, model_dir=narrow_model_dir,
         run_dir=tmp_path,
     )  # fmt: skip
+    # an idle dedicated engine on this host: its core is lent to the training trainer
+    idle_engine = ResourceMembership(bus, "engine-idle", "engine", ["rollout"], ["slot-0"])
+    await idle_engine.register()
+    beating = asyncio.create_task(idle_engine.heartbeat_loop())
     trainer_bus = await connect(run.nats_url, Subjects(run.run_id), name="trainer")
     try:
         trainer = TrainerService(TrainerSettings(steps=1, micro_batch_tokens=LONG_SAMPLE))
         await asyncio.wait_for(trainer.run(ServiceContext(mesh=run, bus=trainer_bus)), 300)
     finally:
+        beating.cancel()
         await trainer_bus.drain()
 
     s = bus.subjects
@@ -363,6 +370,8 @@ async def test_a_64_by_4k_token_batch_with_a_16k_sample_is_trained(
     assert metrics.samples == GROUP_SIZE * GROUPS
     assert metrics.tokens_trained == trained_tokens
     assert np.isfinite(metrics.loss) and metrics.logprob_abs_diff > 0
+    # the trainer trained on the lent core, where it may run on a second one
+    assert (metrics.lent_thread_seconds > 0) == (usable_cpus() >= 2), metrics
     [finished] = [
         decode(m.data, TrainingFinished)
         for m in await bus.read_subject(s.stream_metrics(), s.train_finished())

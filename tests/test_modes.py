@@ -74,6 +74,12 @@ async def test_a_run_lends_and_reclaims_training_slots(
         and (mode == "colocated" or "lend" in s["attributes"]["resource.id"])
     ]
     assert len(train) == steps
+    # summary.json's phase seconds are the phase spans, added up per resource
+    trainer_phases = written["phase_seconds"][train[0]["attributes"]["resource.id"]]
+    assert trainer_phases["train"] == pytest.approx(sum(t["end"] - t["start"] for t in train),
+                                                    abs=0.01)  # fmt: skip
+    engines = {s["attributes"]["resource.id"] for s in spans if s["name"] == "phase.rollout"}
+    assert engines and engines <= set(written["phase_seconds"])
     for t in train:
         for r in lent_rollout:
             assert r["end"] <= t["start"] or r["start"] >= t["end"], "engine and trainer overlapped"

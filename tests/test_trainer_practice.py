@@ -343,3 +343,15 @@ async def test_an_embedded_run_records_evaluations_and_rates_in_metrics_jsonl(
     assert [r["lr"] for r in step_records] == pytest.approx(
         [lr_at(s, settings) for s in range(steps)]
     )
+
+
+def test_weights_travel_in_the_precision_the_trainer_computes_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sf_trainer.service import weight_transfer
+
+    monkeypatch.delenv("SF_WEIGHTS_DTYPE", raising=False)
+    assert weight_transfer(TrainerSettings(precision="bf16-mixed")).dtype == "bfloat16"
+    assert weight_transfer(TrainerSettings(precision="fp32")).dtype == ""  # its float32
+    monkeypatch.setenv("SF_WEIGHTS_DTYPE", "float32")  # the user's choice wins
+    assert weight_transfer(TrainerSettings(precision="bf16-mixed")).dtype == "float32"

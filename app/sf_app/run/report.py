@@ -92,6 +92,9 @@ class Summary:
     lent_thread_seconds: float = 0.0
     """Thread-seconds the trainer ran on cores lent by idle rollout engines (lending in
     the other direction, ``CoresLent``), over the run."""
+    phase_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per resource, seconds in each phase and its mean ``sync`` interval
+    (``phase_seconds``): where each engine's and the trainer's time went."""
     weights_bytes_sent: int = 0
     """Weight payload bytes over the run (per engine): fulls plus deltas."""
     weights_bytes_full: int = 0
@@ -177,6 +180,7 @@ def write_report(state: RunState) -> Summary:
         reclaims=scheduling["reclaims"],
         requests_handed_back=scheduling["handed_back"],
         lent_thread_seconds=round(sum(m.lent_thread_seconds for m in metrics), 3),
+        phase_seconds=phase_seconds(run_dir / "spans.jsonl"),
         policies={policy: policy_summary(state, policy) for policy in state.config.policies},
         eval_first=eval_record(evals[0]) if evals else None,
         eval_last=eval_record(evals[-1]) if evals else None,
@@ -235,6 +239,35 @@ def count_scheduling(spans_path: Path) -> dict[str, int]:
                 counts["reclaims"] += len(attributes.get("reclaimed", []))
                 counts["handed_back"] += int(attributes.get("handed_back", 0))
     return counts
+
+
+def phase_seconds(spans_path: Path) -> dict[str, dict[str, float]]:
+    """Per resource (engine, trainer), seconds in each phase (``phase.*`` spans: idle,
+    rollout, sync, train), and ``mean_sync_s``, the mean length of its ``sync``
+    intervals (an engine's: loading one version; a trainer's: publishing one, with the
+    evaluations that follow it)."""
+    totals: dict[str, dict[str, float]] = {}
+    syncs: dict[str, list[float]] = {}
+    if not spans_path.exists():
+        return totals
+    with spans_path.open() as lines:
+        for line in lines:
+            span = json.loads(line)
+            if not span["name"].startswith("phase."):
+                continue
+            resource = span["attributes"].get("resource.id", "?")
+            phase = span["name"].removeprefix("phase.")
+            seconds = span["end"] - span["start"]
+            lane = totals.setdefault(resource, {})
+            lane[phase] = lane.get(phase, 0.0) + seconds
+            if phase == "sync":
+                syncs.setdefault(resource, []).append(seconds)
+    for resource, lengths in syncs.items():
+        totals[resource]["mean_sync_s"] = sum(lengths) / len(lengths)
+    return {
+        resource: {phase: round(seconds, 2) for phase, seconds in lane.items()}
+        for resource, lane in totals.items()
+    }
 
 
 def struct_dict(message: TrainStepMetrics | TrainEvalMetrics) -> dict[str, Any]:

@@ -29,8 +29,10 @@ class WeightTransferSettings(RunFileSettings):
     GPU engines in a collective group also get a push broadcast (``collective``)."""
 
     dtype: str = ""
-    """dtype the weights travel and are served in (``bfloat16``); empty = the trainer's.
-    Low-precision transfer is where deltas pay: most bf16 words survive a step."""
+    """dtype the weights travel in (``bfloat16``, ``float32``); empty = the precision the
+    trainer computes in (``bfloat16`` under ``SF_TRAINER_PRECISION=bf16-mixed``, else its
+    float32 weights). Low-precision transfer is where deltas pay: most bf16 words survive
+    a step."""
 
     deltas: bool = True
     """Send sparse deltas between consecutive versions when they are smaller."""
