@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -92,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/sweep"))
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+    parser.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep each run's checkpoints (1.6 GB each for SmolLM2 with its optimizer "
+        "state); by default they are deleted once the run's figures are read",
+    )
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.variants.split(",") if name.strip()]
     unknown = [name for name in names if name not in VARIANTS]
@@ -134,6 +141,7 @@ def figures(run_dir: Path, variant: Variant, wall_s: float) -> dict[str, Any]:
         "mean_publish_s": summary.get("mean_publish_s"),
         "steady_seconds_per_step": summary.get("steady_seconds_per_step"),
         "lent_thread_seconds": summary.get("lent_thread_seconds"),
+        "phase_seconds": summary.get("phase_seconds"),
         "weights_bytes_sent": summary.get("weights_bytes_sent"),
         "logprob_abs_diff_mean": (
             sum(r.get("logprob_abs_diff", 0.0) for r in steps) / len(steps) if steps else None
@@ -141,28 +149,6 @@ def figures(run_dir: Path, variant: Variant, wall_s: float) -> dict[str, Any]:
         "tokens_generated": summary.get("tokens_generated"),
         "wall_s": round(wall_s, 1),
     }
-
-
-def phase_seconds(run_dir: Path) -> dict[str, dict[str, float]]:
-    """Per resource, seconds in each phase (``phase.*`` spans: idle, rollout, sync, train)
-    and the mean length of its ``sync`` intervals (an engine's: loading a version)."""
-    totals: dict[str, dict[str, float]] = {}
-    syncs: dict[str, list[float]] = {}
-    for part in sorted((run_dir / "spans").glob("*.jsonl")):
-        for line in part.read_text().splitlines():
-            span = json.loads(line)
-            if not span.get("name", "").startswith("phase."):
-                continue
-            resource = span["attributes"].get("resource.id", "?")
-            phase = span["name"].removeprefix("phase.")
-            seconds = span["end"] - span["start"]
-            lane = totals.setdefault(resource, {})
-            lane[phase] = round(lane.get(phase, 0.0) + seconds, 1)
-            if phase == "sync":
-                syncs.setdefault(resource, []).append(seconds)
-    for resource, lengths in syncs.items():
-        totals[resource]["mean_sync_s"] = round(sum(lengths) / len(lengths), 2)
-    return totals
 
 
 def run_variant(args: argparse.Namespace, variant: Variant) -> dict[str, Any]:
@@ -182,7 +168,8 @@ def run_variant(args: argparse.Namespace, variant: Variant) -> dict[str, Any]:
         return {"variant": variant.name, "what": variant.what, "status": "failed",
                 "returncode": completed.returncode, "tail": tail}  # fmt: skip
     row = figures(run_dir, variant, wall_s)
-    row["phases"] = phase_seconds(run_dir)
+    if not args.keep_checkpoints:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return row
 
 

@@ -738,6 +738,8 @@ def run_seamlessflow(
         "mean_step_s": summary.mean_step_s,
         "mean_wait_s": summary.mean_wait_s,
         "mean_publish_s": summary.mean_publish_s,
+        "lent_thread_seconds": summary.lent_thread_seconds,
+        "phase_seconds": summary.phase_seconds,
         "lends": summary.lends,
         "reclaims": summary.reclaims,
         "bubble_ratio": summary.bubble_ratio,
@@ -1066,7 +1068,10 @@ def print_phases(report: dict[str, Any]) -> None:
         ours = entry["seamlessflow"]
         print(f"  SeamlessFlow {engine}: trainer step {fmt(ours['mean_step_s'], 3)}, waiting "
               f"for its batch {fmt(ours['mean_wait_s'], 3)}, publishing weights "
-              f"{fmt(ours['mean_publish_s'], 3)}")  # fmt: skip
+              f"{fmt(ours['mean_publish_s'], 3)}, on lent cores "
+              f"{fmt(ours.get('lent_thread_seconds'), 1)} thread-s in all")  # fmt: skip
+        for resource, phases in sorted((ours.get("phase_seconds") or {}).items()):
+            print(f"    {resource}: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     print(f"  TRL: generate + score {fmt(theirs['mean_generate_s'], 3)}, train "
           f"{fmt(theirs['mean_train_s'], 3)}")  # fmt: skip
 

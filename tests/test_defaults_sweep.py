@@ -55,25 +55,3 @@ def test_figures_come_from_the_runs_summary_and_metrics(tmp_path: Path) -> None:
     assert row["kl_by_step"] == [0.0, 0.01]
     line = sweep.table([row]).splitlines()[-1]
     assert line.split()[:4] == ["kl", "0.250", "0.500", "+0.250"]
-
-
-def test_phase_seconds_add_up_each_resources_phase_spans(tmp_path: Path) -> None:
-    spans = tmp_path / "spans"
-    spans.mkdir()
-
-    def phase(resource: str, name: str, start: float, end: float) -> str:
-        attributes = {"resource.id": resource}
-        return json.dumps({"name": f"phase.{name}", "start": start, "end": end,
-                           "attributes": attributes})  # fmt: skip
-
-    lines = [
-        phase("engine-0", "sync", 0.0, 1.0),
-        phase("engine-0", "rollout", 1.0, 5.0),
-        phase("engine-0", "sync", 5.0, 8.0),
-        phase("trainer-1", "train", 0.0, 6.0),
-        json.dumps({"name": "trainer.step", "start": 0.0, "end": 6.0, "attributes": {}}),
-    ]
-    (spans / "engine-1.jsonl").write_text("\n".join(lines) + "\n")
-    phases = sweep.phase_seconds(tmp_path)
-    assert phases["engine-0"] == {"sync": 4.0, "rollout": 4.0, "mean_sync_s": 2.0}
-    assert phases["trainer-1"] == {"train": 6.0}
