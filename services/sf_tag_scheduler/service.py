@@ -318,7 +318,7 @@ class TagSchedulerService:
     async def on_release(self, release: SlotsReleased) -> LendReport:
         """The trainer waits: decide now, lend in the background (the trainer goes on)."""
         check_policy(release.policy)
-        await self._lend_cores(release.policy, trainer_released=release.trainer_id)
+        await self._lend_cores(release.policy, released=True)
         self.trainer_versions[release.policy] = max(
             self.trainer_versions.get(release.policy, 0), release.version
         )
@@ -522,24 +522,21 @@ class TagSchedulerService:
 
     # ------------------------------------------------------------------ cores to training
 
-    async def _lend_cores(self, policy: str, trainer_released: str = "") -> None:
+    async def _lend_cores(self, policy: str, released: bool = False) -> None:
         """Tell the training trainer of ``policy`` which idle engines' cores it may use,
-        if that changed. ``trainer_released``: that trainer stops training (0 threads)."""
-        trainer_id = self.training.get(policy)
-        if trainer_released:
-            self.training.pop(policy, None)
+        if that changed. ``released``: it stops training (0 threads from now)."""
+        trainer_id = self.training.pop(policy, None) if released else self.training.get(policy)
         if trainer_id is None or not self.settings.lend_cores_to_training:
             return
-        if trainer_released:
-            lent: tuple[str, ...] = ()
-        else:
+        engines = self._engine_loads(policy)
+        lent: tuple[str, ...] = ()
+        if not released:
             trainer = self.resources.get(trainer_id)
-            engines = self._engine_loads(policy)
             lent = cores_for_training(trainer.process[0] if trainer else "", engines)
         if lent == self.cores_lent.get(policy, ()):
             return
         self.cores_lent[policy] = lent
-        threads = lent_threads(self._engine_loads(policy), lent)
+        threads = lent_threads(engines, lent)
         with tracer.start_as_current_span(
             "sched.cores",
             attributes={
