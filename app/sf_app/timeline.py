@@ -70,7 +70,8 @@ class Timeline:
         return 1.0 - sum(self.busy(r) for r in self.lanes) / total
 
 
-def load_phase_spans(spans_path: Path) -> dict[str, list[Interval]]:
+def load_phase_spans(spans_path: Path, by_resource: bool = False) -> dict[str, list[Interval]]:
+    """Phase intervals per slot (the timeline's lanes), or per resource."""
     lanes: dict[str, list[Interval]] = defaultdict(list)
     with spans_path.open() as lines:
         for line in lines:
@@ -82,8 +83,12 @@ def load_phase_spans(spans_path: Path) -> dict[str, list[Interval]]:
             if not resource:
                 continue
             phase = span["name"].removeprefix("phase.")
+            interval = Interval(span["start"], span["end"], phase)
+            if by_resource:
+                lanes[resource].append(interval)
+                continue
             for slot in attributes.get("resource.slots") or [resource]:
-                lanes[slot].append(Interval(span["start"], span["end"], phase))
+                lanes[slot].append(interval)
     return dict(lanes)
 
 

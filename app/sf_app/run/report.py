@@ -246,24 +246,18 @@ def phase_seconds(spans_path: Path) -> dict[str, dict[str, float]]:
     rollout, sync, train), and ``mean_sync_s``, the mean length of its ``sync``
     intervals (an engine's: loading one version; a trainer's: publishing one, with the
     evaluations that follow it)."""
-    totals: dict[str, dict[str, float]] = {}
-    syncs: dict[str, list[float]] = {}
+    from sf_app.timeline import load_phase_spans
+
     if not spans_path.exists():
-        return totals
-    with spans_path.open() as lines:
-        for line in lines:
-            span = json.loads(line)
-            if not span["name"].startswith("phase."):
-                continue
-            resource = span["attributes"].get("resource.id", "?")
-            phase = span["name"].removeprefix("phase.")
-            seconds = span["end"] - span["start"]
-            lane = totals.setdefault(resource, {})
-            lane[phase] = lane.get(phase, 0.0) + seconds
-            if phase == "sync":
-                syncs.setdefault(resource, []).append(seconds)
-    for resource, lengths in syncs.items():
-        totals[resource]["mean_sync_s"] = sum(lengths) / len(lengths)
+        return {}
+    totals: dict[str, dict[str, float]] = {}
+    for resource, intervals in load_phase_spans(spans_path, by_resource=True).items():
+        lane = totals[resource] = {}
+        for interval in intervals:
+            lane[interval.phase] = lane.get(interval.phase, 0.0) + interval.end - interval.start
+        syncs = [i.end - i.start for i in intervals if i.phase == "sync"]
+        if syncs:
+            lane["mean_sync_s"] = sum(syncs) / len(syncs)
     return {
         resource: {phase: round(seconds, 2) for phase, seconds in lane.items()}
         for resource, lane in totals.items()
