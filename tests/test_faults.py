@@ -355,8 +355,10 @@ async def test_a_cluster_loses_the_stream_leader_mid_run_and_the_run_finishes(
     run = EmbeddedRun(config)
     running = asyncio.create_task(run.run())
     try:
-        async with asyncio.timeout(300):
-            await wait_until(lambda: len(run.state.metrics) >= 1 or running.done(), "a step", 120)
+        # deadlines against a hang, not speed targets: three servers, the services and
+        # their restarts share two cores with whatever else runs (CI ran out of 300 s)
+        async with asyncio.timeout(900):
+            await wait_until(lambda: len(run.state.metrics) >= 1 or running.done(), "a step", 600)
             assert not running.done(), run.state.status
             leader = await stream_leader(run, Subjects(run_id).stream_trajectory())
             index = int(leader.removeprefix("n"))
@@ -364,7 +366,7 @@ async def test_a_cluster_loses_the_stream_leader_mid_run_and_the_run_finishes(
             assert node is not None
             os.kill(node.pid, signal.SIGKILL)
             label = f"nats-{index}"
-            await wait_until(lambda: label in run.restarts or running.done(), "its restart", 30)
+            await wait_until(lambda: label in run.restarts or running.done(), "its restart", 120)
             summary = await running
     finally:
         await cancel_if_running(running)
