@@ -461,6 +461,17 @@ class Bus:
             return None
         return _stored(raw.subject, raw.seq, raw.data)
 
+    async def last_sequence(self, stream: str, subject: str) -> int:
+        """The stream sequence of the last message on ``subject`` (0: none). Raises
+        ``BrokerUnavailable`` while JetStream cannot answer (the caller may say "again")."""
+        try:
+            raw = await self.js.get_last_msg(stream, subject)
+        except nats.js.errors.NotFoundError:
+            return 0
+        except JETSTREAM_UNAVAILABLE as exc:
+            raise BrokerUnavailable(f"JetStream did not answer for {subject}: {exc!r}") from exc
+        return int(raw.seq or 0)
+
     async def stored_at(
         self, stream: str, seq: int, *, direct: bool = False
     ) -> StoredMessage | None:

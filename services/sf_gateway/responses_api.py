@@ -274,7 +274,7 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
 
 
 async def create_response(gateway: Gateway, request: Request) -> Response:
-    session = gateway.access.open_session_of(request)
+    session = await gateway.open_session(request)
     body: ResponsesRequest = _parse(ResponsesRequest, await read_json(request))
     body.check()
     chat: ChatCompletionRequest = _parse(ChatCompletionRequest, body.chat_body())

@@ -127,6 +127,9 @@ from sf_gateway.turns import Plan, Turn, TurnPlanner
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
 
+FOLLOW_POLL_S = 1.0
+"""How often the live follower of shared sessions looks whether the service is stopping."""
+
 
 class Gateway:
     def __init__(
@@ -160,6 +163,15 @@ class Gateway:
         self._turns: set[asyncio.Task[None]] = set()
         # reads self.sessions and self.finished in place: neither is ever rebound
         self.access = Access(self.sessions, self.finished, settings.operator_keys())
+        # shared sessions (several gateway processes): the trajectory stream as read so far
+        self._events: Any = None
+        """The ordered consumer the restore read with, kept to follow the stream live."""
+        self.applied_seq = 0
+        """Stream sequence of the last trajectory event applied to the tables."""
+        self._applied = asyncio.Condition()
+        self._recorded_here: set[str] = set()
+        """Request ids of turns this process recorded and has not read back yet: it
+        applied them itself (reading them back would add their node twice)."""
 
     async def restore_sessions(self) -> None:
         """Rebuild the sessions that were open before a restart, from the trajectory
@@ -178,6 +190,7 @@ class Gateway:
         """Open session -> its chat turns; trees are built once the replay is done."""
         closed_groups: set[str] = set()
         replayed = 0
+        keep_following = False
         try:
             while last_seq:
                 msg = await events.next_msg(timeout=10.0)
@@ -188,10 +201,15 @@ class Gateway:
                     log.warning("skipping an undecodable trajectory event: %s", exc)
                 else:
                     self._replay(event, turns, closed_groups)
-                if msg.metadata.sequence.stream >= last_seq:
+                self.applied_seq = msg.metadata.sequence.stream
+                if self.applied_seq >= last_seq:
                     break
+            keep_following = self.settings.shared_sessions
         finally:
-            await events.unsubscribe()
+            if keep_following:
+                self._events = events  # follow_sessions reads on from here
+            else:
+                await events.unsubscribe()
         for session_id, session in list(self.sessions.items()):
             if session.opened.group_id in closed_groups:
                 del self.sessions[session_id]
@@ -233,6 +251,94 @@ class Gateway:
             session.finished = True
             self._retire(session)
             turns.pop(event.session_id, None)
+
+    async def follow_sessions(self, stopping: asyncio.Event) -> None:
+        """With shared sessions: apply what every gateway process stores, as it is stored
+        (sessions opened, turns recorded, sessions finished by the others), until
+        ``stopping``. ``restore_sessions`` read the stream up to here."""
+        events = self._events
+        if events is None:
+            return
+        try:
+            while not stopping.is_set():
+                try:
+                    msg = await events.next_msg(timeout=FOLLOW_POLL_S)
+                except TimeoutError:
+                    continue
+                try:
+                    event = decode(msg.data, TrajectoryEvent)
+                except ProtocolError as exc:
+                    log.warning("skipping an undecodable trajectory event: %s", exc)
+                else:
+                    self._apply(event)
+                async with self._applied:
+                    self.applied_seq = msg.metadata.sequence.stream
+                    self._applied.notify_all()
+        finally:
+            self._events = None
+            with contextlib.suppress(Exception):  # the connection may be draining
+                await events.unsubscribe()
+
+    def _apply(self, event: TrajectoryEvent) -> None:
+        """One event of the live stream (another process's, or this one's read back)."""
+        if isinstance(event, SessionOpened):
+            if event.session_id not in self.sessions and event.session_id not in self.finished:
+                self.sessions[event.session_id] = new_session(
+                    event, self.tokenizer, self.reasoning_parser
+                )
+            return
+        if isinstance(event, GroupClosed | RewardReported):
+            return  # nothing of the gateway's (a closed group's sessions end by themselves)
+        session = self.sessions.get(event.session_id)
+        if isinstance(event, TurnRecorded):
+            if event.request_id in self._recorded_here:
+                self._recorded_here.discard(event.request_id)
+                return
+            if session is None:
+                return
+            session.turns = max(session.turns, event.turn_index + 1)
+            if event.node_digest:
+                node = NodeKey(event.node_depth, event.node_digest)
+                add_node(session, self.tokenizer, node, event.prompt_ids, event.completion_ids)
+        elif isinstance(event, SessionFinished) and session is not None:
+            session.finished = True
+            self._retire(session)
+
+    async def _caught_up(self, request: Request) -> None:
+        """With shared sessions: wait until this process has applied the last event
+        stored for the request's session (another process may have recorded it), so a
+        turn continues from the exact ids the previous one stored, wherever it ran."""
+        if not self.settings.shared_sessions:
+            return
+        subjects = self.bus.subjects
+        try:
+            subject = subjects.trajectory_event(request.path_params["session_id"])
+        except ProtocolError:
+            return  # no such session anywhere: the access check answers 404
+        last = await self.bus.last_sequence(subjects.stream_trajectory(), subject)
+        if last <= self.applied_seq:
+            return
+        try:
+            async with asyncio.timeout(self.settings.catch_up_timeout_s), self._applied:
+                await self._applied.wait_for(lambda: self.applied_seq >= last)
+        except TimeoutError:
+            raise ApiError(
+                503,
+                "this gateway process has not read the session's record yet: send the "
+                "request again",
+                type_="server_error",
+                code="catching_up",
+            ) from None
+
+    async def session(self, request: Request) -> GatewaySession | None:
+        """The request's session (``Access.session_of``), caught up first."""
+        await self._caught_up(request)
+        return self.access.session_of(request)
+
+    async def open_session(self, request: Request) -> GatewaySession:
+        """The request's open session (``Access.open_session_of``), caught up first."""
+        await self._caught_up(request)
+        return self.access.open_session_of(request)
 
     # ------------------------------------------------------------------ HTTP app
 
@@ -305,7 +411,7 @@ class Gateway:
         return JSONResponse({"object": "list", "data": data})
 
     async def list_models_in_session(self, request: Request) -> Response:
-        self.access.session_of(request)
+        await self.session(request)
         return self._models()
 
     async def create_session(self, request: Request) -> Response:
@@ -340,7 +446,7 @@ class Gateway:
         )
 
     async def report_reward(self, request: Request) -> Response:
-        session = self.access.open_session_of(request)
+        session = await self.open_session(request)
         body = parse(RewardBody, await read_json(request))
         if body.policy:
             self.planner.check_model(body.policy, param="policy")
@@ -354,7 +460,7 @@ class Gateway:
         return JSONResponse(answer)
 
     async def finish_session(self, request: Request) -> Response:
-        session = self.access.open_session_of(request)
+        session = await self.open_session(request)
         async with session.lock:  # a turn still running is recorded before the finish
             if session.finished:
                 raise ApiError(409, "session already finished", code="session_finished")
@@ -379,7 +485,7 @@ class Gateway:
         the session's key, or an operator key for any session (also after a restart)."""
         session_id = request.path_params["session_id"]
         if not self.access.is_operator(request):
-            self.access.session_of(request)
+            await self.session(request)
         try:
             export = await self.bus.request(
                 self.bus.subjects.trajectory_export(),
@@ -397,7 +503,7 @@ class Gateway:
         return Response(encode(export), media_type="application/json")
 
     async def chat_completions(self, request: Request) -> Response:
-        session = self.access.open_session_of(request)
+        session = await self.open_session(request)
         body = parse(ChatCompletionRequest, await read_json(request))
         turn, view = self.planner.chat_turn(session, body, "gateway.chat_completion")
         if body.stream:
@@ -409,7 +515,7 @@ class Gateway:
         return await create_response(self, request)
 
     async def completions(self, request: Request) -> Response:
-        session = self.access.open_session_of(request)
+        session = await self.open_session(request)
         body = parse(CompletionRequest, await read_json(request))
         turn, view = self.planner.completion_turn(session, body)
         if body.stream:
@@ -425,14 +531,14 @@ class Gateway:
     async def tokenize_in_session(self, request: Request) -> Response:
         """In a session: a chat prompt's ids are the ones its next turn would record
         (the stored ids of the history it continues, then its new messages)."""
-        return await self._tokenize(request, self.access.open_session_of(request))
+        return await self._tokenize(request, await self.open_session(request))
 
     async def detokenize(self, request: Request) -> Response:
         self.access.require_operator(request)
         return await self._detokenize(request)
 
     async def detokenize_in_session(self, request: Request) -> Response:
-        self.access.open_session_of(request)
+        await self.open_session(request)
         return await self._detokenize(request)
 
     async def _tokenize(self, request: Request, session: GatewaySession | None) -> Response:
@@ -558,7 +664,13 @@ class Gateway:
             top_k=plan.top_k,
             constrained=bool(plan.structured_output),
         )
-        await self.bus.js_publish(self.bus.subjects.trajectory_event(turn.session_id), turn)
+        if self.settings.shared_sessions:
+            self._recorded_here.add(turn.request_id)
+        try:
+            await self.bus.js_publish(self.bus.subjects.trajectory_event(turn.session_id), turn)
+        except BaseException:
+            self._recorded_here.discard(turn.request_id)
+            raise
         session.turns += 1
 
 
@@ -570,11 +682,14 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def _listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """The gateway's bound socket; a port taken or a host not on this machine is a
-    setting to change, not a fault to retry."""
+    setting to change, not a fault to retry. ``reuse_port``: other processes may bind
+    the same address (SO_REUSEPORT) and the kernel spreads connections among them."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -621,7 +736,7 @@ class GatewayService:
         server = _Server(config)
         # Bound before serving, so that the public URL (port 0 picks one) is known before
         # the first request: a session opened at once must get a callable base_url.
-        listening = _listen(self.settings.host, self.settings.port)
+        listening = _listen(self.settings.host, self.settings.port, self.settings.reuse_port)
         self.bound_port = listening.getsockname()[1]
         self.gateway.public_url = (
             self.settings.public_url.rstrip("/") or f"http://{self.settings.host}:{self.bound_port}"
@@ -642,3 +757,4 @@ class GatewayService:
             group.create_task(server.serve(sockets=[listening]))
             group.create_task(announce())
             group.create_task(exit_on_stop())
+            group.create_task(self.gateway.follow_sessions(ctx.stopping))

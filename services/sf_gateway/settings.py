@@ -70,6 +70,35 @@ class GatewaySettings(RunFileSettings):
     ``qwen3`` (a leading ``<think>...</think>`` block), ``none`` (reasoning stays in the
     content), or ``auto``: ``qwen3`` if the chat template has ``<think>`` blocks."""
 
+    shared_sessions: bool = False
+    """This is one of several gateway processes serving the same sessions (behind one
+    address with ``reuse_port``, or behind a load balancer): each follows every session
+    from the trajectory stream as it is stored, and before a session's request waits
+    until it has what the others recorded for that session, so a turn may land on any
+    process and the one that opened the session may die. One session's turns still
+    come one after another (an agent loop's do): two at once on two processes are not
+    ordered."""
+
+    reuse_port: bool = False
+    """Listen with ``SO_REUSEPORT``: several gateway processes on one host bind the same
+    host and port, and the kernel spreads new connections among them (Linux). Needs a
+    fixed ``port`` and implies ``shared_sessions``."""
+
+    catch_up_timeout_s: float = 10.0
+    """With ``shared_sessions``: the longest a request waits for this process to read what
+    the others stored for its session before it fails with 503 (clients retry)."""
+
+    @model_validator(mode="after")
+    def _reuse_port_shares_sessions(self) -> "GatewaySettings":
+        if self.reuse_port:
+            if self.port == 0:
+                raise ValueError(
+                    "SF_GATEWAY_REUSE_PORT needs a fixed SF_GATEWAY_PORT: with 0 every "
+                    "process would pick a port of its own"
+                )
+            self.shared_sessions = True
+        return self
+
     @model_validator(mode="after")
     def _public_url_is_callable(self) -> "GatewaySettings":
         if not self.public_url and self.host in WILDCARD_HOSTS:
