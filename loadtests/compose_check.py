@@ -497,6 +497,7 @@ class Stack:
         env_file: Path,
         variables: dict[str, str],
         project: str = PROJECT,
+        profiles: Sequence[str] = (),
     ) -> None:
         self.variables = variables
         self.run_id = variables.get("SF_RUN_ID", "compose")
@@ -509,6 +510,7 @@ class Stack:
             str(env_file),
             "-f",
             str(COMPOSE_FILE),
+            *(arg for profile in profiles for arg in ("--profile", profile)),
         ]
 
     def compose(self, *args: str, timeout: float = 600.0, quiet: bool = True) -> str:
@@ -625,7 +627,69 @@ def checkpoint_steps(log: str) -> list[int]:
     return [int(m) for m in re.findall(CHECKPOINT_SAVED, log)]
 
 
-def exercise(stack: Stack, steps: int, timings: dict[str, float]) -> dict[str, Any]:
+def jetstream_streams(stack: Stack, node: str) -> list[dict[str, Any]]:
+    """The streams a NATS node holds, from its monitoring port (the container's loopback)."""
+    url = "http://127.0.0.1:8222/jsz?accounts=true&streams=true"
+    out = run(["docker", "exec", stack.container(node), "wget", "-qO-", url]).stdout
+    jsz = json.loads(out)
+    return [s for a in jsz.get("account_details") or [] for s in a.get("stream_detail") or []]
+
+
+def lagging_replicas(stack: Stack) -> list[str]:
+    """Every stream replica that is not current, as each stream's leader sees it (the
+    leader tracks its followers; a node's server name is its service's): [] when every
+    stream has a leader and two current followers."""
+    lagging, led = [], set()
+    for node in NATS_CLUSTER_NODES:
+        for stream in jetstream_streams(stack, node):
+            cluster = stream.get("cluster") or {}
+            if cluster.get("leader") != node:
+                continue
+            led.add(stream["name"])
+            replicas = cluster.get("replicas") or []
+            if len(replicas) != 2:
+                lagging.append(f"{stream['name']}: {len(replicas)} followers")
+            for replica in replicas:
+                if not replica.get("current") or replica.get("lag"):
+                    lagging.append(f"{stream['name']}@{replica['name']}")
+    streams = {s["name"] for s in jetstream_streams(stack, "nats")}
+    lagging += [f"{name}: no leader" for name in sorted(streams - led)]
+    return lagging
+
+
+def kill_the_stream_leader(stack: Stack, summary: dict[str, Any]) -> None:
+    """SIGKILL the node leading the trajectory stream (Docker restarts it: not a manual
+    stop); the other two keep a quorum and the run goes on."""
+    from seamlessflow.protocol import Subjects
+
+    trajectory = Subjects(stack.run_id).stream_trajectory()
+    streams = {s["name"]: s for s in jetstream_streams(stack, "nats")}
+    if trajectory not in streams:
+        raise CheckFailed(f"no stream {trajectory} on nats: {sorted(streams)}")
+    cluster = streams[trajectory].get("cluster") or {}
+    leader = cluster.get("leader")
+    replicas = [r["name"] for r in cluster.get("replicas") or []]
+    if leader not in NATS_CLUSTER_NODES or len(replicas) != 2:
+        raise CheckFailed(
+            f"{trajectory} is not on three nodes: leader {leader}, replicas {replicas}"
+        )
+    if not stack.state("trainer")["Running"]:
+        raise CheckFailed("the run finished before a NATS node could be killed: raise --steps")
+    pid = stack.state(leader)["Pid"]
+    os.kill(pid, 9)
+    say(f"SIGKILLed NATS node {leader} (host pid {pid}), the leader of {trajectory}")
+
+    def restarted() -> bool | None:
+        state = stack.state(leader)
+        return True if state["RestartCount"] >= 1 and state["Running"] else None
+
+    wait_until(f"{leader} to be restarted", restarted, 120)
+    summary["nats_node_killed"] = leader
+
+
+def exercise(
+    stack: Stack, steps: int, timings: dict[str, float], cluster: bool = False
+) -> dict[str, Any]:
     """The scenario of the module docstring, on a stack that is up."""
     summary: dict[str, Any] = {}
     with stage("gateway healthy", timings):
@@ -678,6 +742,10 @@ def exercise(stack: Stack, steps: int, timings: dict[str, float]) -> dict[str, A
         )
         summary["gateway_down_s"] = GATEWAY_DOWN_S
 
+    if cluster:
+        with stage("the trajectory stream's NATS leader killed, restarted", timings):
+            kill_the_stream_leader(stack, summary)
+
     with stage("run finished", timings):
 
         def trainer_exited() -> dict[str, Any] | None:
@@ -708,11 +776,14 @@ def exercise(stack: Stack, steps: int, timings: dict[str, float]) -> dict[str, A
             raise CheckFailed("final is the base model: no tensor changed")
         before = stack.state("trainer")["StartedAt"]
         stack.compose("restart", "trainer")
+
+        def finished_again() -> dict[str, Any] | None:
+            state = stack.state("trainer")
+            return state if state["StartedAt"] != before and not state["Running"] else None
+
         state = wait_until(
             "the restarted trainer to finish",
-            lambda: (lambda s: s if s["StartedAt"] != before and not s["Running"] else None)(
-                stack.state("trainer")
-            ),
+            finished_again,
             RUN_TIMEOUT_S,
             every=2.0,
         )
@@ -721,6 +792,15 @@ def exercise(stack: Stack, steps: int, timings: dict[str, float]) -> dict[str, A
             raise CheckFailed(
                 f"after `restart trainer` (exit {state['ExitCode']}) "
                 f"final changed: {again} != {final}"
+            )
+
+    if cluster:
+        with stage("every stream replica current on every node", timings):
+            wait_until(
+                "the killed node to catch up",
+                lambda: True if not lagging_replicas(stack) else None,
+                120,
+                every=2.0,
             )
 
     with stage("spans from every service", timings):
@@ -752,8 +832,18 @@ def exercise(stack: Stack, steps: int, timings: dict[str, float]) -> dict[str, A
     return summary
 
 
-def stack_variables(steps: int, images: dict[str, str]) -> dict[str, str]:
+# What compose/README.md ("A NATS cluster") has a user set with profile nats-cluster.
+NATS_CLUSTER_NODES = ("nats", "nats-2", "nats-3")
+NATS_CLUSTER_VARIABLES = {
+    "SF_NATS_ROUTES": ",".join(f"nats://{node}:6222" for node in NATS_CLUSTER_NODES),
+    "SF_NATS_URL": ",".join(f"nats://{node}:4222" for node in NATS_CLUSTER_NODES),
+    "SF_NATS_REPLICAS": "3",
+}
+
+
+def stack_variables(steps: int, images: dict[str, str], cluster: bool) -> dict[str, str]:
     return {
+        **(NATS_CLUSTER_VARIABLES if cluster else {}),
         "SF_NATS_TOKEN": secrets.token_urlsafe(24),
         "SF_GATEWAY_API_KEYS": secrets.token_urlsafe(24),
         "SF_RUN_ID": f"check-{time.strftime('%Y%m%d-%H%M%S')}",
@@ -826,6 +916,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="leave the stack up (and its volumes)")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
     parser.add_argument(
+        "--nats-cluster",
+        action="store_true",
+        help="profile nats-cluster: three NATS nodes, R3 streams, the stream leader killed",
+    )
+    parser.add_argument(
         "--serve",
         action="store_true",
         help="no checks: build on the local images and start the stack with compose/.env",
@@ -862,10 +957,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "SF_JAEGER_IMAGE": COLLECTOR_IMAGE,
                     **torch_variables,
                 },
+                cluster=args.nats_cluster,
             )
             env_file.write_text("".join(f"{k}={v}\n" for k, v in variables.items()))
             env_file.chmod(0o600)
-            stack = Stack(compose_cli, env_file, variables)
+            profiles = ["nats-cluster"] if args.nats_cluster else []
+            stack = Stack(compose_cli, env_file, variables, profiles=profiles)
             # a stack left by an interrupted run would hold the ports and volumes
             stack.compose("down", "-v", "--remove-orphans")
             with stage("compose build", timings):
@@ -877,7 +974,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         with stage("compose up", timings):
             stack.compose("up", "-d", "--no-build", timeout=RUN_TIMEOUT_S)
-        summary.update(exercise(stack, args.steps, timings))
+        summary["nats_cluster"] = args.nats_cluster
+        summary.update(exercise(stack, args.steps, timings, cluster=args.nats_cluster))
     except CheckFailed as exc:
         failed = True
         say(f"FAILED: {exc}")

@@ -35,7 +35,9 @@ DOCKERFILE = COMPOSE_DIR / "Dockerfile"
 FALLBACK_SERVICE_NAMES = frozenset(
     {"tag-scheduler", "weight-sync", "trajectory", "trainer", "gateway", "engine", "agents"}
 )
-INFRA_SERVICES = ("nats", "jaeger")
+# The other two nodes of a NATS cluster (profile nats-cluster).
+NATS_CLUSTER_NODES = ("nats-2", "nats-3")
+INFRA_SERVICES = ("nats", "jaeger", *NATS_CLUSTER_NODES)
 BUILD_MODEL = "build-model"
 # GPU variant -> the service it runs.
 GPU_SERVICES = {"engine-gpu": "engine", "trainer-gpu": "trainer"}
@@ -410,6 +412,8 @@ def test_gpu_profile(services: dict[str, dict[str, Any]]) -> None:
             ), f"{name}: no NVIDIA GPU reservation"
         elif name in MODE_SERVICES:
             assert profiles == ["multiplexed"], f"{name}: only in the multiplexed profile"
+        elif name in NATS_CLUSTER_NODES:
+            assert profiles == ["nats-cluster"], f"{name}: only in the nats-cluster profile"
         else:
             assert not profiles, f"{name}: must start by default (profiles {profiles})"
             reservations = ((svc.get("deploy") or {}).get("resources") or {}).get(
@@ -612,3 +616,45 @@ def test_the_dockerfile_names_no_frontend_image() -> None:
     every base image is local (no registry is reachable on an offline builder)."""
     first_lines = DOCKERFILE.read_text().splitlines()[:5]
     assert not any(line.lower().startswith("# syntax=") for line in first_lines)
+
+
+# What compose/README.md ("A NATS cluster") tells a user to set with the profile.
+CLUSTER_VARIABLES = {
+    "SF_NATS_ROUTES": "nats://nats:6222,nats://nats-2:6222,nats://nats-3:6222",
+    "SF_NATS_URL": "nats://nats:4222,nats://nats-2:4222,nats://nats-3:4222",
+    "SF_NATS_REPLICAS": "3",
+}
+
+
+def test_the_nats_cluster_profile_is_three_routed_nodes_and_every_service_uses_them() -> None:
+    from compose_render import environment, render
+
+    alone = render(COMPOSE_FILE, REQUIRED_SECRETS)["services"]
+    assert not set(NATS_CLUSTER_NODES) & alone.keys()
+    assert environment(alone["nats"])["NATS_ROUTES"] == ""  # one server, no cluster block
+    assert environment(alone["trainer"])["SF_NATS_REPLICAS"] == "1"
+
+    services = render(COMPOSE_FILE, REQUIRED_SECRETS | CLUSTER_VARIABLES, ("nats-cluster",))[
+        "services"
+    ]
+    nodes = ["nats", *NATS_CLUSTER_NODES]
+    names = [environment(services[n])["NATS_SERVER_NAME"] for n in nodes]
+    assert len(set(names)) == 3, names
+    for node in nodes:
+        env = environment(services[node])
+        assert env["NATS_ROUTES"] == CLUSTER_VARIABLES["SF_NATS_ROUTES"], node
+        assert services[node]["entrypoint"] == services["nats"]["entrypoint"], node
+        assert services[node]["healthcheck"] == services["nats"]["healthcheck"], node
+    # each node its own store; only the first is published
+    stores = [v for n in nodes for v in services[n]["volumes"]]
+    assert len({v.split(":")[0] for v in stores}) == 3, stores
+    assert all(not services[n].get("ports") for n in NATS_CLUSTER_NODES)
+    routes = CLUSTER_VARIABLES["SF_NATS_ROUTES"].split(",")
+    assert {urlparse(r).hostname for r in routes} == set(nodes)
+    for name, svc in long_running(services).items():
+        env = environment(svc)
+        assert env["SF_NATS_URL"] == CLUSTER_VARIABLES["SF_NATS_URL"], name
+        assert env["SF_NATS_REPLICAS"] == "3", name
+    # the entrypoint writes the cluster block only when routes are given
+    script = services["nats"]["entrypoint"][2]
+    assert 'if [ -n "${NATS_ROUTES}" ]' in script and "cluster {" in script

@@ -5,14 +5,13 @@ runs the stack in real containers: `.ci/run` runs it after the suite."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 from compose_render import render
+from conftest import load_loadtest
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRETS = {"SF_NATS_TOKEN": "token", "SF_GATEWAY_API_KEYS": "key"}
@@ -20,13 +19,7 @@ SECRETS = {"SF_NATS_TOKEN": "token", "SF_GATEWAY_API_KEYS": "key"}
 
 @pytest.fixture(scope="module")
 def check() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "compose_check", ROOT / "loadtests" / "compose_check.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["compose_check"] = module
-    spec.loader.exec_module(module)
+    module: ModuleType = load_loadtest("compose_check")
     return module
 
 
