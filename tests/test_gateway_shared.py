@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,8 @@ from pydantic import ValidationError
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
+from sf_app.run.config import RunConfig
+from sf_app.run.embedded import EmbeddedRun
 from sf_engine.service import EngineService
 from sf_engine.settings import EngineSettings
 from sf_gateway.service import GatewayService
@@ -262,3 +266,39 @@ async def test_a_process_behind_on_the_stream_waits_for_the_session_it_is_asked_
 async def _known(gateway: GatewayService, session_id: str) -> None:
     while session_id not in gateway.gateway.sessions:  # noqa: ASYNC110 (its follower's tables)
         await asyncio.sleep(0.05)
+
+
+@pytest.mark.slow
+async def test_an_embedded_run_with_two_gateway_processes_uses_both(
+    run_id: str, tmp_path: Path, base_model_dir: Path
+) -> None:
+    """``seamlessflow up --gateways 2``: two gateway processes on the run's one port; the
+    agents' connections, opened once both listen, are spread over both by the kernel (each
+    records chat turns) and the run trains its steps."""
+    run = EmbeddedRun(
+        RunConfig(
+            run_id=run_id,
+            runs_dir=tmp_path,
+            model_dir=base_model_dir,
+            steps=3,
+            group_size=4,
+            groups_per_batch=2,
+            engine_batch_size=8,
+            # connections opened at once by 24 agents: all on one process has odds of 2^-23
+            agent_concurrency=24,
+            gateways=2,
+            live=False,
+        )
+    )
+    summary = await run.run()
+    assert summary.status == "finished", summary.status
+    assert summary.final_version == 3
+    logs = [(tmp_path / run_id / "logs" / f"gateway-{i}.log").read_text() for i in range(2)]
+    listening = [re.search(r"gateway listening on (\S+)", log) for log in logs]
+    assert all(listening), logs
+    assert listening[0][1] == listening[1][1]  # type: ignore[index]
+    chats_by_process = []
+    for spans in sorted((tmp_path / run_id / "spans").glob("gateway-*.jsonl")):
+        names = [json.loads(line)["name"] for line in spans.read_text().splitlines()]
+        chats_by_process.append(names.count("gateway.chat_completion"))
+    assert len(chats_by_process) == 2 and all(chats_by_process), chats_by_process

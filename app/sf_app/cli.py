@@ -58,6 +58,9 @@ def up(
         ),
     ] = 0,
     engines: Annotated[int, typer.Option(help="Engine worker processes.")] = 1,
+    gateways: Annotated[
+        int, typer.Option(help="Gateway processes sharing the gateway's port and sessions.")
+    ] = 1,
     agent: Annotated[str, typer.Option(help="Agent name or dotted path.")] = "single_turn",
     policies: Annotated[
         str,

@@ -72,6 +72,10 @@ class RunConfig(BaseModel):
     reward."""
     engines: int = 1
     """Engine worker processes."""
+    gateways: int = Field(default=1, ge=1)
+    """Gateway processes, all on the run's one gateway port (``SF_GATEWAY_REUSE_PORT``:
+    the kernel spreads the agents' connections among them, and every one serves every
+    session)."""
     agent_concurrency: int = 64
     """Concurrent agent sessions."""
     engine_batch_size: int = 64

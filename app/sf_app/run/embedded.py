@@ -60,6 +60,8 @@ RUN_FILE_COPY = "run.toml"
 
 JETSTREAM_READY_S = 60.0
 """How long a new embedded cluster may take to elect its JetStream leader."""
+GATEWAYS_READY_S = 180.0
+"""With several gateway processes: how long the agents wait for every one to listen."""
 
 
 async def wait_for_jetstream(url: str, token: str) -> None:
@@ -252,11 +254,21 @@ class EmbeddedRun(Supervisor):
             for spec in SERVICE_TABLE:
                 if spec.name == "agents":
                     continue
+                if spec.name == "gateway" and c.gateways > 1:
+                    shared = {**env, "SF_GATEWAY_REUSE_PORT": "true"}
+                    for index in range(c.gateways):
+                        self.spawn(f"gateway-{index}", "gateway", shared)
+                    continue
                 if not spec.per_policy:
                     self.spawn(spec.name, spec.name, env)
                     continue
                 for policy in c.policies:
                     self.spawn_for_policy(policy, spec.name, env)
+            if c.gateways > 1:
+                # the agents' connections are kept alive: opened before every gateway
+                # process listens, they would all stay on the first one
+                gateways = [f"gateway-{index}" for index in range(c.gateways)]
+                await self.logged(gateways, "gateway listening", GATEWAYS_READY_S)
             self.spawn("agents", "agents", env)
             await self._follow(url, stop)
         finally:

@@ -10,6 +10,7 @@ fail the same way) and fails the run with the process's last log line.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -117,9 +118,7 @@ class Supervisor:
         Idempotent."""
 
         def service_of(label: str) -> str:
-            policy = self.process_policy.get(label)
-            name = label.removeprefix(f"{policy}-") if policy and self.multi_policy else label
-            return "engine" if name.startswith("engine-") else name
+            return self.launches[label].service  # engine-0, gateway-1, <policy>-trainer ...
 
         stages = [
             {spec.name for spec in SERVICE_TABLE if spec.stop_stage == stage}
@@ -201,6 +200,23 @@ class Supervisor:
                 launch.env = {**launch.env, "SF_TRAINER_RESUME": "latest"}
             self._start(label)
         return None
+
+    async def logged(self, labels: list[str], line: str, timeout_s: float) -> None:
+        """Until each of ``labels`` has written ``line`` to its log, one of them has ended
+        (supervision handles that) or ``timeout_s`` passed: a wait for readiness that
+        never fails the run by itself."""
+        deadline = time.monotonic() + timeout_s
+        waiting = list(labels)
+        while waiting and time.monotonic() < deadline:
+            log_dir = self.run_dir / "logs"
+            waiting = [
+                label
+                for label in waiting
+                if self.processes[label].poll() is None
+                and line not in (log_dir / f"{label}.log").read_text(errors="replace")
+            ]
+            if waiting:
+                await asyncio.sleep(0.2)
 
     def last_log_line(self, label: str) -> str:
         """The last line a process wrote (an unrecoverable failure's one line)."""
