@@ -191,9 +191,15 @@ sweep-defaults STEPS="10" VARIANTS="default,kl,temp07,group4,group16": _cpu-only
 
 # gateway load test against a live mesh: 100, 500 and 1000 concurrent multi-turn agent
 # sessions (scripted engine, agents in 2 processes of their own); requests/s, latency
-# percentiles, what the gateway adds, every session stored exactly once
+# percentiles, what the gateway adds, every session stored exactly once;
+# `--gateway-processes 1,2,4`: one run per count of gateway processes on one port
 load *ARGS:
     {{bin}}/python loadtests/gateway_load.py {{ARGS}}
+
+# What the broker carries per agent turn and per training step (docs/deployment.md): an
+# embedded run per workload (single-turn, multi-turn) against a monitored nats-server
+broker-load *ARGS:
+    {{bin}}/python loadtests/broker_load.py {{ARGS}}
 
 # format the code
 fmt:

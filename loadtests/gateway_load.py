@@ -64,6 +64,7 @@ import math
 import os
 import resource
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -92,6 +93,17 @@ def _levels(text: str) -> list[int]:
     if not levels or any(level < 1 for level in levels):
         raise argparse.ArgumentTypeError("concurrency levels must be >= 1")
     return levels
+
+
+def _process_counts(text: str) -> list[int]:
+    """Gateway process counts, a comma list; 0 = the gateway in the services process."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers: {text!r}") from None
+    if not counts or any(count < 0 for count in counts):
+        raise argparse.ArgumentTypeError("gateway process counts must be >= 0")
+    return counts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -128,6 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--client-processes", type=int, default=2,
         help="OS processes running the agents (0 = in the services' event loop; default 2)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gateway-processes", type=_process_counts, default=[0],
+        help="gateway processes behind one port (SF_GATEWAY_REUSE_PORT), comma list: one "
+        "run per count (default 0: the gateway in the services process)",
     )  # fmt: skip
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds")
     parser.add_argument(
@@ -307,6 +324,66 @@ def process_cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class GatewayProcesses:
+    """``count`` ``seamlessflow serve gateway`` processes on one port (SO_REUSEPORT,
+    shared sessions), as a deployment runs them: the kernel spreads the agents'
+    connections among them, and a session's turns may land on any of them."""
+
+    def __init__(self, count: int, nats_url: str, run_id: str, model_dir: Path, logs: Path):
+        from seamlessflow.natsserver import free_tcp_port
+
+        self.count = count
+        self.port = free_tcp_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.logs = logs
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("SF_")},
+            "SF_NATS_URL": nats_url,
+            "SF_RUN_ID": run_id,
+            "SF_MODEL_DIR": str(model_dir),
+            "SF_GATEWAY_HOST": "127.0.0.1",
+            "SF_GATEWAY_PORT": str(self.port),
+            "SF_GATEWAY_REUSE_PORT": "true",
+        }
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self) -> None:
+        command = [str(Path(sys.executable).with_name("seamlessflow")), "serve", "gateway"]
+        self.logs.mkdir(parents=True, exist_ok=True)
+        for index in range(self.count):
+            with (self.logs / f"gateway-{index}.log").open("wb") as log_file:
+                self.processes.append(
+                    subprocess.Popen(command, env=self.env, stdout=log_file, stderr=log_file)
+                )
+
+    async def start(self, timeout: float = 180.0) -> None:
+        """Spawn the processes and wait until each says it listens."""
+        self.spawn()
+        deadline = time.monotonic() + timeout
+        for index, process in enumerate(self.processes):
+            log_path = self.logs / f"gateway-{index}.log"
+            while "gateway listening" not in log_path.read_text(errors="replace"):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    tail = log_path.read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"gateway process {index} did not start:\n{tail}")
+                await asyncio.sleep(0.2)
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+    async def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                await asyncio.to_thread(process.wait, 30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 class LoopLag:
@@ -939,19 +1016,24 @@ def print_table(levels: list[dict[str, Any]]) -> None:
 class CpuMeter:
     """CPU seconds the services process and nats-server use between two readings."""
 
-    def __init__(self, nats_pid: int | None) -> None:
+    def __init__(self, nats_pid: int | None, gateway_pids: list[int] | None = None) -> None:
         self.nats_pid = nats_pid
+        self.gateway_pids = gateway_pids or []
         self._start = self._read()
 
-    def _read(self) -> tuple[float, float]:
+    def _read(self) -> tuple[float, float, float]:
         nats = process_cpu_s(self.nats_pid) if self.nats_pid else 0.0
-        return time.process_time(), nats
+        gateways = sum(process_cpu_s(pid) for pid in self.gateway_pids)
+        return time.process_time(), nats, gateways
 
     def lap(self) -> dict[str, float]:
         now = self._read()
-        services, nats = (round(b - a, 3) for a, b in zip(self._start, now, strict=True))
+        services, nats, gateways = (round(b - a, 3) for a, b in zip(self._start, now, strict=True))
         self._start = now
-        return {"services": services, "nats_server": nats}
+        lap = {"services": services, "nats_server": nats}
+        if self.gateway_pids:  # the gateway processes (else the gateway is in "services")
+            lap["gateways"] = gateways
+        return lap
 
 
 async def run_levels(
@@ -960,6 +1042,7 @@ async def run_levels(
     nats_pid: int | None,
     model_dir: Path,
     report: dict[str, Any],
+    gateway_processes: int = 0,
 ) -> None:
     from seamlessflow.bus import connect
     from seamlessflow.protocol import Subjects
@@ -976,6 +1059,7 @@ async def run_levels(
         os.environ["SF_ENGINE_SCRIPTED_STEP_S"] = str(args.engine_step_ms / 1000)
     generators = LoadGenerators(args, nats_url, run_id)
     bus = None
+    gateways: GatewayProcesses | None = None
     try:
         t0 = time.perf_counter()
         await mesh.start(TagSchedulerService())
@@ -993,17 +1077,28 @@ async def run_levels(
             )
             for i in range(args.engines)
         ]
-        gateway = await mesh.start(GatewayService(GatewaySettings(port=0)))
-        await mesh.wait_ready(gateway.ready, "the gateway")
+        if gateway_processes:
+            logs = args.out.parent / f"gateway-logs-{run_id}"
+            gateways = GatewayProcesses(gateway_processes, nats_url, run_id, model_dir, logs)
+            await gateways.start()
+            gateway_url = gateways.url
+            from sf_gateway.templating import ChatTokenizer
+
+            stop_token_ids = list(ChatTokenizer(model_dir).stop_token_ids)
+        else:
+            gateway = await mesh.start(GatewayService(GatewaySettings(port=0)))
+            await mesh.wait_ready(gateway.ready, "the gateway")
+            gateway_url = f"http://127.0.0.1:{gateway.bound_port}"
+            stop_token_ids = list(gateway.gateway.tokenizer.stop_token_ids)
         for engine in engines:
             await mesh.wait_ready(engine.ready, engine.engine_id)
-        gateway_url = f"http://127.0.0.1:{gateway.bound_port}"
-        stop_token_ids = list(gateway.gateway.tokenizer.stop_token_ids)
         bus = await connect(nats_url, Subjects(run_id), name="loadgen-verify")
         await generators.start()
         where = (f"{args.client_processes} client process(es)" if args.client_processes
                  else "the services' event loop")  # fmt: skip
-        print(f"mesh up in {time.perf_counter() - t0:.1f}s: gateway {gateway_url}, "
+        where_gateway = (f"{gateway_processes} gateway process(es) on" if gateway_processes
+                         else "gateway")  # fmt: skip
+        print(f"mesh up in {time.perf_counter() - t0:.1f}s: {where_gateway} {gateway_url}, "
               f"{args.engines} {args.engine_backend} engine(s), agents in {where}, "
               f"model {model_dir}", flush=True)  # fmt: skip
 
@@ -1021,7 +1116,7 @@ async def run_levels(
 
         for concurrency in args.sessions:
             print(f"level {concurrency} sessions: gateway ...", end="", flush=True)
-            cpu = CpuMeter(nats_pid)
+            cpu = CpuMeter(nats_pid, gateways.pids if gateways else None)
             lag = LoopLag()
             lag.start()
             phase = await generators.agents(
@@ -1050,6 +1145,7 @@ async def run_levels(
             gw = latency_summary(phase.chat_latencies)
             eng = latency_summary(direct.latencies)
             result = {
+                "gateway_processes": gateway_processes,
                 "sessions": concurrency,
                 "turns": args.turns,
                 "duration_s": round(phase.elapsed, 3),
@@ -1118,6 +1214,8 @@ async def run_levels(
         await generators.close()
         if bus is not None:
             await bus.drain()
+        if gateways is not None:
+            await gateways.stop()
         await mesh.stop()
 
 
@@ -1127,9 +1225,12 @@ async def amain(
     nats_pid: int | None,
     model_dir: Path,
     report: dict[str, Any],
+    gateway_processes: int = 0,
 ) -> int:
     loop = asyncio.get_running_loop()
-    work = asyncio.create_task(run_levels(args, nats_url, nats_pid, model_dir, report))
+    work = asyncio.create_task(
+        run_levels(args, nats_url, nats_pid, model_dir, report, gateway_processes)
+    )
     interrupted = False
 
     def on_signal() -> None:
@@ -1174,47 +1275,57 @@ def main(argv: list[str] | None = None) -> int:
     # the gateway's sockets (one per session), plus the clients' in the same process
     sockets = max(args.sessions) * (1 if args.client_processes else 2)
     raise_open_files(sockets + 256)
-    report: dict[str, Any] = {
-        "machine": machine(),
-        "settings": {
-            "sessions": args.sessions,
-            "turns": args.turns,
-            "duration_s": args.duration,
-            "max_requests": args.max_requests,
-            "max_tokens": args.max_tokens,
-            "engine_backend": args.engine_backend,
-            "engine_step_ms": args.engine_step_ms if args.engine_backend == "scripted" else None,
-            "engines": args.engines,
-            "engine_batch_size": args.engine_batch_size,
-            "client_processes": args.client_processes,
-            "model_dir": str(model_dir),
-        },
-        "levels": [],
+    settings = {
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "duration_s": args.duration,
+        "max_requests": args.max_requests,
+        "max_tokens": args.max_tokens,
+        "engine_backend": args.engine_backend,
+        "engine_step_ms": args.engine_step_ms if args.engine_backend == "scripted" else None,
+        "engines": args.engines,
+        "engine_batch_size": args.engine_batch_size,
+        "client_processes": args.client_processes,
+        "model_dir": str(model_dir),
     }
-    code = 1
-    try:
-        with (
-            tempfile.TemporaryDirectory(prefix="sf-load-") as tmp,
-            EmbeddedNats(Path(tmp) / "nats") as server,
-        ):
-            nats_pid = server.process.pid if server.process else None
-            code = uvloop.run(amain(args, server.url, nats_pid, model_dir, report))
-    except KeyboardInterrupt:  # before or after the event loop ran
-        code = 130
-    levels = report["levels"]
-    final = report.get("final_check", {})
-    ok = (
-        code == 0
-        and bool(levels)
-        and all(level["verified"] for level in levels)
-        and final.get("verified", False)
-    )
-    report["ok"] = ok
-    report["interrupted"] = code == 130
-    if levels:
-        print_table(levels)
+    runs: list[dict[str, Any]] = []
+    code = 0
+    for count in args.gateway_processes:
+        if len(args.gateway_processes) > 1:
+            print(f"\n=== {count or 'in-process'} gateway process(es) ===", flush=True)
+        report: dict[str, Any] = {
+            "machine": machine(),
+            "settings": {**settings, "gateway_processes": count},
+            "levels": [],
+        }
+        runs.append(report)
+        try:
+            with (
+                tempfile.TemporaryDirectory(prefix="sf-load-") as tmp,
+                EmbeddedNats(Path(tmp) / "nats") as server,
+            ):
+                nats_pid = server.process.pid if server.process else None
+                code = uvloop.run(amain(args, server.url, nats_pid, model_dir, report, count))
+        except KeyboardInterrupt:  # before or after the event loop ran
+            code = 130
+        levels = report["levels"]
+        report["ok"] = (
+            code == 0
+            and bool(levels)
+            and all(level["verified"] for level in levels)
+            and report.get("final_check", {}).get("verified", False)
+        )
+        report["interrupted"] = code == 130
+        if levels:
+            print_table(levels)
+        if code != 0:
+            break
+    ok = code == 0 and all(run["ok"] for run in runs)
+    if len(runs) > 1:
+        print_scaling(runs)
+    out: dict[str, Any] = runs[0] if len(runs) == 1 else {"ok": ok, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"\nfigures written to {args.out}")
     if code != 0:
         return code
@@ -1223,6 +1334,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("OK: every session's turns were stored exactly once")
     return 0
+
+
+def print_scaling(runs: list[dict[str, Any]]) -> None:
+    """Chat turns/s and the gateways' CPU per turn, per gateway process count and level."""
+    print("\ngateway processes | sessions | chat req/s | gateway CPU ms/chat | services ms/chat")
+    for run in runs:
+        count = run["settings"]["gateway_processes"]
+        for level in run["levels"]:
+            per_chat = level["cpu_ms_per_chat"]
+            gateway_ms = per_chat.get("gateways", per_chat["services"])
+            print(f"{count or 'in-process':>17} | {level['sessions']:>8} | "
+                  f"{level['requests_per_s']:>10} | {gateway_ms:>19} | "
+                  f"{per_chat['services']:>16}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""The gateway load test (loadtests/gateway_load.py) runs end to end with tiny settings:
-with the real model and the agents in the services' event loop, and with the scripted
-engine and the agents in two separate load-generator processes."""
+"""The load tests run end to end with tiny settings: the gateway load test
+(loadtests/gateway_load.py) with the real model and the agents in the services' event
+loop, with the scripted engine and the agents in two separate load-generator processes,
+and with gateway processes on one port; the broker load (loadtests/broker_load.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_loadtest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "loadtests" / "gateway_load.py"
 
@@ -65,4 +67,60 @@ def test_the_gateway_load_test_runs_and_writes_its_figures(
     # the warm-up (one session per load generator) and every level's sessions
     assert final["sessions"] == max(client_processes, 1) + sum(
         level["sessions_completed"] for level in report["levels"]
+    )
+
+
+def test_gateway_processes_on_one_port_are_measured_per_count(
+    tmp_path: Path, base_model_dir: Path
+) -> None:
+    """``--gateway-processes 1,2``: one run per count, the gateways' own CPU counted, every
+    turn stored once whichever process took it."""
+    out = tmp_path / "load.json"
+    command = [sys.executable, str(SCRIPT), "--sessions", "4", "--turns", "2", "--duration", "2"]
+    command += ["--gateway-processes", "1,2", "--engine-backend", "scripted"]
+    command += ["--model-dir", str(base_model_dir), "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "gateway processes | sessions" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["ok"] is True
+    assert [run["settings"]["gateway_processes"] for run in report["runs"]] == [1, 2]
+    for run in report["runs"]:
+        [level] = run["levels"]
+        assert level["gateway_processes"] == run["settings"]["gateway_processes"]
+        assert level["verified"] is True and level["errors"] == 0
+        assert level["cpu_s"]["gateways"] > 0  # the gateway processes' own CPU
+        assert level["chat_requests"] == 2 * level["sessions_completed"] > 0
+
+
+def test_the_broker_load_counts_messages_and_bytes_per_turn_and_step(tmp_path: Path) -> None:
+    """loadtests/broker_load.py: one step of the single-turn workload against its own
+    server; what it reports adds up (the turns are the run's, the weights went through
+    the object store)."""
+    broker_load = load_loadtest("broker_load")
+    out = tmp_path / "broker.json"
+    code = broker_load.main(
+        [
+            "--steps",
+            "1",
+            "--workloads",
+            "single-turn",
+            "--runs-dir",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    [result] = json.loads(out.read_text())
+    assert result["steps"] == 1 and result["turns"] >= result["samples"] > 0
+    assert result["broker"]["in_msgs"] >= 10 * result["turns"]  # request, reply, record, acks
+    assert result["per_turn"]["in_bytes"] * result["turns"] == pytest.approx(
+        result["broker"]["in_bytes"], rel=0.01
+    )
+    stored = result["stored"]
+    assert any(name.startswith("OBJ_") and s["bytes"] > 0 for name, s in stored.items())
+    assert any(
+        name.endswith("_TRAJ") and s["messages"] >= 3 * result["samples"]
+        for name, s in stored.items()
     )
