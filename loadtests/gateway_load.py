@@ -146,6 +146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="gateway processes behind one port (SF_GATEWAY_REUSE_PORT), comma list: one "
         "run per count (default 0: the gateway in the services process)",
     )  # fmt: skip
+    parser.add_argument(
+        "--trajectory", action="store_true",
+        help="also run the trajectory service (its own process) reading the stream meanwhile",
+    )  # fmt: skip
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds")
     parser.add_argument(
         "--model-dir", type=Path, default=None,
@@ -1014,26 +1018,113 @@ def print_table(levels: list[dict[str, Any]]) -> None:
 
 
 class CpuMeter:
-    """CPU seconds the services process and nats-server use between two readings."""
+    """CPU seconds the services process, nats-server and the services in processes of
+    their own (``others``: name -> pids) use between two readings."""
 
-    def __init__(self, nats_pid: int | None, gateway_pids: list[int] | None = None) -> None:
+    def __init__(self, nats_pid: int | None, others: dict[str, list[int]] | None = None) -> None:
         self.nats_pid = nats_pid
-        self.gateway_pids = gateway_pids or []
+        self.others = {name: pids for name, pids in (others or {}).items() if pids}
         self._start = self._read()
 
-    def _read(self) -> tuple[float, float, float]:
-        nats = process_cpu_s(self.nats_pid) if self.nats_pid else 0.0
-        gateways = sum(process_cpu_s(pid) for pid in self.gateway_pids)
-        return time.process_time(), nats, gateways
+    def _read(self) -> dict[str, float]:
+        readings = {
+            "services": time.process_time(),
+            "nats_server": process_cpu_s(self.nats_pid) if self.nats_pid else 0.0,
+        }
+        for name, pids in self.others.items():
+            readings[name] = sum(process_cpu_s(pid) for pid in pids)
+        return readings
 
     def lap(self) -> dict[str, float]:
         now = self._read()
-        services, nats, gateways = (round(b - a, 3) for a, b in zip(self._start, now, strict=True))
+        lap = {name: round(now[name] - self._start[name], 3) for name in now}
         self._start = now
-        lap = {"services": services, "nats_server": nats}
-        if self.gateway_pids:  # the gateway processes (else the gateway is in "services")
-            lap["gateways"] = gateways
         return lap
+
+
+class TrajectoryProcess:
+    """``seamlessflow serve trajectory`` in a process of its own, reading the trajectory
+    stream while the agents write it (``--trajectory``): its CPU per chat, and how long
+    after a level it has applied every session of it (its lag)."""
+
+    def __init__(self, nats_url: str, run_id: str, model_dir: Path, logs: Path) -> None:
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("SF_")},
+            "SF_NATS_URL": nats_url,
+            "SF_RUN_ID": run_id,
+            "SF_MODEL_DIR": str(model_dir),
+        }
+        self.logs = logs
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def spawn(self) -> None:
+        command = [str(Path(sys.executable).with_name("seamlessflow")), "serve", "trajectory"]
+        self.logs.mkdir(parents=True, exist_ok=True)
+        with (self.logs / "trajectory.log").open("wb") as log_file:
+            self.process = subprocess.Popen(command, env=self.env, stdout=log_file, stderr=log_file)
+
+    async def exported(self, bus: Any, session_id: str) -> Any:
+        """The service's export of ``session_id`` (None: it does not know it yet)."""
+        from seamlessflow.bus import NoResponder, RemoteError
+        from seamlessflow.protocol import SessionExport, SessionExportQuery
+
+        try:
+            query = SessionExportQuery(session_id=session_id)
+            return await bus.request(
+                bus.subjects.trajectory_export(), query, SessionExport, timeout=5.0
+            )
+        except (RemoteError, NoResponder, TimeoutError):
+            return None
+
+    async def start(self, bus: Any, timeout: float = 180.0) -> None:
+        """Spawn it and wait until it answers (an export query for no session)."""
+        from seamlessflow.bus import RemoteError
+        from seamlessflow.protocol import SessionExport, SessionExportQuery
+
+        self.spawn()
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.process is not None
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                tail = (self.logs / "trajectory.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the trajectory service did not start:\n{tail}")
+            try:
+                query = SessionExportQuery(session_id="s0")
+                await bus.request(
+                    bus.subjects.trajectory_export(), query, SessionExport, timeout=2.0
+                )
+            except RemoteError:
+                return  # it answers (that no such session exists)
+            except Exception:  # no responder yet, or no answer in time
+                await asyncio.sleep(0.5)
+
+    async def lag_s(self, bus: Any, session_ids: list[str], timeout: float = 300.0) -> float:
+        """Seconds until every one of ``session_ids`` is exported as finished."""
+        started = time.perf_counter()
+        for session_id in session_ids:
+            while True:
+                export = await self.exported(bus, session_id)
+                if export is not None and export.finished:
+                    break
+                if time.perf_counter() - started > timeout:
+                    raise RuntimeError(f"the trajectory service never applied {session_id}")
+                await asyncio.sleep(0.05)
+        return round(time.perf_counter() - started, 3)
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.process.pid] if self.process is not None else []
+
+    async def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            await asyncio.to_thread(self.process.wait, 30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 async def run_levels(
@@ -1060,6 +1151,7 @@ async def run_levels(
     generators = LoadGenerators(args, nats_url, run_id)
     bus = None
     gateways: GatewayProcesses | None = None
+    trajectory: TrajectoryProcess | None = None
     try:
         t0 = time.perf_counter()
         await mesh.start(TagSchedulerService())
@@ -1093,6 +1185,10 @@ async def run_levels(
         for engine in engines:
             await mesh.wait_ready(engine.ready, engine.engine_id)
         bus = await connect(nats_url, Subjects(run_id), name="loadgen-verify")
+        if args.trajectory:
+            logs = args.out.parent / f"trajectory-logs-{run_id}"
+            trajectory = TrajectoryProcess(nats_url, run_id, model_dir, logs)
+            await trajectory.start(bus)
         await generators.start()
         where = (f"{args.client_processes} client process(es)" if args.client_processes
                  else "the services' event loop")  # fmt: skip
@@ -1116,7 +1212,11 @@ async def run_levels(
 
         for concurrency in args.sessions:
             print(f"level {concurrency} sessions: gateway ...", end="", flush=True)
-            cpu = CpuMeter(nats_pid, gateways.pids if gateways else None)
+            others = {
+                "gateways": gateways.pids if gateways else [],
+                "trajectory": trajectory.pids if trajectory else [],
+            }
+            cpu = CpuMeter(nats_pid, others)
             lag = LoopLag()
             lag.start()
             phase = await generators.agents(
@@ -1124,6 +1224,10 @@ async def run_levels(
             )
             services_lag = await lag.stop()
             cpu_gateway = {**cpu.lap(), "clients": round(phase.cpu_s, 3)}
+            trajectory_lag_s = None
+            if trajectory is not None:  # how far behind the agents it was at the end
+                finished = [s.session_id for s in phase.sessions if s.finished and s.session_id]
+                trajectory_lag_s = await trajectory.lag_s(bus, finished[-5:])
             known.update(s.session_id for s in phase.sessions if s.session_id)
             every_session += phase.sessions
             print(" verify ...", end="", flush=True)
@@ -1159,6 +1263,8 @@ async def run_levels(
                 "session_create_ms": latency_summary(phase.create_latencies),
                 "session_finish_ms": latency_summary(phase.finish_latencies),
                 "cpu_s": cpu_gateway,
+                # --trajectory: seconds after the level until its last sessions were applied
+                "trajectory_lag_s": trajectory_lag_s,
                 "loop_lag_ms": {"services": services_lag, "clients": phase.loop_lag_ms},
                 "cpu_ms_per_chat": {
                     name: round(1000 * seconds / max(1, len(phase.chat_latencies)), 3)
@@ -1216,6 +1322,8 @@ async def run_levels(
             await bus.drain()
         if gateways is not None:
             await gateways.stop()
+        if trajectory is not None:
+            await trajectory.stop()
         await mesh.stop()
 
 
@@ -1286,6 +1394,7 @@ def main(argv: list[str] | None = None) -> int:
         "engines": args.engines,
         "engine_batch_size": args.engine_batch_size,
         "client_processes": args.client_processes,
+        "trajectory": args.trajectory,
         "model_dir": str(model_dir),
     }
     runs: list[dict[str, Any]] = []
@@ -1337,16 +1446,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_scaling(runs: list[dict[str, Any]]) -> None:
-    """Chat turns/s and the gateways' CPU per turn, per gateway process count and level."""
-    print("\ngateway processes | sessions | chat req/s | gateway CPU ms/chat | services ms/chat")
+    """Chat turns/s and the CPU per turn of the gateways (and of the trajectory service,
+    with ``--trajectory``), per gateway process count and level."""
+    print(
+        "\ngateway processes | sessions | chat req/s | gateway CPU ms/chat | services ms/chat"
+        " | trajectory ms/chat | trajectory lag s"
+    )
     for run in runs:
         count = run["settings"]["gateway_processes"]
         for level in run["levels"]:
             per_chat = level["cpu_ms_per_chat"]
             gateway_ms = per_chat.get("gateways", per_chat["services"])
+            trajectory_ms = per_chat.get("trajectory", "-")
+            lag = level.get("trajectory_lag_s")
             print(f"{count or 'in-process':>17} | {level['sessions']:>8} | "
                   f"{level['requests_per_s']:>10} | {gateway_ms:>19} | "
-                  f"{per_chat['services']:>16}")  # fmt: skip
+                  f"{per_chat['services']:>16} | {trajectory_ms:>18} | "
+                  f"{'-' if lag is None else lag:>16}")  # fmt: skip
 
 
 if __name__ == "__main__":

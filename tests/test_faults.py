@@ -424,6 +424,46 @@ async def test_a_cluster_loses_the_stream_leader_mid_run_and_accounts_for_everyt
         )
 
 
+@pytest.mark.slow
+async def test_an_external_cluster_loses_a_node_for_good_and_the_run_finishes(
+    run_id: str, base_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--nats-url a,b,c`` with ``SF_NATS_REPLICAS=3``: a cluster the run did not start
+    (so nothing restarts its nodes). The node leading the trajectory stream is SIGKILLed
+    after the first step and stays down; the other two keep the quorum, and the run
+    finishes every step and accounts for every session, read from the two left."""
+    monkeypatch.setenv("SF_NATS_REPLICAS", "3")
+    nodes = embedded_cluster(tmp_path / "brokers", 3)
+    try:
+        url = ",".join(node.start() for node in nodes)
+        config = faults_config(run_id, base_model_dir, tmp_path, STEPS)
+        config = config.model_copy(update={"nats_url": url})
+        run = EmbeddedRun(config)
+        running = asyncio.create_task(run.run())
+        try:
+            async with asyncio.timeout(900):  # against a hang
+                await wait_until(
+                    lambda: len(run.state.metrics) >= 1 or running.done(), "a step", 600
+                )
+                assert not running.done(), run.state.status
+                leader = await stream_leader(run, Subjects(run_id).stream_trajectory())
+                node = nodes[int(leader.removeprefix("n"))]
+                assert node.process is not None
+                node.process.kill()
+                node.process.wait()
+                summary = await running
+        finally:
+            await cancel_if_running(running)
+        assert summary.status == "finished", summary.status
+        assert summary.final_version == STEPS
+        assert summary.restarts == {}, summary.restarts  # no service fell over
+        live = ",".join(n.url for n in nodes if n.process is not None and n.process.poll() is None)
+        await account_for_everything(config, tmp_path, summary, url=live)
+    finally:
+        for node in nodes:
+            node.stop()
+
+
 @contextlib.asynccontextmanager
 async def run_store(store_dir: Path, cluster: int) -> AsyncIterator[str]:
     """A broker on a finished run's JetStream store: its one server, or its cluster's
@@ -462,18 +502,21 @@ async def current_replicas(bus: Bus, streams: list[str]) -> dict[str, dict[str, 
 
 
 async def account_for_everything(
-    config: RunConfig, tmp_path: Path, summary: Summary, cluster: int = 1
+    config: RunConfig, tmp_path: Path, summary: Summary, cluster: int = 1, url: str = ""
 ) -> dict[str, dict[str, bool]]:
     """The durable record, from the run's own JetStream store (``cluster`` nodes' stores),
-    accounts for every trajectory (the module's docstring). With a cluster: each stream's
-    replicas and whether they are current."""
+    or from the brokers at ``url`` when the run used brokers it did not start, accounts
+    for every trajectory (the module's docstring). With a cluster of its own: each
+    stream's replicas and whether they are current."""
     run_id, steps_made = config.run_id, config.steps
     subjects = Subjects(run_id)
     replicas: dict[str, dict[str, bool]] = {}
-    async with run_store(tmp_path / run_id / "nats", cluster) as url:
-        bus = await connect(url, subjects, name="faults-test")
+    async with (
+        contextlib.nullcontext(url) if url else run_store(tmp_path / run_id / "nats", cluster)
+    ) as broker:
+        bus = await connect(broker, subjects, name="faults-test")
         try:
-            if cluster > 1:
+            if cluster > 1 and not url:
                 await bus.wait_for_jetstream(120)
                 replicas = await current_replicas(bus, list(subjects.streams()))
             events = [

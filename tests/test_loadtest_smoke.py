@@ -73,11 +73,12 @@ def test_the_gateway_load_test_runs_and_writes_its_figures(
 def test_gateway_processes_on_one_port_are_measured_per_count(
     tmp_path: Path, base_model_dir: Path
 ) -> None:
-    """``--gateway-processes 1,2``: one run per count, the gateways' own CPU counted, every
-    turn stored once whichever process took it."""
+    """``--gateway-processes 1,2 --trajectory``: one run per count, the gateways' own CPU
+    counted, every turn stored once whichever process took it, and the trajectory service
+    (its own process) applied the levels' sessions."""
     out = tmp_path / "load.json"
     command = [sys.executable, str(SCRIPT), "--sessions", "4", "--turns", "2", "--duration", "2"]
-    command += ["--gateway-processes", "1,2", "--engine-backend", "scripted"]
+    command += ["--gateway-processes", "1,2", "--engine-backend", "scripted", "--trajectory"]
     command += ["--model-dir", str(base_model_dir), "--out", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -90,6 +91,9 @@ def test_gateway_processes_on_one_port_are_measured_per_count(
         assert level["gateway_processes"] == run["settings"]["gateway_processes"]
         assert level["verified"] is True and level["errors"] == 0
         assert level["cpu_s"]["gateways"] > 0  # the gateway processes' own CPU
+        # the trajectory service read the stream meanwhile and applied every session
+        assert level["cpu_s"]["trajectory"] > 0
+        assert level["trajectory_lag_s"] is not None and level["trajectory_lag_s"] >= 0
         assert level["chat_requests"] == 2 * level["sessions_completed"] > 0
 
 

@@ -446,10 +446,11 @@ class Bus:
         return await retry(publish, JS_PUBLISH_RETRY, on_retry=log_retry)
 
     async def stream_exists(self, stream: str) -> bool:
-        """Whether ``stream`` exists (a service created the run's streams)."""
+        """Whether ``stream`` exists (a service created the run's streams). False while
+        JetStream cannot answer (a cluster electing a leader): callers ask again."""
         try:
             await self.js.stream_info(stream)
-        except nats.js.errors.NotFoundError:
+        except (nats.js.errors.NotFoundError, *JETSTREAM_UNAVAILABLE):
             return False
         return True
 

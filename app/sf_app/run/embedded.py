@@ -214,8 +214,10 @@ class EmbeddedRun(Supervisor):
         for server in servers:
             assert server.process is not None
             self.pin(server.process.pid, ["slot-0"])
-        if len(servers) > 1:
-            try:  # the nodes elect a JetStream leader first: no service starts before
+        if len(servers) > 1 or c.nats_url:
+            # a cluster (its own, or brokers given by URL, maybe just started) elects a
+            # JetStream leader first: no service starts before
+            try:
                 await wait_for_jetstream(url, nats_token)
             except Unrecoverable as exc:
                 for server in servers:
