@@ -38,6 +38,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One nats-server (R1 streams) for every test that takes it: the services behave the
+    same on a cluster except where a node is lost, and what losing one does is tested on
+    real three-node clusters (tests/test_nats_cluster.py; test_faults.py's cluster tests,
+    the run's own and an external one; compose's nats-cluster profile in CI)."""
     with EmbeddedNats(tmp_path_factory.mktemp("nats")) as server:
         yield server.url
 
