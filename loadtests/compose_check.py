@@ -518,22 +518,22 @@ class Stack:
         env = {k: v for k, v in build_env().items() if not k.startswith(("SF_", "OTEL_"))}
         return run([*self.cli, *args], env=env, timeout=timeout, quiet=quiet).stdout or ""
 
+    def labelled(self, kind: str, label: str, value: str) -> list[str]:
+        """Ids (containers: ``ps``) or names (``volume``) of this project's objects whose
+        compose label ``label`` is ``value``: compose v1 and v2 set the same labels."""
+        listing = ["ps", "-a", "-q"] if kind == "ps" else [kind, "ls", "-q"]
+        filters = [
+            f"com.docker.compose.project={self.project}",
+            f"com.docker.compose.{label}={value}",
+        ]
+        argv = ["docker", *listing, *(a for f in filters for a in ("--filter", f"label={f}"))]
+        return run(argv).stdout.split()
+
     def container(self, service: str) -> str:
-        out = run(
-            [
-                "docker",
-                "ps",
-                "-a",
-                "-q",
-                "--filter",
-                f"label=com.docker.compose.project={self.project}",
-                "--filter",
-                f"label=com.docker.compose.service={service}",
-            ]
-        ).stdout.split()
-        if not out:
+        found = self.labelled("ps", "service", service)
+        if not found:
             raise CheckFailed(f"no container for service {service}")
-        return out[0]
+        return found[0]
 
     def state(self, service: str) -> dict[str, Any]:
         out = run(
@@ -570,19 +570,8 @@ class Stack:
         return "\n".join(out)
 
     def volume(self, name: str) -> str:
-        out = run(
-            [
-                "docker",
-                "volume",
-                "ls",
-                "-q",
-                "--filter",
-                f"label=com.docker.compose.project={self.project}",
-                "--filter",
-                f"label=com.docker.compose.volume={name}",
-            ]
-        ).stdout.split()
-        return out[0] if out else f"{self.project}_{name}"
+        found = self.labelled("volume", "volume", name)
+        return found[0] if found else f"{self.project}_{name}"
 
     def in_image(self, *args: str, entrypoint: str | None = None, writable: bool = False) -> str:
         """Run the seamlessflow image once with the run's volumes mounted."""

@@ -69,6 +69,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,25 +86,26 @@ at once (a fast engine), so queueing happens in the gateway, not in the engine."
 # --------------------------------------------------------------------------- arguments
 
 
-def _levels(text: str) -> list[int]:
-    try:
-        levels = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of integers: {text!r}") from None
-    if not levels or any(level < 1 for level in levels):
-        raise argparse.ArgumentTypeError("concurrency levels must be >= 1")
-    return levels
+def _int_list(minimum: int, what: str) -> Callable[[str], list[int]]:
+    """An argparse type: a comma list of integers, each at least ``minimum``."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma list of integers: {text!r}"
+            ) from None
+        if not values or any(value < minimum for value in values):
+            raise argparse.ArgumentTypeError(f"{what} must be >= {minimum}")
+        return values
+
+    return parse
 
 
-def _process_counts(text: str) -> list[int]:
-    """Gateway process counts, a comma list; 0 = the gateway in the services process."""
-    try:
-        counts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of integers: {text!r}") from None
-    if not counts or any(count < 0 for count in counts):
-        raise argparse.ArgumentTypeError("gateway process counts must be >= 0")
-    return counts
+_levels = _int_list(1, "concurrency levels")
+# gateway process counts; 0 = the gateway in the services process
+_process_counts = _int_list(0, "gateway process counts")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -216,22 +216,20 @@ def small_embedded_run(  # type: ignore[no-untyped-def]
     run_id: str, runs_dir: Path, model_dir: Path, steps: int, **config: object
 ):
     """An embedded run (``seamlessflow up``) of a few small steps on the test model;
-    ``config``: further ``RunConfig`` fields."""
+    ``config``: further ``RunConfig`` fields (over the small group, batch and agents)."""
     from sf_app.run.config import RunConfig
     from sf_app.run.embedded import EmbeddedRun
 
+    small = {"group_size": 4, "groups_per_batch": 2, "agent_concurrency": 8}
     return EmbeddedRun(
         RunConfig(
             run_id=run_id,
             runs_dir=runs_dir,
             model_dir=model_dir,
             steps=steps,
-            group_size=4,
-            groups_per_batch=2,
-            agent_concurrency=8,
             engine_batch_size=8,
             live=False,
-            **config,  # type: ignore[arg-type]
+            **{**small, **config},  # type: ignore[arg-type]
         )
     )
 

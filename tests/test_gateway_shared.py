@@ -15,14 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import InProcessMesh, session_auth
+from conftest import InProcessMesh, session_auth, small_embedded_run
 from openai import AsyncOpenAI
 from pydantic import ValidationError
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
-from sf_app.run.config import RunConfig
-from sf_app.run.embedded import EmbeddedRun
 from sf_engine.service import EngineService
 from sf_engine.settings import EngineSettings
 from sf_gateway.service import GatewayService
@@ -275,20 +273,9 @@ async def test_an_embedded_run_with_two_gateway_processes_uses_both(
     """``seamlessflow up --gateways 2``: two gateway processes on the run's one port; the
     agents' connections, opened once both listen, are spread over both by the kernel (each
     records chat turns) and the run trains its steps."""
-    run = EmbeddedRun(
-        RunConfig(
-            run_id=run_id,
-            runs_dir=tmp_path,
-            model_dir=base_model_dir,
-            steps=3,
-            group_size=4,
-            groups_per_batch=2,
-            engine_batch_size=8,
-            # connections opened at once by 24 agents: all on one process has odds of 2^-23
-            agent_concurrency=24,
-            gateways=2,
-            live=False,
-        )
+    # 24 agents' connections opened at once: all on one process has odds of 2^-23
+    run = small_embedded_run(
+        run_id, tmp_path, base_model_dir, steps=3, gateways=2, agent_concurrency=24
     )
     summary = await run.run()
     assert summary.status == "finished", summary.status
