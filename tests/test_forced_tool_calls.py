@@ -28,6 +28,7 @@ from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
 from sf_engine.service import EngineService
 from sf_engine.settings import EngineSettings
 from sf_gateway.choice import Choice
+from sf_gateway.responses import ChatFormat
 from sf_gateway.service import GatewayService
 from sf_gateway.settings import GatewaySettings
 from sf_gateway.tool_parsers import QwenToolParser
@@ -60,6 +61,56 @@ def test_the_opening_and_the_model_s_continuation_parse_as_one_call(
     assert choice.safe_text() == ""  # held from the opening on while streaming
     [call] = parser.parse(choice.text).tool_calls
     assert (call.name, json.loads(call.arguments)) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "generated", "expected"),
+    [
+        # cut inside the arguments: the arguments as generated, not valid JSON
+        ("add", ' {"a": 2, "b"', ("add", '{"a": 2, "b"')),
+        # the arguments complete, the block not closed: the arguments' own JSON
+        ("add", ' {"a": 2, "b": 3}}', ("add", '{"a": 2, "b": 3}')),
+        # required: the name the model wrote
+        (None, 'now", "arguments": {', ("now", "{")),
+        (None, 'now", "argu', ("now", "")),
+        # required, the name itself unfinished: no call to give
+        (None, "no", None),
+    ],
+)
+def test_a_forced_call_the_model_did_not_finish_is_still_a_call(
+    name: str | None, generated: str, expected: tuple[str, str] | None
+) -> None:
+    """OpenAI's promise for tool_choice 'required' or a named function: the answer is a
+    tool call, its arguments as generated (the agent checks them). The sampling stays
+    unconstrained: the recorded logprobs are the model's own."""
+    parser = QwenToolParser()
+    text = parser.call_opening(name) + generated
+    assert parser.parse(text).tool_calls == []  # not a well-formed block
+    call = parser.unfinished_call(text, name)
+    assert (call and (call.name, call.arguments)) == (expected or None)
+    choice = Choice(0, lambda ids: text)
+    choice.extend([1], [0.0], [0], [])
+    choice.finish_reason = "length"
+    message = chat_view(parser, forced=True, name=name).message(choice)
+    if expected is None:
+        assert "tool_calls" not in message and message["content"] == text
+        return
+    [sent] = message["tool_calls"]
+    assert (sent["function"]["name"], sent["function"]["arguments"]) == expected
+    assert message["content"] is None
+    # cut by the budget: "length", as OpenAI says; ended by the model: "tool_calls"
+    assert chat_view(parser, forced=True, name=name).finish_reason(choice) == "length"
+    choice.finish_reason = "stop"
+    assert chat_view(parser, forced=True, name=name).finish_reason(choice) == "tool_calls"
+    # not forced: the same text stays content, as before
+    plain = chat_view(parser, forced=False, name=None).message(choice)
+    assert "tool_calls" not in plain and plain["content"] == text
+
+
+def chat_view(parser: QwenToolParser, forced: bool, name: str | None) -> ChatFormat:
+    return ChatFormat(
+        model="policy", token_text=str, parser=parser, forced=forced, forced_name=name
+    )
 
 
 @pytest.fixture(scope="module")
@@ -161,11 +212,12 @@ async def test_forced_tool_calls_are_opened_in_the_prompt_and_trained_exactly(
         parsed = parser.parse(turn.completion_text)
         if isinstance(reply, list):  # streamed: nothing before the call is parsed
             content = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
-            calls = [
+            calls = [  # a call's name comes in its first chunk, the arguments after
                 call.function.name
                 for c in reply
                 if c.choices
                 for call in c.choices[0].delta.tool_calls or []
+                if call.function and call.function.name
             ]
         else:
             got = reply.choices[0]
@@ -174,11 +226,18 @@ async def test_forced_tool_calls_are_opened_in_the_prompt_and_trained_exactly(
                 [call.function.name for call in got.message.tool_calls or []],
             )
             assert [t.logprob for t in got.logprobs.content] == pytest.approx(turn.logprobs)
-        # the answer is the parse of opening + samples: a call when the model closed it
-        assert calls == [c.name for c in parsed.tool_calls]
-        assert content == (parsed.content or "")
-        if name is not None and calls:
-            assert calls == [name] * len(calls)
+        # the answer is the parse of opening + samples: a call when the model closed it,
+        # else the call it opened, unfinished (forced: the answer is a call)
+        unfinished = parser.unfinished_call(turn.completion_text, name)
+        if parsed.tool_calls:
+            assert calls == [c.name for c in parsed.tool_calls]
+            assert content == (parsed.content or "")
+        elif unfinished is not None:
+            assert calls == [unfinished.name] and content == ""
+        else:  # 'required' with the function's name itself cut off
+            assert name is None and calls == [] and content == (parsed.content or "")
+        if name is not None:
+            assert calls and calls == [name] * len(calls)
     [follow_up] = [t for t in await turns(bus) if t not in recorded]
     first = recorded[0]
     assert follow_up.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == (

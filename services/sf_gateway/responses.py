@@ -90,7 +90,14 @@ class ChatFormat(_Format):
     """The prompt opened the reasoning block (it ends with the parser's ``start``): the
     answer is read as if it began with it."""
     logprobs: bool = False
+    forced: bool = False
+    """A forced ``tool_choice`` ('required' or a named function): the answer is a tool
+    call even when the model did not finish it (``ForcesCalls.unfinished_call``)."""
+    forced_name: str | None = None
+    """The function a named ``tool_choice`` forced (None: 'required' or not forced)."""
     _parsed: dict[int, ParsedCompletion] = field(default_factory=dict)
+    _unfinished: set[int] = field(default_factory=set)
+    """Choices whose call the model did not finish (the finish reason stays theirs)."""
     _sent_reasoning: dict[int, int] = field(default_factory=dict)
     """Characters of each choice's reasoning streamed so far (its content's are
     ``Choice.sent_chars``)."""
@@ -109,6 +116,12 @@ class ChatFormat(_Format):
             if self.parser is not None:
                 parsed = self.parser.parse(rest)
                 content, calls = parsed.content, parsed.tool_calls
+                unfinished = getattr(self.parser, "unfinished_call", None)
+                if self.forced and not calls and unfinished is not None:
+                    call = unfinished(rest, self.forced_name)
+                    if call is not None:
+                        content, calls = None, [call]
+                        self._unfinished.add(choice.index)
             else:
                 content, calls = (None if reasoning is not None and not rest else rest), []
             self._parsed[choice.index] = ParsedCompletion(content, calls, reasoning)
@@ -132,6 +145,8 @@ class ChatFormat(_Format):
 
     def finish_reason(self, choice: Choice) -> str:
         if self.parsed(choice).tool_calls:
+            if choice.index in self._unfinished and choice.finish_reason == "length":
+                return "length"  # as OpenAI says of a call cut by max_tokens
             return "tool_calls"
         return "stop" if choice.finish_reason == "stop" else "length"
 

@@ -60,11 +60,16 @@ class ToolParser(Protocol):
 
 
 class ForcesCalls(Protocol):
-    """A parser that can also write the opening of a call, for a forced ``tool_choice``."""
+    """A parser that can also write the opening of a call, for a forced ``tool_choice``,
+    and read back a call the answer opened and did not finish."""
 
     def call_opening(self, name: str | None) -> str:
         """The text that opens a call of ``name`` up to its arguments (None: up to the
         function's name, which the model writes)."""
+        ...
+
+    def unfinished_call(self, text: str, name: str | None) -> ToolCall | None:
+        """The call ``text`` opened and did not finish, its arguments as generated."""
         ...
 
 
@@ -111,7 +116,10 @@ class QwenToolParser:
     ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
 
     start_marker: ClassVar[str] = "<tool_call>"
+    end_marker: ClassVar[str] = "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+    _NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+    _ARGUMENTS = re.compile(r'"arguments"\s*:\s*')
 
     def call_opening(self, name: str | None) -> str:
         # as Qwen2.5's chat template writes an assistant's tool call, cut before a space
@@ -119,6 +127,38 @@ class QwenToolParser:
         if name is None:
             return '<tool_call>\n{"name": "'
         return '<tool_call>\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments":'
+
+    def unfinished_call(self, text: str, name: str | None) -> ToolCall | None:
+        """The last call ``text`` opened and did not finish as a well-formed block (cut by
+        the token budget, or its JSON broken), with its arguments as generated: the JSON
+        object if one was completed, else the text after ``"arguments":`` as it stands.
+        What OpenAI returns for a forced ``tool_choice``, leaving the arguments' checking
+        to the agent. ``name``: the function a named ``tool_choice`` forced (its opening
+        holds it); None (``required``): the name the model wrote, and no call while that
+        name is unfinished."""
+        start = text.rfind(self.start_marker)
+        if start < 0:
+            return None
+        body = text[start + len(self.start_marker) :].split(self.end_marker, 1)[0].strip()
+        written = self._NAME.search(body)
+        if written is not None:
+            try:
+                name = json.loads(written.group(1))
+            except json.JSONDecodeError:  # an escape JSON does not know: no name to give
+                pass
+        if not name:
+            return None
+        arguments = ""
+        opened = self._ARGUMENTS.search(body)
+        if opened is not None:
+            raw = body[opened.end() :]
+            try:
+                value, end = json.JSONDecoder().raw_decode(raw)
+            except json.JSONDecodeError:
+                arguments = raw.rstrip()
+            else:
+                arguments = raw[:end] if isinstance(value, dict) else raw.rstrip()
+        return ToolCall(name, arguments, new_call_id())
 
     def parse(self, text: str) -> ParsedCompletion:
         calls: list[ToolCall] = []

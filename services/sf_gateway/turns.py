@@ -137,6 +137,8 @@ class TurnPlanner:
             reasoning=self.reasoning_parser,
             reasoning_opened=self._opens_reasoning(prompt_ids),
             logprobs=body.logprobs,
+            forced=bool(opening),
+            forced_name=body.forced_tool_name if opening else None,
         )
 
         def node_of(choice: Choice) -> NodeKey:
