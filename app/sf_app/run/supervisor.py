@@ -124,10 +124,12 @@ class Supervisor:
             {spec.name for spec in SERVICE_TABLE if spec.stop_stage == stage}
             for stage in sorted({spec.stop_stage for spec in SERVICE_TABLE})
         ]
-        for stage in stages:
-            running = [
-                (label, p) for label, p in self.processes.items() if service_of(label) in stage
-            ]
+        staged = set().union(*stages)
+        groups = [[label for label in self.processes if service_of(label) in s] for s in stages]
+        # last, whatever no stage names (a command the table does not know)
+        groups.append([label for label in self.processes if service_of(label) not in staged])
+        for group in groups:
+            running = [(label, self.processes[label]) for label in group]
             for _, process in running:
                 if process.poll() is None:
                     process.send_signal(signal.SIGTERM)
