@@ -204,31 +204,27 @@ async def test_a_process_behind_on_the_stream_waits_for_the_session_it_is_asked_
     """The catch-up: a process that has not read another's last turn of a session yet
     answers that session only once it has (503 ``catching_up`` if it cannot in
     ``catch_up_timeout_s``), so its turn continues the stored ids, not a re-tokenized
-    history. Here the second process's reading is held back until the test lets go."""
+    history. Here the second process is held from recording how far it has read (the
+    lock its follower and a catching-up request take) until the test lets go."""
     first_mesh, first = await start_gateway(nats_url, run_id, base_model_dir, shared_sessions=True)
     second_mesh, second = await start_gateway(
         nats_url, run_id, base_model_dir, shared_sessions=True, catch_up_timeout_s=1.0
     )
     clients: list[AsyncOpenAI] = []
     question = {"role": "user", "content": "What is 2 + 2?"}
+    held = False
     try:
         async with httpx.AsyncClient(base_url=url_of(first)) as http:
             session = (await http.post("/sessions", json={})).json()
         clients += [on(first, session), on(second, session)]
         on_first, on_second = clients
         await asyncio.wait_for(_known(second, session["session_id"]), 10)
-        # from now on the second process reads nothing of the stream until let go
-        follower = second.gateway._events
-        assert follower is not None
-        reading = asyncio.Event()
-        read_next = follower.next_msg
-
-        async def held_back(timeout: float) -> Any:
-            await reading.wait()
-            return await read_next(timeout=timeout)
-
-        follower.next_msg = held_back
-        await asyncio.sleep(1.5)  # a read under way when it was patched has returned
+        # from now on the second process cannot record how far it has read the stream
+        # (its follower waits for this lock after applying an event; so does a request
+        # that must catch up), until the test lets go
+        applied = second.gateway._applied
+        await applied.acquire()
+        held = True
         reply = await on_first.chat.completions.create(
             model="policy", messages=[question], max_tokens=6, seed=1
         )
@@ -246,12 +242,15 @@ async def test_a_process_behind_on_the_stream_waits_for_the_session_it_is_asked_
             )
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "catching_up"
-        # read while the request waits: it answers, continuing the first turn's node
-        asyncio.get_running_loop().call_later(0.3, reading.set)
+        # let go while the request waits: it answers, continuing the first turn's node
+        asyncio.get_running_loop().call_later(0.3, applied.release)
+        held = False
         await on_second.chat.completions.create(
             model="policy", messages=follow_up, max_tokens=6, seed=2
         )
     finally:
+        if held:
+            applied.release()
         for client in clients:
             await client.close()
         await first_mesh.stop()
