@@ -5,10 +5,15 @@ tracebacks). The agent's own bugs still get their traceback."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
+import types
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
 from conftest import InProcessMesh, announce_plan
 
 from seamlessflow.agents import runner as agent_runner
@@ -56,3 +61,57 @@ async def test_a_lost_gateway_costs_one_line_per_sample_not_a_traceback(
     assert len(lost) >= 2
     assert all(r.levelno == logging.ERROR and r.exc_info is None for r in lost)
     assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+async def test_the_runner_waits_out_a_gateway_whose_broker_is_electing_a_leader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A NATS cluster that lost a stream's leader answers no publish for a few seconds,
+    and the gateway answers 503 meanwhile. The runner's own calls kept trying for five
+    attempts only (~2.5 s): in the compose cluster check the sessions it could not open
+    were lost until their groups timed out, 10 minutes later. It now keeps trying for
+    the policy's time limit: here the gateway is busy for 9 answers, then opens the
+    session."""
+    policy = agent_runner.GATEWAY_CALL_RETRY
+    assert policy.attempts is None and policy.deadline_s is not None
+    assert policy.deadline_s >= 60, "longer than a NATS leader election or a broker restart"
+    # the same policy with waits shrunk to milliseconds (the count of answers is what
+    # the old policy failed on)
+    monkeypatch.setattr(
+        agent_runner,
+        "GATEWAY_CALL_RETRY",
+        dataclasses.replace(policy, first_delay_s=0.001, max_delay_s=0.01),
+    )
+    busy_answers = 9
+    calls: list[str] = []
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def open_session(request: web.Request) -> web.Response:
+        calls.append(request.path)
+        if len(calls) <= busy_answers:
+            body = {"error": {"message": "the message broker is unavailable for a moment",
+                              "type": "server_error", "code": "broker_unavailable"}}  # fmt: skip
+            return web.json_response(body, status=503)
+        return web.json_response({"session_id": "s1"}, status=201)
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_post("/sessions", open_session)
+    server = web.AppRunner(app)
+    await server.setup()
+    site = web.TCPSite(server, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        runner = AgentRunner(AgentRunnerSettings(gateway_url=f"http://127.0.0.1:{port}"))
+        runner.gateway_url = runner.settings.gateway_url
+        runner.ctx = types.SimpleNamespace(stopping=asyncio.Event())  # type: ignore[assignment]
+        async with aiohttp.ClientSession() as http:
+            runner.http = http
+            status, body = await runner._post("/sessions", {"task_id": "t"})
+    finally:
+        await server.cleanup()
+    assert status == 201 and json.loads(body)["session_id"] == "s1"
+    assert len(calls) == busy_answers + 1

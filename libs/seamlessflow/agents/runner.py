@@ -62,12 +62,19 @@ class GatewayBusy(Exception):
 
 
 GATEWAY_CALL_RETRY = RetryPolicy(
-    retry_on=(aiohttp.ClientConnectionError, GatewayBusy), first_delay_s=0.0, attempts=5
+    retry_on=(aiohttp.ClientConnectionError, GatewayBusy),
+    first_delay_s=0.25,
+    backoff=2.0,
+    max_delay_s=8.0,
+    deadline_s=120.0,
 )
 """One of the runner's own calls (open, reward, finish) that could not connect, or that
-the gateway answered 503 (it stored nothing), is made up to 5 times; before each new
-attempt it waits for the gateway's health check and half a second (no fixed delay
-otherwise: the gateway answering is what it waits for)."""
+the gateway answered 503 (it stored nothing: its broker is electing a stream leader or
+restarting), is made again for up to two minutes: before each new attempt it waits for
+the gateway's health check, then 0.25 s doubling to 8 s. The time limit, not a count of
+attempts, is what matters: a NATS cluster that lost a stream's leader answers no publish
+for a few seconds, and a sample whose session could not be opened in that time was lost
+until its group timed out (``SF_TRAJECTORY_GROUP_TIMEOUT_S``, 10 minutes by default)."""
 
 TASK_CLAIM_RETRY = RetryPolicy(retry_on=(NoResponder,), first_delay_s=0.5)
 """A task claim nobody answered (the trajectory service restarting or busy) is repeated,
@@ -306,8 +313,6 @@ class AgentRunner:
 
         async def wait_for_gateway(exc: BaseException) -> None:
             log.warning("POST %s: %s; trying again once the gateway answers", path, exc)
-            if isinstance(exc, GatewayBusy):
-                await asyncio.sleep(0.5)
             await self._wait_for_gateway()
 
         return await retry(post, GATEWAY_CALL_RETRY, on_retry=wait_for_gateway)
