@@ -119,6 +119,9 @@ def test_the_service_table_names_every_service_once_and_each_loads() -> None:
         main_module = importlib.util.find_spec(f"{spec.module}.__main__")
         assert main_module is not None and main_module.origin is not None, spec
         entry = Path(main_module.origin).read_text()
+        if spec.optional:  # an HTTP server beside the mesh (the built-in environment)
+            assert "run_process" not in entry and "seamlessflow.bus" not in entry
+            continue
         [(name, started)] = re.findall(r'run_(?:service_)?process\("([a-z-]+)", (\w+)\)', entry)
         assert name == spec.name, main_module.origin
         [source] = re.findall(rf"from (\S+) import {started}\b", entry)

@@ -17,7 +17,14 @@ from pydantic import SecretStr
 from transformers import AutoTokenizer
 
 from seamlessflow.bus import Bus
-from seamlessflow.protocol import SessionOpened, TrajectoryEvent, TurnRecorded, decode
+from seamlessflow.protocol import (
+    RewardReported,
+    SessionFinished,
+    SessionOpened,
+    TrajectoryEvent,
+    TurnRecorded,
+    decode,
+)
 from sf_app.run.supervisor import free_port
 from sf_engine.service import EngineService
 from sf_engine.settings import EngineSettings
@@ -275,6 +282,50 @@ async def test_session_errors_and_bad_rewards(gateway_url: str, bus: Bus) -> Non
         ).status_code == 409
         missing = await http.get("/no/such/route")
         assert missing.status_code == 404 and "error" in missing.json()
+
+
+async def test_an_episode_reports_step_rewards_and_a_failure_reason(
+    gateway_url: str, bus: Bus
+) -> None:
+    """An environment's per-step rewards travel with the reward; a failed episode's
+    finish carries its reason. Bad values are 400s that store nothing, and the session
+    can still be finished after them."""
+    async with httpx.AsyncClient(base_url=gateway_url) as http:
+        session = await new_session(http)
+        sid, auth = session["session_id"], session_auth(session)
+        before = await stored_events(bus)
+        for bad in (
+            {"reward": 1.0, "step_rewards": [0.1, "x"]},
+            {"reward": 1.0, "step_rewards": 0.5},
+            {"reward": 1.0, "step_rewards": [0.0] * 5000},
+        ):
+            response = await http.post(f"/sessions/{sid}/reward", json=bad, headers=auth)
+            assert response.status_code == 400 and "error" in response.json(), bad
+        nan = await http.post(
+            f"/sessions/{sid}/reward",
+            content=b'{"reward": 1.0, "step_rewards": [NaN]}',
+            headers=auth,
+        )
+        assert nan.status_code == 400
+        for bad_finish in ({"failure": "Env Timeout!"}, {"failure": 3}, {"reason": "x"}):
+            response = await http.post(f"/sessions/{sid}/finish", json=bad_finish, headers=auth)
+            assert response.status_code == 400 and "error" in response.json(), bad_finish
+        assert await stored_events(bus) == before
+        rewarded = await http.post(
+            f"/sessions/{sid}/reward",
+            json={"reward": 1.2, "step_rewards": [0.1, 0.1, 1.0]},
+            headers=auth,
+        )
+        assert rewarded.status_code == 200, rewarded.text
+        failed = await http.post(
+            f"/sessions/{sid}/finish", json={"failure": "env_lost"}, headers=auth
+        )
+        assert failed.status_code == 200, failed.text
+    events = [e for e in await stored_events(bus) if getattr(e, "session_id", "") == sid]
+    reward = next(e for e in events if isinstance(e, RewardReported))
+    finish = next(e for e in events if isinstance(e, SessionFinished))
+    assert reward.reward == 1.2 and reward.step_rewards == [0.1, 0.1, 1.0]
+    assert finish.failure == "env_lost"
 
 
 async def test_the_sdk_raises_not_found_for_an_unknown_model(gateway_url: str) -> None:

@@ -12,7 +12,7 @@ from seamlessflow.protocol import (
 from seamlessflow.tasks import TaskItem
 from sf_trajectory.data_filters import DataFilters, Staleness
 from sf_trajectory.dispatch import Dispatcher
-from sf_trajectory.grouping import Grouper
+from sf_trajectory.grouping import Grouper, export_session
 from sf_trajectory.schedule import Stage
 
 
@@ -241,6 +241,87 @@ def test_a_session_without_turns_is_dropped_with_a_reason_and_closes_its_group()
     batch = grouper.take_batch(1)
     assert batch is not None and len(batch[0].samples) == 1
     assert grouper.dropped == {"no_turns": 1}
+
+
+def test_a_failed_episode_is_dropped_with_its_reason_whatever_its_reward() -> None:
+    """An episode whose environment went away is no sample, even with turns and a
+    reward; the group completes with the others, and the export says why."""
+    grouper = Grouper(lookup)
+    for name, index in (("ok", 0), ("lost", 1)):
+        grouper.apply(opened(name, "g", index, 2))
+        grouper.apply(turn(name, 0, [1], [2], "4"))
+        grouper.apply(RewardReported(session_id=name, reward=0.7, step_rewards=[0.1, 0.6]))
+        assert grouper.pending_verification(SessionFinished(session_id=name)) is None
+    grouper.apply(SessionFinished(session_id="ok"))
+    grouper.apply(SessionFinished(session_id="lost", failure="env_lost"))
+    batch = grouper.take_batch(1)
+    assert batch is not None and [s.reward for s in batch[0].samples] == [0.7]
+    assert grouper.dropped == {"env_lost": 1}
+    events = [
+        opened("lost", "g", 1, 2),
+        turn("lost", 0, [1], [2], "4"),
+        RewardReported(session_id="lost", reward=0.7, step_rewards=[0.1, 0.6]),
+        SessionFinished(session_id="lost", failure="env_lost"),
+    ]
+    exported = export_session(events, lookup)
+    assert exported.failure == "env_lost" and exported.step_rewards == [0.1, 0.6]
+    assert [s.reward for s in exported.samples] == [None]
+
+
+def test_a_failed_episode_skips_the_verifier() -> None:
+    grouper = Grouper(lookup)
+    grouper.apply(opened("s", "g", 0, 1))
+    grouper.apply(turn("s", 0, [1], [2], "4"))
+    assert grouper.pending_verification(SessionFinished(session_id="s")) is not None
+    assert (
+        grouper.pending_verification(SessionFinished(session_id="s", failure="env_timeout")) is None
+    )
+
+
+def test_a_long_episode_is_one_sample_with_every_turn_masked_in_and_its_versions() -> None:
+    """Twelve turns, each prompt the previous prompt + answer + the environment's next
+    observation (prefix-stable, as the openenv agent sends it), the weights updated
+    between turns: one sample, every answer token trained once with the version that
+    made it, the observations context only. Staleness is judged on its oldest token:
+    an episode that started too long ago is stale as a whole, however fresh its end."""
+    grouper = Grouper(lookup)
+    grouper.apply(opened("e", "g", 0, 1))
+    context = [1, 2, 3]
+    expected_mask, expected_versions = [0, 0, 0], [-1, -1, -1]
+    for index in range(12):
+        answer = [100 + index, 101 + index]
+        grouper.apply(
+            TurnRecorded(
+                session_id="e",
+                turn_index=index,
+                request_id=f"e-{index}",
+                engine_id="e0",
+                prompt_ids=list(context),
+                completion_ids=answer,
+                logprobs=[-0.25, -0.5],
+                versions=[index, index],
+                finish_reason="stop",
+                completion_text="",
+            )
+        )
+        observation = [7] * (index + 2)  # the environment's reply grows
+        context += answer + observation
+        expected_mask += [1, 1] + [0] * len(observation)
+        expected_versions += [index, index] + [-1] * len(observation)
+    grouper.apply(RewardReported(session_id="e", reward=1.3, step_rewards=[0.1] * 12))
+    grouper.apply(SessionFinished(session_id="e"))
+    batch = grouper.take_batch(1)
+    assert batch is not None
+    (sample,) = batch[0].samples
+    last_observation = 13  # the final observation is never sent: the episode is over
+    assert sample.token_ids == context[:-last_observation]
+    assert sample.loss_mask == expected_mask[:-last_observation]
+    assert sample.versions == expected_versions[:-last_observation]
+    assert sum(sample.loss_mask) == 24 and sample.reward == 1.3
+    # batch 12 is trained by version 12: the episode's first answer is 12 versions old
+    assert Staleness(max_staleness=12).judge(batch[0], 12).group is not None
+    stale = Staleness(max_staleness=11).judge(batch[0], 12)
+    assert stale.group is None and stale.reason == "stale"
 
 
 def items(n: int) -> list[TaskItem]:

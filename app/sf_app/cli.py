@@ -103,6 +103,17 @@ def up(
             "comma-separated (W&B without a network: WANDB_MODE=offline)."
         ),
     ] = "none",
+    env: Annotated[
+        str,
+        typer.Option(
+            help="An OpenEnv environment to play episodes in: its server's URL, or a "
+            "built-in one (guess_number) the run starts. Sets --agent openenv and --task "
+            "episodes unless given."
+        ),
+    ] = "",
+    env_step_latency_ms: Annotated[
+        float, typer.Option(help="A built-in environment's median time per step (ms).")
+    ] = 0.0,
     nats_cluster: Annotated[
         int,
         typer.Option(

@@ -28,6 +28,9 @@ class ServiceSpec:
     """The embedded run stops stage 0 first, each stage draining before the next: the
     agents before the gateway, the gateway before the engines, the engines before the
     trainer and the services that feed it, the tag-scheduler last."""
+    optional: bool = False
+    """Started only by the runs that ask for it (the built-in environment server:
+    ``--env guess_number``); it speaks HTTP to the agents, not NATS."""
 
 
 SERVICE_TABLE: tuple[ServiceSpec, ...] = (
@@ -74,6 +77,14 @@ SERVICE_TABLE: tuple[ServiceSpec, ...] = (
         stop_stage=2,
     ),
     ServiceSpec(
+        "env",
+        "sf_envs",
+        "sf_envs.settings:EnvServerSettings",
+        per_policy=False,
+        stop_stage=1,
+        optional=True,
+    ),
+    ServiceSpec(
         "agents",
         "seamlessflow.agents",
         "seamlessflow.agents.runner:AgentRunnerSettings",
@@ -103,5 +114,9 @@ def load(path: str) -> Any:
 def serve(name: str) -> None:
     """Run this process as service ``name``: its ``python -m`` entry, as it is."""
     import runpy
+    import sys
 
+    # settings come from the environment only: the entry sees no arguments (not ours:
+    # "serve <name>" is no option of the built-in environment server's command line)
+    sys.argv = [sys.argv[0]]
     runpy.run_module(spec_of(name).module, run_name="__main__", alter_sys=True)

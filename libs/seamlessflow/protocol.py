@@ -644,6 +644,15 @@ class RewardReported(Message, tag="traj.reward"):
     policy: str = ""
     """The policy this reward is for; empty: every policy of the session without a
     reward of its own."""
+    step_rewards: list[float] = msgspec.field(default_factory=list)
+    """The rewards an environment gave step by step (an OpenEnv episode's), kept with the
+    session for export and analysis; ``reward`` is what training uses (the episode's
+    return). Empty: the agent reported one reward only."""
+
+
+FAILURE_PATTERN = r"^([a-z][a-z0-9_]{0,63})?$"
+"""What a session's failure reason looks like: a short identifier (``env_timeout``), or
+nothing (it did not fail)."""
 
 
 class SessionFinished(Message, tag="traj.finished"):
@@ -651,6 +660,11 @@ class SessionFinished(Message, tag="traj.finished"):
 
     session_id: str
     finished_at: float = msgspec.field(default_factory=time.time)
+    failure: str = ""
+    """Why the episode failed (``env_timeout``, ``env_error``, ``env_lost``: its
+    environment did not answer, answered an error, or went away), reported by the agent
+    runner; the sample is then dropped with this reason, whatever its turns and reward.
+    Empty: it did not fail."""
 
 
 class GroupClosed(Message, tag="traj.group_closed"):
@@ -777,6 +791,10 @@ class SessionExport(Message, tag="traj.export"):
     task_id: str
     finished: bool
     samples: list[ExportedSample]
+    step_rewards: list[float] = msgspec.field(default_factory=list)
+    """The environment's per-step rewards the agent reported (the last report's)."""
+    failure: str = ""
+    """Why the episode failed (``SessionFinished.failure``); empty if it did not."""
 
 
 class TrainBatch(Message, tag="batch"):

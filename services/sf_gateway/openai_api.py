@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -29,7 +29,7 @@ from pydantic import (
 )
 from starlette.responses import JSONResponse
 
-from seamlessflow.protocol import GREEDY_BELOW, SEEDS, TOP_P_MIN
+from seamlessflow.protocol import FAILURE_PATTERN, GREEDY_BELOW, SEEDS, TOP_P_MIN
 
 
 class ApiError(Exception):
@@ -78,6 +78,8 @@ MAX_CHOICES = 16
 """Largest ``n``: every choice is its own engine request and recorded turn."""
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
+MAX_STEP_REWARDS = 4096
+"""Step rewards one report may carry (an episode of more steps reports its return only)."""
 
 
 # --------------------------------------------------------------- the parameter table
@@ -582,6 +584,21 @@ class RewardBody(BaseModel):
     policy: str = ""
     """Which policy the reward is for (multi-policy agents report one per policy);
     empty = every policy of the session without one of its own."""
+    step_rewards: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(
+        default_factory=list, max_length=MAX_STEP_REWARDS
+    )
+    """The environment's reward at each step of the episode, if it gave them (kept with
+    the session; ``reward`` is the one trained on)."""
+
+
+class FinishBody(BaseModel):
+    """Body of ``POST /sessions/<id>/finish`` (optional: no body is a normal finish)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    failure: str = Field(default="", pattern=FAILURE_PATTERN)
+    """Why the episode failed (``env_timeout``, ...): its sample is dropped with this
+    reason. Empty: it did not fail."""
 
 
 def parse(model: type[Any], body: Any) -> Any:

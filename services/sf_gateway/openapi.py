@@ -28,6 +28,7 @@ from sf_gateway.openai_api import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    FinishBody,
     RewardBody,
     SessionCreate,
     TokenizeRequest,
@@ -135,7 +136,7 @@ OPERATIONS = (
     Operation("post", "/sessions/{session_id}/reward", "Report the session's reward",
               "session", RewardRecorded, RewardBody, errors=_SESSION_ERRORS),
     Operation("post", "/sessions/{session_id}/finish", "Finish the session", "session",
-              SessionClosed, errors=(401, 404, 409)),
+              SessionClosed, FinishBody, errors=_SESSION_ERRORS),
     Operation("get", "/sessions/{session_id}/export",
               "Every branch of the session as training samples", "session_or_operator",
               SessionExport, errors=(400, 401, 404, 503)),
@@ -232,7 +233,8 @@ def openapi_document() -> dict[str, Any]:
             ]
         if op.request is not None:
             operation["requestBody"] = {
-                "required": op.request is not SessionCreate,  # POST /sessions: {} or nothing
+                # POST /sessions and /finish: {} or nothing
+                "required": op.request not in (SessionCreate, FinishBody),
                 "content": {"application/json": {"schema": refs[op.request]}},
             }
         paths.setdefault(op.path, {})[op.method] = operation

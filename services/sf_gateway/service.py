@@ -106,6 +106,7 @@ from sf_gateway.openai_api import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    FinishBody,
     RewardBody,
     SessionCreate,
     TokenizeRequest,
@@ -451,7 +452,10 @@ class Gateway:
         if body.policy:
             self.planner.check_model(body.policy, param="policy")
         event = RewardReported(
-            session_id=session.opened.session_id, reward=body.reward, policy=body.policy
+            session_id=session.opened.session_id,
+            reward=body.reward,
+            policy=body.policy,
+            step_rewards=body.step_rewards,
         )
         await self.bus.js_publish(self.bus.subjects.trajectory_event(event.session_id), event)
         answer: dict[str, Any] = {"session_id": event.session_id, "reward": body.reward}
@@ -461,10 +465,11 @@ class Gateway:
 
     async def finish_session(self, request: Request) -> Response:
         session = await self.open_session(request)
+        body = parse(FinishBody, await read_json(request, allow_empty=True))
         async with session.lock:  # a turn still running is recorded before the finish
             if session.finished:
                 raise ApiError(409, "session already finished", code="session_finished")
-            event = SessionFinished(session_id=session.opened.session_id)
+            event = SessionFinished(session_id=session.opened.session_id, failure=body.failure)
             await self.bus.js_publish(self.bus.subjects.trajectory_event(event.session_id), event)
             session.finished = True
             self._retire(session)

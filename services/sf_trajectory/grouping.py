@@ -55,6 +55,9 @@ class Session:
     """The verifier's score, computed off the event loop before the finish is applied
     (``Grouper.pending_verification``)."""
     verification_failed: bool = False
+    failure: str = ""
+    """Why the episode failed, as its agent runner reported at the finish (the sample
+    is dropped with this reason); empty if it did not."""
 
 
 def branch(
@@ -203,7 +206,12 @@ def export_session(events: list[TrajectoryEvent], reward_lookup: RewardLookup) -
     for event in events:
         if isinstance(event, TurnRecorded) and event.policy not in policies:
             policies.append(event.policy)
-    finished = any(isinstance(e, SessionFinished) for e in events)
+    finish = next((e for e in events if isinstance(e, SessionFinished)), None)
+    finished = finish is not None
+    failure = finish.failure if finish is not None else ""
+    step_rewards = next(
+        (e.step_rewards for e in reversed(events) if isinstance(e, RewardReported)), []
+    )
     samples = []
     for policy in policies:
         session = Session(opened=opened, policy=policy, finished=finished)
@@ -213,7 +221,7 @@ def export_session(events: list[TrajectoryEvent], reward_lookup: RewardLookup) -
             elif isinstance(event, RewardReported):
                 record_reward(session, event)
         reward = None
-        if finished:
+        if finished and not failure:
             try:
                 reward = session_reward(session, reward_lookup)
             except Exception as exc:  # the batch path logs it and drops the sample too
@@ -248,6 +256,8 @@ def export_session(events: list[TrajectoryEvent], reward_lookup: RewardLookup) -
         task_id=opened.task_id,
         finished=finished,
         samples=samples,
+        step_rewards=list(step_rewards),
+        failure=failure,
     )
 
 
@@ -360,6 +370,7 @@ class Grouper:
             record_reward(session, event)
         elif isinstance(event, SessionFinished):
             session.finished = True
+            session.failure = event.failure
             self._finish(session)
 
     def pending_verification(self, event: TrajectoryEvent) -> Callable[[], None] | None:
@@ -372,6 +383,8 @@ class Grouper:
         session = self.sessions.get(event.session_id)
         if session is None or session.finished or session.reported_reward is not None:
             return None
+        if event.failure:
+            return None  # dropped with its reason: nothing to score
         if session.policy != session.opened.policy or not session.opened.reward_fn:
             return None  # only the task's policy is scored by the task's verifier
 
@@ -392,11 +405,13 @@ class Grouper:
         if group is None:  # complete without it: one sample too many
             self._count_dropped_samples("surplus", [opened.session_id])
             return
-        reward = self._reward(session)
+        # an episode that failed (its environment went away, ...) is no sample whatever
+        # its turns and reward, and the reason is the one its agent runner reported
+        reward = None if session.failure else self._reward(session)
         samples = build_samples(session, reward) if reward is not None else []
         if not samples:
             group.failed += 1
-            reason = "no_turns" if not session.turns else "no_reward"
+            reason = session.failure or ("no_turns" if not session.turns else "no_reward")
             self._count_dropped_samples(reason, [opened.session_id])
         else:
             group.samples.extend(samples)

@@ -17,6 +17,13 @@ from pydantic import BaseModel, Field, model_validator
 
 from seamlessflow.protocol import DEFAULT_POLICY, check_policy
 
+BUILTIN_ENVS = ("guess_number",)
+"""The environments ``sf_envs`` serves, by the name ``--env`` takes."""
+
+
+def is_env_url(text: str) -> bool:
+    return text.startswith(("http://", "https://"))
+
 
 class RunConfig(BaseModel):
     """What an embedded run does. Every field maps to one service setting."""
@@ -95,6 +102,16 @@ class RunConfig(BaseModel):
     """A group handed out to agents that makes no progress for this long is closed: its
     unfinished samples are dropped (``SF_TRAJECTORY_GROUP_TIMEOUT_S``; e.g. sessions a
     restarted gateway lost)."""
+    env: str = ""
+    """An OpenEnv environment the agents play episodes in: the URL of a server you run
+    (``http://host:port``), or the name of a built-in one (``guess_number``), which the
+    run starts as its own process and restarts if it dies. Unless given, the agent
+    becomes ``openenv`` and the task ``episodes`` (seeds of games)."""
+    env_step_latency_ms: float = Field(default=0.0, ge=0.0)
+    """A built-in environment's time per step (the median of a log-normal; 0: none): a
+    slow environment, as a real one that runs code or a browser is."""
+    env_latency_sigma: float = Field(default=0.5, ge=0.0)
+    """The spread of that log-normal (0: every step takes the median)."""
     nats_url: str = ""
     """Use this NATS server (JetStream enabled), or several servers of one cluster
     separated by commas, instead of starting an embedded one."""
@@ -171,6 +188,32 @@ class RunConfig(BaseModel):
             if self.model_dir is not None:
                 raise ValueError("give a pretrained model (model) or a directory (model_dir)")
         return self
+
+    @model_validator(mode="after")
+    def _environment_episodes(self) -> RunConfig:
+        if not self.env:
+            return self
+        if not is_env_url(self.env) and self.env not in BUILTIN_ENVS:
+            raise ValueError(
+                f"env {self.env!r} is neither a URL (http://host:port) nor a built-in "
+                f"environment ({', '.join(BUILTIN_ENVS)})"
+            )
+        given = self.model_fields_set
+        if "agent" not in given:
+            self.agent = "openenv"
+        if "task" not in given:
+            self.task = "episodes"
+        if self.eval_every and self.task == "episodes":
+            raise ValueError(
+                "eval_every: the trainer's held-out evaluation answers single prompts; "
+                "environment episodes have none (their returns are in the metrics)"
+            )
+        return self
+
+    @property
+    def builtin_env(self) -> str:
+        """The built-in environment this run starts, or "" (none, or one given by URL)."""
+        return self.env if self.env in BUILTIN_ENVS else ""
 
     @model_validator(mode="after")
     def _colocated_is_synchronous(self) -> RunConfig:

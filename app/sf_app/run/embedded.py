@@ -60,6 +60,8 @@ RUN_FILE_COPY = "run.toml"
 
 JETSTREAM_READY_S = 60.0
 """How long a new embedded cluster may take to elect its JetStream leader."""
+ENV_READY_S = 60.0
+"""How long the agents wait for the built-in environment server to listen."""
 GATEWAYS_READY_S = 180.0
 """With several gateway processes: how long the agents wait for every one to listen."""
 
@@ -179,7 +181,11 @@ class EmbeddedRun(Supervisor):
         else:
             # The built-in model is warmed up on a built-in task; a data file (or any other
             # task without a teacher) gets the arithmetic one: bring a real model for it.
-            warmup_task = c.task if c.task in task_names() else "arithmetic"
+            # (episodes of an environment have no answers to warm up on: the arithmetic
+            # model, whose byte-level tokenizer reads any text and writes numbers)
+            warmup_task = (
+                c.task if c.task in task_names() and c.task != "episodes" else "arithmetic"
+            )
             if warmup_task != c.task and c.model_dir is None:
                 log.warning(
                     "task %s has no built-in warm-up: using the %s base model; pass "
@@ -252,9 +258,13 @@ class EmbeddedRun(Supervisor):
             self.connection.write(self.run_dir)
             # stderr: stdout is for results (`seamlessflow bench` prints its JSON there)
             print(self.connection.attach_instructions(self.run_dir), file=sys.stderr, flush=True)
+            if c.builtin_env:
+                env["SF_AGENTS_ENV_URL"] = await self.start_builtin_env(env)
+            elif c.env:
+                env["SF_AGENTS_ENV_URL"] = c.env
             # in the table's order; the agents last, once the mesh they use is up
             for spec in SERVICE_TABLE:
-                if spec.name == "agents":
+                if spec.name == "agents" or spec.optional:
                     continue
                 if spec.name == "gateway" and c.gateways > 1:
                     shared = {**env, "SF_GATEWAY_REUSE_PORT": "true"}
@@ -288,6 +298,29 @@ class EmbeddedRun(Supervisor):
             for server in servers:
                 server.stop()
         return self.report()
+
+    async def start_builtin_env(self, run_env: dict[str, str]) -> str:
+        """Start the built-in environment server (``sf_envs``) on a port of its own, as a
+        supervised process (restarted on the same port if it dies: episodes open on it
+        fail with ``env_lost``, later ones play on the new one); its URL, once it
+        listens (or the wait ends: supervision reports a server that exited)."""
+        c = self.config
+        port = free_port()
+        self.spawn(
+            "env",
+            "env",
+            {
+                **run_env,
+                "SF_ENV_NAME": c.builtin_env,
+                "SF_ENV_HOST": "127.0.0.1",
+                "SF_ENV_PORT": str(port),
+                "SF_ENV_STEP_LATENCY_MS": str(c.env_step_latency_ms),
+                "SF_ENV_STEP_LATENCY_SIGMA": str(c.env_latency_sigma),
+                "SF_ENV_SEED": str(c.seed),
+            },
+        )
+        await self.logged(["env"], "listening on", ENV_READY_S)
+        return f"http://127.0.0.1:{port}"
 
     def check_users_model(self, model_dir: Path) -> str | None:
         """What the model lacks for this run (every service's needs, and a context for

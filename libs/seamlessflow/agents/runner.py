@@ -37,11 +37,17 @@ from collections.abc import Mapping
 import aiohttp
 from openai import APIConnectionError, AsyncOpenAI, DefaultAioHttpClient
 from opentelemetry import trace
-from pydantic import SecretStr
+from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from seamlessflow import telemetry
-from seamlessflow.agents import AgentReward, AgentTask, get_agent
+from seamlessflow.agents import (
+    AgentReward,
+    AgentTask,
+    EpisodeFailed,
+    EpisodeReturn,
+    get_agent,
+)
 from seamlessflow.bus import NoResponder, Unrecoverable
 from seamlessflow.protocol import NoTask, TaskAssignment, TaskClaim
 from seamlessflow.retry import RetryPolicy, retry
@@ -117,6 +123,19 @@ class AgentRunnerSettings(RunFileSettings):
     """How long the runner waits for the gateway to answer the first time; then it exits
     with one line saying so. Once reached, a gateway that goes away is waited for
     without limit (it is restarting)."""
+
+    env_url: str = ""
+    """The OpenEnv environment server agents play in (``AgentTask.env_url``; the
+    ``openenv`` agent's): ``http://host:port``. Empty: none. ``seamlessflow up --env``
+    sets it, to the built-in environment it starts or to the URL given."""
+
+    env_step_timeout_s: float = Field(default=60.0, gt=0)
+    """How long an agent waits for one reset or step of the environment before the
+    episode fails (``env_timeout``)."""
+
+    env_max_steps: int = Field(default=64, ge=1)
+    """Steps after which an episode the environment has not ended is cut (it keeps the
+    rewards it got)."""
 
     gateway_key: SecretStr = SecretStr("")
     """Operator key for opening sessions at the gateway (one of its
@@ -265,7 +284,11 @@ class AgentRunner:
             temperature=self.settings.temperature,
             reward_fn=assignment.reward_fn,
             policies=policies,
+            env_url=self.settings.env_url,
+            env_step_timeout_s=self.settings.env_step_timeout_s,
+            env_max_steps=self.settings.env_max_steps,
         )
+        finish_body: dict[str, object] | None = None
         try:
             reward = await self.agent(client, task)
             for reward_body in _reward_bodies(reward):
@@ -277,6 +300,14 @@ class AgentRunner:
             outcome = "completed"
         except asyncio.CancelledError:
             raise
+        except EpisodeFailed as exc:
+            # the environment failed the episode (timed out, errored, went away): not
+            # the agent's bug, one line; the sample is dropped with the reason
+            self.failed += 1
+            outcome = exc.reason
+            finish_body = {"failure": exc.reason}
+            log.warning("episode of %s failed (session %s): %s", assignment.task_id,
+                        session_id, exc)  # fmt: skip
         except APIConnectionError as exc:
             # the gateway went away mid-conversation and the client's retries are spent:
             # not the agent's fault, so one line each, no traceback (the session is
@@ -291,7 +322,7 @@ class AgentRunner:
             log.exception("agent failed on %s (session %s)", assignment.task_id, session_id)
         finally:
             path = f"/sessions/{session_id}/finish"
-            status, answer = await self._post(path, None, session_auth)
+            status, answer = await self._post(path, finish_body, session_auth)
             if status not in (200, 409):
                 log.warning("finishing %s: HTTP %d %s", session_id, status, answer[:200])
         return outcome
@@ -323,6 +354,8 @@ def _reward_bodies(reward: AgentReward) -> list[dict[str, object]]:
     per policy, or none (the task's verifier scores)."""
     if reward is None:
         return []
+    if isinstance(reward, EpisodeReturn):
+        return [{"reward": float(reward.reward), "step_rewards": list(reward.step_rewards)}]
     if isinstance(reward, Mapping):
         return [{"reward": float(value), "policy": policy} for policy, value in reward.items()]
     return [{"reward": float(reward)}]

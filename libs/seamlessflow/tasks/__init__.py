@@ -4,7 +4,8 @@ A task source is named, knows which reward function (see `seamlessflow.rewards`)
 its completions, and yields `TaskItem`s for a split ("train" or "eval"). Items are
 deterministic given the seed the source was built with, and the splits are disjoint.
 
-Besides the registered sources ("arithmetic", "counting", "lookup"), a task name can point to a
+Besides the registered sources ("arithmetic", "counting", "lookup", and "episodes":
+seeds of environment episodes, ``seamlessflow.tasks.episodes``), a task name can point to a
 local JSONL or Parquet file: ``path/to/tasks.jsonl?reward=math_answer`` (see
 `seamlessflow.tasks.files` for the columns, splits and reward selection), or name a
 reasoning-gym dataset: ``rg:basic_arithmetic?max_digits=2`` (see
@@ -147,6 +148,13 @@ def _lookup(seed: int) -> TaskSource:
     from seamlessflow.tasks.lookup import LookupTask
 
     return LookupTask(seed=seed)
+
+
+@TASKS.register("episodes")
+def _episodes(seed: int) -> TaskSource:
+    from seamlessflow.tasks.episodes import EpisodeSeeds
+
+    return EpisodeSeeds(seed=seed)
 
 
 task_names = TASKS.names
