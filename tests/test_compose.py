@@ -37,7 +37,9 @@ FALLBACK_SERVICE_NAMES = frozenset(
 )
 # The other two nodes of a NATS cluster (profile nats-cluster).
 NATS_CLUSTER_NODES = ("nats-2", "nats-3")
-INFRA_SERVICES = ("nats", "jaeger", *NATS_CLUSTER_NODES)
+# The built-in environment server (profile env): the image, but HTTP only, no NATS
+ENVIRONMENT_SERVICES = ("env",)
+INFRA_SERVICES = ("nats", "jaeger", *NATS_CLUSTER_NODES, *ENVIRONMENT_SERVICES)
 BUILD_MODEL = "build-model"
 # GPU variant -> the service it runs.
 GPU_SERVICES = {"engine-gpu": "engine", "trainer-gpu": "trainer"}
@@ -301,6 +303,7 @@ def test_commands_match_cli_service_names(services: dict[str, dict[str, Any]]) -
     if names is None:
         pytest.skip("sf_app.cli.SERVICE_NAMES is not importable yet")
     served = {command_of(n, s)[1] for n, s in long_running(services).items()}
+    served |= {command_of(n, services[n])[1] for n in ENVIRONMENT_SERVICES}
     assert served <= names, f"compose serves unknown services: {sorted(served - names)}"
     assert names <= served, f"CLI services without a container: {sorted(names - served)}"
 
@@ -414,6 +417,8 @@ def test_gpu_profile(services: dict[str, dict[str, Any]]) -> None:
             assert profiles == ["multiplexed"], f"{name}: only in the multiplexed profile"
         elif name in NATS_CLUSTER_NODES:
             assert profiles == ["nats-cluster"], f"{name}: only in the nats-cluster profile"
+        elif name in ENVIRONMENT_SERVICES:
+            assert profiles == ["env"], f"{name}: only in the env profile"
         else:
             assert not profiles, f"{name}: must start by default (profiles {profiles})"
             reservations = ((svc.get("deploy") or {}).get("resources") or {}).get(
@@ -658,3 +663,19 @@ def test_the_nats_cluster_profile_is_three_routed_nodes_and_every_service_uses_t
     # the entrypoint writes the cluster block only when routes are given
     script = services["nats"]["entrypoint"][2]
     assert 'if [ -n "${NATS_ROUTES}" ]' in script and "cluster {" in script
+
+
+def test_the_env_profile_serves_the_built_in_environment_to_the_agents(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """Profile env: the built-in OpenEnv server from the image, listening on every
+    interface with a health check, and the agents told where an environment is."""
+    env = services["env"]
+    assert env["command"] == ["serve", "env"]
+    assert "env" in known_service_names()
+    settings = env_of(env)
+    assert settings["SF_ENV_HOST"] == "0.0.0.0" and settings["SF_ENV_PORT"] == "8011"
+    assert not any(key.startswith("SF_NATS") for key in settings), "it speaks no NATS"
+    assert "/health" in " ".join(env["healthcheck"]["test"])
+    agents = env_of(services["agents"])
+    assert "SF_AGENTS_ENV_URL" in agents and "SF_AGENTS_AGENT" in agents

@@ -309,3 +309,19 @@ def test_older_messages_decode_with_the_new_figures_at_their_defaults() -> None:
                   "behaviour_logprobs": [0.0], "versions": [-1], "reward": 0.0}  # fmt: skip
     sample = msgspec.json.decode(msgspec.json.encode(old_sample), type=TrainSample)
     assert sample.finish_reason == ""
+
+
+def test_the_live_trainer_idle_share_is_waiting_over_the_trainers_time() -> None:
+    """The live table's "trainer idle": a trainer that waited 3 s for each batch and
+    trained + published for 1 s is idle 75% of the time; one never waiting, 0%."""
+    from sf_app.run.report import trainer_idle
+
+    def step(wait: float, train: float, publish: float) -> TrainStepMetrics:
+        return TrainStepMetrics(step=1, version=1, batch_index=0, mean_reward=0.0, loss=0.0,
+                                clip_fraction=0.0, samples=1, tokens_generated=1,
+                                tokens_trained=1, max_staleness=0, step_seconds=train,
+                                wait_seconds=wait, publish_seconds=publish)  # fmt: skip
+
+    assert trainer_idle([step(3.0, 0.75, 0.25), step(3.0, 0.5, 0.5)]) == 0.75
+    assert trainer_idle([step(0.0, 1.0, 0.1)]) == 0.0
+    assert trainer_idle([]) == 0.0

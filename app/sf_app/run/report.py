@@ -303,6 +303,16 @@ def plot_rewards(
     plt.close(fig)
 
 
+def trainer_idle(metrics: list[TrainStepMetrics]) -> float:
+    """The trainer's bubble, live: the share of its time over these steps spent waiting
+    for a batch (``wait_seconds``) rather than training and publishing. The run's
+    ``bubble_ratio`` (every resource's idle time, from the timeline) is computed at the
+    end; this one is what a user watches while episodes take their time."""
+    waiting = sum(m.wait_seconds for m in metrics)
+    busy = sum(m.step_seconds + m.publish_seconds for m in metrics)
+    return waiting / (waiting + busy) if waiting + busy > 0 else 0.0
+
+
 class Progress:
     """Live terminal progress: step, mean reward, tokens/s, weight version."""
 
@@ -334,13 +344,22 @@ class Progress:
         if not self.enabled and metrics:
             m = metrics[-1]
             name = f"{policy} " if state.multi_policy else ""
-            log.info("%sstep %d reward %.3f version %d", name, m.step, m.mean_reward, m.version)
+            log.info("%sstep %d reward %.3f version %d trainer idle %.0f%%", name, m.step,
+                     m.mean_reward, m.version, 100 * trainer_idle(metrics[-10:]))  # fmt: skip
 
     def _render(self, state: RunState | None) -> Any:
         from rich.table import Table
 
         table = Table(title=f"seamlessflow run {self.run_id}", show_header=True)
-        columns = ("step", "mean reward", "last-10 reward", "gen tok/s", "version", "elapsed")
+        columns = (
+            "step",
+            "mean reward",
+            "last-10 reward",
+            "gen tok/s",
+            "trainer idle",
+            "version",
+            "elapsed",
+        )
         several = len(self.config.policies) > 1
         for column in ("policy", *columns) if several else columns:
             table.add_column(column, justify="right")
@@ -355,7 +374,7 @@ class Progress:
         metrics = state.metrics_by_policy[policy] if state is not None else []
         if state is None or not metrics:
             waited = f"{time.monotonic() - state.started:.0f}s" if state else "0s"
-            return (f"0/{self.config.steps}", "-", "-", "-", "0", waited)
+            return (f"0/{self.config.steps}", "-", "-", "-", "-", "0", waited)
         m = metrics[-1]
         recent = metrics[-10:]
         elapsed = time.time() - state.started_wall
@@ -365,6 +384,7 @@ class Progress:
             f"{m.mean_reward:.3f}",
             f"{sum(x.mean_reward for x in recent) / len(recent):.3f}",
             f"{generated / elapsed:.0f}",
+            f"{trainer_idle(recent):.0%}",
             str(m.version),
             f"{elapsed:.0f}s",
         )
