@@ -25,6 +25,34 @@ async def test_stored_messages_are_read_by_subject_and_by_sequence(bus: Bus) -> 
     assert await bus.stored_at(s.stream_metrics(), seq + 1) is None
 
 
+async def test_a_direct_read_a_lagging_replica_cannot_answer_asks_the_leader(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A direct get may be answered by a replica still catching up (a restarted node of
+    a cluster), which says "not found" for a message its leader holds: the read asks the
+    leader before the message counts as gone. The replica is played by the server
+    answering every direct get "not found" (one server: there is no lagging one)."""
+    import nats.js.errors
+
+    s = bus.subjects
+    plan = TrainingPlanned(steps=3, seed=1, policy=s.policy)
+    seq = await bus.js_publish(s.train_plan(), plan, msg_id=MessageIds.train_plan(s.policy, "d"))
+    real_get = bus.js.get_msg
+    asked: list[bool] = []
+
+    async def lagging_replica(stream: str, seq: int, **kwargs: object) -> object:
+        asked.append(bool(kwargs.get("direct")))
+        if kwargs.get("direct"):
+            raise nats.js.errors.NotFoundError()
+        return await real_get(stream, seq)
+
+    monkeypatch.setattr(bus.js, "get_msg", lagging_replica)
+    at = await bus.stored_at(s.stream_metrics(), seq, direct=True)
+    assert at is not None and at.seq == seq and at.subject == s.train_plan()
+    assert asked == [True, False]
+    assert await bus.stored_at(s.stream_metrics(), seq + 1, direct=True) is None
+
+
 async def test_a_stream_exists_once_created(bus: Bus) -> None:
     assert await bus.stream_exists(bus.subjects.stream_metrics())
     assert not await bus.stream_exists(bus.subjects.stream_metrics() + "_NOT_CREATED")

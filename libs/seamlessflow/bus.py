@@ -479,11 +479,20 @@ class Bus:
         """The stream's message with sequence ``seq`` (None: none, or no longer).
 
         ``direct``: read with direct get, from any replica, for a stream created with
-        direct reads allowed (``ensure_streams``' ``direct`` streams)."""
+        direct reads allowed (``ensure_streams``' ``direct`` streams). A replica may be
+        behind its leader (a node just restarted, catching up): what it does not hold is
+        asked of the stream's leader before it counts as gone. Without that, a cluster
+        that lost a node had the trainer drop a batch whose chunk its restarted replica
+        had not caught up with yet (the compose cluster check, 2026-11-26)."""
         try:
             raw = await self.js.get_msg(stream, seq, direct=direct)
         except nats.js.errors.NotFoundError:
-            return None
+            if not direct:
+                return None
+            try:
+                raw = await self.js.get_msg(stream, seq)
+            except nats.js.errors.NotFoundError:
+                return None
         return _stored(raw.subject, raw.seq, raw.data)
 
     @contextlib.asynccontextmanager
