@@ -681,3 +681,21 @@ async def test_the_agent_runner_repeats_an_unanswered_claim_with_the_same_id(
         await service.drain()
     assert len(claims) == 2
     assert claims[0].claim_id and claims[1].claim_id == claims[0].claim_id
+
+
+async def test_a_group_missing_one_sample_times_out_and_fills_the_last_batch(
+    bus: Bus, trajectory
+) -> None:  # type: ignore[no-untyped-def]
+    """The compose cluster check's first stall: in the run's last batch, a group whose
+    other samples finished and one was claimed but never opened (its agent runner gave
+    up on the gateway during a NATS leader election). It must time out and close with
+    the samples it has, so the last batch forms."""
+    traj = trajectory(group_size=3, groups_per_batch=1, steps=1, group_timeout_s=1.0)
+    await traj.start()
+    first, second, lost = await claim_group(bus, 3)
+    assert lost.group_id == first.group_id
+    await play(bus, first, reward=1.0)
+    await play(bus, second, reward=0.0)
+    await batches_published(traj, 1, timeout=15)
+    [batch] = await batches(bus)
+    assert [len(g.samples) for g in batch.groups] == [2]
