@@ -115,3 +115,15 @@ async def test_the_runner_waits_out_a_gateway_whose_broker_is_electing_a_leader(
         await server.cleanup()
     assert status == 201 and json.loads(body)["session_id"] == "s1"
     assert len(calls) == busy_answers + 1
+
+
+def test_an_episode_failure_names_its_reason_as_the_gateway_takes_it() -> None:
+    """A reason the gateway would refuse (400) would leave the session unfinished until
+    its group timed out: it is refused where the agent raises it instead."""
+    from seamlessflow.agents import EpisodeFailed
+
+    failed = EpisodeFailed("env_lost", "the server closed the WebSocket")
+    assert failed.reason == "env_lost" and "closed" in str(failed)
+    for bad in ("", "Env Lost", "env-lost", "x" * 65):
+        with pytest.raises(ValueError, match="short identifier"):
+            EpisodeFailed(bad)

@@ -13,6 +13,7 @@ they never import anything from seamlessflow's training side.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 from openai import AsyncOpenAI
 
 from seamlessflow.plugins import Registry
+from seamlessflow.protocol import FAILURE_PATTERN
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,11 @@ class EpisodeFailed(Exception):
     identifier (``env_timeout``), and the run goes on."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
+        if not reason or not re.fullmatch(FAILURE_PATTERN, reason):
+            # the gateway would refuse it, and the session would never finish
+            raise ValueError(
+                f"a failure reason is a short identifier (env_timeout), not {reason!r}"
+            )
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
