@@ -683,11 +683,24 @@ def trl_reward_function(
 # --------------------------------------------------------------------------- the sides
 
 
+def run_to_the_end(config: Any) -> tuple[Any, Any, float, float]:
+    """An embedded run of ``config`` (a ``RunConfig``), which must finish: the run, its
+    summary, and when it started and ended (wall clock)."""
+    from sf_app.run.embedded import EmbeddedRun
+
+    started = time.time()
+    run = EmbeddedRun(config)
+    summary = asyncio.run(run.run())
+    finished = time.time()
+    if summary.status != "finished":
+        raise RuntimeError(f"the SeamlessFlow run did not finish: {summary.status}")
+    return run, summary, started, finished
+
+
 def run_seamlessflow(
     args: argparse.Namespace, model_dir: Path, task: str, engine: str = "hf"
 ) -> tuple[list[Step], float, float, dict[str, Any]]:
     from sf_app.run.config import RunConfig, deployment
-    from sf_app.run.embedded import EmbeddedRun
 
     # the engine processes read their backend from the environment they inherit, the
     # trainer its number of held-out items (the run sets SF_TRAINER_EVAL_EVERY from
@@ -712,12 +725,7 @@ def run_seamlessflow(
         mode=args.mode,
         live=False,
     )
-    started = time.time()
-    run = EmbeddedRun(config)
-    summary = asyncio.run(run.run())
-    finished = time.time()
-    if summary.status != "finished":
-        raise RuntimeError(f"the SeamlessFlow run did not finish: {summary.status}")
+    run, summary, started, finished = run_to_the_end(config)
     # our trainer's evaluations are taken off the clock, as TRL's (module docstring)
     evals = read_eval_records(run.run_dir / "metrics.jsonl")
     steps = [

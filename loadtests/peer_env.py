@@ -62,7 +62,6 @@ for times (above 1 = SeamlessFlow better).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import logging
@@ -515,7 +514,6 @@ def run_seamlessflow(
     server has not ended after ``--max-turns`` steps is cut there (the server ends it
     first). A step's tokens count model tokens only (what the trainer trains)."""
     from sf_app.run.config import RunConfig
-    from sf_app.run.embedded import EmbeddedRun
 
     # the agent runner reads its step cap from the environment it inherits
     os.environ["SF_AGENTS_ENV_MAX_STEPS"] = str(args.max_turns)
@@ -532,12 +530,7 @@ def run_seamlessflow(
         seed=args.seed,
         live=False,
     )
-    started = time.time()
-    run = EmbeddedRun(config)
-    summary = asyncio.run(run.run())
-    finished = time.time()
-    if summary.status != "finished":
-        raise RuntimeError(f"the SeamlessFlow run did not finish: {summary.status}")
+    run, summary, started, finished = peer_compare.run_to_the_end(config)
     metrics = run.state.metrics
     steps = [
         Step(m.mean_reward, m.samples, m.tokens_generated, m.tokens_trained, m.timestamp)

@@ -24,18 +24,16 @@ import time
 from pathlib import Path
 
 import pytest
-from test_faults import cancel_if_running, run_store, wait_until
+from test_faults import cancel_if_running, run_store, stored_events_and_reports, wait_until
 
 from seamlessflow.bus import connect
 from seamlessflow.protocol import (
-    BatchFilterReport,
     RewardReported,
     SessionFinished,
     SessionOpened,
     Subjects,
     TrajectoryEvent,
     TurnRecorded,
-    decode,
 )
 from sf_app.run.config import RunConfig
 from sf_app.run.embedded import EmbeddedRun
@@ -48,22 +46,10 @@ MAX_TURNS = 12  # the built-in guess_number's default: binary search needs 10 fo
 
 async def stored(run_dir: Path, run_id: str) -> tuple[list[TrajectoryEvent], dict[str, str]]:
     """The run's trajectory events and its dropped samples (session -> reason)."""
-    subjects = Subjects(run_id)
     async with run_store(run_dir / "nats", 1) as url:
-        bus = await connect(url, subjects, name="env-episodes-test")
+        bus = await connect(url, Subjects(run_id), name="env-episodes-test")
         try:
-            events = [
-                decode(m.data, TrajectoryEvent)
-                for m in await bus.read_all(
-                    subjects.stream_trajectory(), subjects.trajectory_events_all()
-                )
-            ]
-            reports = [
-                decode(m.data, BatchFilterReport)
-                for m in await bus.read_subject(
-                    subjects.stream_metrics(), subjects.data_batch_report()
-                )
-            ]
+            events, reports = await stored_events_and_reports(bus)
         finally:
             await bus.drain()
     dropped = {

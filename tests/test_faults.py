@@ -501,6 +501,22 @@ async def current_replicas(bus: Bus, streams: list[str]) -> dict[str, dict[str, 
         await asyncio.sleep(1.0)
 
 
+async def stored_events_and_reports(
+    bus: Bus,
+) -> tuple[list[TrajectoryEvent], list[BatchFilterReport]]:
+    """The run's trajectory events and its batch reports, as its streams hold them."""
+    subjects = bus.subjects
+    events = [
+        decode(m.data, TrajectoryEvent)
+        for m in await bus.read_all(subjects.stream_trajectory(), subjects.trajectory_events_all())
+    ]
+    reports = [
+        decode(m.data, BatchFilterReport)
+        for m in await bus.read_subject(subjects.stream_metrics(), subjects.data_batch_report())
+    ]
+    return events, reports
+
+
 async def account_for_everything(
     config: RunConfig, tmp_path: Path, summary: Summary, cluster: int = 1, url: str = ""
 ) -> dict[str, dict[str, bool]]:
@@ -519,22 +535,11 @@ async def account_for_everything(
             if cluster > 1 and not url:
                 await bus.wait_for_jetstream(120)
                 replicas = await current_replicas(bus, list(subjects.streams()))
-            events = [
-                decode(m.data, TrajectoryEvent)
-                for m in await bus.read_all(
-                    subjects.stream_trajectory(), subjects.trajectory_events_all()
-                )
-            ]
+            events, reports = await stored_events_and_reports(bus)
             batches = await stored_batches(bus)
             steps = [
                 decode(m.data, TrainStepMetrics)
                 for m in await bus.read_subject(subjects.stream_metrics(), subjects.train_metrics())
-            ]
-            reports = [
-                decode(m.data, BatchFilterReport)
-                for m in await bus.read_subject(
-                    subjects.stream_metrics(), subjects.data_batch_report()
-                )
             ]
         finally:
             await bus.drain()
