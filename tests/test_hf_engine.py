@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import torch
@@ -343,3 +343,92 @@ async def test_model_dir_and_lifecycle(base_model: Qwen2ForCausalLM, tmp_path) -
     assert (await pending.result()).finish_reason == "abort"
     with pytest.raises(EngineNotRunningError):
         eng.stream("w", [1], SamplingParams(max_tokens=1))
+
+
+# -- prefix reuse across a conversation's turns ---------------------------------------
+async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """A request's KV is kept by the scheduler's next pass, just after its result."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # noqa: ASYNC110 (the engine's own bookkeeping)
+            await asyncio.sleep(0.005)
+
+
+async def _play_turns(
+    eng: TransformersEngine, tag: str, turns: int, *, together: int = 1
+) -> list[tuple[list[int], SamplingParams, GenerationResult]]:
+    """`together` conversations of `turns` turns: each turn's prompt is the last turn's
+    prompt and answer and three new tokens. Returns every (prompt, params, result)."""
+
+    async def conversation(c: int) -> list[tuple[list[int], SamplingParams, GenerationResult]]:
+        prompt = [5 + c, 6, 7, 8]
+        played = []
+        for turn in range(turns):
+            params = SamplingParams(max_tokens=6 + turn % 3, temperature=1.0, seed=31 * c + turn)
+            res = await eng.generate(f"{tag}{c}-{turn}", prompt, params)
+            played.append((prompt, params, res))
+            prompt = prompt + res.token_ids + [40 + turn, 41 + c, 42]
+        return played
+
+    runs = await asyncio.gather(*(conversation(c) for c in range(together)))
+    return [turn for run in runs for turn in run]
+
+
+async def test_a_continued_conversation_prefills_only_its_new_tokens(
+    engine: TransformersEngine, base_model: Qwen2ForCausalLM
+) -> None:
+    played = await _play_turns(engine, "conv", turns=5, together=3)
+    stats = engine.prefix_cache.stats
+    # Every turn after the first continues the conversation's last turn.
+    assert stats.hits == 3 * 4
+    # The first prompt (4 tokens), then per turn the last answer's final token (sampled,
+    # never fed to the model) and the 3 new ones.
+    new_tokens = 4 + 4 * (1 + 3)
+    assert stats.prompt_tokens - stats.reused_tokens == 3 * new_tokens
+    for prompt, params, res in played:
+        ref = _reference_logprobs(base_model, prompt, res, params)
+        assert res.logprobs == pytest.approx(ref, abs=1e-4)
+
+
+async def test_reuse_gives_the_tokens_a_cold_engine_gives(base_model: Qwen2ForCausalLM) -> None:
+    async with TransformersEngine(copy.deepcopy(base_model), max_batch_size=8) as warm:
+        reused = await _play_turns(warm, "warm", turns=4, together=2)
+    async with TransformersEngine(
+        copy.deepcopy(base_model), max_batch_size=8, prefix_cache_bytes=0
+    ) as cold:
+        fresh = await _play_turns(cold, "cold", turns=4, together=2)
+        assert cold.prefix_cache.stats.hits == 0
+    assert [r.token_ids for _, _, r in reused] == [r.token_ids for _, _, r in fresh]
+    for (_, _, a), (_, _, b) in zip(reused, fresh, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+async def test_a_weight_load_ends_reuse_of_the_old_weights_kv(
+    engine: TransformersEngine, other_weights: dict[str, torch.Tensor]
+) -> None:
+    prompt = [9, 8, 7]
+    first = await engine.generate("w0", prompt, SamplingParams(max_tokens=5, seed=1))
+    await _until(lambda: len(engine.prefix_cache) == 1)
+    await engine.load_weights(other_weights, version=3)
+    assert len(engine.prefix_cache) == 0
+    follow = prompt + first.token_ids + [11]
+    params = SamplingParams(max_tokens=5, seed=2)
+    res = await engine.generate("w1", follow, params)
+    assert engine.prefix_cache.stats.hits == 0
+    assert res.versions == [3] * 5
+    model = _tiny_qwen2(seed=1)
+    assert res.logprobs == pytest.approx(_reference_logprobs(model, follow, res, params), abs=1e-4)
+
+
+async def test_a_request_that_spans_a_weight_load_is_not_kept(
+    engine: TransformersEngine, other_weights: dict[str, torch.Tensor]
+) -> None:
+    running = engine.stream("span", [1, 2], SamplingParams(max_tokens=30, temperature=0))
+    await running.__anext__()
+    await engine.pause("keep")
+    await engine.load_weights(other_weights, version=7)
+    await engine.resume()
+    res = await running.result()
+    assert 0 in res.versions and 7 in res.versions
+    assert len(engine.prefix_cache) == 0  # its KV mixes two weight sets
+    await engine.generate("after", [1, 2, *res.token_ids, 5], SamplingParams(max_tokens=2))
+    assert engine.prefix_cache.stats.hits == 0

@@ -117,6 +117,7 @@ def _transformers(settings: EngineSettings, model_dir: str) -> InferenceEngine:
         device=settings.device,
         max_batch_size=settings.max_batch_size,
         max_context=settings.max_context,
+        prefix_cache_bytes=settings.prefix_cache_mb * 2**20,
     )
 
 

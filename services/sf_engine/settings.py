@@ -1,5 +1,6 @@
 from typing import Literal
 
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from seamlessflow.runfile import RunFileSettings
@@ -25,6 +26,12 @@ class EngineSettings(RunFileSettings):
 
     max_context: int = 1024
     """Prompt plus completion tokens per request."""
+
+    prefix_cache_mb: int = Field(default=256, ge=0)
+    """``hf`` backend: MiB of finished requests' KV cache kept so that the next turn of
+    a conversation (its prompt starts with the last turn's prompt and answer) prefills
+    only its new tokens; cleared by every weight load. 0 turns reuse off. (The ``vllm``
+    backend runs without prefix caching.)"""
 
     dtype: str = "float32"
     """Weights dtype of the engine (float32 keeps logprobs comparable with the trainer)."""

@@ -18,7 +18,15 @@ no step ever sees a partial copy (a cancelled holder still waits for its thread)
 model's one matrix is in `state_dict()` under two names (`lm_head.weight` and
 `model.embed_tokens.weight`); a load may give either or both (both: equal values).
 
-Padding. Rows are left-padded; `attention_mask` marks real tokens and `position_ids`
+Prefix reuse (`prefix_cache.PrefixCache`). When a request ends, the keys and values of
+the tokens it fed the model are kept; a later request whose prompt starts with them
+(the next turn of the same conversation) prefills only its new tokens, its row's cache
+being the kept one, left-padded, followed by the new tokens. A weight copy clears the
+cache, and a request prefilled before a copy is not kept, so a hit never mixes weight
+sets.
+
+Padding. Rows are left-padded (a reused prefix leaves a hole of padding between it and
+the new tokens); `attention_mask` marks real tokens and `position_ids`
 count real tokens only, so a row's logits do not depend on its batch mates (up to float
 rounding), and seeded requests give the same tokens batched or alone.
 """
@@ -26,8 +34,9 @@ rounding), and seeded requests give the same tokens batched or alone.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -47,8 +56,11 @@ from .base import (
     check_request,
 )
 from .batching import BatchingEngine
+from .prefix_cache import LayerKV, PrefixCache, PrefixEntry
 
 _T = TypeVar("_T")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -59,6 +71,10 @@ class _Request:
     stream: GenerationStream
     generator: torch.Generator
     produced: int = 0
+    sampled: list[int] = field(default_factory=list)
+    """Every token sampled for this request, emitted or not (an abort may drop one)."""
+    weights_epoch: int = -1
+    """The engine's weights epoch when this request was prefilled."""
 
     @property
     def done(self) -> bool:
@@ -101,6 +117,8 @@ class TransformersEngine(BatchingEngine[_Request]):
         max_context: limit on len(prompt) + max_tokens; defaults to the model's
             `max_position_embeddings`.
         version: version of the initial weights.
+        prefix_cache_bytes: most bytes of finished requests' KV kept for reuse by
+            requests that continue them (0: none).
     """
 
     def __init__(
@@ -112,6 +130,7 @@ class TransformersEngine(BatchingEngine[_Request]):
         max_batch_size: int = 8,
         max_context: int | None = None,
         version: int = 0,
+        prefix_cache_bytes: int = 256 * 2**20,
     ) -> None:
         super().__init__(max_batch_size=max_batch_size, max_context=max_context, version=version)
         self._source = model
@@ -125,6 +144,13 @@ class TransformersEngine(BatchingEngine[_Request]):
         self._vocab_size = 0
         self._can_merge = False
         self._compute_lock = asyncio.Lock()
+        self._prefix = PrefixCache(prefix_cache_bytes)
+        self._weights_epoch = 0
+        """Counts weight copies; KV computed in another epoch is not reused."""
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        return self._prefix
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -146,6 +172,8 @@ class TransformersEngine(BatchingEngine[_Request]):
         self._can_merge = bool(probe.layers) and all(
             type(layer) is DynamicLayer for layer in probe.layers
         )
+        if not self._can_merge:  # reuse edits the same plain per-layer tensors
+            self._prefix = PrefixCache(0)
         self._start_scheduler("transformers-engine")
 
     # -- requests --------------------------------------------------------------------
@@ -190,15 +218,20 @@ class TransformersEngine(BatchingEngine[_Request]):
             if self._may_admit() and (self._can_merge or not keep):
                 while self._queue and len(keep) + len(new) < self._max_batch_size:
                     new.append(self._queue.popleft())
+            ended = [(i, req) for i, req in enumerate(self._running) if req.done]
             if not keep and not new:
+                if state is not None and ended:
+                    async with self._compute_lock:
+                        await _to_thread_to_completion(self._keep_prefixes, state, ended)
                 return
             self._running = [self._running[i] for i in keep] + new
             async with self._compute_lock:
                 version = self._version
                 state, tokens, logprobs, tops = await _to_thread_to_completion(
-                    self._step, state, keep, new, self._running
+                    self._step, state, keep, ended, new, self._running
                 )
             for req, token, logprob, top in zip(self._running, tokens, logprobs, tops, strict=True):
+                req.sampled.append(token)
                 self._emit(req, GeneratedToken(token, logprob, version, top))
 
     # -- compute (worker thread; touches only tensors and the requests' generators) ---
@@ -206,12 +239,14 @@ class TransformersEngine(BatchingEngine[_Request]):
         self,
         state: _BatchState | None,
         keep: list[int],
+        ended: list[tuple[int, _Request]],
         new: list[_Request],
         rows: list[_Request],
     ) -> tuple[_BatchState, list[int], list[float], list[TopLogprobs]]:
         with torch.inference_mode():
             logits = []
             if state is not None and len(keep) < state.mask.shape[0]:
+                self._keep_prefixes(state, ended)
                 state = self._select(state, keep) if keep else None
             if state is not None:
                 logits.append(self._decode(state))
@@ -237,18 +272,54 @@ class TransformersEngine(BatchingEngine[_Request]):
         return out.logits[:, -1].float()
 
     def _prefill(self, reqs: list[_Request]) -> tuple[_BatchState, torch.Tensor]:
-        lengths = [len(r.prompt_ids) for r in reqs]
-        width = max(lengths)
+        """Prefill `reqs` as new rows: each row's cache is its reused prefix (if any),
+        left-padded to the longest one, then its remaining prompt, left-padded."""
+        reused: list[PrefixEntry | None] = []
+        for req in reqs:
+            req.weights_epoch = self._weights_epoch
+            reused.append(self._prefix.lookup(req.prompt_ids) if self._prefix.enabled else None)
+        past = [len(entry.tokens) if entry else 0 for entry in reused]
+        rest = [req.prompt_ids[p:] for req, p in zip(reqs, past, strict=True)]
+        p_width, width = max(past), max(len(r) for r in rest)
         ids = torch.zeros(len(reqs), width, dtype=torch.long, device=self._device)
-        mask = torch.zeros_like(ids)
-        for i, req in enumerate(reqs):
-            ids[i, width - lengths[i] :] = torch.tensor(req.prompt_ids)
-            mask[i, width - lengths[i] :] = 1
-        pos = (mask.cumsum(-1) - 1).clamp_(min=0)
+        mask = torch.zeros(len(reqs), p_width + width, dtype=torch.long, device=self._device)
+        pos = torch.zeros_like(ids)
+        for i, (p, tail) in enumerate(zip(past, rest, strict=True)):
+            ids[i, width - len(tail) :] = torch.tensor(tail)
+            mask[i, p_width - p : p_width] = 1
+            mask[i, p_width + width - len(tail) :] = 1
+            pos[i, width - len(tail) :] = torch.arange(p, p + len(tail))
         cache = DynamicCache(config=self._model.config if self._model else None)
+        if p_width:
+            for layer, kv in enumerate(_stack_prefixes(reused, p_width)):
+                cache.update(*kv, layer)
         logits = self._forward(ids, mask, pos, cache)
-        next_pos = torch.tensor(lengths, dtype=torch.long, device=self._device)
+        next_pos = torch.tensor(
+            [len(req.prompt_ids) for req in reqs], dtype=torch.long, device=self._device
+        )
         return _BatchState(cache, mask, ids[:, -1], next_pos), logits
+
+    def _keep_prefixes(self, state: _BatchState, ended: list[tuple[int, _Request]]) -> None:
+        """Offer the KV of ended rows (row index in `state`, request) to the prefix cache:
+        every token each fed the model, i.e. its prompt and its sampled tokens but the
+        last, computed in the current weights epoch only."""
+        if not self._prefix.enabled:
+            return
+        layers = _kv_layers(state.cache)
+        for row, req in ended:
+            if req.weights_epoch != self._weights_epoch or not req.sampled:
+                continue
+            tokens = req.prompt_ids + req.sampled[:-1]
+            real = state.mask[row].nonzero().squeeze(1)
+            if real.numel() != len(tokens):  # never expected; reuse must be exact
+                log.warning("request %s: KV of %d tokens for %d ids; not kept",
+                            req.request_id, real.numel(), len(tokens))  # fmt: skip
+                continue
+            kept: list[LayerKV] = []
+            for layer in layers:
+                keys, values = _kv(layer)
+                kept.append((keys[row].index_select(1, real), values[row].index_select(1, real)))
+            self._prefix.insert(tokens, kept)
 
     def _decode(self, state: _BatchState) -> torch.Tensor:
         ones = state.mask.new_ones(state.mask.shape[0], 1)
@@ -319,10 +390,37 @@ class TransformersEngine(BatchingEngine[_Request]):
                 self._params[name].copy_(tensor)
         # Written under the compute lock, which every step reads `version` under.
         self._version = version
+        self._weights_epoch += 1
+        stats = self._prefix.stats
+        if stats.lookups:
+            log.info(
+                "prefix cache on the weights before version %d: %d of %d prompts continued "
+                "a kept one, "
+                "%d of %d prompt tokens not prefilled again", version, stats.hits,
+                stats.lookups, stats.reused_tokens, stats.prompt_tokens,
+            )  # fmt: skip
+        self._prefix.clear()  # and its stats: each load starts a new count
 
 
 def _load_pretrained(path: Path, dtype: torch.dtype) -> PreTrainedModel:
     return load_causal_lm(path, dtype)
+
+
+def _stack_prefixes(reused: list[PrefixEntry | None], width: int) -> list[LayerKV]:
+    """Per layer, [rows, heads, width, head_dim] keys and values: each row's reused KV
+    right-aligned, zeros (masked out) before it and in rows without one."""
+    sample = next(entry for entry in reused if entry is not None)
+    stacked: list[LayerKV] = []
+    for layer, (keys0, values0) in enumerate(sample.layers):
+        keys = keys0.new_zeros(len(reused), keys0.shape[0], width, keys0.shape[2])
+        values = values0.new_zeros(len(reused), values0.shape[0], width, values0.shape[2])
+        for row, entry in enumerate(reused):
+            if entry is not None:
+                k, v = entry.layers[layer]
+                keys[row, :, width - k.shape[1] :] = k
+                values[row, :, width - v.shape[1] :] = v
+        stacked.append((keys, values))
+    return stacked
 
 
 def _kv_layers(cache: DynamicCache) -> list[DynamicLayer]:
