@@ -1,0 +1,98 @@
+"""Weight versions: manifests of weight payloads, their announcement, and catching up.
+
+The trainer stores each version's payload (full or delta, checksummed in buckets) and
+announces it; engines ask weight-sync which version to serve, and join a trainer's push
+group to receive payloads directly.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from seamlessflow.protocol.base import Message
+
+
+class TensorSpec(msgspec.Struct, array_like=True):
+    """One tensor of a weight set, at ``offset`` bytes into the flat state buffer."""
+
+    name: str
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix: ``bfloat16``, ``float32``..."""
+    shape: list[int]
+    offset: int
+
+
+class DeltaEncoding(msgspec.Struct, kw_only=True):
+    """How a delta payload is laid out: changed words, then their new values."""
+
+    word_bytes: int
+    """Comparison unit: the smallest element size of the weight set (2 for bf16)."""
+    changed_words: int
+    positions: Literal["indices", "bitmap"]
+    """``indices``: uint32/uint64 word indices; ``bitmap``: one bit per word."""
+    index_bytes: int = 4
+
+
+class WeightManifest(msgspec.Struct, kw_only=True):
+    """One weight payload: where it is, how to check it, what it turns into.
+
+    ``full`` payloads are the flat state itself; a ``delta`` applies on top of exactly
+    ``base_version``. Payloads move in buckets of ``bucket_bytes`` with one sha256 each;
+    ``state_sha256`` is the digest of the resulting flat state (the sha256 of its bucket
+    digests), checked after a delta is applied.
+    """
+
+    version: int
+    kind: Literal["full", "delta"]
+    base_version: int = 0
+    transport: str
+    """Pull store holding the payload: ``object`` (NATS Object Store) or ``shm``."""
+    location: str
+    payload_bytes: int
+    bucket_bytes: int
+    bucket_sha256: list[str]
+    state_bytes: int
+    state_sha256: str
+    layout: list[TensorSpec]
+    delta: DeltaEncoding | None = None
+
+
+class WeightsPublished(Message, tag="weights.published"):
+    """trainer -> weight-sync (JetStream): the payload of ``manifest.version`` is complete
+    in its store (written before this message exists)."""
+
+    manifest: WeightManifest
+    step: int
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+
+class CurrentVersionQuery(Message, tag="weights.query"):
+    """engine worker -> weight-sync: which version should I serve?"""
+
+    engine_id: str
+
+
+class CurrentVersion(Message, tag="weights.current"):
+    """weight-sync -> engine worker: the newest complete version (0 = the base model) and
+    the chain that builds it: the latest full payload, then every delta after it."""
+
+    version: int
+    chain: list[WeightManifest] = msgspec.field(default_factory=list)
+
+
+class WeightsGroupQuery(Message, tag="weights.group.query"):
+    """engine worker -> trainer: how do I join the push group?"""
+
+    rank: int
+
+
+class WeightsGroupOffer(Message, tag="weights.group.offer"):
+    """trainer -> engine worker: the push group's NCCL unique id and size."""
+
+    unique_id: list[int]
+    size: int
