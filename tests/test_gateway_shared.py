@@ -222,7 +222,7 @@ async def test_a_process_behind_on_the_stream_waits_for_the_session_it_is_asked_
         # from now on the second process cannot record how far it has read the stream
         # (its follower waits for this lock after applying an event; so does a request
         # that must catch up), until the test lets go
-        applied = second.gateway._applied
+        applied = second.gateway.session_table._applied
         await applied.acquire()
         held = True
         reply = await on_first.chat.completions.create(

@@ -1,5 +1,7 @@
 """The OpenAI-compatible request bodies we accept and the error format we answer with.
 
+Over 400 lines: the table of every request parameter of both APIs is one list on purpose.
+
 Requests are validated with pydantic; anything invalid becomes a 400 with OpenAI's
 error body ``{"error": {"message", "type", "param", "code"}}`` before any state changes.
 

@@ -1,5 +1,7 @@
 """``POST /s/<session>/v1/responses``: the OpenAI Responses API, as chat turns.
 
+Over 400 lines: the request model, its translation to chat and the event stream are one API.
+
 The subset the OpenAI Agents SDK (``OpenAIResponsesModel``) and the ``openai`` client
 use: ``input`` (a string, or items: messages of role user/system/developer/assistant,
 ``function_call`` and ``function_call_output`` items), ``instructions``, function
@@ -11,10 +13,11 @@ that names it; nothing is stored then.
 A request becomes a chat completion request (``instructions`` a leading system
 message; a ``function_call`` item joins the assistant message before it as a tool
 call; a ``function_call_output`` item is a ``tool`` message) and runs as a chat turn
-through ``TurnPlanner.chat_turn``: same template, same session tree, same engine loop,
-same ``TurnRecorded``. The output a turn answers with converts back to exactly the
-assistant message the tree recorded, so an agent that sends its items back continues
-its branch (token ids reused, never re-tokenized).
+through ``TurnPlanner.chat_turn`` and ``TurnRunner``, as chat completions do: same
+template, same session tree, same engine loop, same ``TurnRecorded``. The output a turn
+answers with converts back to exactly the assistant message the tree recorded, so an
+agent that sends its items back continues its branch (token ids reused, never
+re-tokenized).
 
 ``previous_response_id`` (and ``conversation``) are refused: responses are not kept
 for retrieval; the Agents SDK sends the full input by default, as does any agent that
@@ -43,8 +46,9 @@ from sf_gateway.sse import turn_updates
 if TYPE_CHECKING:
     import asyncio
 
-    from sf_gateway.service import Gateway
-    from sf_gateway.turns import Turn
+    from sf_gateway.sessions import GatewaySession
+    from sf_gateway.turn_runner import TurnRunner
+    from sf_gateway.turns import Turn, TurnPlanner
 
 
 class FunctionToolIn(BaseModel):
@@ -273,16 +277,19 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
         raise ApiError(400, message, param=param) from None
 
 
-async def create_response(gateway: Gateway, request: Request) -> Response:
-    session = await gateway.open_session(request)
+async def create_response(
+    request: Request, session: GatewaySession, planner: TurnPlanner, runner: TurnRunner
+) -> Response:
+    """The Response to ``request``, a turn of ``session`` (open, its key checked)
+    planned by ``planner`` as a chat turn and run (or streamed) by ``runner``."""
     body: ResponsesRequest = _parse(ResponsesRequest, await read_json(request))
     body.check()
     chat: ChatCompletionRequest = _parse(ChatCompletionRequest, body.chat_body())
-    turn, view = gateway.planner.chat_turn(session, chat, "gateway.response")
+    turn, view = planner.chat_turn(session, chat, "gateway.response")
     answer = ResponseView(body, chat, view, turn)
     if body.stream:
-        return gateway._stream(turn, view, events=answer.events)
-    await gateway._run_turn(turn)
+        return runner.stream(turn, view, events=answer.events)
+    await runner.run(turn)
     return JSONResponse(answer.response("final"))
 
 

@@ -2,7 +2,7 @@
 tree of exact ids, how many turns it has recorded, and the lock its turns take.
 
 The gateway's tables of open and finished sessions, and their rebuilding from the
-trajectory stream after a restart, are in ``sf_gateway.service``.
+trajectory stream after a restart, are in ``sf_gateway.session_table``.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ fits the context, what every choice asks the engines for (``Plan``), the choices
 the view that formats them for the agent.
 
 Everything here is checked before anything is stored: a request that fails a check is
-a 4xx and changes nothing. Running a turn and recording it are ``sf_gateway.service``'s;
-its engine calls are ``sf_gateway.engine_client``'s.
+a 4xx and changes nothing. Running a turn and recording it are
+``sf_gateway.turn_runner``'s; its engine calls are ``sf_gateway.engine_client``'s.
 """
 
 from __future__ import annotations

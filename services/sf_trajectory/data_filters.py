@@ -34,7 +34,7 @@ from typing import Literal, Protocol, runtime_checkable
 from seamlessflow.plugins import Registry
 from seamlessflow.protocol import GroupSummary, SampleGroup
 from seamlessflow.tasks import TaskItem
-from sf_trajectory.dispatch import group_index
+from sf_trajectory.group_ids import group_index
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """The rollout rhythm: which task sample an agent runner gets next, and when to wait.
 
-Groups get consecutive dispatch indices (group ids ``g0000000``, ``g0000001``...).
+Groups get consecutive dispatch indices (group ids ``g0000000``, ``g0000001``...:
+``group_ids``).
 
 **Epochs.** An epoch is one pass over a stage's current prompt set in a fresh
 permutation: epoch ``e`` of a stage is the run of dispatch indices that starts at its
@@ -31,6 +32,7 @@ from seamlessflow.protocol import (
     NoTask,
     TaskAssignment,
 )
+from sf_trajectory.group_ids import group_id
 from sf_trajectory.schedule import Stage, stage_of_batch
 
 if TYPE_CHECKING:
@@ -254,14 +256,3 @@ class Dispatcher:
 
 def _counts(by_reason: dict[str, list[str]]) -> dict[str, int]:
     return {reason: len(ids) for reason, ids in by_reason.items()}
-
-
-def group_id(index: int) -> str:
-    return f"g{index:07d}"
-
-
-def group_index(group_id_: str) -> int:
-    """The dispatch index of a group id we made; -1 for groups made elsewhere (ad hoc)."""
-    if len(group_id_) == 8 and group_id_[0] == "g" and group_id_[1:].isdigit():
-        return int(group_id_[1:])
-    return -1

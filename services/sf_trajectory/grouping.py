@@ -1,5 +1,7 @@
 """Pure logic of the trajectory service: sessions -> samples -> groups -> batches.
 
+Over 400 lines: one pure pipeline from events to batches, tested as one (test_grouping).
+
 No I/O here, so it is tested directly and rebuilt deterministically by replaying the
 trajectory stream after a restart.
 
@@ -209,7 +211,7 @@ def export_session(events: list[TrajectoryEvent], reward_lookup: RewardLookup) -
     finish = next((e for e in events if isinstance(e, SessionFinished)), None)
     finished = finish is not None
     failure = finish.failure if finish is not None else ""
-    step_rewards = next(
+    step_rewards: list[float] = next(
         (e.step_rewards for e in reversed(events) if isinstance(e, RewardReported)), []
     )
     samples = []
