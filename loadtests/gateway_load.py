@@ -171,7 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def default_model_dir() -> Path:
-    from seamlessflow.assets.base_model import ensure_base_model
+    from sf_app.base_model import ensure_base_model
 
     cache = Path(os.environ.get("SF_CACHE_DIR", "~/.cache/seamlessflow")).expanduser()
     return ensure_base_model(cache / "models" / "base-arithmetic")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from seamlessflow.assets.base_model import ensure_base_model
+from sf_app.base_model import ensure_base_model
 from sf_engine.backends import GenerationResult, SamplingParams, TransformersEngine
 
 

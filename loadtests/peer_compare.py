@@ -126,8 +126,8 @@ from typing import Any
 import peer_judge
 from regression import PEER_RATIOS, TIME_RATIOS
 
-from seamlessflow.assets.base_model import MODEL_SIZES  # no torch at import
 from seamlessflow.assets.pretrained import PRETRAINED
+from sf_app.base_model import MODEL_SIZES  # no torch at import
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = Path("runs/load/peer_compare.json")
@@ -219,7 +219,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model-size", choices=tuple(MODEL_SIZES), default="small",
         help="size of the built-in base model when --model-dir is not given "
-        "(seamlessflow.assets.base_model.MODEL_SIZES; default %(default)s)",
+        "(sf_app.base_model.MODEL_SIZES; default %(default)s)",
     )  # fmt: skip
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate (constant)")
     parser.add_argument(
@@ -335,7 +335,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def default_model_dir(task: str = "arithmetic", size: str = "small") -> Path:
     """The built-in base model warmed up on ``task``, at ``size``, built once and cached
     where the embedded run caches it."""
-    from seamlessflow.assets.base_model import built_model_name, ensure_base_model, sized_config
+    from sf_app.base_model import built_model_name, ensure_base_model, sized_config
 
     cache = Path(os.environ.get("SF_CACHE_DIR", "~/.cache/seamlessflow")).expanduser()
     return ensure_base_model(
@@ -403,8 +403,8 @@ def base_figures(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from seamlessflow.assets.base_model import sampled_reward
     from seamlessflow.tasks import get_task_source
+    from sf_app.base_model import sampled_reward
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     reward = sampled_reward(

@@ -79,8 +79,8 @@ from typing import Any
 import peer_compare
 from peer_compare import Step, fmt, loadavg, ratios, side_figures
 
-from seamlessflow.assets.base_model import MODEL_SIZES  # no torch at import
 from seamlessflow.assets.pretrained import PRETRAINED
+from sf_app.base_model import MODEL_SIZES  # no torch at import
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = Path("runs/load/peer_env.json")

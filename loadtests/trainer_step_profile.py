@@ -165,7 +165,7 @@ def phased_train_step(
     """``train_step``'s work (single process), phase by phase."""
     from sf_trainer.advantages import batch_advantages
     from sf_trainer.distributed import TrainGroup
-    from sf_trainer.losses import BatchTotals, LossInputs, get_loss
+    from sf_trainer.losses import BatchTotals, LossInputs, chosen_loss
     from sf_trainer.step import _logprobs, pack, plan_micro_batches
 
     clock = _Clock(timings)
@@ -174,7 +174,7 @@ def phased_train_step(
     advantages = batch_advantages(batch.groups, settings)
     totals = BatchTotals.of(s.loss_mask for s in samples)
     optimizer.zero_grad(set_to_none=True)
-    loss_fn = get_loss(settings.loss)
+    loss_fn, loss_settings = chosen_loss(settings.loss)
     plan = plan_micro_batches(samples, 1, settings.micro_batch_tokens)
     clock.lap("advantages+plan")
     for micro in plan[0]:
@@ -194,7 +194,7 @@ def phased_train_step(
                 mask=packed.loss_mask,
                 reference_logprobs=None,
             ),
-            settings,
+            loss_settings,
             totals,
         )
         clock.lap("loss")

@@ -73,7 +73,6 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
-from seamlessflow.assets.base_model import IM_END, TASK, ensure_base_model
 from seamlessflow.bus import connect
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import SampleGroup, Subjects, TrainBatch, TrainSample
@@ -90,6 +89,7 @@ from seamlessflow.weights import (
     collective,
 )
 from seamlessflow.weights.settings import WeightTransferSettings
+from sf_app.base_model import IM_END, TASK, ensure_base_model
 from sf_trainer.grpo import token_logprobs
 from sf_trainer.settings import TrainerSettings
 from sf_trainer.step import train_step

@@ -63,7 +63,7 @@ async def bus(nats_url: str, run_id: str) -> AsyncIterator[Bus]:
 @pytest.fixture(scope="session")
 def base_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real base-model builder with a short SFT: a loadable model + tokenizer."""
-    from seamlessflow.assets.base_model import build_base_model
+    from sf_app.base_model import build_base_model
 
     return build_base_model(tmp_path_factory.mktemp("model") / "base", seed=0, sft_steps=30)
 

@@ -16,9 +16,10 @@ import pytest
 from aiohttp import web
 from conftest import InProcessMesh, announce_plan
 
-from seamlessflow.agents import runner as agent_runner
-from seamlessflow.agents.runner import AgentRunner, AgentRunnerSettings
 from seamlessflow.bus import Bus
+from sf_agents import service as agent_runner
+from sf_agents.service import AgentRunner
+from sf_agents.settings import AgentRunnerSettings
 from sf_app.run.supervisor import free_port
 from sf_gateway.service import GatewayService
 from sf_gateway.settings import GatewaySettings
@@ -50,7 +51,7 @@ async def test_a_lost_gateway_costs_one_line_per_sample_not_a_traceback(
             await gateway.ready.wait()
         url = f"http://127.0.0.1:{gateway.bound_port}"
         runner = AgentRunner(AgentRunnerSettings(gateway_url=url, concurrency=2, max_tokens=4))
-        with caplog.at_level(logging.INFO, logger="seamlessflow.agents.runner"):
+        with caplog.at_level(logging.INFO, logger="sf_agents.service"):
             await mesh.start(runner)
             async with asyncio.timeout(120):
                 while runner.failed < 2:  # noqa: ASYNC110 (polling the runner under test)

@@ -9,15 +9,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from seamlessflow.assets.base_model import (
+from seamlessflow.plugins import UnknownPlugin
+from seamlessflow.rewards import get_reward, integer_match, register_reward
+from seamlessflow.tasks import get_task_source
+from sf_app.base_model import (
     IM_END,
     TOOL_CALL,
     build_base_model,
     ensure_base_model,
 )
-from seamlessflow.plugins import UnknownPlugin
-from seamlessflow.rewards import get_reward, integer_match, register_reward
-from seamlessflow.tasks import get_task_source
 
 TOOLS = [
     {

@@ -449,10 +449,10 @@ async def test_a_batch_whose_payload_is_gone_is_terminated_with_one_error(
 ) -> None:
     """Retention dropped batch 0's payload: the trainer says so and terminates it (no
     retry can bring it back), then trains batch 1 once it stops waiting for batch 0."""
-    import sf_trainer.service
+    import sf_trainer.delivery
     from sf_tag_scheduler.service import TagSchedulerService
 
-    monkeypatch.setattr(sf_trainer.service, "IN_ORDER_WAIT_S", 0.0)
+    monkeypatch.setattr(sf_trainer.delivery, "IN_ORDER_WAIT_S", 0.0)
     await mesh.start(TagSchedulerService())
     lost = await batches.publish_batch(bus, big_batch(0, [[300, 200]], 400))
     await batches.publish_batch(bus, big_batch(1, [[250, 100]], 400))

@@ -9,13 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from seamlessflow.assets.base_model import (
-    MODEL_SIZES,
-    _build_hash,
-    build_base_model,
-    default_config,
-    sized_config,
-)
 from seamlessflow.rewards import get_reward
 from seamlessflow.tasks import get_task_source, task_names
 from seamlessflow.tasks.counting import (
@@ -25,6 +18,13 @@ from seamlessflow.tasks.counting import (
     CountingTask,
     operands,
     worked_answer,
+)
+from sf_app.base_model import (
+    MODEL_SIZES,
+    _build_hash,
+    build_base_model,
+    default_config,
+    sized_config,
 )
 
 
@@ -128,7 +128,7 @@ def test_model_sizes_change_the_shape_only_and_the_arithmetic_key_is_unchanged()
 def test_the_medium_size_has_tens_of_millions_of_parameters(counting_model: Path) -> None:
     from transformers import AutoTokenizer
 
-    from seamlessflow.assets.base_model import build_model
+    from sf_app.base_model import build_model
 
     tokenizer = AutoTokenizer.from_pretrained(counting_model)
     model = build_model(sized_config("counting", "medium"), tokenizer)
@@ -140,7 +140,7 @@ def test_the_medium_size_has_tens_of_millions_of_parameters(counting_model: Path
 def test_a_run_names_its_model_size_and_an_unknown_one_is_refused() -> None:
     from pydantic import ValidationError
 
-    from seamlessflow.assets.base_model import built_model_name
+    from sf_app.base_model import built_model_name
     from sf_app.run.config import RunConfig
 
     config = RunConfig(task="counting", model_size="medium")

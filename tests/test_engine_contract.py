@@ -1,14 +1,17 @@
-"""The `InferenceEngine` contract, run against every engine: transformers, vLLM and the
-scripted engine.
+"""The `InferenceEngine` contract, run against every registered engine backend
+(`sf_engine.backends.ENGINE_BACKENDS`: transformers, vLLM, the scripted engine, and any
+backend added later), each built as a worker builds it, from `EngineSettings`.
 
-One engine instance per engine kind is shared by the whole module (vLLM starts in
+One engine instance per backend is shared by the whole module (vLLM starts in
 18-56 s), so tests that load weights restore the base weights before they return and
-compare versions relative to `engine.version` at their start. The vLLM engine is marked
-`slow` and skipped when `import vllm` fails (the main venv has no vLLM; install the
-`vllm` extra, then remove torchvision/torchaudio/torchcodec/triton, see STACK.md).
+compare versions relative to `engine.version` at their start. What a backend declares
+decides the rest: one that `starts_slowly` (vLLM) is marked `slow`; one whose optional
+packages do not import is skipped with the reason its declaration gives (the main venv
+has no vLLM; install the `vllm` extra, then remove torchvision/torchaudio/torchcodec/
+triton, see STACK.md); only one with `structured_output` must honour a grammar.
 
-The scripted engine (no model compute, for load tests) keeps every part of the contract
-except agreement with the model: `computes(engine)` is False for it, and the checks of
+A backend that does not `compute` (the scripted engine: no model compute, for load
+tests) keeps every part of the contract except agreement with the model: the checks of
 logprobs and top logprobs against a forward pass, and of tokens changing with the
 weights, are skipped for it (its versions, lengths, stops, aborts, pauses, seeding and
 weight-name checks are tested like any engine's).
@@ -18,15 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from sf_engine.backends import GenerationResult, InferenceEngine, SamplingParams, ScriptedEngine
+from sf_engine.backends import (
+    ENGINE_BACKENDS,
+    EngineBackend,
+    GenerationResult,
+    InferenceEngine,
+    SamplingParams,
+)
+from sf_engine.settings import EngineSettings
 
 torch.set_num_threads(1)
 
@@ -37,6 +47,9 @@ pytestmark = [
 ]
 
 MAX_CONTEXT = 256
+MAX_BATCH_SIZE = 16
+"""Every request of a test in one batch: `test_many_long_seeded_prompts_at_once` needs
+its 16 prompts prefilled together."""
 PROMPTS = [[1, 2, 3], list(range(10, 40)), [7] * 9, [200, 13], list(range(100, 117))]
 PARAMS = [
     SamplingParams(max_tokens=20, temperature=0),
@@ -47,19 +60,25 @@ PARAMS = [
 ]
 
 
-def _import_vllm_or_skip() -> None:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import vllm  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken install (CUDA triton etc.)
-        pytest.skip(f"vLLM engine skipped: `import vllm` failed ({exc!r})")
+def _backend_params() -> list[Any]:
+    """One test parameter per registered backend; a slow starter is marked ``slow``."""
+    params = []
+    for name in ENGINE_BACKENDS.names():
+        slow = ENGINE_BACKENDS.get(name).starts_slowly
+        params.append(pytest.param(name, marks=[pytest.mark.slow] if slow else []))
+    return params
+
+
+def _available_or_skip(backend: EngineBackend) -> None:
+    reason = backend.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real base model (tokenizer + untied Qwen2) with a short SFT."""
-    from seamlessflow.assets.base_model import build_base_model
+    from sf_app.base_model import build_base_model
 
     return build_base_model(tmp_path_factory.mktemp("contract") / "base", seed=0, sft_steps=8)
 
@@ -89,35 +108,24 @@ def other_model(base_model: PreTrainedModel, other_weights) -> PreTrainedModel:
     return model.eval()
 
 
-@pytest.fixture(
-    scope="module",
-    params=["hf", "scripted", pytest.param("vllm", marks=pytest.mark.slow)],
-)
-async def engine(request: pytest.FixtureRequest, model_dir: Path) -> AsyncIterator[InferenceEngine]:
-    eng: InferenceEngine
-    if request.param == "hf":
-        from sf_engine.backends import TransformersEngine
+@pytest.fixture(scope="module", params=_backend_params())
+def backend(request: pytest.FixtureRequest) -> EngineBackend:
+    """The declaration of the backend under test (skipped where it cannot run)."""
+    declared = ENGINE_BACKENDS.get(request.param)
+    _available_or_skip(declared)
+    return declared
 
-        eng = TransformersEngine(model_dir, max_batch_size=8, max_context=MAX_CONTEXT)
-    elif request.param == "scripted":
-        eng = ScriptedEngine(model_dir, max_batch_size=8, max_context=MAX_CONTEXT, step_s=0.001)
-    else:
-        _import_vllm_or_skip()
-        from sf_engine.backends.vllm_engine import VllmEngine
 
-        eng = VllmEngine(model_dir, max_batch_size=16, max_context=MAX_CONTEXT)
-    async with eng:
+@pytest.fixture(scope="module")
+async def engine(backend: EngineBackend, model_dir: Path) -> AsyncIterator[InferenceEngine]:
+    settings = EngineSettings(max_batch_size=MAX_BATCH_SIZE, max_context=MAX_CONTEXT)
+    async with backend.build(settings, str(model_dir)) as eng:
         yield eng
 
 
-def computes(engine: InferenceEngine) -> bool:
-    """Whether the engine's tokens and logprobs come from the model's weights."""
-    return not isinstance(engine, ScriptedEngine)
-
-
-def _skip_unless_computes(engine: InferenceEngine) -> None:
-    if not computes(engine):
-        pytest.skip("the scripted engine does not compute with the model's weights")
+def _skip_unless_computes(backend: EngineBackend) -> None:
+    if not backend.computes:
+        pytest.skip(f"the {backend.name} engine does not compute with the model's weights")
 
 
 def _reference_logprobs(
@@ -140,7 +148,7 @@ async def _generate_all(eng: InferenceEngine, tag: str) -> list[GenerationResult
 
 
 async def test_lengths_versions_and_logprobs_match_forward(
-    engine: InferenceEngine, base_model: PreTrainedModel
+    engine: InferenceEngine, backend: EngineBackend, base_model: PreTrainedModel
 ) -> None:
     version = engine.version
     results = await _generate_all(engine, "lp")
@@ -148,13 +156,13 @@ async def test_lengths_versions_and_logprobs_match_forward(
         assert len(res.token_ids) == len(res.logprobs) == len(res.versions) == params.max_tokens
         assert res.finish_reason == "length"
         assert res.versions == [version] * params.max_tokens
-        if computes(engine):
+        if backend.computes:
             ref = _reference_logprobs(base_model, prompt, res, params)
             assert res.logprobs == pytest.approx(ref, abs=1e-4)
 
 
 async def test_top_logprobs_match_forward(
-    engine: InferenceEngine, base_model: PreTrainedModel
+    engine: InferenceEngine, backend: EngineBackend, base_model: PreTrainedModel
 ) -> None:
     prompt = [4, 40, 400]
     cases = [
@@ -179,7 +187,7 @@ async def test_top_logprobs_match_forward(
                 assert top[0][0] == token  # the greedy token is the most likely
             if token in dict(top):
                 assert dict(top)[token] == pytest.approx(res.logprobs[j], abs=1e-6)
-            if not computes(engine):
+            if not backend.computes:
                 continue
             ref_values = logp[len(prompt) - 1 + j].topk(params.top_logprobs).values
             assert values == pytest.approx(ref_values.tolist(), abs=1e-4)
@@ -188,13 +196,13 @@ async def test_top_logprobs_match_forward(
 
 
 async def test_top_k_samples_among_the_k_most_likely_and_reports_full_logprobs(
-    engine: InferenceEngine, base_model: PreTrainedModel
+    engine: InferenceEngine, backend: EngineBackend, base_model: PreTrainedModel
 ) -> None:
     """top_k (alone, and with top_p inside the k as vLLM applies them): every sampled
     token is among the k most likely (and in the nucleus of those k), while its logprob
     is still the untruncated one the trainer recomputes. A high temperature flattens the
     distribution, so ignoring top_k would sample outside the k."""
-    _skip_unless_computes(engine)
+    _skip_unless_computes(backend)
     prompt = [4, 40, 400]
     cases = [SamplingParams(max_tokens=10, temperature=2.0, top_k=2, seed=s) for s in range(4)]
     cases.append(SamplingParams(max_tokens=10, temperature=2.0, top_k=6, top_p=0.5, seed=9))
@@ -218,11 +226,12 @@ async def test_top_k_samples_among_the_k_most_likely_and_reports_full_logprobs(
             assert before < params.top_p + margin
 
 
-async def test_structured_output_gives_schema_json_on_vllm_and_is_refused_elsewhere(
-    engine: InferenceEngine, model_dir: Path
+async def test_structured_output_gives_schema_json_where_declared_and_is_refused_elsewhere(
+    engine: InferenceEngine, backend: EngineBackend, model_dir: Path
 ) -> None:
-    """response_format's constraint: vLLM's structured outputs make the completion JSON
-    of the schema; an engine that cannot constrain raises ValueError naming itself."""
+    """response_format's constraint: a backend that declares structured outputs (vLLM)
+    makes the completion JSON of the schema; one that cannot constrain raises ValueError
+    naming the backend that can."""
     schema = {
         "type": "object",
         "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
@@ -236,7 +245,7 @@ async def test_structured_output_gives_schema_json_on_vllm_and_is_refused_elsewh
         stop_token_ids=(tokenizer.eos_token_id,),
         structured_output=json.dumps({"json": schema, "disable_any_whitespace": True}),
     )
-    if not type(engine).__name__.startswith("Vllm"):
+    if not backend.structured_output:
         with pytest.raises(ValueError, match="SF_ENGINE_BACKEND=vllm"):
             engine.stream("so-refused", [1, 2, 3], params)
         return
@@ -374,6 +383,7 @@ async def test_pause_wait_drains_and_holds_new(engine: InferenceEngine) -> None:
 
 async def test_load_weights_changes_outputs_and_versions(
     engine: InferenceEngine,
+    backend: EngineBackend,
     base_weights: dict[str, torch.Tensor],
     other_weights: dict[str, torch.Tensor],
     other_model: PreTrainedModel,
@@ -387,7 +397,7 @@ async def test_load_weights_changes_outputs_and_versions(
         assert engine.version == v0 + 1
         after = await engine.generate("lw-b", prompt, params)
         assert before.versions == [v0] * 16 and after.versions == [v0 + 1] * 16
-        if computes(engine):
+        if backend.computes:
             assert before.token_ids != after.token_ids
             # Every weight was replaced: the new outputs are exactly the other model's.
             ref = _reference_logprobs(other_model, prompt, after, params)
@@ -401,13 +411,14 @@ async def test_load_weights_changes_outputs_and_versions(
 
 async def test_weights_sent_in_bf16_are_served_as_their_rounded_values(
     engine: InferenceEngine,
+    backend: EngineBackend,
     base_model: PreTrainedModel,
     base_weights: dict[str, torch.Tensor],
     other_weights: dict[str, torch.Tensor],
 ) -> None:
     """``SF_WEIGHTS_DTYPE=bfloat16`` hands engines bf16 tensors: each engine converts
     them to its own dtype, and serves exactly the rounded weights."""
-    _skip_unless_computes(engine)
+    _skip_unless_computes(backend)
     rounded = {k: v.bfloat16() for k, v in other_weights.items()}
     reference: PreTrainedModel = AutoModelForCausalLM.from_config(base_model.config)
     reference.load_state_dict({k: v.float() for k, v in rounded.items()})
@@ -426,6 +437,7 @@ async def test_weights_sent_in_bf16_are_served_as_their_rounded_values(
 
 async def test_load_during_generation_is_never_partial(
     engine: InferenceEngine,
+    backend: EngineBackend,
     base_weights: dict[str, torch.Tensor],
     other_weights: dict[str, torch.Tensor],
     base_model: PreTrainedModel,
@@ -448,7 +460,7 @@ async def test_load_during_generation_is_never_partial(
     # The running request finished on the old weights, the late one ran on the new.
     assert res.finish_reason == "length" and res.versions == [v0] * 60
     assert late_res.versions == [v0 + 1] * 60
-    if not computes(engine):
+    if not backend.computes:
         return
     ref_old = _reference_logprobs(base_model, prompt, res, params)
     ref_new = _reference_logprobs(other_model, prompt, late_res, params)
@@ -522,13 +534,11 @@ async def test_bad_input_raises_value_error_and_changes_nothing(
 async def test_vllm_sleep_mode_frees_and_restores_the_gpu(model_dir: Path) -> None:
     """GPU only: with sleep mode a lent vLLM engine gives its device memory back while
     its slot trains, and serves the same answers after waking."""
-    _import_vllm_or_skip()
-    from sf_engine.backends.vllm_engine import VllmEngine
-
+    vllm = ENGINE_BACKENDS.get("vllm")
+    _available_or_skip(vllm)
+    settings = EngineSettings(max_context=MAX_CONTEXT, vllm_sleep_mode=True)
     prompt, params = [5, 6, 7], SamplingParams(max_tokens=12, temperature=0)
-    async with VllmEngine(
-        model_dir, max_context=MAX_CONTEXT, engine_kwargs={"enable_sleep_mode": True}
-    ) as eng:
+    async with vllm.build(settings, str(model_dir)) as eng:
         before = await eng.generate("gpu-before", prompt, params)
         await eng.pause("abort")
         free_awake = torch.cuda.mem_get_info()[0]

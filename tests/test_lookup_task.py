@@ -28,16 +28,6 @@ from seamlessflow.agents.tool_agent import (
     tool_user,
     toolbox_for,
 )
-from seamlessflow.assets.base_model import (
-    IM_END,
-    TOOL_CALL,
-    BaseModelConfig,
-    _build_hash,
-    assistant_labels,
-    build_base_model,
-    default_config,
-    parse_tool_calls,
-)
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
 from seamlessflow.rewards import code_match, get_reward
@@ -50,6 +40,16 @@ from seamlessflow.tasks.lookup import (
     call_tool,
     item_number,
     lookup,
+)
+from sf_app.base_model import (
+    IM_END,
+    TOOL_CALL,
+    BaseModelConfig,
+    _build_hash,
+    assistant_labels,
+    build_base_model,
+    default_config,
+    parse_tool_calls,
 )
 from sf_engine.service import EngineService
 from sf_engine.settings import EngineSettings

@@ -26,7 +26,15 @@ from sf_trainer.advantages import (
 )
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.learner import Learner
-from sf_trainer.losses import LOSSES, BatchTotals, LossInputs, LossOutput, get_loss, kl_k3
+from sf_trainer.losses import (
+    LOSSES,
+    BatchTotals,
+    LossInputs,
+    LossOutput,
+    chosen_loss,
+    get_loss,
+    kl_k3,
+)
 from sf_trainer.settings import TrainerSettings
 
 # advantages ----------------------------------------------------------------------------
@@ -137,22 +145,33 @@ TOTALS = BatchTotals(tokens=5, sequences=2, longest_response=3)
 
 
 def run_loss(
-    name: str, settings: TrainerSettings, logprobs: torch.Tensor = POLICY, **inputs: Any
+    name: str,
+    settings: dict[str, Any],
+    logprobs: torch.Tensor = POLICY,
+    kl_coef: float = 0.0,
+    **inputs: Any,
 ) -> tuple[LossOutput, torch.Tensor]:
-    """(output, gradient of the loss w.r.t. the policy logprobs); ``inputs`` replace the
-    shared example's fields (and ``totals``)."""
+    """(output, gradient of the loss w.r.t. the policy logprobs); ``settings``: the
+    loss's own (its defaults otherwise); ``inputs`` replace the shared example's fields
+    (and ``totals``)."""
     logprobs = logprobs.clone().requires_grad_(True)
-    fields = {"behaviour_logprobs": BEHAVIOUR, "advantages": ADVANTAGES, "mask": MASK}
+    fields: dict[str, Any] = {
+        "behaviour_logprobs": BEHAVIOUR,
+        "advantages": ADVANTAGES,
+        "mask": MASK,
+    }
     fields.update(inputs)
     totals = fields.pop("totals", TOTALS)
-    output = get_loss(name)(LossInputs(logprobs=logprobs, **fields), settings, totals)
+    loss = get_loss(name)
+    output = loss(LossInputs(logprobs=logprobs, **fields), loss.settings(**settings), totals,
+                  kl_coef)  # fmt: skip
     output.loss.backward()
     assert logprobs.grad is not None
     return output, logprobs.grad
 
 
 def test_grpo_loss_is_ppo_clip_against_behaviour_averaged_over_tokens() -> None:
-    out, _ = run_loss("grpo", TrainerSettings(clip_eps=0.2))
+    out, _ = run_loss("grpo", {"clip_eps": 0.2})
     # row 0 (A=+1): min(r, clip(r, 0.8, 1.2)) = 1.2, 1.0, 0.5
     # row 1 (A=-2): min(-2r, -2 clip(r)) = -2.0, -2.8 (the unclipped side is lower)
     assert out.loss.item() == pytest.approx(-(1.2 + 1.0 + 0.5 - 2.0 - 2.8) / 5)  # 0.42
@@ -161,7 +180,7 @@ def test_grpo_loss_is_ppo_clip_against_behaviour_averaged_over_tokens() -> None:
 
 
 def test_decoupled_loss_weights_tokens_by_truncated_behaviour_ratio() -> None:
-    settings = TrainerSettings(is_cap=2.0, clip_eps=0.2)
+    settings = {"is_cap": 2.0, "clip_eps": 0.2}
     behaviour = torch.log(torch.tensor([[0.25, 0.1, 1.0]]))  # weights 2.0, 5.0 -> 2.0, 0.5
     advantages = torch.tensor([[1.0, -1.0, 2.0]])  # per token here, to test each weight
     out, grad = run_loss(
@@ -180,7 +199,7 @@ def test_decoupled_loss_weights_tokens_by_truncated_behaviour_ratio() -> None:
 
 
 def test_dapo_loss_clips_the_ratio_higher_above_than_below() -> None:
-    settings = TrainerSettings(clip_eps_low=0.2, clip_eps_high=0.28)
+    settings = {"clip_eps_low": 0.2, "clip_eps_high": 0.28}
     out, _ = run_loss("dapo", settings)
     # row 0: min(r, clip(r, 0.8, 1.28)) = 1.28, 1.0, 0.5; row 1 as in GRPO: -2.0, -2.8
     assert out.loss.item() == pytest.approx(-(1.28 + 1.0 + 0.5 - 2.0 - 2.8) / 5)  # 0.404
@@ -191,27 +210,25 @@ def test_clip_higher_keeps_the_gradient_up_to_the_upper_bound_only() -> None:
     # ratios 1.25, 1.30 with A=+1 and 0.85, 0.75 with A=-1, one token each
     behaviour = torch.log(torch.full((1, 4), 0.5))
     policy = torch.log(torch.tensor([[0.625, 0.65, 0.425, 0.375]]))
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "behaviour_logprobs": behaviour,
         "advantages": torch.tensor([[1.0, 1.0, -1.0, -1.0]]),
         "mask": torch.ones(1, 4),
         "totals": BatchTotals(tokens=4, sequences=1, longest_response=4),
     }
-    _, dapo = run_loss(
-        "dapo", TrainerSettings(clip_eps_low=0.2, clip_eps_high=0.28), policy, **kwargs
-    )
+    _, dapo = run_loss("dapo", {"clip_eps_low": 0.2, "clip_eps_high": 0.28}, policy, **kwargs)
     # d(-r A / 4)/d logp = -r A / 4 where the unclipped side is taken, else 0:
     # 1.25 < 1.28 trains, 1.30 > 1.28 does not; 0.85 > 0.8 trains, 0.75 < 0.8 does not
     assert dapo[0].tolist() == pytest.approx([-1.25 / 4, 0.0, 0.85 / 4, 0.0])
-    _, grpo = run_loss("grpo", TrainerSettings(clip_eps=0.2), policy, **kwargs)
+    _, grpo = run_loss("grpo", {"clip_eps": 0.2}, policy, **kwargs)
     assert grpo[0].tolist() == pytest.approx([0.0, 0.0, 0.85 / 4, 0.0])  # 1.25 > 1.2
 
 
 def test_dr_grpo_loss_sums_tokens_over_a_constant() -> None:
     # GRPO's terms: row 0 -(1.2 + 1.0 + 0.5) = -2.7, row 1 -(-2.0 - 2.8) = 4.8; sum 2.1
-    out, _ = run_loss("dr_grpo", TrainerSettings(clip_eps=0.2))
+    out, _ = run_loss("dr_grpo", {"clip_eps": 0.2})
     assert out.loss.item() == pytest.approx(2.1 / (2 * 3))  # C = longest response, 3
-    out, _ = run_loss("dr_grpo", TrainerSettings(clip_eps=0.2, dr_grpo_tokens=10))
+    out, _ = run_loss("dr_grpo", {"clip_eps": 0.2, "constant_tokens": 10})
     assert out.loss.item() == pytest.approx(2.1 / (2 * 10))
 
 
@@ -219,21 +236,21 @@ def test_dr_grpo_does_not_divide_by_the_sequence_length() -> None:
     # a 1-token and a 3-token sequence at ratio 1, A = +1, C = 4, 2 sequences: every
     # token's gradient is -1 / (2 x 4), whatever its sequence's length
     mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "behaviour_logprobs": BEHAVIOUR,
         "advantages": torch.tensor([[1.0], [1.0]]),
         "mask": mask,
         "totals": BatchTotals.of([[1, 0, 0], [1, 1, 1]]),
     }
-    _, grad = run_loss("dr_grpo", TrainerSettings(dr_grpo_tokens=4), BEHAVIOUR, **kwargs)
+    _, grad = run_loss("dr_grpo", {"constant_tokens": 4}, BEHAVIOUR, **kwargs)
     assert (grad * mask).flatten().tolist() == pytest.approx([-0.125, 0, 0] + [-0.125] * 3)
     # the per-sequence mean (GSPO's aggregation) would weigh them 1/1 and 1/3
-    _, grad = run_loss("gspo", TrainerSettings(), BEHAVIOUR, **kwargs)
+    _, grad = run_loss("gspo", {}, BEHAVIOUR, **kwargs)
     assert (grad * mask).flatten().tolist() == pytest.approx([-0.5, 0, 0] + [-1 / 6] * 3)
 
 
 def test_gspo_clips_whole_sequences_by_their_geometric_mean_ratio() -> None:
-    settings = TrainerSettings(gspo_clip_eps_low=0.2, gspo_clip_eps_high=0.2)
+    settings = {"clip_eps_low": 0.2, "clip_eps_high": 0.2}
     # token ratios row 0: 1.5, 1.0 -> s = sqrt(1.5) = 1.2247 > 1.2: clipped (A = +1)
     #              row 1: 1.5, 0.5 -> s = sqrt(0.75) = 0.8660 within [0.8, 1.2]
     # the third slot is not trained: its ratio (0.2) is not in the mean
@@ -256,8 +273,11 @@ def test_gspo_clips_whole_sequences_by_their_geometric_mean_ratio() -> None:
 
 
 def test_the_gspo_clip_defaults_are_the_papers() -> None:
-    settings = TrainerSettings()
-    assert (settings.gspo_clip_eps_low, settings.gspo_clip_eps_high) == (3e-4, 4e-4)
+    settings = get_loss("gspo").settings()
+    assert (settings.clip_eps_low, settings.clip_eps_high) == (3e-4, 4e-4)
+    # and so are the ones a trainer left at its defaults takes
+    _, chosen = chosen_loss(TrainerSettings(loss="gspo").loss)
+    assert chosen == settings
 
 
 # KL to the reference -------------------------------------------------------------------
@@ -293,8 +313,9 @@ def test_the_kl_term_is_aggregated_like_the_policy_loss(name: str, aggregated: f
     # policy = behaviour, zero advantages: the policy terms vanish, the KL term remains
     out, _ = run_loss(
         name,
-        TrainerSettings(kl_coef=0.1),
+        {},
         BEHAVIOUR,
+        kl_coef=0.1,
         advantages=torch.zeros(2, 1),
         reference_logprobs=REFERENCE,
     )
@@ -319,13 +340,14 @@ def test_every_loss_splits_exactly_over_micro_batches(name: str) -> None:
     mask[1, 0] = 1.0
     totals = BatchTotals.of(mask.int().tolist())
     assert totals.sequences == 3
-    settings = TrainerSettings(kl_coef=0.1, gspo_clip_eps_low=0.05, gspo_clip_eps_high=0.05)
     loss = get_loss(name)
+    gspo_clip = {"clip_eps_low": 0.05, "clip_eps_high": 0.05}
+    settings = loss.settings(**(gspo_clip if name == "gspo" else {}))
 
     def loss_of(rows: slice) -> torch.Tensor:
         inputs = LossInputs(policy[rows], behaviour[rows], advantages[rows], mask[rows],
                             reference[rows])  # fmt: skip
-        return loss(inputs, settings, totals).loss
+        return loss(inputs, settings, totals, kl_coef=0.1).loss
 
     (whole_grad,) = torch.autograd.grad(loss_of(slice(0, 4)), policy)
     parts = loss_of(slice(0, 2)) + loss_of(slice(2, 4))
@@ -348,13 +370,14 @@ def test_unknown_names_are_refused_with_the_known_ones_listed() -> None:
     with pytest.raises(
         ValueError,
         match=r"unknown loss 'nope' \(SF_TRAINER_LOSS\); known: dapo, dr_grpo, grpo, "
-        r"grpo_decoupled, gspo$",
+        r"grpo_decoupled, gspo; or a dotted path 'package.module:function'$",
     ):
         get_loss("nope")
     with pytest.raises(
         ValueError,
         match=r"unknown advantage estimator 'nope' \(SF_TRAINER_ADVANTAGE\); known: dr_grpo, "
-        r"grpo, reinforce_pp, reinforce_pp_baseline, rloo$",
+        r"grpo, reinforce_pp, reinforce_pp_baseline, rloo; or a dotted path "
+        r"'package.module:function'$",
     ):
         get_advantage_estimator("nope")
 

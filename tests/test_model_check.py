@@ -21,6 +21,11 @@ from seamlessflow.assets.model_check import (
     task_context_tokens,
 )
 from seamlessflow.bus import EXIT_UNRECOVERABLE
+from sf_engine.backends import ENGINE_BACKENDS
+
+# What each engine backend needs of a model's architecture, as it declares it.
+SCRIPTED = ENGINE_BACKENDS.get("scripted").architecture
+VLLM = ENGINE_BACKENDS.get("vllm").architecture
 
 # What `broken_model_dir` lacks, as the check names each problem.
 WEIGHTS = "no *.safetensors weights (found pytorch_model.bin"
@@ -58,7 +63,7 @@ def test_a_usable_model_dir_passes_every_need(base_model_dir: Path) -> None:
     assert need is not None and 6 < need <= 512
     for needs in (
         ModelNeeds(context_tokens=need),
-        ModelNeeds(chat=False, tokenizer=False, backend="scripted", context_tokens=512),
+        ModelNeeds(chat=False, tokenizer=False, architecture=SCRIPTED, context_tokens=512),
         ModelNeeds(chat=False),
     ):
         assert model_problems(base_model_dir, needs) == []
@@ -74,7 +79,7 @@ def test_each_family_passes_for_both_engines(family: str, tmp_path: Path) -> Non
         import vllm  # noqa: F401
     except ImportError:
         return
-    assert model_problems(model_dir, ModelNeeds(backend="vllm")) == []
+    assert model_problems(model_dir, ModelNeeds(architecture=VLLM)) == []
 
 
 def test_every_problem_is_named_in_one_error(broken_model_dir: Path) -> None:
@@ -112,14 +117,14 @@ def test_weights_config_and_template_problems(base_model_dir: Path, tmp_path: Pa
 
 def test_vllm_backend_checks_the_architecture(base_model_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    assert model_problems(base_model_dir, ModelNeeds(backend="vllm")) == []
+    assert model_problems(base_model_dir, ModelNeeds(architecture=VLLM)) == []
     model = tmp_path / "m"
     shutil.copytree(base_model_dir, model)
     config = json.loads((model / "config.json").read_text())
     # a family transformers loads under a class name vLLM does not run
     (model / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2Custom"]}))
     assert model_problems(model, ModelNeeds()) == []
-    (problem,) = model_problems(model, ModelNeeds(backend="vllm"))
+    (problem,) = model_problems(model, ModelNeeds(architecture=VLLM))
     assert "Qwen2Custom" in problem and "vLLM" in problem
 
 

@@ -18,7 +18,6 @@ import httpx
 import pytest
 from conftest import InProcessMesh, session_auth, small_embedded_run
 
-from seamlessflow.agents.runner import AgentRunner, AgentRunnerSettings
 from seamlessflow.batches import stored_batches
 from seamlessflow.bus import Bus, RemoteError
 from seamlessflow.protocol import (
@@ -32,6 +31,8 @@ from seamlessflow.protocol import (
     WeightsPublished,
     decode,
 )
+from sf_agents.service import AgentRunner
+from sf_agents.settings import AgentRunnerSettings
 from sf_engine.service import EngineService
 from sf_engine.settings import EngineSettings
 from sf_gateway.service import GatewayService

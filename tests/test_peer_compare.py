@@ -239,7 +239,7 @@ def test_the_long_answer_comparison_scores_the_counting_task_on_each_engine_aske
     verifier on both sides, one SeamlessFlow run per engine against the same TRL run."""
     if importlib.util.find_spec("trl") is None:
         pytest.skip("TRL is not installed (pip install -e '.[bench]')")
-    from seamlessflow.assets.base_model import build_base_model
+    from sf_app.base_model import build_base_model
 
     model = build_base_model(tmp_path / "counting", seed=0, sft_steps=4, task="counting")
     out = tmp_path / "peer_long.json"
@@ -266,7 +266,7 @@ def test_the_long_answer_comparison_scores_the_counting_task_on_each_engine_aske
 
 @pytest.mark.integration
 def test_the_comparison_refuses_an_unknown_engine_and_a_judged_long_task() -> None:
-    from seamlessflow.assets.base_model import MODEL_SIZES
+    from sf_app.base_model import MODEL_SIZES
 
     script = str(LOADTESTS / "peer_compare.py")
     # the sizes it offers are the builder's

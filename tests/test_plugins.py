@@ -48,7 +48,7 @@ def test_a_dotted_path_stands_for_a_name_only_where_allowed() -> None:
 
     assert REWARDS.get("seamlessflow.rewards:integer_match") is integer_match
     with pytest.raises(UnknownPlugin):
-        LOSSES.get("sf_trainer.losses:LOSSES")
+        TOOL_PARSERS.get("sf_gateway.tool_parsers:TOOL_PARSERS")
 
 
 def test_two_plug_ins_under_one_name_are_refused_and_builtins_load_on_first_use() -> None:

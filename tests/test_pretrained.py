@@ -39,7 +39,7 @@ from seamlessflow.assets.pretrained import (
     packaged_model,
 )
 from seamlessflow.protocol import SampleGroup, TrainBatch, TrainSample
-from sf_engine.backends import GenerationResult, SamplingParams
+from sf_engine.backends import ENGINE_BACKENDS, GenerationResult, SamplingParams
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.learner import Learner
 from sf_trainer.settings import TrainerSettings
@@ -98,12 +98,14 @@ def test_converted_model_gives_the_gguf_models_logits_and_ids(smollm2_dir: Path)
         assert gap <= tol_same(expected), f"{messages}: logits {gap:.3g} apart"
 
 
-@pytest.mark.parametrize("backend", ["hf", "vllm"])
+@pytest.mark.parametrize("backend", ENGINE_BACKENDS.names())
 def test_check_model_accepts_the_converted_model(smollm2_dir: Path, backend: str) -> None:
-    if backend == "vllm":
-        pytest.importorskip("vllm")
+    declared = ENGINE_BACKENDS.get(backend)
+    unavailable = declared.unavailable()
+    if unavailable is not None:
+        pytest.skip(unavailable)
     # the context a reasoning task's prompt and a long answer need
-    check_model(smollm2_dir, ModelNeeds(backend=backend, context_tokens=4096))
+    check_model(smollm2_dir, ModelNeeds(architecture=declared.architecture, context_tokens=4096))
 
 
 def _sample(

@@ -36,7 +36,7 @@ PARTY_CODE = {
     "trajectory": ["services/sf_trajectory", "libs/seamlessflow/batches.py"],
     "weight-sync": ["services/sf_weight_sync"],
     "tag-scheduler": ["services/sf_tag_scheduler"],
-    "agent runner": ["libs/seamlessflow/agents/runner.py"],
+    "agent runner": ["services/sf_agents"],
     "seamlessflow export": ["app/sf_app/cli.py"],
     "seamlessflow track": ["app/sf_app/tracking.py"],
     "embedded run": ["app/sf_app/run/embedded.py"],

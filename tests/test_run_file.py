@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from seamlessflow.bus import EXIT_UNRECOVERABLE
-from seamlessflow.runfile import RUN_KEYS, RunFileError, section_of
+from seamlessflow.runfile import RUN_KEYS, RUN_OPTIONS, RunFileError, section_of
 from seamlessflow.settings import MeshSettings
 from sf_app.cli import settings_classes
 from sf_app.run.config import RunConfig
@@ -66,7 +66,12 @@ log_level = "DEBUG"
     )
     clean_environment.setenv("SF_CONFIG", str(path))
     trainer = TrainerSettings()
-    assert (trainer.steps, trainer.lr, trainer.loss, trainer.eval_items) == (7, 0.5, "dr_grpo", 5)
+    assert (trainer.steps, trainer.lr, trainer.loss.name, trainer.eval_items) == (
+        7,
+        0.5,
+        "dr_grpo",
+        5,
+    )
     mesh = MeshSettings()
     assert (mesh.seed, mesh.policies, mesh.log_level) == (3, "solver,verifier", "DEBUG")
     scheduler = TagSchedulerSettings()
@@ -90,6 +95,25 @@ def test_every_run_key_sets_a_real_field(clean_environment: pytest.MonkeyPatch) 
     for key, names in RUN_KEYS.items():
         assert key in RunConfig.model_fields, key
         assert set(names) <= variables, (key, set(names) - variables)
+
+
+def test_every_run_option_has_one_default(clean_environment: pytest.MonkeyPatch) -> None:
+    """A run option's default is declared once (``RUN_OPTIONS``): ``RunConfig``, the CLI
+    and every settings field it sets have that one, unless the option says why not."""
+    fields = {}
+    for cls in settings_classes():
+        prefix = cls.model_config.get("env_prefix", "")
+        fields |= {(prefix + name).upper(): info for name, info in cls.model_fields.items()}
+    for key, option in RUN_OPTIONS.items():
+        run_field = RunConfig.model_fields[key]
+        run_value = run_field.get_default(call_default_factory=True)
+        assert run_value == ([option.default] if key == "policies" else option.default), key
+        for variable in option.variables:
+            if option.service_default_differs:
+                continue
+            assert fields[variable].default == option.default, (key, variable)
+    differing = {key for key, option in RUN_OPTIONS.items() if option.service_default_differs}
+    assert differing == {"policies"}
 
 
 @pytest.mark.parametrize(
@@ -246,3 +270,45 @@ eval_items = 4
     history = [row for row in logged(run_dir)["history"] if "train/step" in row]
     assert [row["train/step"] for row in history] == [1, 2]
     assert [row["train/mean_reward"] for row in history] == [m["mean_reward"] for m in steps]
+
+
+class _Captured(Exception):
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+
+
+def test_up_takes_every_run_config_field_and_only_what_was_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``up``'s options are generated from ``RunConfig``: one per field, and a value not
+    given on the command line keeps the field's default (or the run file's value)."""
+    from typer.testing import CliRunner
+
+    import sf_app.run.embedded
+    from sf_app.cli import app
+
+    def capture(config: RunConfig) -> None:
+        raise _Captured(config)
+
+    monkeypatch.setattr(sf_app.run.embedded, "run_embedded", capture)
+    args = ["up", "--steps", "5", "--policies", "a, b", "--report-to", "tensorboard"]
+    args += ["--no-live", "--engine-batch-size", "8", "--mode", "colocated"]
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, _Captured), result.output
+    config = result.exception.config
+    assert (config.steps, config.policies, config.report_to) == (5, ["a", "b"], ["tensorboard"])
+    assert (config.live, config.engine_batch_size, config.mode) == (False, 8, "colocated")
+    assert config.max_batches_ahead == 0  # colocated's pacing: not given, so not passed
+    assert config.group_size == RUN_OPTIONS["group_size"].default
+    # what was given, and what colocated sets; nothing else was passed on
+    assert config.model_fields_set == {
+        "steps", "policies", "report_to", "live", "engine_batch_size", "mode",
+        "max_batches_ahead",
+    }  # fmt: skip
+
+    help_text = CliRunner().invoke(app, ["up", "--help"], env={"COLUMNS": "200"}).output
+    for name in RunConfig.model_fields:
+        if name != "run_file":
+            assert f"--{name.replace('_', '-')}" in help_text, name
+    bad = CliRunner().invoke(app, ["up", "--steps", "many"], env={"COLUMNS": "200"})
+    assert bad.exit_code == 2 and "Invalid value for '--steps'" in bad.output

@@ -325,3 +325,36 @@ def test_the_live_trainer_idle_share_is_waiting_over_the_trainers_time() -> None
     assert trainer_idle([step(3.0, 0.75, 0.25), step(3.0, 0.5, 0.5)]) == 0.75
     assert trainer_idle([step(0.0, 1.0, 0.1)]) == 0.0
     assert trainer_idle([]) == 0.0
+
+
+def test_a_steps_record_carries_every_figure_of_its_result() -> None:
+    """``metrics_of``: each StepResult field lands in the TrainStepMetrics field of its
+    name, next to the step's place, timings and published weights."""
+    import dataclasses
+
+    from seamlessflow.protocol import WeightManifest, encode
+    from sf_trainer.step import metrics_of
+
+    model = tiny_model(tied=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    result = train_step(model, optimizer, metrics_batch(), TrainerSettings(), CURRENT_VERSION)
+    manifest = WeightManifest(
+        version=4, kind="delta", transport="object", location="weights-4", payload_bytes=10,
+        bucket_bytes=10, bucket_sha256=[], state_bytes=40, state_sha256="", layout=[],
+    )  # fmt: skip
+    record = metrics_of(
+        result, policy="solver", step=4, version=4, batch_index=7, manifest=manifest,
+        wait_seconds=0.5, step_seconds=1.5, publish_seconds=0.25, lent_thread_seconds=0.125,
+    )  # fmt: skip
+    for name, value in dataclasses.asdict(result).items():
+        assert getattr(record, name) == value, name
+    assert (record.policy, record.step, record.version, record.batch_index) == ("solver", 4, 4, 7)
+    assert (record.wait_seconds, record.step_seconds, record.publish_seconds,
+            record.lent_thread_seconds) == (0.5, 1.5, 0.25, 0.125)  # fmt: skip
+    assert (record.weights_kind, record.weights_payload_bytes, record.weights_state_bytes) == (
+        "delta",
+        10,
+        40,
+    )
+    # a record survives the wire as it was made
+    assert decode(encode(record), TrainStepMetrics) == record

@@ -346,6 +346,6 @@ def test_checkpoints_and_built_models_are_readable_by_other_uids(
     assert other_uids_can_read(tmp_path / "final") == []
     assert other_uids_can_read(build_family_model("qwen2-tied", tmp_path / "family", seed=0)) == []
     fresh = tmp_path / "base"
-    from seamlessflow.assets.base_model import ensure_base_model
+    from sf_app.base_model import ensure_base_model
 
     assert other_uids_can_read(ensure_base_model(fresh, sft_steps=0)) == []

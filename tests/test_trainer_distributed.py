@@ -357,8 +357,8 @@ def test_two_ranks_match_one_process_with_gspo_rloo_and_a_sharded_reference(
     """A sequence-level loss (divided by the whole batch's sequence count) and the KL
     term, whose reference model is sharded like the policy. The GSPO clip is widened so
     that most sequences train (at the paper's 3e-4 these random batches clip nearly all)."""
-    settings = {**SETTINGS, "loss": "gspo", "advantage": "rloo", "kl_coef": 0.1,
-                "gspo_clip_eps_low": 0.5, "gspo_clip_eps_high": 0.5}  # fmt: skip
+    gspo = {"name": "gspo", "clip_eps_low": 0.5, "clip_eps_high": 0.5}
+    settings = {**SETTINGS, "loss": gspo, "advantage": "rloo", "kl_coef": 0.1}
     ranks = run_ranks(2, spec(base_model_dir, BATCHES, tmp_path / "ranks", settings=settings))
     alone = run_one_process(spec(base_model_dir, BATCHES, tmp_path / "alone", settings=settings))
     assert_same_results(ranks, alone, tmp_path / "alone")

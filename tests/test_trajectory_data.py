@@ -658,8 +658,8 @@ async def test_the_agent_runner_repeats_an_unanswered_claim_with_the_same_id(
 ) -> None:
     """The trajectory service answers a claim late (it waited behind others, under
     load): the runner's repeat must name the same claim, so it gets that sample."""
-    from seamlessflow.agents.runner import AgentRunner
     from seamlessflow.protocol import Subjects
+    from sf_agents.service import AgentRunner
 
     service = await connect(nats_url, Subjects(run_id), name="slow-trajectory")
     claims: list[TaskClaim] = []

@@ -7,9 +7,11 @@ so ``seamlessflow --help`` is instant.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
+import re
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, Literal, NoReturn, get_args, get_origin
 
 import typer
 
@@ -23,115 +25,68 @@ app = typer.Typer(
 )
 
 
-@app.command()
-def up(
-    context: typer.Context,
-    steps: Annotated[int, typer.Option(help="Trainer optimizer steps.")] = 300,
-    run_id: Annotated[str, typer.Option(help="Run id (default: from the time).")] = "",
-    runs_dir: Annotated[Path, typer.Option(help="Where runs/<run-id>/ is written.")] = Path("runs"),
-    model_dir: Annotated[
-        Path | None,
-        typer.Option(help="Base model (default: built)."),
-    ] = None,
-    model: Annotated[
-        str,
-        typer.Option(
-            help="A pretrained model by name (smollm2-135m-instruct), converted once into "
-            "the cache from the package that ships it."
-        ),
-    ] = "",
-    model_size: Annotated[
-        str, typer.Option(help="Size of the built base model: small | medium (~25M).")
-    ] = "small",
-    group_size: Annotated[int, typer.Option(help="Samples per task.")] = 8,
-    groups_per_batch: Annotated[int, typer.Option(help="Tasks per step.")] = 8,
-    max_batches_ahead: Annotated[int, typer.Option(help="Rollout lead over training.")] = 1,
-    lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-4,
-    precision: Annotated[
-        str, typer.Option(help="Trainer compute precision: fp32 | bf16-mixed.")
-    ] = "fp32",
-    eval_every: Annotated[
-        int,
-        typer.Option(
-            help="Held-out evaluation every N steps, and before the first and after the "
-            "last (0: none)."
-        ),
-    ] = 0,
-    engines: Annotated[int, typer.Option(help="Engine worker processes.")] = 1,
-    gateways: Annotated[
-        int, typer.Option(help="Gateway processes sharing the gateway's port and sessions.")
-    ] = 1,
-    agent: Annotated[str, typer.Option(help="Agent name or dotted path.")] = "single_turn",
-    policies: Annotated[
-        str,
-        typer.Option(
-            help="Policies trained together, comma-separated (e.g. solver,verifier with "
-            "--agent solve_and_verify); the first is the tasks' policy."
-        ),
-    ] = DEFAULT_POLICY,
-    task: Annotated[
-        str, typer.Option(help="Task source (e.g. arithmetic, counting, lookup).")
-    ] = "arithmetic",
-    max_tokens: Annotated[
-        int | None, typer.Option(help="Completion budget per call (default: the task's).")
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Seed.")] = 0,
-    mode: Annotated[
-        str, typer.Option(help="Deployment: colocated | disaggregated | multiplexed.")
-    ] = "disaggregated",
-    pin_slots: Annotated[
-        bool, typer.Option(help="Pin engines and the trainer to their slot's core.")
-    ] = False,
-    live: Annotated[bool, typer.Option(help="Live progress table.")] = True,
-    max_restarts: Annotated[
-        int, typer.Option(help="Restarts per process after an unexpected exit.")
-    ] = 3,
-    nats_url: Annotated[
-        str,
-        typer.Option(
-            help="Use this NATS server or cluster (URL[,URL...], JetStream on) instead of "
-            "starting one; its token from SF_NATS_TOKEN, replicas from SF_NATS_REPLICAS."
-        ),
-    ] = "",
-    checkpoint_every: Annotated[
-        int, typer.Option(help="Trainer checkpoint interval in steps (0: at the end only).")
-    ] = 10,
-    report_to: Annotated[
-        str,
-        typer.Option(
-            help="Experiment tracking: none | tensorboard | wandb | all, or several "
-            "comma-separated (W&B without a network: WANDB_MODE=offline)."
-        ),
-    ] = "none",
-    env: Annotated[
-        str,
-        typer.Option(
-            help="An OpenEnv environment to play episodes in: its server's URL, or a "
-            "built-in one (guess_number) the run starts. Sets --agent openenv and --task "
-            "episodes unless given."
-        ),
-    ] = "",
-    env_step_latency_ms: Annotated[
-        float, typer.Option(help="A built-in environment's median time per step (ms).")
-    ] = 0.0,
-    nats_cluster: Annotated[
-        int,
-        typer.Option(
-            help="NATS servers to start: 1, or a cluster of 3 (or 5) on loopback with every "
-            "stream replicated that many times (the run survives losing a node)."
-        ),
-    ] = 1,
-    config_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--config",
-            envvar="SF_CONFIG",
-            help="A run file (TOML): [run] takes these options, each other section one "
-            "service's settings (examples/run_files/, docs/configuration.md). Options given "
-            "here win over it.",
-        ),
-    ] = None,
-) -> None:
+UP_HIDDEN = ("run_file",)
+"""``RunConfig`` fields that are not ``up`` options: the run file is ``--config``."""
+
+UP_SHOWN_DEFAULTS = {
+    "max_tokens": "the task's, else 6",
+    "cache_dir": "$SF_CACHE_DIR or ~/.cache/seamlessflow",
+    "run_id": "from the time",
+}
+"""What ``up --help`` shows as the default of fields whose default is computed."""
+
+
+def _first_sentence(text: str | None) -> str:
+    """A field docstring's first sentence, on one line, as plain text (an option's help)."""
+    flat = " ".join((text or "").split()).replace("``", "")
+    end = re.search(r"(?<!e\.g)(?<!i\.e)\.\s", flat)
+    return flat if end is None else flat[: end.start() + 1]
+
+
+def _up_parameters() -> list[inspect.Parameter]:
+    """``up``'s options, one per ``RunConfig`` field: its name, type, default and the
+    first sentence of its docstring. Each is None unless given, so a value not given on
+    the command line comes from the run file or ``RunConfig``'s one default."""
+    from sf_app.run.config import RunConfig
+
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [
+        inspect.Parameter(
+            "context", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context
+        )
+    ]
+    for name, field in RunConfig.model_fields.items():
+        if name in UP_HIDDEN:
+            continue
+        default = field.get_default(call_default_factory=True)
+        shown: str | bool = UP_SHOWN_DEFAULTS.get(name, True)
+        kind: Any = field.annotation
+        if get_origin(kind) is list:
+            kind, default = str, ",".join(map(str, default))
+        elif get_origin(kind) is Literal:
+            kind = str
+        elif get_origin(kind) is not None:  # X | None
+            kind = next(arg for arg in get_args(kind) if arg is not type(None)) | None
+        option = typer.Option(help=_first_sentence(field.description), show_default=shown)
+        params.append(
+            inspect.Parameter(name, keyword, default=default, annotation=Annotated[kind, option])
+        )
+    config = typer.Option(
+        "--config",
+        envvar="SF_CONFIG",
+        help="A run file (TOML): [run] takes these options, each other section one "
+        "service's settings (examples/run_files/, docs/configuration.md). Options given "
+        "here win over it.",
+    )
+    params.append(
+        inspect.Parameter(
+            "config_file", keyword, default=None, annotation=Annotated[Path | None, config]
+        )
+    )
+    return params
+
+
+def up(context: typer.Context, config_file: Path | None = None, **options: Any) -> None:
     """Embedded local run: NATS, every service as a process, agents, training."""
     from pydantic import ValidationError
 
@@ -140,13 +95,6 @@ def up(
     from sf_app.run.embedded import run_embedded
     from sf_app.run.file import read_run_file
 
-    # every option of this command is a RunConfig field; two need their list form
-    options: dict[str, Any] = {
-        **context.params,
-        "policies": [name.strip() for name in policies.split(",") if name.strip()],
-        "report_to": report_to.split(","),
-    }
-    del options["config_file"]
     # The run file's [run] table, then the options given on the command line; what
     # neither sets keeps RunConfig's default (which may depend on other fields: the
     # task's completion budget, colocated's synchronous pacing).
@@ -159,8 +107,11 @@ def up(
         values["run_file"] = config_file
     for name, value in options.items():
         source = context.get_parameter_source(name)
-        if source is not None and source.name == "COMMANDLINE":
-            values[name] = value
+        if source is None or source.name != "COMMANDLINE":
+            continue
+        if get_origin(RunConfig.model_fields[name].annotation) is list:
+            value = [part.strip() for part in str(value).split(",") if part.strip()]
+        values[name] = value
     try:
         config = RunConfig(**values)
     except ValidationError as exc:
@@ -180,6 +131,10 @@ def up(
     typer.echo(f"run directory: {(config.runs_dir / summary.run_id).resolve()}")
     if summary.status != "finished":
         raise typer.Exit(1 if summary.status.startswith("failed") else 130)
+
+
+up.__signature__ = inspect.Signature(_up_parameters())  # type: ignore[attr-defined]
+app.command()(up)
 
 
 @app.command()
@@ -476,7 +431,7 @@ def build_model(
         return
     if out is None:
         fail("--out is required to build the built-in model")
-    from seamlessflow.assets.base_model import build_base_model, ensure_base_model, sized_config
+    from sf_app.base_model import build_base_model, ensure_base_model, sized_config
 
     build = build_base_model if force else ensure_base_model
     path = build(out, seed=seed, task=task, config=sized_config(task, size))

@@ -86,8 +86,8 @@ SERVICE_TABLE: tuple[ServiceSpec, ...] = (
     ),
     ServiceSpec(
         "agents",
-        "seamlessflow.agents",
-        "seamlessflow.agents.runner:AgentRunnerSettings",
+        "sf_agents",
+        "sf_agents.settings:AgentRunnerSettings",
         per_policy=False,
         stop_stage=0,
     ),

@@ -26,6 +26,7 @@ import difflib
 import os
 import tomllib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,29 +39,56 @@ RUN_FILE_VARIABLE = "SF_CONFIG"
 
 RUN_SECTION = "run"
 
-RUN_KEYS: dict[str, tuple[str, ...]] = {
-    "seed": ("SF_SEED",),
-    "policies": ("SF_POLICIES",),
-    "mode": ("SF_TAG_SCHEDULER_MODE",),
-    "task": ("SF_TRAJECTORY_TASK", "SF_TRAINER_EVAL_TASK"),
-    "group_size": ("SF_TRAJECTORY_GROUP_SIZE",),
-    "groups_per_batch": ("SF_TRAJECTORY_GROUPS_PER_BATCH",),
-    "max_batches_ahead": ("SF_TRAJECTORY_MAX_BATCHES_AHEAD",),
-    "group_timeout_s": ("SF_TRAJECTORY_GROUP_TIMEOUT_S",),
-    "steps": ("SF_TRAINER_STEPS",),
-    "checkpoint_every": ("SF_TRAINER_CHECKPOINT_EVERY",),
-    "lr": ("SF_TRAINER_LR",),
-    "eval_every": ("SF_TRAINER_EVAL_EVERY",),
-    "precision": ("SF_TRAINER_PRECISION",),
-    "max_tokens": ("SF_TRAINER_EVAL_MAX_TOKENS", "SF_AGENTS_MAX_TOKENS"),
-    "engine_batch_size": ("SF_ENGINE_MAX_BATCH_SIZE",),
-    "agent": ("SF_AGENTS_AGENT",),
-    "agent_concurrency": ("SF_AGENTS_CONCURRENCY",),
+
+@dataclass(frozen=True)
+class RunOption:
+    """A ``[run]`` key (and ``seamlessflow up`` option) that is a service setting."""
+
+    variables: tuple[str, ...]
+    """The service variables it sets (one field of one settings class each)."""
+    default: Any
+    """Its one default: every settings field it sets and ``RunConfig`` use it
+    (``run_default``); ``tests/test_run_file.py`` checks that none declares another."""
+    service_default_differs: str = ""
+    """Why a service's field keeps another default, if one must (the reason)."""
+
+
+RUN_OPTIONS: dict[str, RunOption] = {
+    "seed": RunOption(("SF_SEED",), 0),
+    "policies": RunOption(
+        ("SF_POLICIES",),
+        "policy",
+        service_default_differs="empty in a process means that process's own SF_POLICY",
+    ),
+    "mode": RunOption(("SF_TAG_SCHEDULER_MODE",), "disaggregated"),
+    "task": RunOption(("SF_TRAJECTORY_TASK", "SF_TRAINER_EVAL_TASK"), "arithmetic"),
+    "group_size": RunOption(("SF_TRAJECTORY_GROUP_SIZE",), 8),
+    "groups_per_batch": RunOption(("SF_TRAJECTORY_GROUPS_PER_BATCH",), 8),
+    "max_batches_ahead": RunOption(("SF_TRAJECTORY_MAX_BATCHES_AHEAD",), 1),
+    "group_timeout_s": RunOption(("SF_TRAJECTORY_GROUP_TIMEOUT_S",), 300.0),
+    "steps": RunOption(("SF_TRAINER_STEPS",), 300),
+    "checkpoint_every": RunOption(("SF_TRAINER_CHECKPOINT_EVERY",), 10),
+    "lr": RunOption(("SF_TRAINER_LR",), 1e-4),
+    "eval_every": RunOption(("SF_TRAINER_EVAL_EVERY",), 0),
+    "precision": RunOption(("SF_TRAINER_PRECISION",), "fp32"),
+    "max_tokens": RunOption(("SF_TRAINER_EVAL_MAX_TOKENS", "SF_AGENTS_MAX_TOKENS"), 6),
+    "engine_batch_size": RunOption(("SF_ENGINE_MAX_BATCH_SIZE",), 64),
+    "agent": RunOption(("SF_AGENTS_AGENT",), "single_turn"),
+    "agent_concurrency": RunOption(("SF_AGENTS_CONCURRENCY",), 64),
 }
-"""``[run]`` keys that are service settings: each sets these variables' fields. The
-embedded run passes them to its processes as these variables; a process reading the
-file alone takes them from ``[run]``. The other ``[run]`` keys (``engines``,
-``runs_dir``, ``report_to`` ...) concern only the embedded run."""
+"""``[run]`` keys that are service settings, declared once: each sets these variables'
+fields, and has one default. The embedded run passes them to its processes as these
+variables; a process reading the file alone takes them from ``[run]``. The other
+``[run]`` keys (``engines``, ``runs_dir``, ``report_to`` ...) concern only the embedded
+run (``sf_app.run.config.RunConfig``)."""
+
+RUN_KEYS: dict[str, tuple[str, ...]] = {key: opt.variables for key, opt in RUN_OPTIONS.items()}
+"""Each ``[run]`` key of ``RUN_OPTIONS`` and the variables it sets."""
+
+
+def run_default(key: str) -> Any:
+    """The one default of the run option ``key``, for a settings field it sets."""
+    return RUN_OPTIONS[key].default
 
 
 class RunFileError(ValueError):

@@ -15,7 +15,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import SettingsConfigDict
 
 from seamlessflow.protocol import DEFAULT_POLICY, check_policy, check_run_id
-from seamlessflow.runfile import RunFileSettings
+from seamlessflow.runfile import RunFileSettings, run_default
 
 REPLACED_VARIABLES = {
     "SF_TRAINER_SEED": "the run's seed is SF_SEED, one for every service",
@@ -71,7 +71,7 @@ class MeshSettings(RunFileSettings):
     first is the tasks' policy: a task's reward function scores its answers, and SRPO's
     history resampling follows its groups. Empty = ``policy`` alone."""
 
-    seed: int = 0
+    seed: int = run_default("seed")
     """The run's seed, one for every service: the task order (the trajectory service's
     split and epochs), torch in the trainer, and the trainer's evaluation split (which is
     held out of the rolled-out one only when both use the same seed). A trainer

@@ -29,6 +29,11 @@ steps only after every payload of the version arrived, each bucket's checksum ma
 and, after a delta, the digest of the whole resulting set matched
 (``seamlessflow.weights.WeightReceiver``).
 
+Where the parts are: this module joins, serves generate requests and applies roles;
+``sf_engine.weight_loading`` loads weights (the ``load`` broadcast, catch-up, pushes,
+the swap and ``WeightsLoaded``); ``sf_engine.backends`` holds the engines, each declared
+with its ``SF_ENGINE_BACKEND`` name in its own module (``backends.registry``).
+
 Lending (an engine tagged ``train`` and ``rollout`` shares a training slot): on
 ``idle`` the worker leaves the generate queue, ends its requests in flight at a token
 boundary (they return their partial tokens and the gateway re-submits them to another
@@ -48,20 +53,15 @@ import asyncio
 import logging
 import os
 import socket
-import time
-from collections.abc import Callable
 
 import torch
 
 from seamlessflow import telemetry, weights
 from seamlessflow.assets.model_check import ModelNeeds, check_model, context_need
-from seamlessflow.bus import DomainError, NoResponder, Subscription
-from seamlessflow.plugins import Registry
+from seamlessflow.bus import DomainError, Subscription
 from seamlessflow.protocol import (
     ENGINE_QUEUE,
     AbortGeneration,
-    CurrentVersion,
-    CurrentVersionQuery,
     GenerateChunk,
     GenerateReply,
     GenerateRequest,
@@ -70,123 +70,33 @@ from seamlessflow.protocol import (
     ShedReport,
     ShedRequests,
     TopLogprob,
-    WeightManifest,
-    WeightsLoaded,
 )
 from seamlessflow.resources import ResourceMembership, RoleOutcome
-from seamlessflow.retry import RetryPolicy, retry
 from seamlessflow.service import ServiceContext, supervise
-from seamlessflow.weights import VersionGap
-from seamlessflow.weights.group import PushListener, join_as_engine
 from seamlessflow.weights.settings import WeightTransferSettings, payload_stores
 from sf_engine.backends import (
+    ENGINE_BACKENDS,
     GeneratedToken,
     GenerationResult,
     InferenceEngine,
     SamplingParams,
     TopLogprobs,
-    TransformersEngine,
 )
+from sf_engine.in_flight import InFlight
 from sf_engine.settings import EngineSettings
+from sf_engine.weight_loading import WeightLoader
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
-
-CURRENT_VERSION_RETRY = RetryPolicy(
-    retry_on=(NoResponder,), first_delay_s=0.1, backoff=2.0, max_delay_s=2.0
-)
-"""A current-version query nobody answers (weight-sync starts after the engine, or
-restarts) is asked again after 0.1 s, doubling to 2 s, until weight-sync answers."""
 
 
 def _top_logprobs(top: TopLogprobs) -> list[TopLogprob]:
     return [TopLogprob(token_id, logprob) for token_id, logprob in top]
 
 
-ENGINE_BACKENDS: Registry[Callable[[EngineSettings, str], InferenceEngine]] = Registry(
-    "engine backend", "SF_ENGINE_BACKEND"
-)
-"""Builders of the inference engine a worker wraps, from its settings and model."""
-
-
-@ENGINE_BACKENDS.register("hf")
-def _transformers(settings: EngineSettings, model_dir: str) -> InferenceEngine:
-    return TransformersEngine(
-        model_dir,
-        dtype=getattr(torch, settings.dtype),
-        device=settings.device,
-        max_batch_size=settings.max_batch_size,
-        max_context=settings.max_context,
-        prefix_cache_bytes=settings.prefix_cache_mb * 2**20,
-    )
-
-
-@ENGINE_BACKENDS.register("vllm")
-def _vllm(settings: EngineSettings, model_dir: str) -> InferenceEngine:
-    from sf_engine.backends.vllm_engine import VllmEngine  # vLLM is an optional extra
-
-    return VllmEngine(
-        model_dir,
-        dtype=settings.dtype,
-        max_batch_size=settings.max_batch_size,
-        max_context=settings.max_context,
-        engine_kwargs={"enable_sleep_mode": True} if settings.vllm_sleep_mode else None,
-    )
-
-
-@ENGINE_BACKENDS.register("scripted")
-def _scripted(settings: EngineSettings, model_dir: str) -> InferenceEngine:
-    from sf_engine.backends.scripted_engine import ScriptedEngine  # no model compute
-
-    return ScriptedEngine(
-        model_dir, max_batch_size=settings.max_batch_size, max_context=settings.max_context
-    )
-
-
 def build_engine(settings: EngineSettings, model_dir: str) -> InferenceEngine:
-    return ENGINE_BACKENDS.get(settings.backend)(settings, model_dir)
-
-
-class InFlight:
-    """The requests this engine is generating: which, whether none, and how long there
-    has been at least one since ``reset`` (the yield of a lent engine)."""
-
-    def __init__(self) -> None:
-        self.ids: dict[str, None] = {}
-        """In the order they started (a dict keeps insertion order)."""
-        self.empty = asyncio.Event()
-        self.empty.set()
-        self._busy_total = 0.0
-        self._busy_since: float | None = None
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def add(self, request_id: str) -> None:
-        if not self.ids:
-            self._busy_since = time.monotonic()
-            self.empty.clear()
-        self.ids[request_id] = None
-
-    def youngest(self, count: int) -> list[str]:
-        """Up to ``count`` requests, the most recently started first."""
-        return list(reversed(self.ids))[: max(count, 0)]
-
-    def discard(self, request_id: str) -> None:
-        self.ids.pop(request_id, None)
-        if not self.ids:
-            if self._busy_since is not None:
-                self._busy_total += time.monotonic() - self._busy_since
-                self._busy_since = None
-            self.empty.set()
-
-    def reset_busy(self) -> None:
-        self._busy_total = 0.0
-        self._busy_since = time.monotonic() if self.ids else None
-
-    def busy_seconds(self) -> float:
-        running = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
-        return self._busy_total + running
+    """The engine ``SF_ENGINE_BACKEND`` names, built by its backend's declaration."""
+    return ENGINE_BACKENDS.get(settings.backend).build(settings, model_dir)
 
 
 class EngineService:
@@ -195,9 +105,6 @@ class EngineService:
     def __init__(self, settings: EngineSettings | None = None) -> None:
         self.settings = settings or EngineSettings()
         self.engine_id = self.settings.engine_id or f"engine-{socket.gethostname()}-{os.getpid()}"
-        self._load_lock = asyncio.Lock()
-        self._floor_lock = asyncio.Lock()
-        """Held while requests wait for their version floor (``min_version``)."""
         self.requests_served = 0
         self.handed_back = 0
         self.ready = asyncio.Event()
@@ -210,9 +117,9 @@ class EngineService:
         self.handed_over = 0
         self._in_flight = InFlight()
         self._min_version = 0
-        self._asleep = False
-        """Lent out of rollout: weight broadcasts are skipped until it serves again."""
+        """The version the tag-scheduler's last role assignment asks it to serve at least."""
         self.receiver: weights.WeightReceiver
+        self.loader: WeightLoader
 
     async def run(self, ctx: ServiceContext) -> None:
         if ctx.mesh.model_dir is None:
@@ -224,7 +131,7 @@ class EngineService:
         needs = ModelNeeds(
             tokenizer=False,
             chat=False,
-            backend=self.settings.backend,
+            architecture=ENGINE_BACKENDS.get(self.settings.backend).architecture,
             **context_need(self.settings, "SF_ENGINE_MAX_CONTEXT"),
         )
         await asyncio.to_thread(check_model, ctx.mesh.model_dir, needs)
@@ -238,11 +145,20 @@ class EngineService:
             slots=ctx.mesh.slots(),
             on_role=self._on_role,
         )
+        self.loader = WeightLoader(
+            self.engine_id,
+            self.engine,
+            self.settings,
+            ctx.bus,
+            self.receiver,
+            self.membership,
+            self._in_flight,
+        )
         try:
             await self._join(ctx)
-            loops = [self.membership.heartbeat_loop(), self._version_poll_loop()]
+            loops = [self.membership.heartbeat_loop(), self.loader.poll_loop()]
             if self.transfer.group_backend:
-                loops.append(self._join_push_group())
+                loops.append(self.loader.join_push_group(self.transfer))
             await supervise(ctx.stopping, *loops)
         finally:
             # Stop taking requests and answer those in flight before the engine goes away.
@@ -254,17 +170,17 @@ class EngineService:
         subjects = ctx.subjects
         await self.membership.register()
         self.membership.set_phase("sync")
-        await ctx.bus.serve(subjects.engine_load(), LoadWeights, self.on_load)
+        await ctx.bus.serve(subjects.engine_load(), LoadWeights, self.loader.on_load)
         await ctx.bus.serve(subjects.engine_abort(), AbortGeneration, self.on_abort)
         await ctx.bus.serve(subjects.engine_shed(self.engine_id), ShedRequests, self.on_shed)
-        await self._catch_up()
+        await self.loader.catch_up()
         async with self.membership.transition():
             self._joined = True
             if self.membership.role == "rollout":
                 await self._start_serving()
             else:
                 await self.engine.sleep()
-                self._asleep = True
+                self.loader.asleep = True
                 self.membership.set_phase("idle")
                 log.info("%s waits for the rollout role (%s)", self.engine_id, self.membership.role)
 
@@ -286,8 +202,8 @@ class EngineService:
             self.membership.set_phase("sync")
             await self.engine.wake()
             await self.engine.resume()
-            self._asleep = False
-            await self._catch_up(self._min_version)
+            self.loader.asleep = False
+            await self.loader.catch_up(self._min_version)
             self._in_flight.reset_busy()
             self._generate_sub = await self.ctx.bus.serve(
                 self.ctx.subjects.engine_generate(),
@@ -321,7 +237,7 @@ class EngineService:
             direct, self._direct_sub = self._direct_sub, None
             if direct is not None:
                 await self.ctx.bus.unserve(direct)
-            async with self._load_lock:  # never in the middle of a weight swap
+            async with self.loader.lock:  # never in the middle of a weight swap
                 handed_back = len(self._in_flight)
                 await self.engine.pause("abort")
                 try:  # their "abort" replies are on the way
@@ -335,7 +251,7 @@ class EngineService:
                         len(self._in_flight),
                     )
                 await self.engine.sleep()
-                self._asleep = True
+                self.loader.asleep = True
             span.set_attribute("handed_back", handed_back)
         self.handed_back += handed_back
         self.membership.set_phase("idle")
@@ -376,14 +292,7 @@ class EngineService:
         self.membership.in_flight = len(self._in_flight)
         self.membership.set_phase("rollout")
         try:
-            if request.min_version > self.engine.version:
-                # a synchronous run's request that came before this engine loaded the
-                # version it belongs to: load it first (bounded by min_version_wait_s);
-                # one catch-up at a time, so a batch of such requests asks weight-sync
-                # once and the others find the version loaded
-                async with self._floor_lock:
-                    if request.min_version > self.engine.version:
-                        await self._catch_up(request.min_version)
+            await self.loader.reach(request.min_version)
             with tracer.start_as_current_span(
                 "engine.generate",
                 attributes={"engine.id": self.engine_id, "prompt_tokens": len(request.prompt_ids)},
@@ -475,7 +384,7 @@ class EngineService:
                 "engine.shed",
                 attributes={"engine.id": self.engine_id, "to_engine": request.to_engine},
             ) as span:
-                async with self._load_lock:  # never in the middle of a weight swap
+                async with self.loader.lock:  # never in the middle of a weight swap
                     for request_id in self._in_flight.youngest(request.count):
                         self._shed_to[request_id] = request.to_engine
                         if await self.engine.abort(request_id):
@@ -491,127 +400,3 @@ class EngineService:
 
     async def on_abort(self, message: AbortGeneration) -> None:
         await self.engine.abort(message.request_id)
-
-    async def on_load(self, message: LoadWeights) -> None:
-        try:
-            await self._load([message.manifest])
-        except VersionGap as exc:
-            # a delta on a version this engine does not hold: build from the whole chain
-            log.info("%s: %s; catching up from the chain", self.engine_id, exc)
-            await self._catch_up()
-
-    async def _load(self, chain: list[WeightManifest]) -> None:
-        """Bring the engine to the chain's last version; payloads are fetched and
-        checked while the engine still serves, requests pause only for the swap."""
-        if not chain:
-            return
-        target = chain[-1].version
-        async with self._load_lock:
-            if target <= self.engine.version:
-                return  # already serving it (or newer): loads are idempotent
-            if self._asleep:
-                return  # lent out of rollout: it catches up when lent back
-            try:
-                held = await self.receiver.follow(chain)
-            except (weights.WeightsCorrupted, weights.PayloadMissing) as exc:
-                # nothing of it is loaded; the version poll tries the current chain again
-                log.warning("%s: version %d not loaded: %s", self.engine_id, target, exc)
-                return
-            if held == target:
-                await self._serve_held(chain[-1].kind)
-
-    async def _pushed(self, manifest: WeightManifest, payload: memoryview) -> None:
-        """A payload broadcast by the trainer's push group (``SF_WEIGHTS_GROUP_*``)."""
-        async with self._load_lock:
-            try:
-                held = await self.receiver.accept(manifest, payload)
-            except (VersionGap, weights.WeightsCorrupted) as exc:
-                log.warning("%s: pushed version %d refused (%s); it will be pulled",
-                            self.engine_id, manifest.version, exc)  # fmt: skip
-                return
-            if not self._asleep and held > self.engine.version:
-                await self._serve_held(f"{manifest.kind}, pushed")
-
-    async def _serve_held(self, how: str) -> None:
-        """Swap the engine to the version the receiver holds and announce it (the caller
-        holds the load lock)."""
-        version = self.receiver.mirror.version
-        await self._swap(self.receiver.mirror.tensors(), version)
-        self.membership.version = version
-        await self.ctx.bus.publish(
-            self.ctx.subjects.weights_loaded(),
-            WeightsLoaded(engine_id=self.engine_id, version=version),
-        )
-        log.info("%s loaded version %d (%s)", self.engine_id, version, how)
-
-    async def _join_push_group(self) -> None:
-        settings = self.transfer
-        try:
-            group = await join_as_engine(self.ctx.bus, settings)
-        except Exception as exc:  # the store still serves every version
-            log.warning("%s could not join the push group: %r", self.engine_id, exc)
-            return
-        listener = PushListener(group, self._pushed, asyncio.get_running_loop())
-        listener.start()
-        log.info("%s joined the %s push group as rank %d", self.engine_id,
-                 settings.group_backend, settings.group_rank)  # fmt: skip
-
-    async def _swap(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Partial rollout: interrupt requests in flight as configured, load, resume."""
-        mode = self.settings.interrupt_mode
-        self.membership.set_phase("sync")
-        with tracer.start_as_current_span(
-            "engine.interrupt",
-            attributes={
-                "engine.id": self.engine_id,
-                "version": version,
-                "mode": mode,
-                "in_flight": len(self._in_flight),
-            },
-        ):
-            if mode == "wait":
-                await self.engine.load_weights(state_dict, version)  # waits for the batch
-            else:
-                await self.engine.pause(mode)
-                try:
-                    await self.engine.load_weights(state_dict, version)
-                finally:
-                    await self.engine.resume()
-        self.membership.set_phase("rollout" if self._in_flight else "idle")
-
-    async def _catch_up(self, min_version: int = 0) -> None:
-        """Ask weight-sync for the current version until it answers, then load it.
-
-        With ``min_version`` (an engine lent back right after a train step), also wait
-        until weight-sync announces at least that version, for up to
-        ``SF_ENGINE_MIN_VERSION_WAIT_S``: the trainer stored it before releasing its
-        slots, so only weight-sync's announcement can lag."""
-
-        async def ask() -> CurrentVersion:
-            current: CurrentVersion = await self.ctx.bus.request(
-                self.ctx.subjects.weights_current(),
-                CurrentVersionQuery(engine_id=self.engine_id),
-                CurrentVersion,
-                timeout=2.0,
-            )
-            return current
-
-        deadline = asyncio.get_running_loop().time() + self.settings.min_version_wait_s
-        while True:
-            current = await retry(ask, CURRENT_VERSION_RETRY)
-            if current.version < min_version and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(0.02)
-                continue
-            if current.version > self.engine.version:
-                try:
-                    await self._load(current.chain)
-                except VersionGap as exc:  # a chain that does not start with a full payload
-                    log.warning("%s: cannot build version %d: %s", self.engine_id,
-                                current.version, exc)  # fmt: skip
-            return
-
-    async def _version_poll_loop(self) -> None:
-        """A missed broadcast (reconnect, late start) must not leave an engine stale."""
-        while True:
-            await asyncio.sleep(self.settings.version_poll_s)
-            await self._catch_up()

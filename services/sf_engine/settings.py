@@ -3,7 +3,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from seamlessflow.runfile import RunFileSettings
+from seamlessflow.runfile import RunFileSettings, run_default
 
 
 class EngineSettings(RunFileSettings):
@@ -21,7 +21,7 @@ class EngineSettings(RunFileSettings):
     ``AsyncLLM``; needs the ``vllm`` extra) or ``scripted`` (no model compute:
     deterministic tokens for load tests, ``SF_ENGINE_SCRIPTED_STEP_S`` per decode step)."""
 
-    max_batch_size: int = 64
+    max_batch_size: int = run_default("engine_batch_size")
     """Requests decoded together."""
 
     max_context: int = 1024

@@ -3,7 +3,7 @@ from typing import Self
 from pydantic import model_validator
 from pydantic_settings import SettingsConfigDict
 
-from seamlessflow.runfile import RunFileSettings
+from seamlessflow.runfile import RunFileSettings, run_default
 from sf_tag_scheduler.policy import Mode, PolicyConfig
 
 
@@ -14,7 +14,7 @@ class TagSchedulerSettings(RunFileSettings):
         env_prefix="SF_TAG_SCHEDULER_", extra="ignore", use_attribute_docstrings=True
     )
 
-    mode: Mode = "disaggregated"
+    mode: Mode = run_default("mode")
     """How engines on training slots (tagged ``train`` and ``rollout``) are lent while
     the trainer waits: ``colocated`` always, ``multiplexed`` when the expected gain beats
     the switch cost, ``disaggregated`` never. The tags make the deployment."""

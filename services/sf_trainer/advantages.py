@@ -1,10 +1,13 @@
 """From rewards to per-sample advantages: reward shaping, then a named estimator.
 
-Estimators are plug-ins chosen by ``SF_TRAINER_ADVANTAGE``. Each takes the rewards of
-every group of the batch (one 1-D tensor per group, one entry per sample; groups may
-differ in size) and returns each sample's advantage in the same shapes. Every rank
-holds the whole batch, so a batch-wide statistic (REINFORCE++) is the same on every
-rank without a collective.
+Estimators are plug-ins chosen by ``SF_TRAINER_ADVANTAGE`` (a registered name, or a
+``package.module:attribute`` that is an :class:`AdvantageEstimator`). Each takes the
+rewards of every group of the batch (one 1-D tensor per group, one entry per sample;
+groups may differ in size) and its own settings (a ``sf_trainer.plugin_settings``
+model, set in ``[trainer.advantage]`` or as ``SF_TRAINER_ADVANTAGE__<KEY>``; the
+built-in ones have none), and returns each sample's advantage in the same shapes.
+Every rank holds the whole batch, so a batch-wide statistic (REINFORCE++) is the same on
+every rank without a collective.
 
 Before the estimator, DAPO's soft overlong punishment (``SF_TRAINER_OVERLONG_*``) is
 added to each sample's reward.
@@ -13,31 +16,83 @@ added to each sample's reward.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic
 
 import msgspec
 import torch
 
 from seamlessflow.plugins import Registry
 from seamlessflow.protocol import SampleGroup, TrainSample
-from sf_trainer.settings import TrainerSettings
+from sf_trainer.plugin_settings import (
+    NoSettings,
+    PluginChoice,
+    PluginSettings,
+    Settings,
+    settings_of,
+)
+
+if TYPE_CHECKING:
+    from sf_trainer.settings import TrainerSettings
+
+ADVANTAGE_VARIABLE = "SF_TRAINER_ADVANTAGE"
 
 STD_EPS = 1e-6
 """Added to a standard deviation before dividing by it: rewards without spread give 0."""
 
-AdvantageEstimator = Callable[[list[torch.Tensor]], list[torch.Tensor]]
-ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "SF_TRAINER_ADVANTAGE")
+Estimate = Callable[[list[torch.Tensor], Settings], list[torch.Tensor]]
 
 
-def register_advantage(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    def decorate(estimator: AdvantageEstimator) -> AdvantageEstimator:
-        ESTIMATORS.add(name, estimator)
-        return estimator
+@dataclass(frozen=True)
+class AdvantageEstimator(Generic[Settings]):
+    """An estimator: ``estimate(group rewards, settings)`` and its settings class."""
+
+    estimate: Estimate[Settings]
+    settings_class: type[Settings] = NoSettings  # type: ignore[assignment]
+
+    def __call__(
+        self, groups: list[torch.Tensor], settings: Settings | None = None
+    ) -> list[torch.Tensor]:
+        """Each sample's advantage; ``settings``: its settings (default: their defaults)."""
+        return self.estimate(groups, self.settings_class() if settings is None else settings)
+
+
+ESTIMATORS: Registry[AdvantageEstimator[Any]] = Registry(
+    "advantage estimator", ADVANTAGE_VARIABLE, dotted_paths=True
+)
+
+
+def register_advantage(
+    name: str,
+    settings: type[Settings] = NoSettings,  # type: ignore[assignment]
+) -> Callable[[Estimate[Settings]], Estimate[Settings]]:
+    """Decorator: register the decorated function as the estimator ``name``."""
+
+    def decorate(estimate: Estimate[Settings]) -> Estimate[Settings]:
+        ESTIMATORS.add(name, AdvantageEstimator(estimate, settings))
+        return estimate
 
     return decorate
 
 
-def get_advantage_estimator(name: str) -> AdvantageEstimator:
-    return ESTIMATORS.get(name)
+def get_advantage_estimator(name: str) -> AdvantageEstimator[Any]:
+    """The estimator registered as ``name``, or the :class:`AdvantageEstimator` at that
+    dotted path."""
+    estimator = ESTIMATORS.get(name)
+    if not isinstance(estimator, AdvantageEstimator):
+        raise TypeError(
+            f"{ADVANTAGE_VARIABLE}={name!r} is not an AdvantageEstimator (sf_trainer.advantages)"
+        )
+    return estimator
+
+
+def chosen_estimator(choice: PluginChoice) -> tuple[AdvantageEstimator[Any], PluginSettings]:
+    """The estimator ``SF_TRAINER_ADVANTAGE`` / ``[trainer.advantage]`` chose, and its
+    settings from the keys given there (an unknown key raises ValueError)."""
+    estimator = get_advantage_estimator(choice.name)
+    settings = settings_of(choice, estimator.settings_class, "advantage estimator",
+                           ADVANTAGE_VARIABLE)  # fmt: skip
+    return estimator, settings
 
 
 def _population_std(values: torch.Tensor) -> torch.Tensor:
@@ -46,21 +101,21 @@ def _population_std(values: torch.Tensor) -> torch.Tensor:
 
 
 @register_advantage("grpo")
-def grpo_advantages(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+def grpo_advantages(groups: list[torch.Tensor], settings: NoSettings) -> list[torch.Tensor]:
     """GRPO: ``(r - group mean) / (group std + 1e-6)``. A group of equal rewards gets 0
     everywhere: it carries no learning signal."""
     return [(r - r.mean()) / (_population_std(r) + STD_EPS) for r in groups]
 
 
 @register_advantage("dr_grpo")
-def dr_grpo_advantages(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+def dr_grpo_advantages(groups: list[torch.Tensor], settings: NoSettings) -> list[torch.Tensor]:
     """Dr. GRPO: ``r - group mean``. No division by the group's std, which up-weights
     groups that are nearly all right or all wrong (a difficulty bias)."""
     return [r - r.mean() for r in groups]
 
 
 @register_advantage("rloo")
-def rloo_advantages(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+def rloo_advantages(groups: list[torch.Tensor], settings: NoSettings) -> list[torch.Tensor]:
     """RLOO: ``r_i - mean of the other samples of the group`` (leave-one-out baseline,
     independent of r_i, so the estimate is unbiased). A group of one sample has no
     baseline: its advantage is 0."""
@@ -75,7 +130,7 @@ def rloo_advantages(groups: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @register_advantage("reinforce_pp")
-def reinforce_pp_advantages(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+def reinforce_pp_advantages(groups: list[torch.Tensor], settings: NoSettings) -> list[torch.Tensor]:
     """REINFORCE++ for outcome rewards: no group baseline; the rewards are normalised
     across the whole batch, ``(r - batch mean) / (batch std + 1e-6)``.
 
@@ -92,7 +147,9 @@ def reinforce_pp_advantages(groups: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @register_advantage("reinforce_pp_baseline")
-def reinforce_pp_baseline_advantages(groups: list[torch.Tensor]) -> list[torch.Tensor]:
+def reinforce_pp_baseline_advantages(
+    groups: list[torch.Tensor], settings: NoSettings
+) -> list[torch.Tensor]:
     """REINFORCE++ with baseline (the paper's variant for grouped samples):
     ``r - group mean``, divided by the std of those differences across the whole
     batch (+ 1e-6). Unlike GRPO, a group with little spread is not scaled up."""
@@ -138,7 +195,7 @@ def batch_advantages(groups: list[SampleGroup], settings: TrainerSettings) -> li
     (turns the chat template rewrote, see ``sf_trajectory.grouping.trained_branches``)
     counts once in its group's statistics, and each of its samples gets the session's
     advantage; its reward is shaped over all its samples' trained tokens."""
-    estimate = get_advantage_estimator(settings.advantage)
+    estimator, estimator_settings = chosen_estimator(settings.advantage)
     rewards: list[torch.Tensor] = []
     sessions: list[dict[str, list[TrainSample]]] = []
     for group in groups:
@@ -153,7 +210,9 @@ def batch_advantages(groups: list[SampleGroup], settings: TrainerSettings) -> li
             )
         )
     result: list[float] = []
-    for group, per_session, advantages in zip(groups, sessions, estimate(rewards), strict=True):
+    for group, per_session, advantages in zip(
+        groups, sessions, estimator(rewards, estimator_settings), strict=True
+    ):
         of_session = dict(zip(per_session, advantages.tolist(), strict=True))
         result.extend(of_session[sample.session_id] for sample in group.samples)
     return result

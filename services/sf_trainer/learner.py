@@ -23,12 +23,12 @@ from seamlessflow.assets.model_check import ModelNeeds, check_model
 from seamlessflow.protocol import TrainBatch
 from seamlessflow.weights.tied import tied_aliases, with_aliases, without_aliases
 from sf_trainer import checkpoint
-from sf_trainer.advantages import get_advantage_estimator
+from sf_trainer.advantages import chosen_estimator
 from sf_trainer.checkpoint import TrainerState
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.evaluation import EvalResult, EvalSet, evaluate
 from sf_trainer.logprobs import chunked_head_refusal
-from sf_trainer.losses import get_loss
+from sf_trainer.losses import chosen_loss
 from sf_trainer.schedule import lr_at
 from sf_trainer.settings import TrainerSettings
 from sf_trainer.step import StepResult, train_step
@@ -78,9 +78,10 @@ class Learner:
         self, settings: TrainerSettings, group: TrainGroup, model_dir: Path, seed: int = 0
     ) -> None:
         """``seed``: the run's (``SF_SEED``): torch's, and the evaluation split's."""
-        # a misspelt plug-in name fails here, at start, not at the first batch
-        get_advantage_estimator(settings.advantage)
-        get_loss(settings.loss)
+        # a misspelt plug-in name or key fails here, at start, not at the first batch
+        # (the settings check them too, unless built without validation)
+        chosen_estimator(settings.advantage)
+        chosen_loss(settings.loss)
         torch.set_num_threads(settings.torch_threads)
         torch.manual_seed(seed)
         self.settings = settings

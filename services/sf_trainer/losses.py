@@ -1,6 +1,6 @@
-"""Policy losses as small named plug-ins (``SF_TRAINER_LOSS``).
+"""Policy losses as small named plug-ins (``SF_TRAINER_LOSS``), each with its own settings.
 
-A loss has two parts, both explicit at its registration:
+A loss has three parts, all explicit at its registration:
 
 - its **terms**: a loss value per token [batch, tokens], from ``logprobs`` under the
   policy being trained (with grad), ``behaviour_logprobs`` recorded by the engine that
@@ -8,7 +8,13 @@ A loss has two parts, both explicit at its registration:
   ``mask``. A sequence-level loss (GSPO) puts its sequence's value on each of the
   sequence's tokens;
 - its **aggregation**: how the masked terms of a micro-batch become its share of the
-  batch's scalar loss.
+  batch's scalar loss;
+- its **settings**: a small pydantic model (``sf_trainer.plugin_settings``) of its
+  hyperparameters, set in ``[trainer.loss]`` or as ``SF_TRAINER_LOSS__<KEY>``; the
+  terms and the aggregation receive them.
+
+``SF_TRAINER_LOSS`` names a registered loss or a ``package.module:attribute`` that is a
+:class:`PolicyLoss` (e.g. ``PolicyLoss(my_terms, token_mean, MySettings)``).
 
 Micro-batches and ranks: an aggregation divides by whole-batch quantities
 (:class:`BatchTotals`, the same on every rank), never by a micro-batch's own counts, so
@@ -27,13 +33,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, Generic, NamedTuple
 
 import torch
+from pydantic import Field
 
 from seamlessflow.plugins import Registry
 from sf_trainer.grpo import ppo_clip
-from sf_trainer.settings import TrainerSettings
+from sf_trainer.plugin_settings import NoSettings, PluginChoice, Settings, settings_of
+from sf_trainer.plugin_settings import PluginSettings as LossSettings
+
+LOSS_VARIABLE = "SF_TRAINER_LOSS"
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,8 @@ class PolicyTerms(NamedTuple):
     clipped: torch.Tensor
     """[batch, tokens] bool: the clip changed this token's (or its sequence's) ratio."""
     truncated: torch.Tensor | None = None
-    """[batch, tokens] bool: the behaviour importance weight hit ``SF_TRAINER_IS_CAP``."""
+    """[batch, tokens] bool: the behaviour importance weight hit ``grpo_decoupled``'s
+    ``is_cap``."""
 
 
 @dataclass
@@ -90,9 +101,10 @@ class LossOutput:
     """k3 KL to the reference, summed over trained tokens (0 without a reference)."""
 
 
-Terms = Callable[[LossInputs, TrainerSettings], PolicyTerms]
-Aggregation = Callable[[torch.Tensor, torch.Tensor, BatchTotals, TrainerSettings], torch.Tensor]
-"""(per-token values, mask, whole-batch totals, settings) -> this micro-batch's share."""
+Terms = Callable[[LossInputs, Settings], PolicyTerms]
+Aggregation = Callable[[torch.Tensor, torch.Tensor, BatchTotals, Settings], torch.Tensor]
+"""(per-token values, mask, whole-batch totals, the loss's settings) -> this
+micro-batch's share."""
 
 
 def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
@@ -103,20 +115,29 @@ def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Ten
 
 
 @dataclass(frozen=True)
-class PolicyLoss:
-    terms: Terms
-    aggregate: Aggregation
+class PolicyLoss(Generic[Settings]):
+    """A loss: its terms and aggregation, both given its ``settings_class``'s values."""
+
+    terms: Terms[Settings]
+    aggregate: Aggregation[Settings]
+    settings_class: type[Settings] = NoSettings  # type: ignore[assignment]
+
+    def settings(self, **values: Any) -> Settings:
+        """Its settings: the defaults, with ``values`` (checked) instead."""
+        return self.settings_class.model_validate(values)
 
     def __call__(
-        self, inputs: LossInputs, settings: TrainerSettings, totals: BatchTotals
+        self, inputs: LossInputs, settings: Settings, totals: BatchTotals, kl_coef: float = 0.0
     ) -> LossOutput:
+        """This micro-batch's loss; with ``reference_logprobs``, plus ``kl_coef`` x the
+        k3 KL, aggregated like the terms."""
         mask = inputs.mask
         terms = self.terms(inputs, settings)
         loss = self.aggregate(terms.per_token, mask, totals, settings)
         kl_sum = 0.0
         if inputs.reference_logprobs is not None:
             kl = kl_k3(inputs.logprobs, inputs.reference_logprobs)
-            loss = loss + settings.kl_coef * self.aggregate(kl, mask, totals, settings)
+            loss = loss + kl_coef * self.aggregate(kl, mask, totals, settings)
             kl_sum = float((kl.detach() * mask).sum())
         truncated = terms.truncated
         return LossOutput(
@@ -131,26 +152,85 @@ def _trained_count(flags: torch.Tensor, mask: torch.Tensor) -> float:
     return float((flags.to(mask.dtype) * mask).sum())
 
 
-LOSSES: Registry[PolicyLoss] = Registry("loss", "SF_TRAINER_LOSS")
+LOSSES: Registry[PolicyLoss[Any]] = Registry("loss", LOSS_VARIABLE, dotted_paths=True)
 
 
-def register_loss(name: str, aggregate: Aggregation) -> Callable[[Terms], Terms]:
-    def decorate(terms: Terms) -> Terms:
-        LOSSES.add(name, PolicyLoss(terms, aggregate))
+def register_loss(
+    name: str, aggregate: Aggregation[Settings], settings: type[Settings]
+) -> Callable[[Terms[Settings]], Terms[Settings]]:
+    """Decorator: register the decorated terms as the loss ``name``."""
+
+    def decorate(terms: Terms[Settings]) -> Terms[Settings]:
+        LOSSES.add(name, PolicyLoss(terms, aggregate, settings))
         return terms
 
     return decorate
 
 
-def get_loss(name: str) -> PolicyLoss:
-    return LOSSES.get(name)
+def get_loss(name: str) -> PolicyLoss[Any]:
+    """The loss registered as ``name``, or the :class:`PolicyLoss` at that dotted path."""
+    loss = LOSSES.get(name)
+    if not isinstance(loss, PolicyLoss):
+        raise TypeError(f"{LOSS_VARIABLE}={name!r} is not a PolicyLoss (sf_trainer.losses)")
+    return loss
+
+
+def chosen_loss(choice: PluginChoice) -> tuple[PolicyLoss[Any], LossSettings]:
+    """The loss ``SF_TRAINER_LOSS`` / ``[trainer.loss]`` chose, and its settings from the
+    keys given there (an unknown key raises ValueError naming the loss's keys)."""
+    loss = get_loss(choice.name)
+    return loss, settings_of(choice, loss.settings_class, "loss", LOSS_VARIABLE)
+
+
+# settings ----------------------------------------------------------------------------
+
+
+class PpoClipSettings(LossSettings):
+    """``grpo``."""
+
+    clip_eps: float = 0.2
+    """PPO ratio clip: the ratio is kept within [1 - clip_eps, 1 + clip_eps]."""
+
+
+class DecoupledSettings(PpoClipSettings):
+    """``grpo_decoupled``."""
+
+    is_cap: float = 2.0
+    """Truncation of the behaviour importance weight pi_prox / pi_behaviour."""
+
+
+class DrGrpoSettings(PpoClipSettings):
+    """``dr_grpo``."""
+
+    constant_tokens: int = Field(default=0, ge=0)
+    """The constant C each sequence's token sum is divided by (then by the number of
+    sequences); the paper uses the generation budget (max tokens). 0 = the batch's
+    longest response in trained tokens."""
+
+
+class ClipHigherSettings(LossSettings):
+    """``dapo``."""
+
+    clip_eps_low: float = 0.2
+    """Lower ratio clip, 1 - clip_eps_low."""
+    clip_eps_high: float = 0.28
+    """Upper ratio clip (clip-higher), 1 + clip_eps_high."""
+
+
+class GspoSettings(LossSettings):
+    """``gspo``: the GSPO paper's clip of the sequence ratio."""
+
+    clip_eps_low: float = 3e-4
+    """Lower clip of the sequence ratio, 1 - clip_eps_low."""
+    clip_eps_high: float = 4e-4
+    """Upper clip of the sequence ratio, 1 + clip_eps_high."""
 
 
 # aggregations ------------------------------------------------------------------------
 
 
 def token_mean(
-    per_token: torch.Tensor, mask: torch.Tensor, totals: BatchTotals, settings: TrainerSettings
+    per_token: torch.Tensor, mask: torch.Tensor, totals: BatchTotals, settings: LossSettings
 ) -> torch.Tensor:
     """Every trained token of the batch weighs the same: ``sum / batch tokens`` (DAPO's
     token-level loss; a long answer is not diluted by its own length)."""
@@ -158,19 +238,19 @@ def token_mean(
 
 
 def token_sum_over_constant(
-    per_token: torch.Tensor, mask: torch.Tensor, totals: BatchTotals, settings: TrainerSettings
+    per_token: torch.Tensor, mask: torch.Tensor, totals: BatchTotals, settings: DrGrpoSettings
 ) -> torch.Tensor:
     """Dr. GRPO: each sequence's token sum divided by a constant C, averaged over the
-    batch's sequences: ``sum / (sequences x C)``. C is ``SF_TRAINER_DR_GRPO_TOKENS``
-    (the generation budget, as in the paper), or the batch's longest response when 0:
+    batch's sequences: ``sum / (sequences x C)``. C is ``constant_tokens`` (the
+    generation budget, as in the paper), or the batch's longest response when 0:
     either way one number for the whole batch, so a token's weight depends neither on
     its sequence's length nor on how many tokens the batch has."""
-    constant = settings.dr_grpo_tokens or totals.longest_response
+    constant = settings.constant_tokens or totals.longest_response
     return (per_token * mask).sum() / (totals.sequences * constant)
 
 
 def sequence_mean(
-    per_token: torch.Tensor, mask: torch.Tensor, totals: BatchTotals, settings: TrainerSettings
+    per_token: torch.Tensor, mask: torch.Tensor, totals: BatchTotals, settings: LossSettings
 ) -> torch.Tensor:
     """Every sequence weighs the same: the token mean of each sequence, summed, divided
     by the batch's sequences. A sequence-level term (the same on all its tokens) is
@@ -182,8 +262,8 @@ def sequence_mean(
 # losses ------------------------------------------------------------------------------
 
 
-@register_loss("grpo", aggregate=token_mean)
-def grpo_terms(inputs: LossInputs, settings: TrainerSettings) -> PolicyTerms:
+@register_loss("grpo", aggregate=token_mean, settings=PpoClipSettings)
+def grpo_terms(inputs: LossInputs, settings: PpoClipSettings) -> PolicyTerms:
     """GRPO's PPO-clip with the behaviour policy as the old policy, ratio within
     [1 - clip_eps, 1 + clip_eps]: staleness and engine/trainer mismatch both count
     against the trust region."""
@@ -192,8 +272,8 @@ def grpo_terms(inputs: LossInputs, settings: TrainerSettings) -> PolicyTerms:
     return PolicyTerms(per_token, clipped)
 
 
-@register_loss("grpo_decoupled", aggregate=token_mean)
-def decoupled_grpo_terms(inputs: LossInputs, settings: TrainerSettings) -> PolicyTerms:
+@register_loss("grpo_decoupled", aggregate=token_mean, settings=DecoupledSettings)
+def decoupled_grpo_terms(inputs: LossInputs, settings: DecoupledSettings) -> PolicyTerms:
     """Decoupled PPO (AReaL) with truncated importance sampling.
 
     The trust region is measured against the proximal policy (the policy at the start
@@ -210,11 +290,11 @@ def decoupled_grpo_terms(inputs: LossInputs, settings: TrainerSettings) -> Polic
 
 
 # Dr. GRPO changes GRPO's aggregation only (its advantage is the ``dr_grpo`` estimator)
-register_loss("dr_grpo", aggregate=token_sum_over_constant)(grpo_terms)
+register_loss("dr_grpo", aggregate=token_sum_over_constant, settings=DrGrpoSettings)(grpo_terms)
 
 
-@register_loss("dapo", aggregate=token_mean)
-def dapo_terms(inputs: LossInputs, settings: TrainerSettings) -> PolicyTerms:
+@register_loss("dapo", aggregate=token_mean, settings=ClipHigherSettings)
+def dapo_terms(inputs: LossInputs, settings: ClipHigherSettings) -> PolicyTerms:
     """DAPO's clip-higher: PPO-clip against the behaviour logprobs with the ratio within
     [1 - clip_eps_low, 1 + clip_eps_high]. A higher upper bound lets an unlikely token
     with a positive advantage gain more probability before its gradient stops, against
@@ -226,12 +306,12 @@ def dapo_terms(inputs: LossInputs, settings: TrainerSettings) -> PolicyTerms:
     return PolicyTerms(per_token, clipped)
 
 
-@register_loss("gspo", aggregate=sequence_mean)
-def gspo_terms(inputs: LossInputs, settings: TrainerSettings) -> PolicyTerms:
+@register_loss("gspo", aggregate=sequence_mean, settings=GspoSettings)
+def gspo_terms(inputs: LossInputs, settings: GspoSettings) -> PolicyTerms:
     """GSPO: one importance ratio per sequence against the behaviour policy, the
     geometric mean of its token ratios, ``s = exp(mean over its trained tokens of
-    (logp - behaviour))``, clipped per sequence within [1 - gspo_clip_eps_low,
-    1 + gspo_clip_eps_high] (the paper's 3e-4 and 4e-4: a length-normalised ratio moves
+    (logp - behaviour))``, clipped per sequence within [1 - clip_eps_low,
+    1 + clip_eps_high] (the paper's 3e-4 and 4e-4: a length-normalised ratio moves
     far less than a token's). A clipped sequence counts all its tokens as clipped."""
     mask = inputs.mask
     trained = mask.sum(-1, keepdim=True).clamp(min=1.0)
@@ -239,8 +319,8 @@ def gspo_terms(inputs: LossInputs, settings: TrainerSettings) -> PolicyTerms:
     per_sequence, clipped = ppo_clip(
         torch.exp(log_ratio / trained),
         inputs.advantages,
-        settings.gspo_clip_eps_low,
-        settings.gspo_clip_eps_high,
+        settings.clip_eps_low,
+        settings.clip_eps_high,
     )
     shape = inputs.logprobs.shape
     return PolicyTerms(per_sequence.expand(shape), clipped.expand(shape))

@@ -1,3 +1,4 @@
+# Over 400 lines: start, loop, resume and checkpoints share the trainer's counters.
 """trainer: pulls batches, takes GRPO steps, checkpoints and publishes weight versions.
 
 A trainer trains one policy (``SF_POLICY``); a multi-policy run has one per policy, and
@@ -7,7 +8,8 @@ Consumes:
 - ``sf.<run>.batch.<policy>.ready`` (JetStream ``SF_<RUN>_BATCH-<policy>``, durable
   consumer ``trainer``: BatchReady, whose TrainBatch it reads from
   ``SF_<RUN>_BATCHDATA-<policy>`` (``seamlessflow.batches``), or a TrainBatch published
-  whole; acked only after the step's weights are published)
+  whole, in ``batch_index`` order (``sf_trainer.delivery``); acked only after the
+  step's weights are published)
 - ``sf.<run>.sched.assign.<trainer>`` (RoleAssignment)
 - ``sf.<run>.sched.cores.<trainer>`` (CoresLent: idle rollout engines' cores it may
   train on now; ``sf_trainer.threads``)
@@ -23,7 +25,7 @@ Produces:
 - ``sf.<run>.sched.register`` / ``sf.<run>.sched.heartbeat.<trainer>``
 - ``sf.<run>.sched.claim`` (SlotsClaim: a batch is here, reclaim engines lent from my
   slots) before each step; ``sf.<run>.sched.release`` (SlotsReleased: I wait, my
-  slots may be lent) after each publish and at start
+  slots may be lent) after each publish and at start (``sf_trainer.slots``)
 - ``<run_dir>/checkpoints/final`` and ``<run_dir>/checkpoints/step-<n>`` (another
   policy than the default: ``checkpoints/<policy>/...``; ``sf_trainer.checkpoint``: HF
   layout, optimizer state, step / version / data position); a save never replaces a
@@ -62,54 +64,35 @@ import msgspec
 import torch
 
 from seamlessflow import telemetry
-from seamlessflow.batches import TRANSIENT_ERRORS, BatchPayloadMissing, fetch_batch
-from seamlessflow.bus import DurableConsumer, Msg, NoResponder, RemoteError, ack_redeliverable
+from seamlessflow.bus import DurableConsumer, ack_redeliverable
 from seamlessflow.protocol import (
     TRAINER_DURABLE,
-    BatchReady,
     CoresLent,
-    LendReport,
-    Message,
     MessageIds,
-    SlotsClaim,
-    SlotsGranted,
-    SlotsReleased,
     TrainBatch,
     TrainEvalMetrics,
     TrainingFinished,
     TrainingPlanned,
-    TrainStepMetrics,
+    WeightManifest,
     WeightsPublished,
-    decode,
 )
 from seamlessflow.resources import ResourceMembership
 from seamlessflow.service import ServiceContext
 from seamlessflow.settings import checkpoints_dir
 from seamlessflow.weights.group import form_as_trainer
 from seamlessflow.weights.settings import WeightTransferSettings, publisher
-from sf_trainer import checkpoint
+from sf_trainer import checkpoint, history
 from sf_trainer.checkpoint import TrainerState
+from sf_trainer.delivery import BatchDelivery
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.learner import Learner
 from sf_trainer.settings import TrainerSettings
-from sf_trainer.step import StepResult
+from sf_trainer.slots import TrainingSlots
+from sf_trainer.step import StepResult, metrics_of
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
-R = TypeVar("R", bound=Message)
 
-IN_ORDER_WAIT_S = 120.0
-"""How long a batch that arrives ahead of its turn is put back while the one before it
-is awaited. A trainer killed while it held a batch unacked leaves that batch to come
-back after the consumer's ack wait (30 s), behind the ones after it; training those
-first would skip it for good (it is then at or before the data position). Past this
-wait, the missing batch is taken as never published and the next one is trained."""
-
-BATCH_REDELIVERY_DELAY_S = 1.0
-"""How long a batch put back on the consumer (nak) waits before it comes again: one
-ahead of its turn (``IN_ORDER_WAIT_S``), or one whose payload cannot be read now (a
-broker restarting). Redelivery is how a payload read is retried: the trainer never
-loops on one batch, and sees a stop between tries."""
 T = TypeVar("T")
 
 
@@ -144,8 +127,6 @@ class TrainerService:
         self.trained_steps = 0
         """Optimizer steps the policy's weights hold (``step`` less the steps a resume
         lost): what decides whether a checkpoint may be replaced."""
-        self._ahead_since: float | None = None
-        """Since when a batch after the next one to train has been put back."""
         self._lent_thread_s = 0.0
         """Thread-seconds the last step ran on lent cores (``sf_trainer.threads``)."""
         self.unsaved_steps = 0
@@ -179,6 +160,9 @@ class TrainerService:
             if transfer.group_backend:
                 # blocks until every engine of the group joined (SF_WEIGHTS_GROUP_TIMEOUT_S)
                 self.publisher.push = await form_as_trainer(ctx.bus, transfer)
+            self.slots = TrainingSlots(
+                ctx.bus, self.trainer_id, self.policy, self.settings.claim_timeout_s
+            )
             self.membership = ResourceMembership(
                 ctx.bus,
                 self.trainer_id,
@@ -228,7 +212,7 @@ class TrainerService:
         elif self.settings.resume:
             log.info("no checkpoint to resume from (%s): starting from the base model",
                      self.settings.resume)  # fmt: skip
-        recorded = await self._last_recorded_step()
+        recorded = await history.last_recorded_step(self.ctx.bus)
         if recorded is not None and recorded.step > self.step:
             log.warning(
                 "steps %d-%d were recorded after %s: the policy loses them; their batches "
@@ -237,132 +221,47 @@ class TrainerService:
             )  # fmt: skip
             self.step = recorded.step
             self.data_position = max(self.data_position, recorded.batch_index)
-        announced = max(await self._announced_version(), recorded.version if recorded else 0)
+        announced = max(await history.announced_version(self.ctx.bus),
+                        recorded.version if recorded else 0)  # fmt: skip
         if announced > self.version:
             log.info("version %d is already announced: the next version is %d",
                      announced, announced + 1)  # fmt: skip
             self.version = announced
 
-    async def _last_recorded_step(self) -> TrainStepMetrics | None:
-        """The policy's newest step record in the metrics stream (None: no step yet)."""
-        subjects = self.ctx.subjects
-        recorded = await self.ctx.bus.read_decoded(
-            subjects.stream_metrics(), subjects.train_metrics(), TrainStepMetrics
-        )
-        return max(recorded, key=lambda m: (m.step, m.version), default=None)
-
-    async def _announced_version(self) -> int:
-        """The newest version in the weights stream (0: none). The stream, not
-        weight-sync's ``weights.current``: it holds every announcement, also those
-        weight-sync has not processed (or when it is down)."""
-        subjects = self.ctx.subjects
-        announced = await self.ctx.bus.read_decoded(
-            subjects.stream_weights(), subjects.weights_published(), WeightsPublished
-        )
-        return max((w.version for w in announced), default=0)
-
     async def _train_loop(self, batches: DurableConsumer) -> None:
+        delivery = BatchDelivery(self.ctx.bus, batches, self.policy, self.ctx.stopping)
         while self.step < self.settings.steps and not self.ctx.stopping.is_set():
             self.membership.set_phase("idle")
-            wait_started = time.monotonic()
-            msg = await self._next_batch(batches)
-            if msg is None:
+            delivered = await delivery.next(self.data_position)
+            if delivered is None:
                 continue
-            wait_seconds = time.monotonic() - wait_started
-            try:
-                announced = decode(msg.data, BatchReady | TrainBatch)
-            except ValueError as exc:
-                log.error("terminating malformed batch: %s", exc)
-                await msg.term()
-                continue
-            if announced.policy != self.policy:
-                log.error("terminating batch %d of policy %r on %r's stream",
-                          announced.batch_index, announced.policy, self.policy)  # fmt: skip
-                await msg.term()
-                continue
-            if announced.batch_index <= self.data_position:
-                # trained before the checkpoint this trainer resumed from
-                log.info("batch %d is at or before data position %d: acked, not trained",
-                         announced.batch_index, self.data_position)  # fmt: skip
-                await ack_redeliverable(msg)
-                continue
-            if announced.batch_index > self.data_position + 1 and self._waits_in_order(
-                announced.batch_index
-            ):
-                await msg.nak(delay=BATCH_REDELIVERY_DELAY_S)
-                continue
-            try:
-                batch = await fetch_batch(self.ctx.bus, announced)
-            except BatchPayloadMissing as exc:
-                log.error("terminating batch %d: %s", announced.batch_index, exc)
-                await msg.term()
-                continue
-            except TRANSIENT_ERRORS as exc:
-                log.warning("batch %d: payload not readable now (%r): retrying",
-                            announced.batch_index, exc)  # fmt: skip
-                await msg.nak(delay=BATCH_REDELIVERY_DELAY_S)
-                continue
-            self._ahead_since = None
-            with telemetry.extracted_context(msg.headers):
-                await self._claim_slots(batch.batch_index)
-                await self._step(batch, wait_seconds)
+            with telemetry.extracted_context(delivered.msg.headers):
+                await self.slots.claim(delivered.batch.batch_index)
+                await self._step(delivered.batch, delivered.wait_seconds)
             # a redelivery is skipped by the data position, which the step record holds
-            await ack_redeliverable(msg)
+            await ack_redeliverable(delivered.msg)
             if self.step < self.settings.steps:
                 await self._release_slots()
         if self.step >= self.settings.steps:
-            # A trainer started again after its run finished (a restart policy, a second
-            # `up`) arrives here at once: the guarded save keeps the trained `final`.
-            final, kept = await self._on_learner(self._save_final)
-            await self.ctx.bus.js_publish(
-                self.ctx.subjects.train_finished(),
-                TrainingFinished(
-                    steps=self.step,
-                    final_version=kept.version,
-                    checkpoint_dir=str(final),
-                    policy=self.policy,
-                ),
-                msg_id=MessageIds.train_finished(self.policy, kept.version),
-            )
-            log.info("training finished after %d steps: %s holds %d trained steps "
-                     "(version %d)", self.step, final, kept.trained, kept.version)  # fmt: skip
+            await self._finish()
 
-    def _waits_in_order(self, batch_index: int) -> bool:
-        """Whether batch ``batch_index``, ahead of the next one to train, is put back to
-        wait for it (``IN_ORDER_WAIT_S``)."""
-        now = time.monotonic()
-        if self._ahead_since is None:
-            self._ahead_since = now
-            log.info("batch %d came before batch %d (held by a trainer that stopped?): "
-                     "waiting for it", batch_index, self.data_position + 1)  # fmt: skip
-        if now - self._ahead_since < IN_ORDER_WAIT_S:
-            return True
-        log.warning("batch %d never came in %.0fs: training batch %d",
-                    self.data_position + 1, IN_ORDER_WAIT_S, batch_index)  # fmt: skip
-        return False
-
-    async def _next_batch(self, batches: DurableConsumer) -> Msg | None:
-        stop = asyncio.create_task(self.ctx.stopping.wait())
-        try:
-            while not self.ctx.stopping.is_set():
-                fetch = asyncio.create_task(batches.next(timeout=1.0))
-                await asyncio.wait({fetch, stop}, return_when=asyncio.FIRST_COMPLETED)
-                if not fetch.done():
-                    fetch.cancel()
-                    return None
-                msg = fetch.result()
-                if msg is not None:
-                    return msg
-            return None
-        finally:
-            stop.cancel()
-
-    async def _claim_slots(self, batch_index: int) -> None:
-        """Take back the slots lent to rollout; train only once they are free."""
-        claim = SlotsClaim(trainer_id=self.trainer_id, batch_index=batch_index, policy=self.policy)
-        granted = await self._ask_scheduler(self.ctx.subjects.sched_claim(), claim, SlotsGranted)
-        if granted is not None and granted.missed:
-            log.warning("engines %s did not release their slots in time", granted.missed)
+    async def _finish(self) -> None:
+        """``checkpoints/final`` and the TrainingFinished record. A trainer started again
+        after its run finished (a restart policy, a second `up`) arrives here at once:
+        the guarded save keeps the trained ``final``."""
+        final, kept = await self._on_learner(self._save_final)
+        await self.ctx.bus.js_publish(
+            self.ctx.subjects.train_finished(),
+            TrainingFinished(
+                steps=self.step,
+                final_version=kept.version,
+                checkpoint_dir=str(final),
+                policy=self.policy,
+            ),
+            msg_id=MessageIds.train_finished(self.policy, kept.version),
+        )
+        log.info("training finished after %d steps: %s holds %d trained steps "
+                 "(version %d)", self.step, final, kept.trained, kept.version)  # fmt: skip
 
     async def on_cores_lent(self, lent: CoresLent) -> None:
         """The learner takes the offer at its next layer (``ThreadBudget.apply``)."""
@@ -374,25 +273,12 @@ class TrainerService:
         Lent cores go back first (the engines get work with the version just published)."""
         if self.learner.threads is not None:
             self.learner.threads.lend(0)
-        release = SlotsReleased(
-            trainer_id=self.trainer_id, version=self.version, policy=self.policy
-        )
-        report = await self._ask_scheduler(self.ctx.subjects.sched_release(), release, LendReport)
-        if report is not None and report.lent:
-            log.debug("slots lent to %s: %s", report.lent, report.reason)
-
-    async def _ask_scheduler(self, subject: str, request: Message, reply_type: type[R]) -> R | None:
-        """A scheduler that does not answer never blocks training: logged, then None."""
-        try:
-            reply: R = await self.ctx.bus.request(
-                subject, request, reply_type, timeout=self.settings.claim_timeout_s
-            )
-        except (NoResponder, RemoteError) as exc:
-            log.warning("tag-scheduler did not answer on %s (%s); training goes on", subject, exc)
-            return None
-        return reply
+        await self.slots.release(self.version)
 
     async def _step(self, batch: TrainBatch, wait_seconds: float) -> None:
+        """One step of training end to end, the page to read first. The learner's part,
+        ``sf_trainer.step.train_step``: shaped rewards -> advantages -> per micro-batch
+        logprobs -> loss -> backward -> optimizer step."""
         self.membership.set_phase("train")
         with tracer.start_as_current_span(
             "trainer.step", attributes={"step": self.step + 1, "batch.index": batch.batch_index}
@@ -405,49 +291,20 @@ class TrainerService:
             span.set_attribute("grad_norm", result.grad_norm)
         self.membership.set_phase("sync")
         started = time.monotonic()
-        with tracer.start_as_current_span(
-            "trainer.publish_weights", attributes={"version": self.version}
-        ):
-            # cast to the travel dtype where the weights live (the publisher's cast
-            # then has nothing left to do)
-            state = await self._on_learner(self.learner.full_weights, self.publisher.dtype)
-            manifest = await self.publisher.publish(self.version, state)
+        manifest = await self._publish_weights()
         publish_seconds = time.monotonic() - started
         self.membership.version = self.version
-        metrics = TrainStepMetrics(
+        metrics = metrics_of(
+            result,
             policy=self.policy,
             step=self.step,
             version=self.version,
             batch_index=batch.batch_index,
-            mean_reward=result.mean_reward,
-            loss=result.loss,
-            clip_fraction=result.clip_fraction,
-            samples=result.samples,
-            tokens_generated=result.tokens_generated,
-            tokens_trained=result.tokens_trained,
-            max_staleness=result.max_staleness,
-            staleness_histogram=result.staleness_histogram,
-            logprob_abs_diff=result.logprob_abs_diff,
-            truncated_fraction=result.truncated_fraction,
-            step_seconds=step_seconds,
+            manifest=manifest,
             wait_seconds=wait_seconds,
+            step_seconds=step_seconds,
             publish_seconds=publish_seconds,
-            kl_mean=result.kl_mean,
-            lr=result.lr,
-            grad_norm=result.grad_norm,
-            reward_std=result.reward_std,
-            reward_min=result.reward_min,
-            reward_max=result.reward_max,
-            completion_tokens_mean=result.completion_tokens_mean,
-            completion_tokens_max=result.completion_tokens_max,
-            prompt_tokens_mean=result.prompt_tokens_mean,
-            entropy_mean=result.entropy_mean,
-            mean_staleness=result.mean_staleness,
-            completions_truncated_fraction=result.completions_truncated_fraction,
             lent_thread_seconds=self._lent_thread_s,
-            weights_kind=manifest.kind,
-            weights_payload_bytes=manifest.payload_bytes,
-            weights_state_bytes=manifest.state_bytes,
         )
         # The step's record first: a restart resumes after it (``_resume``), so a version
         # is never announced for a step that could be trained again.
@@ -461,15 +318,30 @@ class TrainerService:
             WeightsPublished(manifest=manifest, step=self.step),
             msg_id=MessageIds.weights(self.policy, self.version),
         )
+        await self._checkpoint_if_due()
+        last = self.step == self.settings.steps
+        if self.settings.eval_every and (self.step % self.settings.eval_every == 0 or last):
+            await self._evaluate()
+
+    async def _publish_weights(self) -> WeightManifest:
+        """The version just trained, stored completely (not yet announced)."""
+        with tracer.start_as_current_span(
+            "trainer.publish_weights", attributes={"version": self.version}
+        ):
+            # cast to the travel dtype where the weights live (the publisher's cast
+            # then has nothing left to do)
+            state = await self._on_learner(self.learner.full_weights, self.publisher.dtype)
+            return await self.publisher.publish(self.version, state)
+
+    async def _checkpoint_if_due(self) -> None:
+        """``checkpoints/step-<n>`` every ``SF_TRAINER_CHECKPOINT_EVERY`` steps, keeping
+        the newest ``SF_TRAINER_KEEP_CHECKPOINTS``."""
         every = self.settings.checkpoint_every
         if every and self.step % every == 0 and self.ctx.mesh.run_dir is not None:
             await self._on_learner(self.save_checkpoint, f"step-{self.step}")
             if self.settings.keep_checkpoints:
                 root = checkpoints_dir(self.ctx.mesh.run_dir, self.policy)
                 await asyncio.to_thread(checkpoint.prune, root, self.settings.keep_checkpoints)
-        last = self.step == self.settings.steps
-        if self.settings.eval_every and (self.step % self.settings.eval_every == 0 or last):
-            await self._evaluate()
 
     async def _evaluate(self) -> None:
         """The version just announced on the held-out split (``sf_trainer.evaluation``),

@@ -1,29 +1,127 @@
-"""The trainer's settings (``SF_TRAINER_*``)."""
+"""The trainer's settings (``SF_TRAINER_*``).
+
+The loss and the advantage estimator are plug-in choices that carry the plug-in's own
+settings (``sf_trainer.plugin_settings``): ``[trainer.loss]`` / ``SF_TRAINER_LOSS__<KEY>``
+and ``[trainer.advantage]`` / ``SF_TRAINER_ADVANTAGE__<KEY>``.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
-from seamlessflow.runfile import RunFileSettings
+from seamlessflow.runfile import (
+    RunFileError,
+    RunFileSettings,
+    RunFileSource,
+    load,
+    run_default,
+    run_file_from_environment,
+    section_of,
+)
+from sf_trainer.plugin_settings import NESTED_DELIMITER, PluginChoice
+
+ENV_PREFIX = "SF_TRAINER_"
+
+RETIRED_LOSS_SETTINGS: dict[str, tuple[str, str]] = {
+    "is_cap": ("is_cap", "grpo_decoupled"),
+    "clip_eps": ("clip_eps", "grpo, grpo_decoupled or dr_grpo"),
+    "clip_eps_low": ("clip_eps_low", "dapo"),
+    "clip_eps_high": ("clip_eps_high", "dapo"),
+    "gspo_clip_eps_low": ("clip_eps_low", "gspo"),
+    "gspo_clip_eps_high": ("clip_eps_high", "gspo"),
+    "dr_grpo_tokens": ("constant_tokens", "dr_grpo"),
+}
+"""Loss hyperparameters that were flat trainer settings: old field -> (its key in the
+loss's own settings, the losses that have it). Set (``SF_TRAINER_IS_CAP``, ``[trainer]
+is_cap``), they stop a process with the new spelling instead of being ignored."""
+
+
+def retired_loss_setting(field: str) -> str:
+    """The one line that refuses the flat loss setting ``field`` and names its new spelling."""
+    key, losses = RETIRED_LOSS_SETTINGS[field]
+    return (
+        f"{ENV_PREFIX}{field.upper()} ([trainer] {field}) is no longer read: the loss "
+        f"carries its settings, set {ENV_PREFIX}LOSS{NESTED_DELIMITER}{key.upper()} "
+        f"(or {key} under [trainer.loss]) with the loss {losses}"
+    )
+
+
+class LossChoice(PluginChoice):
+    """``SF_TRAINER_LOSS`` and its ``SF_TRAINER_LOSS__<KEY>`` settings."""
+
+    name: str = "grpo_decoupled"
+
+
+class AdvantageChoice(PluginChoice):
+    """``SF_TRAINER_ADVANTAGE`` and its ``SF_TRAINER_ADVANTAGE__<KEY>`` settings."""
+
+    name: str = "grpo"
+
+
+PLUGIN_FIELDS = ("loss", "advantage")
+"""The fields that are a :class:`PluginChoice`: a name, or a table of the plug-in's keys."""
+
+
+def _as_choice(field_name: str, value: Any) -> Any:
+    # a name alone becomes a table, so that another source's keys merge into it
+    # (pydantic-settings merges the sources' tables; a string would replace them)
+    return {"name": value} if field_name in PLUGIN_FIELDS and isinstance(value, str) else value
+
+
+class PluginChoiceEnvSource(EnvSettingsSource):
+    """The environment, where ``SF_TRAINER_LOSS=gspo`` names the loss (not JSON) and
+    ``SF_TRAINER_LOSS__CLIP_EPS_LOW`` sets one of its keys; both together merge."""
+
+    def prepare_field_value(
+        self, field_name: str, field: FieldInfo, value: Any, value_is_complex: bool
+    ) -> Any:
+        if field_name in PLUGIN_FIELDS and isinstance(value, str) and not value.startswith("{"):
+            keys = self.explode_env_vars(field_name, field, self.env_vars)
+            return {"name": value, **keys}
+        return super().prepare_field_value(field_name, field, value, value_is_complex)
+
+
+class PluginChoiceRunFileSource(RunFileSource):
+    """The run file, where ``[trainer] loss = "gspo"`` and a ``[trainer.loss]`` table are
+    one choice, and a retired flat loss key is refused with its new spelling."""
+
+    def __call__(self) -> dict[str, Any]:
+        path = run_file_from_environment()
+        if path is not None:
+            section = section_of(ENV_PREFIX)
+            for key in load(path).get(section, {}):
+                if key in RETIRED_LOSS_SETTINGS:
+                    raise RunFileError(f"run file {path}: {retired_loss_setting(key)}")
+        return {name: _as_choice(name, value) for name, value in super().__call__().items()}
 
 
 class TrainerSettings(RunFileSettings):
     """trainer settings (env prefix ``SF_TRAINER_``)."""
 
     model_config = SettingsConfigDict(
-        env_prefix="SF_TRAINER_", extra="ignore", use_attribute_docstrings=True
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=NESTED_DELIMITER,
+        extra="ignore",
+        use_attribute_docstrings=True,
     )
 
-    steps: int = 100
+    steps: int = run_default("steps")
     """Optimizer steps (one batch each); the trainer finishes after this many. Steps a
     resume lost (taken after the checkpoint it resumes from) count: their batches are
     not trained again. The policy's step budget: the trainer announces it at start
     (``TrainingPlanned``) and the trajectory service dispatches for it."""
 
-    lr: float = 1e-4
+    lr: float = run_default("lr")
     """AdamW peak learning rate; ``lr_schedule`` and ``warmup_steps`` shape it over the
     run's ``steps``. The rate each step used is its metrics' ``lr``."""
 
@@ -39,7 +137,7 @@ class TrainerSettings(RunFileSettings):
     min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     """``linear`` / ``cosine``: the rate the decay ends at, as a fraction of ``lr``."""
 
-    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    precision: Literal["fp32", "bf16-mixed"] = run_default("precision")
     """Compute precision of forward and backward. ``fp32``: everything in float32.
     ``bf16-mixed``: master weights, gradients as the optimizer sees them and the AdamW
     state stay float32; forward and backward run in bfloat16 (one process: autocast;
@@ -52,12 +150,12 @@ class TrainerSettings(RunFileSettings):
     keeping them (HF gradient checkpointing, non-reentrant): less memory, about one more
     forward per step; the gradients are the same."""
 
-    eval_every: int = Field(default=0, ge=0)
+    eval_every: int = Field(default=run_default("eval_every"), ge=0)
     """Evaluate the policy on ``eval_task``'s held-out split every N steps, after the
     step's version is published (a ``TrainEvalMetrics`` record, also in
     ``metrics.jsonl``); 0 = never."""
 
-    eval_task: str = "arithmetic"
+    eval_task: str = run_default("task")
     """Task source (``seamlessflow.tasks``) whose ``eval`` split is evaluated, built with
     the run's seed (``SF_SEED``: the split depends on it); ``seamlessflow up`` sets it to
     the run's task."""
@@ -65,7 +163,7 @@ class TrainerSettings(RunFileSettings):
     eval_items: int = Field(default=64, ge=0)
     """Prompts evaluated: the first N of the eval split (0 = all of it)."""
 
-    eval_max_tokens: int = Field(default=16, ge=1)
+    eval_max_tokens: int = Field(default=run_default("max_tokens"), ge=1)
     """Completion budget of each evaluated answer (greedy decoding)."""
 
     betas: tuple[float, float] = (0.9, 0.95)
@@ -77,43 +175,27 @@ class TrainerSettings(RunFileSettings):
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm."""
 
-    advantage: str = "grpo"
+    advantage: AdvantageChoice = AdvantageChoice()
     """Advantage estimator plug-in (``sf_trainer.advantages``): ``grpo`` ((r - mean) /
     (std + 1e-6) within each group), ``dr_grpo`` (r - group mean), ``rloo`` (r - mean of
     the group's other samples), ``reinforce_pp`` ((r - mean) / std over the whole
     batch), ``reinforce_pp_baseline`` (r - group mean, divided by the batch's std of
-    those)."""
+    those); or ``package.module:attribute``, an ``AdvantageEstimator``. Its own settings
+    (none for the built-in ones): ``SF_TRAINER_ADVANTAGE__<KEY>`` or ``[trainer.advantage]``
+    (with ``name``)."""
 
-    loss: str = "grpo_decoupled"
+    loss: LossChoice = LossChoice()
     """Policy loss plug-in (``sf_trainer.losses``): ``grpo_decoupled`` (decoupled PPO +
     truncated IS), ``grpo`` (PPO-clip against the behaviour logprobs), ``dapo``
     (clip-higher), all three a mean over the batch's tokens; ``dr_grpo`` (``grpo``'s
-    terms, token sum / (sequences x ``DR_GRPO_TOKENS``)); ``gspo`` (sequence-level ratio
-    and clip, mean over sequences)."""
-
-    is_cap: float = 2.0
-    """Truncation of the behaviour importance weight in ``grpo_decoupled``."""
-
-    clip_eps: float = 0.2
-    """PPO ratio clip of ``grpo``, ``grpo_decoupled`` and ``dr_grpo``: the ratio is kept
-    within [1 - eps, 1 + eps]."""
-
-    clip_eps_low: float = 0.2
-    """``dapo``: lower ratio clip, 1 - eps."""
-
-    clip_eps_high: float = 0.28
-    """``dapo`` (clip-higher): upper ratio clip, 1 + eps."""
-
-    gspo_clip_eps_low: float = 3e-4
-    """``gspo``: lower clip of the sequence ratio, 1 - eps (GSPO paper)."""
-
-    gspo_clip_eps_high: float = 4e-4
-    """``gspo``: upper clip of the sequence ratio, 1 + eps (GSPO paper)."""
-
-    dr_grpo_tokens: int = Field(default=0, ge=0)
-    """``dr_grpo``: the constant each sequence's token sum is divided by (then by the
-    number of sequences); the paper uses the generation budget (max tokens). 0 = the
-    batch's longest response in trained tokens."""
+    terms, token sum / (sequences x C)); ``gspo`` (sequence-level ratio and clip, mean
+    over sequences); or ``package.module:attribute``, a ``PolicyLoss``. Its own settings
+    are ``SF_TRAINER_LOSS__<KEY>`` or keys of ``[trainer.loss]`` (with ``name``), and a key
+    the chosen loss lacks is refused: ``grpo`` clip_eps (0.2); ``grpo_decoupled``
+    clip_eps (0.2), is_cap (2.0, the truncation of the behaviour importance weight);
+    ``dr_grpo`` clip_eps (0.2), constant_tokens (C; 0 = the batch's longest response);
+    ``dapo`` clip_eps_low (0.2), clip_eps_high (0.28); ``gspo`` clip_eps_low (3e-4),
+    clip_eps_high (4e-4), the clip of the sequence ratio."""
 
     kl_coef: float = Field(default=0.0, ge=0.0)
     """Weight of the k3 KL to the reference model (the base model of ``SF_MODEL_DIR``,
@@ -146,7 +228,7 @@ class TrainerSettings(RunFileSettings):
     logits. Models whose head is more than the output embedding (e.g. a final logit
     soft-cap) always use whole logits."""
 
-    checkpoint_every: int = 0
+    checkpoint_every: int = run_default("checkpoint_every")
     """Also checkpoint every N steps (0 = only at the end and on stop). A resume loses
     the steps after the checkpoint it starts from (the policy never learns from their
     batches)."""
@@ -175,6 +257,49 @@ class TrainerSettings(RunFileSettings):
 
     torch_threads: int = 1
     """torch intra-op threads."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # RunFileSettings' order, with the sources that read a plug-in choice
+        return (
+            init_settings,
+            PluginChoiceEnvSource(settings_cls),
+            dotenv_settings,
+            PluginChoiceRunFileSource(settings_cls),
+            file_secret_settings,
+        )
+
+    @model_validator(mode="after")
+    def _no_retired_loss_variables(self) -> TrainerSettings:
+        # a variable that is no longer read would be ignored without a word
+        for field in RETIRED_LOSS_SETTINGS:
+            if f"{ENV_PREFIX}{field.upper()}" in os.environ:
+                raise ValueError(retired_loss_setting(field))
+        return self
+
+    @model_validator(mode="after")
+    def _plugins_take_their_keys(self) -> TrainerSettings:
+        # the plug-ins' modules import torch: only when a choice is checked
+        from sf_trainer.advantages import chosen_estimator
+        from sf_trainer.losses import chosen_loss
+
+        for variable, choose, choice in (
+            (f"{ENV_PREFIX}LOSS", chosen_loss, self.loss),
+            (f"{ENV_PREFIX}ADVANTAGE", chosen_estimator, self.advantage),
+        ):
+            try:
+                choose(choice)
+            except (ImportError, AttributeError, TypeError) as exc:
+                # a dotted path that is not there, or not a plug-in of this kind
+                raise ValueError(f"{variable}={choice.name!r}: {exc}") from None
+        return self
 
     @model_validator(mode="after")
     def _overlong_window_fits(self) -> TrainerSettings:

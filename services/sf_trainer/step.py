@@ -7,27 +7,35 @@ by whole-batch quantities on every rank (``sf_trainer.losses.BatchTotals``), so 
 step is the one a single process would take on the whole batch (up to float summation
 order).
 
-A step: shaped rewards -> advantages (``SF_TRAINER_ADVANTAGE``) -> for each
-micro-batch, policy (and, with ``SF_TRAINER_KL_COEF`` > 0, reference) logprobs, each
-token's at the temperature it was sampled at (``TrainSample.temperatures``), from the
-final hidden states in chunks of ``SF_TRAINER_LOGPROB_CHUNK_TOKENS`` (with the policy's
-entropy at the trained tokens, a metric) -> loss (``SF_TRAINER_LOSS``) -> backward; then
-one clipped optimizer step.
+A step (:func:`train_step`, the learner's part of one step: the whole step is
+``TrainerService._step``): shaped rewards -> advantages (``SF_TRAINER_ADVANTAGE``) ->
+for each micro-batch, policy (and, with ``SF_TRAINER_KL_COEF`` > 0, reference) logprobs,
+each token's at the temperature it was sampled at (``TrainSample.temperatures``), from
+the final hidden states in chunks of ``SF_TRAINER_LOGPROB_CHUNK_TOKENS`` (with the
+policy's entropy at the trained tokens, a metric) -> loss (``SF_TRAINER_LOSS``, with its
+own settings) -> backward; then one clipped optimizer step; then the step's figures
+(:func:`step_result`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, astuple, dataclass
 
 import torch
 
-from seamlessflow.protocol import UNRECORDED_TEMPERATURE, TrainBatch, TrainSample
+from seamlessflow.protocol import (
+    UNRECORDED_TEMPERATURE,
+    TrainBatch,
+    TrainSample,
+    TrainStepMetrics,
+    WeightManifest,
+)
 from sf_trainer.advantages import batch_advantages
 from sf_trainer.distributed import TrainGroup, as_float, forward_precision, partition_by_tokens
 from sf_trainer.logprobs import target_logprobs
-from sf_trainer.losses import BatchTotals, LossInputs, get_loss
+from sf_trainer.losses import BatchTotals, LossInputs, LossOutput, chosen_loss
 from sf_trainer.settings import TrainerSettings
 
 
@@ -76,6 +84,38 @@ class StepResult:
     (``TrainSample.finish_reason`` ``length``)."""
     lr: float = 0.0
     """The learning rate the optimizer step used."""
+
+
+def metrics_of(
+    result: StepResult,
+    *,
+    policy: str,
+    step: int,
+    version: int,
+    batch_index: int,
+    manifest: WeightManifest,
+    wait_seconds: float,
+    step_seconds: float,
+    publish_seconds: float,
+    lent_thread_seconds: float,
+) -> TrainStepMetrics:
+    """A step's durable record: every figure of ``result`` (each ``StepResult`` field is
+    the ``TrainStepMetrics`` field of that name), where the step stands in the run, how
+    long its parts took and the weights it published (``manifest``)."""
+    return TrainStepMetrics(
+        **asdict(result),
+        policy=policy,
+        step=step,
+        version=version,
+        batch_index=batch_index,
+        wait_seconds=wait_seconds,
+        step_seconds=step_seconds,
+        publish_seconds=publish_seconds,
+        lent_thread_seconds=lent_thread_seconds,
+        weights_kind=manifest.kind,
+        weights_payload_bytes=manifest.payload_bytes,
+        weights_state_bytes=manifest.state_bytes,
+    )
 
 
 @dataclass
@@ -186,6 +226,31 @@ def plan_micro_batches(
     return [plan + [padding] * (passes - len(plan)) for plan in plans]
 
 
+@dataclass
+class PassSums:
+    """What the passes of a step add up (one rank's, then all ranks' summed)."""
+
+    loss: float = 0.0
+    clipped: float = 0.0
+    truncated: float = 0.0
+    abs_diff: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+
+    def add(self, output: LossOutput, logprobs: torch.Tensor, packed: PackedSamples,
+            entropy: torch.Tensor) -> None:  # fmt: skip
+        mask = packed.loss_mask
+        self.loss += float(output.loss.detach())
+        self.clipped += output.clipped_tokens
+        self.truncated += output.truncated_tokens
+        self.kl += output.kl_sum
+        self.abs_diff += float(((logprobs.detach() - packed.old_logprobs).abs() * mask).sum())
+        self.entropy += float((entropy * mask).sum())
+
+    def summed_over(self, group: TrainGroup) -> PassSums:
+        return PassSums(*group.all_reduce_sum(list(astuple(self))))
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -204,12 +269,11 @@ def train_step(
     samples = [s for sample_group in batch.groups for s in sample_group.samples]
     advantages = batch_advantages(batch.groups, settings)
     # every rank holds the whole batch, so these are global counts without a collective
-    total_tokens = trained_token_count(samples)
     totals = BatchTotals.of(s.loss_mask for s in samples)
+    loss, loss_settings = chosen_loss(settings.loss)
 
     optimizer.zero_grad(set_to_none=True)
-    loss_fn = get_loss(settings.loss)
-    loss_sum = clipped = truncated = abs_diff = kl_sum = entropy_sum = 0.0
+    sums = PassSums()
     plan = plan_micro_batches(samples, group.world_size, settings.micro_batch_tokens)
     for micro in plan[group.rank]:
         packed = pack(
@@ -232,54 +296,58 @@ def train_step(
                 else _reference_logprobs(reference, packed, settings, group)
             ),
         )
-        output = loss_fn(inputs, settings, totals)
+        output = loss(inputs, loss_settings, totals, settings.kl_coef)
         output.loss.backward()
-        loss_sum += float(output.loss.detach())
-        clipped += output.clipped_tokens
-        truncated += output.truncated_tokens
-        kl_sum += output.kl_sum
-        abs_diff += float(
-            ((logprobs.detach() - packed.old_logprobs).abs() * packed.loss_mask).sum()
-        )
-        entropy_sum += float((entropy[0] * packed.loss_mask).sum())
-    loss_sum, clipped, truncated, abs_diff, kl_sum, entropy_sum = group.all_reduce_sum(
-        [loss_sum, clipped, truncated, abs_diff, kl_sum, entropy_sum]
-    )
+        sums.add(output, logprobs, packed, entropy[0])
+    sums = sums.summed_over(group)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
     optimizer.step()
+    lr = float(optimizer.param_groups[0]["lr"])
+    return step_result(samples, sums, totals, as_float(grad_norm), lr, current_version)
 
+
+def step_result(
+    samples: list[TrainSample],
+    sums: PassSums,
+    totals: BatchTotals,
+    grad_norm: float,
+    lr: float,
+    current_version: int,
+) -> StepResult:
+    """The step's figures: the passes' sums over the batch's totals, and the batch's own
+    (every rank holds the whole batch: its per-sample figures need no collective)."""
+    total_tokens = trained_token_count(samples)
     versions = [v for s in samples for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
     histogram = Counter(current_version - v for v in versions)
-    # every rank holds the whole batch: its per-sample figures need no collective
     rewards = [s.reward for s in samples]
     mean_reward = sum(rewards) / max(len(samples), 1)
     completion = [sum(s.loss_mask) for s in samples]
     prompt = [len(s.token_ids) - n for s, n in zip(samples, completion, strict=True)]
     return StepResult(
-        loss=loss_sum,
+        loss=sums.loss,
         mean_reward=mean_reward,
-        clip_fraction=clipped / totals.tokens,
+        clip_fraction=sums.clipped / totals.tokens,
         samples=len(samples),
         tokens_generated=total_tokens,
         tokens_trained=total_tokens,
         max_staleness=current_version - min(versions) if versions else 0,
         staleness_histogram=dict(sorted(histogram.items())),
-        logprob_abs_diff=abs_diff / totals.tokens,
-        truncated_fraction=truncated / totals.tokens,
-        grad_norm=as_float(grad_norm),
-        kl_mean=kl_sum / totals.tokens,
+        logprob_abs_diff=sums.abs_diff / totals.tokens,
+        truncated_fraction=sums.truncated / totals.tokens,
+        grad_norm=grad_norm,
+        kl_mean=sums.kl / totals.tokens,
         reward_std=math.sqrt(sum((r - mean_reward) ** 2 for r in rewards) / max(len(samples), 1)),
         reward_min=min(rewards, default=0.0),
         reward_max=max(rewards, default=0.0),
         completion_tokens_mean=sum(completion) / max(len(samples), 1),
         completion_tokens_max=max(completion, default=0),
         prompt_tokens_mean=sum(prompt) / max(len(samples), 1),
-        entropy_mean=entropy_sum / totals.tokens,
+        entropy_mean=sums.entropy / totals.tokens,
         mean_staleness=sum(gap * n for gap, n in histogram.items()) / max(len(versions), 1),
         completions_truncated_fraction=(
             sum(s.finish_reason == "length" for s in samples) / max(len(samples), 1)
         ),
-        lr=float(optimizer.param_groups[0]["lr"]),
+        lr=lr,
     )
 
 

@@ -1,7 +1,7 @@
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from seamlessflow.runfile import RunFileSettings
+from seamlessflow.runfile import RunFileSettings, run_default
 from sf_trajectory.data_filters import parse_filter_names
 from sf_trajectory.schedule import StageSpec, parse_stages
 
@@ -13,7 +13,7 @@ class TrajectorySettings(RunFileSettings):
         env_prefix="SF_TRAJECTORY_", extra="ignore", use_attribute_docstrings=True
     )
 
-    task: str = "arithmetic"
+    task: str = run_default("task")
     """Name of the task source (``seamlessflow.tasks``) the agents roll out (when no
     ``stages`` are set)."""
 
@@ -24,10 +24,10 @@ class TrajectorySettings(RunFileSettings):
     The switch happens at a batch boundary; each stage scores with its source's reward
     function. Empty = one stage, ``task``."""
 
-    group_size: int = 8
+    group_size: int = run_default("group_size")
     """Samples per task: one GRPO group."""
 
-    groups_per_batch: int = 8
+    groups_per_batch: int = run_default("groups_per_batch")
     """Groups in one trainer batch (one optimizer step)."""
 
     data_filters: str = "staleness"
@@ -61,14 +61,14 @@ class TrajectorySettings(RunFileSettings):
     (a sandbox, a judge service) holds back only its own session's group: other groups'
     events go on being applied, and up to this many verifications overlap."""
 
-    max_batches_ahead: int = 1
+    max_batches_ahead: int = run_default("max_batches_ahead")
     """Rollout rhythm: how many batches may be dispatched beyond what the trainer has
     consumed. 0 = synchronous (on-policy: each assignment names the version just
     published as its floor, and engines catch up to it before they answer); larger
     values overlap rollout and training at the cost of staleness (a sample is at most
     ``max_batches_ahead + 1`` versions old)."""
 
-    group_timeout_s: float = 600.0
+    group_timeout_s: float = run_default("group_timeout_s")
     """A group handed out to agents that makes no progress (no claim of one of its
     samples, no event of one of its sessions) for this long is closed: its unfinished
     samples are dropped (``timed_out``) and the group goes on with the samples it has,

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from seamlessflow.protocol import DEFAULT_POLICY, check_policy
+from seamlessflow.protocol import check_policy
+from seamlessflow.runfile import run_default
 
 BUILTIN_ENVS = ("guess_number",)
 """The environments ``sf_envs`` serves, by the name ``--env`` takes."""
@@ -26,7 +27,11 @@ def is_env_url(text: str) -> bool:
 
 
 class RunConfig(BaseModel):
-    """What an embedded run does. Every field maps to one service setting."""
+    """What an embedded run does, declared once: ``seamlessflow up``'s options are its
+    fields (``sf_app.cli``), and the run file's ``[run]`` keys. A field that is a service
+    setting (``seamlessflow.runfile.RUN_OPTIONS``) takes that option's one default."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
 
     run_id: str = ""
     """Run id (default: ``r<date>-<time>``)."""
@@ -40,39 +45,39 @@ class RunConfig(BaseModel):
     ``smollm2-135m-instruct``), converted once into the cache directory from the package
     that ships it; empty: ``model_dir`` or the built-in model."""
     model_size: str = "small"
-    """Size of the built-in model (``seamlessflow.assets.base_model.MODEL_SIZES``):
+    """Size of the built-in model (``sf_app.base_model.MODEL_SIZES``):
     ``small`` (the task's recipe) or ``medium`` (~25M parameters, a warm-up scaled to it)."""
     cache_dir: Path = Field(
         default_factory=lambda: Path(os.environ.get("SF_CACHE_DIR", "~/.cache/seamlessflow"))
     )
     """Cache for the built base model."""
-    task: str = "arithmetic"
+    task: str = run_default("task")
     """Task source (``seamlessflow.tasks``)."""
-    agent: str = "single_turn"
+    agent: str = run_default("agent")
     """Agent run for each sample (registered name or dotted path)."""
-    policies: list[str] = Field(default_factory=lambda: [DEFAULT_POLICY])
+    policies: list[str] = Field(default_factory=lambda: [run_default("policies")])
     """The policies trained together (multi-policy), each with its own trainer,
     weight-sync and engines; agents ask for them by model name. The first is the tasks'
     policy. Two policies go with a two-policy agent, e.g. ``solve_and_verify``."""
-    steps: int = 300
+    steps: int = run_default("steps")
     """Trainer optimizer steps."""
-    group_size: int = 8
+    group_size: int = run_default("group_size")
     """Samples per task (GRPO group)."""
-    groups_per_batch: int = 8
+    groups_per_batch: int = run_default("groups_per_batch")
     """Tasks per optimizer step."""
-    max_batches_ahead: int = 1
+    max_batches_ahead: int = run_default("max_batches_ahead")
     """Rollout may run this many batches ahead of the trainer (0 = synchronous)."""
-    max_tokens: int = 6
+    max_tokens: int = run_default("max_tokens")
     """Completion budget per agent call (default: the task's ``max_tokens`` if it has
     one, e.g. room for a tool call; else 6)."""
-    lr: float = 1e-4
+    lr: float = run_default("lr")
     """Trainer learning rate."""
-    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    precision: Literal["fp32", "bf16-mixed"] = run_default("precision")
     """The trainer's compute precision (``SF_TRAINER_PRECISION``): ``bf16-mixed`` keeps
     float32 master weights and optimizer state and computes forward and backward in
     bfloat16 (1.8x faster on a CPU with AVX512-BF16, at a ~0.03 nats mean gap to the
     float32 engine's logprobs: docs/models.md)."""
-    eval_every: int = Field(default=0, ge=0)
+    eval_every: int = Field(default=run_default("eval_every"), ge=0)
     """Held-out evaluation by the trainer every N steps, and of the base model before the
     first step and after the last (``SF_TRAINER_EVAL_EVERY``; 0: none): greedy answers to
     the task's eval split (``[trainer] eval_items`` of them), scored by its accuracy
@@ -83,22 +88,22 @@ class RunConfig(BaseModel):
     """Gateway processes, all on the run's one gateway port (``SF_GATEWAY_REUSE_PORT``:
     the kernel spreads the agents' connections among them, and every one serves every
     session)."""
-    agent_concurrency: int = 64
+    agent_concurrency: int = run_default("agent_concurrency")
     """Concurrent agent sessions."""
-    engine_batch_size: int = 64
+    engine_batch_size: int = run_default("engine_batch_size")
     """Requests one engine decodes together."""
-    seed: int = 0
+    seed: int = run_default("seed")
     """Seed for task order and the trainer."""
     max_restarts: int = 3
     """Supervision: a process that exits unexpectedly (a service, an engine, the agent
     runner, the embedded NATS server) is started again with the same command and
     settings, at most this many times per process; one more exit fails the run. A
     restarted trainer resumes from its latest checkpoint."""
-    checkpoint_every: int = 10
+    checkpoint_every: int = run_default("checkpoint_every")
     """The trainer also checkpoints every N steps (``SF_TRAINER_CHECKPOINT_EVERY``; 0 =
     only at the end): what a restarted trainer resumes from. The steps after it are
     lost to the policy (their batches stay trained once, see docs/design.md "Faults")."""
-    group_timeout_s: float = 120.0
+    group_timeout_s: float = run_default("group_timeout_s")
     """A group handed out to agents that makes no progress for this long is closed: its
     unfinished samples are dropped (``SF_TRAJECTORY_GROUP_TIMEOUT_S``; e.g. sessions a
     restarted gateway lost)."""
@@ -119,7 +124,7 @@ class RunConfig(BaseModel):
     """NATS servers the run starts: 1, or a cluster of 3 (or 5) on loopback whose every
     stream and bucket has that many replicas (``SF_NATS_REPLICAS``), so the run survives
     the loss of a node."""
-    mode: Literal["colocated", "disaggregated", "multiplexed"] = "disaggregated"
+    mode: Literal["colocated", "disaggregated", "multiplexed"] = run_default("mode")
     """Deployment (see ``deployment``): which slots train, which roll out, which are
     lent. ``colocated`` also defaults ``max_batches_ahead`` to 0 (synchronous)."""
     live: bool = True
@@ -168,7 +173,7 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _known_model_size(self) -> RunConfig:
-        from seamlessflow.assets.base_model import MODEL_SIZES
+        from sf_app.base_model import MODEL_SIZES
 
         if self.model_size not in MODEL_SIZES:
             raise ValueError(

@@ -142,8 +142,8 @@ class EmbeddedRun(Supervisor):
     # ---------------------------------------------------------------- the run
 
     async def run(self) -> Summary:
-        from seamlessflow.assets.base_model import built_model_name, ensure_base_model, sized_config
         from seamlessflow.assets.pretrained import ensure_pretrained
+        from sf_app.base_model import built_model_name, ensure_base_model, sized_config
 
         c = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -326,17 +326,21 @@ class EmbeddedRun(Supervisor):
         """What the model lacks for this run (every service's needs, and a context for
         the task's longest prompt plus ``max_tokens``), as one line; None if usable."""
         from seamlessflow.assets.model_check import (
+            TRANSFORMERS_CAUSAL_LM,
             ModelNeeds,
             ModelUnfit,
             check_model,
             task_context_tokens,
         )
+        from sf_engine.backends import ENGINE_BACKENDS
 
         c = self.config
         context = task_context_tokens(model_dir, c.task, c.seed, c.max_tokens) or 0
+        # the engines' backend comes from the environment, as their processes read it
+        # (an unknown name is the engine's own error: checked here as transformers)
+        backend = ENGINE_BACKENDS.find(os.environ.get("SF_ENGINE_BACKEND", "hf"))
         needs = ModelNeeds(
-            # the engines' backend comes from the environment, as their processes read it
-            backend=os.environ.get("SF_ENGINE_BACKEND", "hf"),
+            architecture=backend.architecture if backend else TRANSFORMERS_CAUSAL_LM,
             context_tokens=context,
             context_reason=f"the longest {c.task} prompt + max_tokens {c.max_tokens}",
         )

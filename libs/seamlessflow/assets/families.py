@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from seamlessflow.assets.base_model import _GENERIC_TEXT
-from seamlessflow.assets.base_model import CHAT_TEMPLATE as QWEN2_CHAT_TEMPLATE
+from seamlessflow.assets.chatml import CHAT_TEMPLATE as QWEN2_CHAT_TEMPLATE
+from seamlessflow.assets.chatml import GENERIC_TEXT
 from seamlessflow.assets.loading import readable_by_all
 
 if TYPE_CHECKING:
@@ -342,7 +342,7 @@ def _corpus(spec: FamilySpec) -> list[str]:
         )
     )
     cut = re.compile("|".join(re.escape(t) for t in spec.special_tokens + spec.added_tokens))
-    corpus = list(_GENERIC_TEXT)
+    corpus = list(GENERIC_TEXT)
     for messages, tools in chats:
         corpus.extend(part for part in cut.split(_render(spec, messages, tools)) if part)
     return corpus

@@ -13,18 +13,20 @@ Who checks what (:class:`ModelNeeds`):
 - the embedded run (``seamlessflow up``), before it starts a process: everything, with
   the context its task needs (longest prompt + ``max_tokens``);
 - the gateway: tokenizer, chat template, eos (it templates, tokenizes and stops);
-- each engine worker: config, an architecture its backend runs, weights, the context
-  it is set to serve;
+- each engine worker: config, an architecture its backend runs (the backend declares
+  its :class:`ArchitectureNeed`), weights, the context it is set to serve;
 - the trainer (every rank): config, a transformers causal-LM architecture, weights,
   a tokenizer that loads (saved with each checkpoint).
 
-Everything is read from local files (no hub access); vLLM is imported only when the
-vllm backend is chosen.
+Everything is read from local files (no hub access); a runner's own architecture check
+(``ArchitectureNeed.extra_problems``, which may import its package) runs only when that
+runner is the one checked for.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,28 @@ class ModelUnfit(Unrecoverable):
 
 
 @dataclass(frozen=True)
+class ArchitectureNeed:
+    """What the code that runs a model's weights needs of its architecture (config.json),
+    declared by that code: the trainer and most engines need a transformers causal LM
+    (``TRANSFORMERS_CAUSAL_LM``); an engine backend may add its own check, or need
+    none (``SHAPES_ONLY``: it reads tensor shapes, not an architecture)."""
+
+    transformers_causal_lm: bool = True
+    """A ``model_type`` this transformers version knows as a causal LM, whose config
+    loads."""
+    extra_problems: Callable[[dict[str, Any]], list[str]] | None = None
+    """The runner's own check of the parsed config.json: each problem a short sentence
+    (e.g. an architecture vLLM's registry does not run)."""
+
+
+TRANSFORMERS_CAUSAL_LM = ArchitectureNeed()
+"""The trainer's need, and the default: a transformers causal LM."""
+
+SHAPES_ONLY = ArchitectureNeed(transformers_causal_lm=False)
+"""A runner that reads only the weights' names and shapes: any architecture."""
+
+
+@dataclass(frozen=True)
 class ModelNeeds:
     """What one consumer of the model directory needs from it."""
 
@@ -59,11 +83,10 @@ class ModelNeeds:
     templates, tokenizes and stops on them."""
     weights: bool = True
     """``*.safetensors`` weights (every shard of an index) and a config whose
-    architecture ``backend`` runs."""
-    backend: str = "hf"
-    """Which code loads the weights: ``hf`` (transformers: the trainer and the HF
-    engine), ``vllm`` (also checked against vLLM's registry) or ``scripted`` (reads
-    only shapes: no architecture needed)."""
+    architecture the code that loads them runs (``architecture``)."""
+    architecture: ArchitectureNeed = TRANSFORMERS_CAUSAL_LM
+    """What the code that loads the weights needs of the architecture (an engine
+    worker: its backend's declaration, ``EngineBackend.architecture``)."""
     context_tokens: int = 0
     """Prompt + completion tokens the consumer will ask of the model (0 = no need
     stated): the config's context length must be at least this."""
@@ -173,37 +196,30 @@ def _config_problems(
     if not isinstance(config, dict):
         problems.append("config.json is not a JSON object")
         return None
-    if not needs.weights or needs.backend == "scripted":
+    if not needs.weights:
         return config
+    if needs.architecture.transformers_causal_lm:
+        problems.extend(_transformers_problems(model_dir, config))
+    if needs.architecture.extra_problems is not None:
+        problems.extend(needs.architecture.extra_problems(config))
+    return config
+
+
+def _transformers_problems(model_dir: Path, config: dict[str, Any]) -> list[str]:
     model_type = config.get("model_type")
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        problems.append(
+        return [
             f"model_type {model_type!r} (config.json) is no causal LM this transformers "
             "version knows"
-        )
-    else:
-        try:
-            from transformers import AutoConfig
-
-            AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-        except Exception as exc:  # any failure here is the config's: report, go on
-            problems.append(f"config.json does not load in transformers ({_one_line(exc)})")
-    if needs.backend == "vllm":
-        problems.extend(_vllm_problems(config))
-    return config
-
-
-def _vllm_problems(config: dict[str, Any]) -> list[str]:
-    architectures = config.get("architectures") or []
+        ]
     try:
-        from vllm import ModelRegistry
-    except Exception as exc:
-        return [f"the vllm engine is chosen but vLLM does not import ({_one_line(exc)})"]
-    supported = set(ModelRegistry.get_supported_archs())
-    if not any(name in supported for name in architectures):
-        return [f"architectures {architectures} (config.json): none is one vLLM runs"]
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:  # any failure here is the config's: report, go on
+        return [f"config.json does not load in transformers ({one_line(exc)})"]
     return []
 
 
@@ -246,7 +262,7 @@ def _tokenizer_problems(model_dir: Path, config: dict[str, Any] | None, *, chat:
 
         tokenizer: Any = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as exc:  # a broken tokenizer is the model's problem: report it
-        return [f"the tokenizer does not load ({_one_line(exc)})"]
+        return [f"the tokenizer does not load ({one_line(exc)})"]
     if not chat:
         return []
     problems = []
@@ -262,7 +278,7 @@ def _tokenizer_problems(model_dir: Path, config: dict[str, Any] | None, *, chat:
                 tokenize=False,
             )
         except Exception as exc:  # the template's own error (raise_exception, syntax)
-            problems.append(f"the chat template does not render a user turn ({_one_line(exc)})")
+            problems.append(f"the chat template does not render a user turn ({one_line(exc)})")
     eos_ids = _ids(tokenizer.eos_token_id) | _config_ids(model_dir, config, "eos_token_id")
     if tokenizer.eos_token_id is None:
         where = f" (config.json / generation_config.json have {sorted(eos_ids)})" if eos_ids else ""
@@ -311,6 +327,7 @@ def _ids(value: Any) -> set[int]:
     return set()
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """``exc`` as ``Type: first line of its message`` (problems are one line each)."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -4,7 +4,7 @@
 0..38; the reference is the sum as a decimal string and the reward is "integer_match".
 The 400 pairs are shuffled once with the seed and split 320 train / 80 eval, so the
 splits are disjoint and each is a deterministic function of the seed. Prompts are short
-on purpose: the base model is tiny (see `seamlessflow.assets.base_model`).
+on purpose: the built-in base model is tiny (docs/models.md).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Reward "code_match": 1 iff the final answer contains the code as a whole word.
 
 The module also holds the tool's OpenAI schema (``TOOLS``), its pure implementation
 (``lookup``, ``call_tool``) and the noisy teacher the base model's SFT warm-up imitates
-(``LookupTask.sft_conversation``, see ``seamlessflow.assets.base_model``).
+(``LookupTask.sft_conversation``; the built-in base model, docs/models.md).
 """
 
 from __future__ import annotations

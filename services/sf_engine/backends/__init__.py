@@ -2,9 +2,11 @@
 
 `base` defines the interface (`InferenceEngine`) and its data types; `hf_engine` holds
 the transformers implementation, `vllm_engine` the vLLM one, and `scripted_engine` one
-without model compute (deterministic tokens, for load tests). Importing this package
-does not import torch; the engine implementations are imported lazily by attribute
-access.
+without model compute (deterministic tokens, for load tests). Each of those modules
+declares its backend (`registry.EngineBackend`: name, builder, model needs, settings,
+optional packages) into `registry.ENGINE_BACKENDS`, which imports them on first lookup.
+Importing this package does not import torch; the engine implementations are imported
+lazily by attribute access.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -22,13 +24,16 @@ from .base import (
     SamplingParams,
     TopLogprobs,
 )
+from .registry import ENGINE_BACKENDS, EngineBackend
 
 if TYPE_CHECKING:
     from .hf_engine import TransformersEngine
     from .scripted_engine import ScriptedEngine
 
 __all__ = [
+    "ENGINE_BACKENDS",
     "MAX_TOP_LOGPROBS",
+    "EngineBackend",
     "EngineError",
     "EngineNotRunningError",
     "FinishReason",

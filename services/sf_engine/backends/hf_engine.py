@@ -29,6 +29,10 @@ Padding. Rows are left-padded (a reused prefix leaves a hole of padding between 
 the new tokens); `attention_mask` marks real tokens and `position_ids`
 count real tokens only, so a row's logits do not depend on its batch mates (up to float
 rounding), and seeded requests give the same tokens batched or alone.
+
+Declared as the ``hf`` backend (``SF_ENGINE_BACKEND=hf``, the default) at the end of this
+module: built from ``SF_ENGINE_DTYPE``, ``SF_ENGINE_DEVICE`` and
+``SF_ENGINE_PREFIX_CACHE_MB``; it runs a transformers causal LM.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +61,10 @@ from .base import (
 )
 from .batching import BatchingEngine
 from .prefix_cache import LayerKV, PrefixCache, PrefixEntry
+from .registry import EngineBackend, declare
+
+if TYPE_CHECKING:
+    from sf_engine.settings import EngineSettings
 
 _T = TypeVar("_T")
 
@@ -489,3 +497,17 @@ def _invert_cdf(probs: torch.Tensor, rows: list[_Request]) -> torch.Tensor:
     u = torch.cat([torch.rand(1, generator=r.generator, device=probs.device) for r in rows])
     picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
     return picked.clamp_(max=probs.shape[-1] - 1)
+
+
+def _build(settings: EngineSettings, model_dir: str) -> TransformersEngine:
+    return TransformersEngine(
+        model_dir,
+        dtype=getattr(torch, settings.dtype),
+        device=settings.device,
+        max_batch_size=settings.max_batch_size,
+        max_context=settings.max_context,
+        prefix_cache_bytes=settings.prefix_cache_mb * 2**20,
+    )
+
+
+BACKEND = declare(EngineBackend(name="hf", build=_build))

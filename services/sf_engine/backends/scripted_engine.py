@@ -23,6 +23,10 @@ scripted distribution in which it has mass p (>= 0.5 when greedy, so it is the a
 `top_logprobs` lists it with the k-1 next ordinary ids at geometrically smaller masses,
 so the chosen token's entry equals its logprob. Temperature and top-p do not change the
 draws.
+
+Declared as the ``scripted`` backend (``SF_ENGINE_BACKEND=scripted``) at the end of this
+module: its own settings are ``ScriptedSettings`` (``SF_ENGINE_SCRIPTED_``); it reads
+only weight shapes, so any architecture will do, and it does not compute.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import TYPE_CHECKING
 
 from pydantic_settings import SettingsConfigDict
 
+from seamlessflow.assets.model_check import SHAPES_ONLY
 from seamlessflow.runfile import RunFileSettings
 
 from .base import (
@@ -52,9 +57,12 @@ from .base import (
     check_request,
 )
 from .batching import BatchingEngine
+from .registry import EngineBackend, declare
 
 if TYPE_CHECKING:
     import torch
+
+    from sf_engine.settings import EngineSettings
 
 
 class ScriptedSettings(RunFileSettings):
@@ -263,3 +271,20 @@ class ScriptedEngine(BatchingEngine[_Request]):
             ]
             top = tuple(sorted(entries, key=lambda entry: -entry[1]))
         return GeneratedToken(token, logprob, version, top)
+
+
+def _build(settings: EngineSettings, model_dir: str) -> ScriptedEngine:
+    return ScriptedEngine(
+        model_dir, max_batch_size=settings.max_batch_size, max_context=settings.max_context
+    )
+
+
+BACKEND = declare(
+    EngineBackend(
+        name="scripted",
+        build=_build,
+        architecture=SHAPES_ONLY,
+        settings=ScriptedSettings,
+        computes=False,
+    )
+)

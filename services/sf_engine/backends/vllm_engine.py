@@ -61,6 +61,11 @@ chunks crashes the engine core (`CPU Generator does not use offset`).
 
 Pause modes map one to one onto `AsyncLLM.pause_generation(mode=...)`; requests that were
 live when `pause("abort")` was called finish with "abort" when it returns.
+
+Declared as the ``vllm`` backend (``SF_ENGINE_BACKEND=vllm``) at the end of this module:
+it needs the ``vllm`` extra, a model whose architecture vLLM's registry runs (beside
+transformers'), sleeps with ``SF_ENGINE_VLLM_SLEEP_MODE``, and is the one backend with
+structured outputs.
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from seamlessflow.assets.model_check import ArchitectureNeed, one_line
+
 from .base import (
     EngineError,
     EngineNotRunningError,
@@ -86,9 +93,12 @@ from .base import (
     SamplingParams,
     check_request,
 )
+from .registry import EngineBackend, declare
 
 if TYPE_CHECKING:
     import torch
+
+    from sf_engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -678,3 +688,39 @@ def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
             for name in handle.keys():
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
+
+
+def _build(settings: EngineSettings, model_dir: str) -> VllmEngine:
+    return VllmEngine(
+        model_dir,
+        dtype=settings.dtype,
+        max_batch_size=settings.max_batch_size,
+        max_context=settings.max_context,
+        engine_kwargs={"enable_sleep_mode": True} if settings.vllm_sleep_mode else None,
+    )
+
+
+def _architecture_problems(config: dict[str, Any]) -> list[str]:
+    """The model check's part for vLLM: an architecture its registry runs."""
+    architectures = config.get("architectures") or []
+    try:
+        from vllm import ModelRegistry
+    except Exception as exc:
+        return [f"the vllm engine is chosen but vLLM does not import ({one_line(exc)})"]
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(name in supported for name in architectures):
+        return [f"architectures {architectures} (config.json): none is one vLLM runs"]
+    return []
+
+
+BACKEND = declare(
+    EngineBackend(
+        name="vllm",
+        build=_build,
+        architecture=ArchitectureNeed(extra_problems=_architecture_problems),
+        optional_packages=("vllm",),
+        extra="vllm",
+        structured_output=True,
+        starts_slowly=True,
+    )
+)

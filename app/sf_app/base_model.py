@@ -2,7 +2,7 @@
 
 No model hub is reachable, so `build_base_model` makes everything from scratch, given a
 seed: a byte-level BPE tokenizer trained on text from the "arithmetic" task, a small
-untied Qwen2 model (tied ones and the other families: `assets.families`), and a short
+untied Qwen2 model (tied ones and the other families: `seamlessflow.assets.families`), and a short
 supervised warm-up, then writes a directory that
 `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load.
 
@@ -32,7 +32,11 @@ template is prefix-stable (rendering messages[:k] with the generation prompt, th
 appending the assistant's completion and "<|im_end|>\\n", renders messages[:k+1], token
 for token).
 
-CLI: `python -m seamlessflow.assets.base_model --out DIR [--seed N] [--sft-steps N]`.
+It is application work (it trains a tokenizer and runs SFT), so it lives in the
+application, not the library; the ChatML it speaks is the library's
+(`seamlessflow.assets.chatml`).
+
+CLI: `python -m sf_app.base_model --out DIR [--seed N] [--sft-steps N]`.
 """
 
 from __future__ import annotations
@@ -51,6 +55,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from seamlessflow.assets.chatml import (
+    CHAT_TEMPLATE,
+    GENERIC_TEXT,
+    IM_END,
+    IM_START,
+    PAD,
+    SPECIAL_TOKENS,
+    TOOL_CALL,
+    TOOL_CALL_END,
+)
 from seamlessflow.assets.loading import readable_by_all
 from seamlessflow.rewards import get_reward
 from seamlessflow.tasks import TaskItem, TaskSource, ToolTaskSource, get_task_source
@@ -62,88 +76,6 @@ if TYPE_CHECKING:
 # Bump when the build recipe changes in a way the config does not capture.
 BUILD_VERSION = 1
 TASK = "arithmetic"
-
-PAD = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-TOOL_CALL = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
-SPECIAL_TOKENS = (PAD, IM_START, IM_END, TOOL_CALL, TOOL_CALL_END)
-
-# Qwen2.5-style ChatML, changed in two places so that it is prefix-stable:
-# - no default system prompt is invented when there is neither a system message nor tools;
-# - every tool message is its own turn (Qwen2.5 merges consecutive tool messages into one
-#   user turn, whose closing tag then depends on the message that follows).
-CHAT_TEMPLATE = r"""
-{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\n\n' }}
-    {%- endif %}
-    {{- '# Tools\n\nYou may call one or more functions.'
-        + ' Function signatures are within <tools></tools>:\n<tools>' }}
-    {%- for tool in tools %}
-        {{- '\n' + (tool | tojson) }}
-    {%- endfor %}
-    {{- '\n</tools>\n\nFor each call, return a JSON object within <tool_call></tool_call>:\n'
-        + '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
-        + '</tool_call><|im_end|>\n' }}
-{%- elif messages and messages[0].role == 'system' %}
-    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.role == 'system' and loop.first %}
-    {%- elif message.role == 'assistant' %}
-        {{- '<|im_start|>assistant\n' }}
-        {%- if message.content %}
-            {{- message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls or [] %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {%- if loop.first and not message.content %}
-                {{- '<tool_call>\n' }}
-            {%- else %}
-                {{- '\n<tool_call>\n' }}
-            {%- endif %}
-            {{- '{"name": "' + tool_call.name + '", "arguments": ' }}
-            {%- if tool_call.arguments is string %}
-                {{- tool_call.arguments + '}' }}
-            {%- else %}
-                {{- (tool_call.arguments | tojson) + '}' }}
-            {%- endif %}
-            {{- '\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == 'tool' %}
-        {{- '<|im_start|>user\n<tool_response>\n' + message.content
-            + '\n</tool_response><|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
-""".strip()
-
-# Generic text for the tokenizer besides the task: roles, tool-call scaffolding, digits.
-_GENERIC_TEXT = (
-    "system user assistant tool\n",
-    "You are a helpful assistant.\n",
-    "<tool_response>\n</tool_response>\n<tools>\n</tools>\n",
-    '{"name": "add", "arguments": {"a": 1, "b": 2}}\n',
-    '{"type": "function", "function": {"name": "calculator", "description": "Add numbers.",'
-    ' "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}\n',
-    "0 1 2 3 4 5 6 7 8 9 10 100 -1 + - * / = ? . , : ; ( ) [ ] { }\n",
-    "The answer is 42. What is the sum? Compute the result.\n",
-    "Please think step by step, then give only the final answer.\n",
-    "Call the calculator tool when you need it; its response follows.\n",
-    "I added the two numbers together and checked my work.\n",
-    "Sorry, I cannot help with that request. Thank you!\n",
-    "Here is the error message returned by the function call.\n",
-)
 
 
 @dataclass(frozen=True)
@@ -232,7 +164,7 @@ def train_tokenizer(
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    corpus: list[str] = [*_GENERIC_TEXT, *extra_text]
+    corpus: list[str] = [*GENERIC_TEXT, *extra_text]
     if conversations is None:
         conversations = [
             ([*item.messages, {"role": "assistant", "content": item.reference}], None)

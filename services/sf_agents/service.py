@@ -1,4 +1,5 @@
-"""The agent runner: claims task samples, runs an agent per sample in its own session.
+"""The agent runner service: claims task samples, runs an agent per sample in its own
+session (``python -m sf_agents``, ``seamlessflow serve agents``).
 
 Consumes:
 - ``sf.<run>.task.claim`` replies (TaskAssignment | NoTask) from the trajectory service
@@ -37,8 +38,6 @@ from collections.abc import Mapping
 import aiohttp
 from openai import APIConnectionError, AsyncOpenAI, DefaultAioHttpClient
 from opentelemetry import trace
-from pydantic import Field, SecretStr
-from pydantic_settings import SettingsConfigDict
 
 from seamlessflow import telemetry
 from seamlessflow.agents import (
@@ -51,8 +50,8 @@ from seamlessflow.agents import (
 from seamlessflow.bus import NoResponder, Unrecoverable
 from seamlessflow.protocol import NoTask, TaskAssignment, TaskClaim
 from seamlessflow.retry import RetryPolicy, retry
-from seamlessflow.runfile import RunFileSettings
 from seamlessflow.service import ServiceContext, supervise
+from sf_agents.settings import AgentRunnerSettings
 
 log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
@@ -89,58 +88,6 @@ with the same claim id, every 0.5 s until an answer comes back."""
 
 class GatewayRefused(Exception):
     """The gateway answered one of the runner's calls with an error status."""
-
-
-class AgentRunnerSettings(RunFileSettings):
-    """agent-runner settings (env prefix ``SF_AGENTS_``)."""
-
-    model_config = SettingsConfigDict(
-        env_prefix="SF_AGENTS_", extra="ignore", use_attribute_docstrings=True
-    )
-
-    gateway_url: str = "http://127.0.0.1:8000"
-    """Where the rollout gateway's HTTP API is."""
-
-    agent: str = "single_turn"
-    """The agent to run: a registered name or ``package.module:function``."""
-
-    concurrency: int = 32
-    """Agent sessions run at once by this process."""
-
-    model: str = ""
-    """The model name single-policy agents ask the gateway for; empty = the run's first
-    policy (``SF_POLICIES``)."""
-
-    max_tokens: int = 16
-    """Completion budget per agent call."""
-
-    temperature: float = 1.0
-    """Sampling temperature the built-in agents ask for (``AgentTask.temperature``); an
-    agent may pick its own per call. Each turn records the temperature it was sampled
-    at and the trainer uses that one: nothing else has to match it."""
-
-    gateway_wait_s: float = 60.0
-    """How long the runner waits for the gateway to answer the first time; then it exits
-    with one line saying so. Once reached, a gateway that goes away is waited for
-    without limit (it is restarting)."""
-
-    env_url: str = ""
-    """The OpenEnv environment server agents play in (``AgentTask.env_url``; the
-    ``openenv`` agent's): ``http://host:port``. Empty: none. ``seamlessflow up --env``
-    sets it, to the built-in environment it starts or to the URL given."""
-
-    env_step_timeout_s: float = Field(default=60.0, gt=0)
-    """How long an agent waits for one reset or step of the environment before the
-    episode fails (``env_timeout``)."""
-
-    env_max_steps: int = Field(default=64, ge=1)
-    """Steps after which an episode the environment has not ended is cut (it keeps the
-    rewards it got)."""
-
-    gateway_key: SecretStr = SecretStr("")
-    """Operator key for opening sessions at the gateway (one of its
-    ``SF_GATEWAY_API_KEYS``); empty if the gateway needs none. Each agent's OpenAI
-    client uses its own session's key, never this one."""
 
 
 class AgentRunner:
