@@ -1,19 +1,34 @@
-"""Shared fixtures: a real nats-server on a random port, a small real model."""
+"""The fixtures every test may take (a real nats-server on a random port, a fresh run
+id, the small real models, an in-process mesh, a live gateway, the OpenAI shape check)
+and the marking of tests by kind. Plain helpers are in tests/support.py.
+
+The tests are laid out by what they start: tests/unit (no nats-server, no built model,
+no service process; a few start a fresh Python to check an import or a sandbox),
+tests/service (one service or part against real parts) and tests/mesh (several
+services, processes, the embedded run, compose). ``just test-units``
+selects by the ``integration`` marker set here, not by folder."""
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from support import InProcessMesh, start_rollout
 
 from seamlessflow.bus import Bus, connect
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import Subjects
 
-REAL_PARTS = frozenset({"nats_url", "base_model_dir", "chatty_model_dir"})
-"""Fixtures that start a nats-server or build the base model: a test that uses one
+# Test modules share helpers by module name (``from test_faults import run_store``) across
+# the three folders: each is on sys.path, as pytest puts the folder of a test it imports.
+for folder in ("unit", "service", "mesh"):
+    sys.path.append(str(Path(__file__).resolve().parent / folder))
+
+REAL_PARTS = frozenset({"nats_url", "base_model_dir", "chatty_model_dir", "qwen2_tied_model_dir"})
+"""Fixtures that start a nats-server or build a model: a test that uses one
 (directly or through another fixture) is an ``integration`` test."""
 
 
@@ -87,56 +102,6 @@ def chatty_model_dir(base_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     return out
 
 
-class InProcessMesh:
-    """Services of one run started in this test's event loop, each with its own
-    connection, exactly as ``run_service`` would start them (minus signals)."""
-
-    def __init__(
-        self, nats_url: str, run_id: str, model_dir: Path | None, policies: str = ""
-    ) -> None:
-        from seamlessflow.settings import MeshSettings
-
-        self.mesh = MeshSettings(
-            nats_url=nats_url, run_id=run_id, model_dir=model_dir, policies=policies
-        )
-        self.running: list[tuple[object, object, object]] = []
-
-    async def start(self, service, policy: str = ""):  # type: ignore[no-untyped-def]
-        """Start ``service``; ``policy``: the one it serves or trains (``SF_POLICY``)."""
-        import asyncio
-
-        from seamlessflow.service import ServiceContext
-
-        mesh = self.mesh.model_copy(update={"policy": policy}) if policy else self.mesh
-        service_bus = await connect(
-            mesh.nats_url, Subjects(mesh.run_id, mesh.policy), name=service.name
-        )
-        await service_bus.ensure_streams(mesh.policy_names())
-        ctx = ServiceContext(mesh=mesh, bus=service_bus)
-        task = asyncio.create_task(service.run(ctx))
-        self.running.append((service, ctx, task))
-        return service
-
-    async def stop(self) -> None:
-        import asyncio
-
-        running, self.running = self.running, []
-        for _, ctx, _ in reversed(running):
-            ctx.stopping.set()  # type: ignore[attr-defined]
-        # every service is stopped and its connection drained, even after one failed;
-        # then the first failure is raised
-        failures: list[BaseException] = []
-        for _, ctx, task in reversed(running):
-            try:
-                await asyncio.wait_for(task, 20)  # type: ignore[arg-type]
-            except BaseException as exc:
-                failures.append(exc)
-            finally:
-                await ctx.bus.drain()  # type: ignore[attr-defined]
-        if failures:
-            raise failures[0]
-
-
 @pytest.fixture
 async def mesh(nats_url: str, run_id: str, base_model_dir: Path) -> AsyncIterator[InProcessMesh]:
     in_process = InProcessMesh(nats_url, run_id, base_model_dir)
@@ -144,52 +109,23 @@ async def mesh(nats_url: str, run_id: str, base_model_dir: Path) -> AsyncIterato
     await in_process.stop()
 
 
-async def announce_plan(bus: Bus, steps: int, seed: int = 0) -> None:
-    """Announce a step budget as ``sf_trainer`` does at start (TrainingPlanned): what the
-    trajectory service dispatches for."""
-    from seamlessflow.protocol import MessageIds, TrainingPlanned
+@pytest.fixture(scope="session")
+def qwen2_tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-init tied-embedding model of Qwen2.5-0.5B's shape, with its ChatML
+    template with tools (the ``qwen2-tied`` family); read only by the tests."""
+    from seamlessflow.assets.families import build_family_model
 
-    policy = bus.subjects.policy
-    await bus.js_publish(
-        bus.subjects.train_plan(),
-        TrainingPlanned(steps=steps, seed=seed, policy=policy),
-        msg_id=MessageIds.train_plan(policy, f"test-{steps}-{seed}"),
-    )
+    return build_family_model("qwen2-tied", tmp_path_factory.mktemp("tied") / "model", seed=0)
 
 
-async def announce_weights(bus: Bus, manifest) -> None:  # type: ignore[no-untyped-def]
-    """Announce a stored payload as ``sf_trainer`` does after a step."""
-    from seamlessflow.protocol import MessageIds, WeightsPublished
+@pytest.fixture
+async def gateway_url(mesh: InProcessMesh) -> str:
+    """A live gateway on ``mesh`` (scheduler, weight-sync, one engine worker of the base
+    model, context ``support.GATEWAY_MAX_CONTEXT``): its URL. A test module may override
+    it with a gateway of its own."""
+    from sf_engine.settings import EngineSettings
 
-    await bus.js_publish(
-        bus.subjects.weights_published(),
-        WeightsPublished(manifest=manifest, step=manifest.version),
-        msg_id=MessageIds.weights(bus.subjects.policy, manifest.version),
-    )
-
-
-async def publish_perturbed_version(bus: Bus, version: int, base: dict) -> None:  # type: ignore[type-arg]
-    """Play the trainer: store a slightly perturbed copy of ``base`` as a full payload of
-    ``version`` in the object store, then announce it."""
-    import torch
-
-    from seamlessflow.weights import ObjectStorePayloads, WeightEncoder, WeightPublisher
-
-    state = {k: v + 0.01 * torch.randn_like(v) for k, v in base.items()}
-    publisher = WeightPublisher(ObjectStorePayloads(bus), WeightEncoder(bucket_bytes=1 << 20))
-    await announce_weights(bus, await publisher.publish(version, state))
-
-
-async def recorded_turns(bus: Bus) -> list:  # type: ignore[type-arg]
-    """Every TurnRecorded in the run's durable trajectory stream, in order."""
-    from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
-
-    s = bus.subjects
-    events = (
-        decode(m.data, TrajectoryEvent)
-        for m in await bus.read_all(s.stream_trajectory(), s.trajectory_events_all())
-    )
-    return [e for e in events if isinstance(e, TurnRecorded)]
+    return await start_rollout(mesh, EngineSettings(engine_id="engine-t", max_batch_size=8))
 
 
 @pytest.fixture
@@ -205,45 +141,3 @@ def openai_shapes(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     monkeypatch.setattr(Gateway, "app", lambda gateway: checker.wrap(serve(gateway)))
     yield checker
     assert not checker.problems, "answers that do not conform:\n" + "\n".join(checker.problems)
-
-
-def session_auth(session: dict) -> dict[str, str]:  # type: ignore[type-arg]
-    """Headers carrying a session's own key (what its OpenAI client sends)."""
-    return {"authorization": f"Bearer {session['api_key']}"}
-
-
-def small_embedded_run(  # type: ignore[no-untyped-def]
-    run_id: str, runs_dir: Path, model_dir: Path, steps: int, **config: object
-):
-    """An embedded run (``seamlessflow up``) of a few small steps on the test model;
-    ``config``: further ``RunConfig`` fields (over the small group, batch and agents)."""
-    from sf_app.run.config import RunConfig
-    from sf_app.run.embedded import EmbeddedRun
-
-    small = {"group_size": 4, "groups_per_batch": 2, "agent_concurrency": 8}
-    return EmbeddedRun(
-        RunConfig(
-            run_id=run_id,
-            runs_dir=runs_dir,
-            model_dir=model_dir,
-            steps=steps,
-            engine_batch_size=8,
-            live=False,
-            **{**small, **config},  # type: ignore[arg-type]
-        )
-    )
-
-
-def load_loadtest(name: str):  # type: ignore[no-untyped-def]
-    """``loadtests/<name>.py`` as a module (the loadtests are scripts, not a package),
-    registered under ``loadtests_<name>``: dataclasses look their module up by name."""
-    import importlib.util
-    import sys
-
-    path = Path(__file__).resolve().parents[1] / "loadtests" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"loadtests_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module

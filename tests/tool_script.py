@@ -89,7 +89,7 @@ async def tool_script_gateway(
 ) -> AsyncIterator[str]:
     """A live mesh (scheduler, weight-sync, trajectory, a `ToolScriptEngine` worker,
     gateway) on ``nats_url``; yields the gateway's URL."""
-    from conftest import InProcessMesh
+    from support import InProcessMesh
 
     from sf_engine.service import EngineService
     from sf_engine.settings import EngineSettings

@@ -48,7 +48,7 @@ class RunOption:
     """The service variables it sets (one field of one settings class each)."""
     default: Any
     """Its one default: every settings field it sets and ``RunConfig`` use it
-    (``run_default``); ``tests/test_run_file.py`` checks that none declares another."""
+    (``run_default``); ``tests/mesh/test_run_file.py`` checks that none declares another."""
     service_default_differs: str = ""
     """Why a service's field keeps another default, if one must (the reason)."""
 
@@ -75,6 +75,8 @@ RUN_OPTIONS: dict[str, RunOption] = {
     "engine_batch_size": RunOption(("SF_ENGINE_MAX_BATCH_SIZE",), 64),
     "agent": RunOption(("SF_AGENTS_AGENT",), "single_turn"),
     "agent_concurrency": RunOption(("SF_AGENTS_CONCURRENCY",), 64),
+    "env_step_latency_ms": RunOption(("SF_ENV_STEP_LATENCY_MS",), 0.0),
+    "env_latency_sigma": RunOption(("SF_ENV_STEP_LATENCY_SIGMA",), 0.5),
 }
 """``[run]`` keys that are service settings, declared once: each sets these variables'
 fields, and has one default. The embedded run passes them to its processes as these

@@ -19,46 +19,20 @@ ones on the trainer's slots. The mode only sets how lending is decided
 ``never`` (disaggregated), ``when_pays`` (multiplexed).
 
 When lending pays (``when_pays``): when the run trains more steps per second with it
-than without. Both are measured on the run, over **blocks** of ``block_steps``
-consecutive waits that all take the same choice:
-
-    lend iff  period_alone > (1 + lend_margin) x period_lent
-
-- ``period_lent`` / ``period_alone``: the mean step period (one trainer wait to the
-  next: the wait for the batch, the reclaim, training, publishing) over blocks that
-  lent / kept the slots (EWMAs over blocks). A period holds every cost of lending
-  wherever it lands (a reclaim on the trainer's critical path, a lent engine's weight
-  catch-up, handed-back requests re-prefilled on the dedicated engines) and every gain,
-  also one that shows up a step later. The first period of each block is not counted:
-  in a pipelined run it carries over the previous block's choice.
-- Why not single waits: a wait depends on what the steps before it did, and a lend can
-  cost time away from the wait; a rule on single waits kept lending on the 2-core
-  benchmark while steps/s fell (docs/design.md, "When lending pays").
-
-Granularity (``lend_shares``): a block may lend part of the lendable engines, e.g.
-``(0.5, 1.0)`` = half or all of them (rounded up; the first ones by id). Each share is
-measured like "lend all" and the rule becomes: the share whose blocks had the shortest
-step period, where a share above 0 must beat keeping the slots by ``lend_margin``
-(ties go to the smaller share). The default ``(1.0,)`` is all or nothing.
-
-Exploration: the first wait of a run is not measured (the pipeline fills: no batch is
-under way yet) and lends; then one block lends all to measure ``period_lent``, the next
-keeps the slots to measure ``period_alone``, then one block per other share, largest
-first; after that each block is decided by the rule, and after ``reprobe_after`` blocks
-alike the share measured longest ago is taken for one block to refresh its
-measurement, because the workload changes over a run. With no dedicated engine alive
-lending is the only rollout capacity: always lend (not measured).
+than without, both measured on the run over blocks of consecutive waits that take one
+choice (:mod:`sf_tag_scheduler.when_pays`: the rule, the shares of the lendable engines
+a block may lend, and how each choice is measured and measured again). Two waits lend
+without asking the rule and are not measured: the first wait of a run (the pipeline
+fills: no batch is under way yet), and any wait with no dedicated engine alive (lending
+is the only rollout capacity).
 
 Early reclaim (:meth:`TagPolicy.trainer_prepares`): lent engines can be taken back
 while the trainer still waits, once the next batch is nearly formed, so that the
 reclaim (requests handed back, memory freed) overlaps the end of rollout instead of
 delaying training; the claim then has nothing left to take back.
 
-Rebalance on lend (:meth:`TagPolicy.shed_plan`): a freshly lent engine otherwise gets
-only requests made after it joined, while the step's requests sit on the dedicated
-engines. The plan moves in-flight requests from the busiest engines onto it (partial
-rollout: they keep their tokens and resume there) until it holds its share. The
-tag-scheduler sends the plan to the engines; the simulator applies it the same way.
+Rebalance on lend (:meth:`TagPolicy.shed_plan`, planned by :mod:`sf_tag_scheduler.rebalance`):
+requests in flight are moved onto freshly lent engines from the busiest ones.
 """
 
 from __future__ import annotations
@@ -69,6 +43,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from seamlessflow.protocol import Role
+from sf_tag_scheduler.rebalance import Shed, shed_plan
+from sf_tag_scheduler.when_pays import Block, Ewma, WhenPays
 
 Mode = Literal["colocated", "disaggregated", "multiplexed"]
 Lending = Literal["always", "never", "when_pays"]
@@ -105,46 +81,6 @@ class ResourceView:
 
 
 @dataclass(frozen=True)
-class EngineLoad:
-    """An engine as its latest heartbeat shows it, for lending its cores to training."""
-
-    view: ResourceView
-    host: str
-    phase: str
-    in_flight: int
-    alive: bool = True
-
-
-def cores_for_training(trainer_host: str, engines: Sequence[EngineLoad]) -> tuple[str, ...]:
-    """Lending in the other direction: the engines whose cores a training trainer may
-    use now. A dedicated rollout engine on the trainer's host lends its cores while it
-    has nothing to do: alive, in phase ``idle`` (not generating, not loading weights)
-    and no request in flight. Its next request takes them back (its heartbeat on the
-    phase change reaches the scheduler at once). Lendable engines are not in this: they
-    sit on the trainer's own slots and are reclaimed while it trains. An unknown host
-    lends nothing. Sorted by id."""
-    if not trainer_host:
-        return ()
-    return tuple(
-        sorted(
-            engine.view.resource_id
-            for engine in engines
-            if engine.alive
-            and engine.view.dedicated_rollout
-            and engine.host == trainer_host
-            and engine.phase == "idle"
-            and engine.in_flight == 0
-        )
-    )
-
-
-def lent_threads(engines: Sequence[EngineLoad], lent: Sequence[str]) -> int:
-    """One thread per slot of each lending engine (an engine without slots: one)."""
-    slots = {engine.view.resource_id: len(engine.view.slots) or 1 for engine in engines}
-    return sum(slots.get(engine_id, 0) for engine_id in lent)
-
-
-@dataclass(frozen=True)
 class Decision:
     role: Role
     reason: str
@@ -168,20 +104,6 @@ class ReclaimPlan:
 
     reclaim: tuple[str, ...]
     reason: str
-
-
-class Ewma:
-    def __init__(self, alpha: float, prior: float | None = None) -> None:
-        self.alpha = alpha
-        self.value = prior
-        self.samples = 0
-
-    def add(self, sample: float) -> None:
-        self.samples += 1
-        if self.value is None:
-            self.value = sample
-        else:
-            self.value = self.alpha * sample + (1 - self.alpha) * self.value
 
 
 @dataclass
@@ -217,29 +139,6 @@ class PolicyConfig:
         return LENDING_BY_MODE[self.mode]
 
 
-@dataclass(frozen=True)
-class Shed:
-    """Move ``count`` in-flight requests from engine ``donor`` onto engine ``target``."""
-
-    donor: str
-    target: str
-    count: int
-
-
-@dataclass
-class _Block:
-    """Consecutive waits that take one lending choice; their step periods measure it."""
-
-    share: float
-    """Of the lendable engines, lent in each wait of the block (0: keep the slots)."""
-    left: int
-    periods: list[float] = field(default_factory=list)
-
-    @property
-    def lend(self) -> bool:
-        return self.share > 0
-
-
 @dataclass
 class _Member:
     view: ResourceView
@@ -271,22 +170,16 @@ class TagPolicy:
         self.members: dict[str, _Member] = {}
         self.lent: set[str] = set()
         self.trainer = _Trainer()
-        self.shares = (0.0, *sorted(set(self.config.lend_shares)))
-        """Every lending choice of a block, as a share of the lendable engines."""
-        self.periods = {share: Ewma(self.config.ewma_alpha) for share in self.shares}
-        """Mean step period over the blocks of each share (measured)."""
-        self._measured_at = dict.fromkeys(self.shares, -1)
-        """The block count at which each share was last measured (reprobe the oldest)."""
-        self._blocks_closed = 0
+        self.when_pays = WhenPays(
+            self.config.lend_shares,
+            block_steps=self.config.block_steps,
+            reprobe_after=self.config.reprobe_after,
+            lend_margin=self.config.lend_margin,
+            ewma_alpha=self.config.ewma_alpha,
+        )
+        """The blocks of waits and the step periods measured for each share."""
         self.lend_cost = Ewma(self.config.ewma_alpha, self.config.switch_cost_prior_s)
         self.reclaim_cost = Ewma(self.config.ewma_alpha, self.config.switch_cost_prior_s)
-        self._block: _Block | None = None
-        """The block of waits under way (None: none begun yet)."""
-        self._blocks_alike = 0
-        self._last_block_share: float | None = None
-        self._last_wait: tuple[float, _Block | None] | None = None
-        """When the previous wait began, and the block whose period it starts (None: the
-        period is not measured)."""
         self._share_now = 0.0
         """The choice of the current wait (a resource joining mid-wait follows it)."""
         self._prepared = False
@@ -298,6 +191,11 @@ class TagPolicy:
     @property
     def mode(self) -> Mode:
         return self.config.mode
+
+    @property
+    def periods(self) -> dict[float, Ewma]:
+        """Mean step period over the blocks of each share (measured)."""
+        return self.when_pays.periods
 
     @property
     def period_alone(self) -> Ewma:
@@ -369,12 +267,9 @@ class TagPolicy:
         self.trainer.training = False
         self.trainer.waiting_since = now
         self._prepared = False
-        if self._last_wait is not None:
-            began, block = self._last_wait
-            if block is not None:
-                block.periods.append(now - began)
-        plan, block = self._wait_rule()
-        self._last_wait = (now, block)
+        self.when_pays.period_ends(now)
+        plan, measured = self._wait_rule()
+        self.when_pays.period_begins(now, measured)
         self.trainer.dedicated_at_wait = len(self.dedicated)
         self.stats.decisions.append(f"wait: lend {len(plan.lend)} ({plan.reason})")
         return plan
@@ -403,7 +298,7 @@ class TagPolicy:
             self.stats.decisions.append(f"rebalance: lend {len(plan.lend)} ({plan.reason})")
         return plan
 
-    def _wait_rule(self) -> tuple[LendPlan, _Block | None]:
+    def _wait_rule(self) -> tuple[LendPlan, Block | None]:
         """The lending choice of a new wait, and the block its period measures."""
         lending = self.config.lending
         if lending == "never":
@@ -416,59 +311,10 @@ class TagPolicy:
             return self._plan(1.0, "no dedicated engine: lending is all the rollout there is"), None
         if self.claims == 0:
             return self._plan(1.0, "the first batch fills the pipeline: lend, not measured"), None
-        block = self._block
-        if block is None or block.left == 0:
-            if block is not None:
-                self._close(block)
-            share, reason = self._choose()
-            block = self._block = _Block(share, self.config.block_steps)
-            first = True
-        else:
-            reason = f"block: {_choice(block.share)} "
-            reason += f"({self.config.block_steps - block.left + 1} of {self.config.block_steps})"
-            first = False
-        block.left -= 1
-        if not block.lend:
+        share, reason, measured = self.when_pays.next_wait()
+        if not share:
             self.stats.declined += 1
-        # the first period of a block carries over the previous block's choice
-        measured = block if not first or self.config.block_steps == 1 else None
-        return self._plan(block.share, reason), measured
-
-    def _close(self, block: _Block) -> None:
-        self._blocks_closed += 1
-        if block.periods:
-            mean = sum(block.periods) / len(block.periods)
-            self.periods[block.share].add(mean)
-            self._measured_at[block.share] = self._blocks_closed
-        alike = block.share == self._last_block_share
-        self._blocks_alike = self._blocks_alike + 1 if alike else 1
-        self._last_block_share = block.share
-
-    def _choose(self) -> tuple[float, str]:
-        """A new block: the share of the lendable engines to lend, and why."""
-        n = self.config.block_steps
-        # measure every choice once: lend all, keep the slots, then the other shares
-        for share in (1.0, 0.0, *sorted(self.shares[1:], reverse=True)):
-            if self.periods[share].samples == 0:
-                return share, f"steps/s not measured yet: a block of {n} {_choice(share)}"
-        period = {share: self.periods[share].value or 0.0 for share in self.shares}
-        margin = 1 + self.config.lend_margin
-        # a lending share must beat keeping the slots by the margin; ties: the smaller
-        best = min(self.shares, key=lambda s: (period[s] * (margin if s else 1.0), s))
-        if self._blocks_alike >= self.config.reprobe_after:
-            others = [s for s in self.shares if s != self._last_block_share]
-            best = min(others, key=lambda s: (self._measured_at[s], s))
-            verdict = f"{self._blocks_alike} blocks alike: another choice, to re-measure"
-        elif len(self.shares) == 2:
-            alone, lent = period[0.0], period[1.0]
-            pays = best > 0
-            verdict = f"step {lent:.3f}s lent {'<' if pays else '>='} {alone:.3f}s alone"
-            if self.config.lend_margin:
-                verdict += f" / {margin:g}"
-        else:
-            measured = ", ".join(f"{_choice(s)} {period[s]:.3f}s" for s in self.shares)
-            verdict = f"shortest step: {_choice(best)} ({measured})"
-        return best, f"{verdict}: a block of {n} {_choice(best)}"
+        return self._plan(share, reason), measured
 
     def _plan(self, share: float, reason: str) -> LendPlan:
         """Lend ``share`` of the lendable engines (rounded up; the first by id), counting
@@ -529,31 +375,9 @@ class TagPolicy:
     # ------------------------------------------------------------------ rebalance on lend
 
     def shed_plan(self, loads: dict[str, int], targets: Sequence[str]) -> list[Shed]:
-        """Requests to move onto freshly lent engines ``targets``.
-
-        ``loads``: requests in flight per serving engine (the targets included). Each
-        target is filled up to the mean load (rounded down), from the busiest engines
-        first, none of which is taken below the mean. Targets are filled in order; a
-        target is never a donor."""
-        if not targets or not loads:
-            return []
-        load = dict(loads)
-        share = sum(load.values()) // len(load)
-        plan: list[Shed] = []
-        for target in targets:
-            donors = sorted((r for r in load if r not in targets), key=lambda r: (-load[r], r))
-            for donor in donors:
-                wanted = share - load.get(target, 0)
-                excess = load[donor] - share
-                if wanted <= 0:
-                    break
-                if excess <= 0:
-                    continue
-                count = min(wanted, excess)
-                load[donor] -= count
-                load[target] = load.get(target, 0) + count
-                plan.append(Shed(donor, target, count))
-        return plan
+        """Requests to move onto freshly lent engines ``targets``
+        (:func:`sf_tag_scheduler.rebalance.shed_plan`)."""
+        return shed_plan(loads, targets)
 
     # ------------------------------------------------------------------ measurements
 
@@ -566,12 +390,3 @@ class TagPolicy:
     def observe_reclaim(self, seconds: float) -> None:
         """Reclaiming the lent engines delayed the trainer by ``seconds``."""
         self.reclaim_cost.add(seconds)
-
-
-def _choice(share: float) -> str:
-    """A lending choice in words (decision reasons)."""
-    if share == 0:
-        return "keeps the slots"
-    if share == 1:
-        return "lends"
-    return f"lends {share:.0%}"

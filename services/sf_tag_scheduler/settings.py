@@ -1,3 +1,5 @@
+"""The tag-scheduler's settings (``SF_TAG_SCHEDULER_*``), and the policy configuration they make."""
+
 from typing import Self
 
 from pydantic import model_validator

@@ -19,7 +19,7 @@ With several ranks:
   the gather and get an empty dict.
 
 Partitioning is a plain function, tested in-process; the process-group helpers are
-tested with two gloo processes (``tests/test_trainer_distributed.py``).
+tested with two gloo processes (``tests/mesh/test_trainer_distributed.py``).
 """
 
 from __future__ import annotations

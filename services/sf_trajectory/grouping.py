@@ -452,7 +452,7 @@ class Grouper:
         self.finished_groups.add(group.group_id)
         # Sessions of the group still open are one too many (an index handed out twice):
         # dropped now, not when they finish, since one whose agent died never does and
-        # would be neither trained nor dropped (seen under load in tests/test_faults.py)
+        # would be neither trained nor dropped (seen under load in tests/mesh/test_faults.py)
         extra = [s for s in self.sessions.values() if s.opened.group_id == group.group_id]
         for session in extra:
             del self.sessions[session.opened.session_id]

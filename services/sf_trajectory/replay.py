@@ -1,7 +1,7 @@
 """Recovery at start-up: the trajectory service's state rebuilt from what its streams hold.
 
 Pure: the service reads the streams and feeds what they hold here; nothing here does
-I/O, so recovery is tested on plain data (tests/test_trajectory_replay.py).
+I/O, so recovery is tested on plain data (tests/unit/test_trajectory_replay.py).
 
 - ``StoredLine`` -> ``restore_line``: one policy's line as its streams left it: the
   sessions in a published batch (never batched again: docs/architecture.md, invariant

@@ -1,5 +1,8 @@
 """trajectory: the trajectory manager and the rollout rhythm.
 
+Over 400 lines with this docstring's subject list; the code is the composition of its
+parts (replay, event order, batch publisher, trainer follower) and about 370 lines.
+
 Consumes:
 - ``sf.<run>.traj.export`` (request SessionExportQuery -> reply SessionExport: every
   branch of one session, rebuilt from its stored events)

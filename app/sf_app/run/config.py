@@ -112,10 +112,10 @@ class RunConfig(BaseModel):
     (``http://host:port``), or the name of a built-in one (``guess_number``), which the
     run starts as its own process and restarts if it dies. Unless given, the agent
     becomes ``openenv`` and the task ``episodes`` (seeds of games)."""
-    env_step_latency_ms: float = Field(default=0.0, ge=0.0)
+    env_step_latency_ms: float = Field(default=run_default("env_step_latency_ms"), ge=0.0)
     """A built-in environment's time per step (the median of a log-normal; 0: none): a
     slow environment, as a real one that runs code or a browser is."""
-    env_latency_sigma: float = Field(default=0.5, ge=0.0)
+    env_latency_sigma: float = Field(default=run_default("env_latency_sigma"), ge=0.0)
     """The spread of that log-normal (0: every step takes the median)."""
     nats_url: str = ""
     """Use this NATS server (JetStream enabled), or several servers of one cluster

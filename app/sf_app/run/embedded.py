@@ -314,8 +314,6 @@ class EmbeddedRun(Supervisor):
                 "SF_ENV_NAME": c.builtin_env,
                 "SF_ENV_HOST": "127.0.0.1",
                 "SF_ENV_PORT": str(port),
-                "SF_ENV_STEP_LATENCY_MS": str(c.env_step_latency_ms),
-                "SF_ENV_STEP_LATENCY_SIGMA": str(c.env_latency_sigma),
                 "SF_ENV_SEED": str(c.seed),
             },
         )

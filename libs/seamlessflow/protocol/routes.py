@@ -3,7 +3,7 @@
 Each concrete subject builder of ``Subjects`` carries a ``Route`` (the ``@route``
 decorator): the message type(s) on it, the replies if it is a request, its producers and
 consumers, and how it travels. ``seamlessflow.protocol.table`` renders these as the
-producer -> subject -> consumer table of docs/architecture.md; tests/test_protocol_table.py
+producer -> subject -> consumer table of docs/architecture.md; tests/unit/test_protocol_table.py
 checks the table is current and each route against the code (the streams that store a
 subject, the packages that use it).
 

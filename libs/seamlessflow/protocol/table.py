@@ -3,7 +3,7 @@
 Every row is one ``@route`` of ``Subjects`` (``seamlessflow.protocol.routes``): the
 subject as a pattern (``sf.<run>.engine.<policy>.generate``), built by the method itself
 from placeholder arguments, so the table cannot drift from the code. The table sits in
-docs/architecture.md between ``BEGIN`` and ``END``; tests/test_protocol_table.py fails
+docs/architecture.md between ``BEGIN`` and ``END``; tests/unit/test_protocol_table.py fails
 when it is stale.
 
     python -m seamlessflow.protocol.table                                # print it

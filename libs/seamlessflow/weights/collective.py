@@ -64,7 +64,7 @@ class TorchCollective:
         self._dist.broadcast(tensor, source, group=self.group)
 
 
-class CupyNcclCollective:  # pragma: no cover - needs a GPU (tests/test_gpu_nccl.py)
+class CupyNcclCollective:  # pragma: no cover - needs a GPU (tests/unit/test_gpu_weights.py)
     """NCCL through CuPy: one communicator per process, tensors on the current GPU."""
 
     def __init__(self, world_size: int, rank: int, unique_id: tuple[int, ...]) -> None:

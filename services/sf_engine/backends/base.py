@@ -1,9 +1,14 @@
 """The inference-engine interface that every engine worker wraps.
 
+Over 400 lines: the interface, its data types, their validation (`SamplingParams`,
+`check_request`) and the stream every implementation returns form one contract, the one
+`tests/service/test_engine_contract.py` checks.
+
 An engine turns (prompt token ids, sampling params) into a stream of generated tokens,
 each carrying its token id, its behaviour logprob and the weight version that produced
-it. Implementations: `TransformersEngine` (tests, tiny models, CPU) and, next, one over
-vLLM's `AsyncLLM`. The shape follows `AsyncLLM` so that engine drops in unchanged:
+it. Implementations: `TransformersEngine` (tests, tiny models, CPU), `VllmEngine` (over
+vLLM's `AsyncLLM`) and `ScriptedEngine` (no compute, load tests); each declares itself in
+`registry`. The shape follows `AsyncLLM`:
 
     engine.stream(request_id, prompt_ids, params)   ~ AsyncLLM.generate(...)
     await engine.abort(request_id)                  ~ AsyncLLM.abort(request_id)

@@ -3,6 +3,10 @@
 Meant for tests, tiny models and CPU runs; vLLM serves real models behind the same
 interface.
 
+Over 400 lines: the scheduler's event-loop side, the compute it runs on the worker thread
+and the sampling share one batch state (`_BatchState`) and its invariants (left padding,
+position ids, the prefix holes); the prefix cache itself is `prefix_cache`.
+
 Scheduling (`batching.BatchingEngine`, shared with the scripted engine): one scheduler
 task owns the running batch. Batching is continuous: at each token boundary the
 scheduler drops finished and aborted rows and admits queued requests up to
@@ -138,7 +142,7 @@ class TransformersEngine(BatchingEngine[_Request]):
         max_batch_size: int = 8,
         max_context: int | None = None,
         version: int = 0,
-        prefix_cache_bytes: int = 256 * 2**20,
+        prefix_cache_bytes: int = 2**30,
     ) -> None:
         super().__init__(max_batch_size=max_batch_size, max_context=max_context, version=version)
         self._source = model

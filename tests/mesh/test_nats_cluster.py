@@ -1,0 +1,104 @@
+"""NATS beyond one server (``SF_NATS_URL`` as a list, ``SF_NATS_REPLICAS``), on real
+nats-server processes: a list connects past a dead server, a three-node cluster holds
+every stream and bucket the mesh creates at three replicas, and a run whose streams were
+made with another count stops with one line instead of running on them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats.js.errors
+import pytest
+from support import free_port
+
+from seamlessflow.bus import Bus, Unrecoverable, connect
+from seamlessflow.natsserver import EmbeddedNats
+from seamlessflow.protocol import Subjects
+
+# real nats-server processes (see conftest)
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[list[EmbeddedNats]]:
+    """Three nats-servers routed to each other, JetStream on each."""
+    routes = [free_port() for _ in range(3)]
+    servers = []
+    try:
+        for i, port in enumerate(routes):
+            others = ",".join(f"nats://127.0.0.1:{p}" for p in routes if p != port)
+            args = ["--server_name", f"n{i}", "--cluster_name", "sf"]
+            args += ["--cluster", f"nats://127.0.0.1:{port}", "--routes", others]
+            server = EmbeddedNats(tmp_path / f"n{i}", extra_args=args)
+            server.start()
+            servers.append(server)
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+async def jetstream_ready(bus: Bus, timeout: float = 60.0) -> None:
+    """Until the cluster has elected its JetStream meta leader."""
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                await bus.js.account_info()
+                return
+            except (nats.js.errors.APIError, nats.errors.TimeoutError):
+                await asyncio.sleep(0.5)
+
+
+async def test_a_server_list_connects_past_a_dead_server(tmp_path: Path) -> None:
+    with EmbeddedNats(tmp_path / "nats") as server:
+        url = f"nats://127.0.0.1:{free_port()}, {server.url}"  # the first answers nothing
+        bus = await connect(url, Subjects("list"), name="test", wait_s=20)
+        try:
+            await bus.ensure_streams()
+            assert bus.nc.connected_url is not None
+            assert bus.nc.connected_url.port == int(server.url.rsplit(":", 1)[1])
+        finally:
+            await bus.drain()
+
+
+async def test_streams_made_with_another_replica_count_stop_the_service(tmp_path: Path) -> None:
+    with EmbeddedNats(tmp_path / "nats") as server:
+        first = await connect(server.url, Subjects("r1"), name="test")
+        await first.ensure_streams()  # a run started with one replica (the default)
+        await first.drain()
+        again = await connect(server.url, Subjects("r1"), name="test", replicas=3)
+        try:
+            with pytest.raises(Unrecoverable, match=r"has 1 replica\(s\) but SF_NATS_REPLICAS=3"):
+                await again.ensure_streams()
+        finally:
+            await again.drain()
+
+
+async def test_a_three_node_cluster_holds_every_stream_and_bucket_at_three_replicas(
+    cluster: list[EmbeddedNats],
+) -> None:
+    urls = ",".join(server.url for server in cluster)
+    bus = await connect(urls, Subjects("r3"), name="test", replicas=3, wait_s=30)
+    try:
+        await jetstream_ready(bus)
+        await bus.ensure_streams(["solver"])
+        await bus.key_value("registry")
+        await bus.object_bucket("weights")
+        names = [info.config.name async for info in streams_of(bus)]
+        assert any(n.startswith("KV_") for n in names) and any(n.startswith("OBJ_") for n in names)
+        assert len(names) >= 6
+        for name in names:
+            info = await bus.js.stream_info(name)
+            assert info.config.num_replicas == 3, name
+            assert info.cluster is not None and len(info.cluster.replicas or []) == 2, name
+        # an existing R3 stream is taken as it is by the same setting (a second service)
+        await bus.ensure_streams(["solver"])
+    finally:
+        await bus.drain()
+
+
+async def streams_of(bus: Bus):  # type: ignore[no-untyped-def]
+    for info in await bus.js.streams_info():
+        yield info

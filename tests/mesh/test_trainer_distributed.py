@@ -1,0 +1,497 @@
+"""The trainer on several ranks: FSDP2 over gloo, in real processes.
+
+The reference for every multi-rank result is one process taking the same steps on the
+same batches: two ranks must produce the same weights, optimizer state and metrics (up
+to float summation order). The plain planning functions are tested in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+from support import TESTS_DIR, InProcessMesh, free_port
+from trainer_batches import make_batch
+from trainer_rank import lead
+
+from seamlessflow.bus import Bus
+from seamlessflow.protocol import (
+    TrainBatch,
+    TrainingFinished,
+    TrainSample,
+    TrainStepMetrics,
+    WeightsPublished,
+    decode,
+)
+from sf_trainer.checkpoint import (
+    load_model_state,
+    load_optimizer_state,
+    read_state,
+)
+from sf_trainer.distributed import TrainGroup, partition_by_tokens
+from sf_trainer.learner import Learner
+from sf_trainer.settings import TrainerSettings
+from sf_trainer.step import micro_batches, plan_micro_batches, trained_token_count
+
+WORKER = TESTS_DIR / "trainer_rank.py"
+# lr 1e-3 moves the weights enough that a wrong split or normaliser shows; a budget of
+# 48 tokens makes every rank accumulate over several micro-batches
+SETTINGS = {"lr": 1e-3, "micro_batch_tokens": 48, "torch_threads": 1}
+BATCHES = [
+    make_batch(0, [[6, 9, 14, 20], [8, 11, 5, 17]], seed=1),
+    make_batch(1, [[12, 7, 19, 10], [9, 15, 6, 13]], seed=2),
+]
+
+
+def sample(length: int, trained: int) -> TrainSample:
+    return TrainSample(
+        session_id=f"s{length}-{trained}",
+        token_ids=[1] * length,
+        loss_mask=[0] * (length - trained) + [1] * trained,
+        behaviour_logprobs=[0.0] * length,
+        versions=[0] * length,
+        reward=0.0,
+    )
+
+
+# plain functions ---------------------------------------------------------------------
+
+
+def test_partition_balances_tokens_covers_every_sample_and_is_deterministic() -> None:
+    lengths = [40, 4, 4, 4, 4, 4, 4, 4, 4, 30, 12, 9]
+    parts = partition_by_tokens(lengths, 3)
+    assert sorted(i for part in parts for i in part) == list(range(len(lengths)))
+    loads = [sum(lengths[i] for i in part) for part in parts]
+    assert max(loads) - min(loads) <= max(lengths)
+    assert loads == [40, 42, 41]  # longest first, each to the lightest part (by hand)
+    assert parts == partition_by_tokens(lengths, 3)
+    assert partition_by_tokens([5, 5], 1) == [[0, 1]]
+    assert partition_by_tokens([5], 2) == [[0], []]
+
+
+def test_every_rank_gets_the_same_number_of_passes_padded_with_untrained_ones() -> None:
+    samples = [sample(40, 20)] + [sample(4, 2) for _ in range(8)]
+    plans = plan_micro_batches(samples, world_size=2, token_budget=8)
+    trained = [[m for m in plan if m.trained] for plan in plans]
+    # the long sample alone on one rank (1 pass), the 8 short ones on the other (4 passes)
+    assert [len(t) for t in trained] == [1, 4]
+    assert [len(plan) for plan in plans] == [4, 4]
+    padding = [m for m in plans[0] if not m.trained]
+    assert all(m.indices == [1] for m in padding)  # the shortest sample
+    covered = sorted(i for t in trained for m in t for i in m.indices)
+    assert covered == list(range(9))
+
+
+def test_one_rank_plans_exactly_the_budgeted_micro_batches() -> None:
+    samples = [sample(n, 1) for n in (3, 9, 4, 7, 2)]
+    (plan,) = plan_micro_batches(samples, world_size=1, token_budget=12)
+    assert [m.indices for m in plan] == micro_batches(samples, token_budget=12)
+    assert all(m.trained for m in plan)
+    assert plan_micro_batches([], world_size=2, token_budget=12) == [[], []]
+
+
+def test_the_normalizer_counts_trained_tokens_of_the_whole_batch() -> None:
+    assert trained_token_count([sample(10, 4), sample(6, 6), sample(3, 0)]) == 10
+
+
+# two gloo ranks ----------------------------------------------------------------------
+
+
+def spec(
+    model_dir: Path,
+    batches: list[TrainBatch],
+    out: Path,
+    resume: Path | None = None,
+    settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "model_dir": str(model_dir),
+        "settings": settings or SETTINGS,
+        "batches": [msgspec.json.encode(b).decode() for b in batches],
+        "resume": str(resume) if resume else None,
+        "out": str(out),
+    }
+
+
+def run_ranks(world_size: int, job: dict[str, Any], timeout: float = 60.0) -> list[dict[str, Any]]:
+    """Start one process per rank with torchrun's environment; rank 0's results."""
+    out = Path(job["out"])
+    out.mkdir(parents=True)
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps(job))
+    port = free_port()
+    ranks = []
+    for rank in range(world_size):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        with (out / f"rank{rank}.log").open("wb") as log:
+            ranks.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), str(spec_path)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    try:
+        codes = [process.wait(timeout=timeout) for process in ranks]
+    except subprocess.TimeoutExpired:
+        codes = None
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(world_size))
+    assert codes == [0] * world_size, f"ranks ended with {codes}:\n{logs}"
+    results: list[dict[str, Any]] = json.loads((out / "results.json").read_text())
+    return results
+
+
+def run_one_process(job: dict[str, Any]) -> list[dict[str, Any]]:
+    out = Path(job["out"])
+    out.mkdir(parents=True)
+    settings = TrainerSettings(**job["settings"])
+    lead(Learner(settings, TrainGroup(device=torch.device("cpu")), Path(job["model_dir"])), job)
+    results: list[dict[str, Any]] = json.loads((out / "results.json").read_text())
+    return results
+
+
+def assert_same_results(
+    got: list[dict[str, Any]], expected: list[dict[str, Any]], reference_run: Path
+) -> None:
+    """``expected``: the last steps of the one-process ``reference_run``."""
+    assert len(got) == len(expected)
+    grad_norm_bounds = grad_norm_noise(reference_run)[-len(expected) :]
+    for a, b, grad_norm_bound in zip(got, expected, grad_norm_bounds, strict=True):
+        for key in ("samples", "tokens_trained", "max_staleness", *BATCH_FIGURES):
+            assert a[key] == b[key], key
+        # means over trained tokens (or sequences) of terms of order 1 (a ratio times a
+        # unit-scale advantage, a log-probability gap, a reward): float noise is relative
+        # to the terms, not to their mean, which cancels towards 0
+        for key in ("loss", "logprob_abs_diff", "mean_reward", "kl_mean"):
+            assert a[key] == pytest.approx(b[key], rel=0, abs=GRADIENT_NOISE), key
+        # an entropy H moves by at most 2 H x the largest change of a (scaled) logit
+        # (|dH| <= sum p |log p + H| |dz|), a logprob by at most 2 x it: the logprobs'
+        # bound above, relative to H (a mean of positive terms: no cancellation)
+        assert a["entropy_mean"] == pytest.approx(b["entropy_mean"], rel=GRADIENT_NOISE)
+        assert b["entropy_mean"] > 0
+        # noise can tip a ratio sitting on the clip boundary: one token either way
+        one_token = 1 / b["tokens_trained"]
+        assert a["clip_fraction"] == pytest.approx(b["clip_fraction"], abs=one_token * 1.001)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=grad_norm_bound), "grad_norm"
+
+
+BATCH_FIGURES = (
+    "reward_std",
+    "reward_min",
+    "reward_max",
+    "completion_tokens_mean",
+    "completion_tokens_max",
+    "prompt_tokens_mean",
+    "mean_staleness",
+    "completions_truncated_fraction",
+)
+"""Step figures that are functions of the batch alone, which every rank holds whole:
+the same numbers on any number of ranks."""
+
+# How far float noise can move a gradient entry, relative to the largest entry of its
+# tensor in that step. The ranks sum the same per-token terms as one process in another
+# order (each rank's share, then gloo's sum) and with other SIMD kernels (AVX-512, AVX2
+# or scalar reductions: 16, 8 or 1 lanes): float32 rounding (2**-24 per operation) over
+# sums of hundreds of terms whose signs cancel (advantages sum to zero) leaves an error
+# that scales with the tensor's magnitude, not with the entry's. Measured with each
+# ATEN_CPU_CAPABILITY: at most 2e-6; the bound leaves 50x headroom and is still 10**4
+# below what a wrong normaliser or a missing rank's share does to a gradient (a factor).
+GRADIENT_NOISE = 1e-4
+
+
+def adam_trace(reference_run: Path) -> tuple[list[dict[str, dict[str, torch.Tensor]]], dict]:
+    """The one-process run's AdamW moments after each step, with the gradient each step
+    fed them (``exp_avg`` is a lerp towards it), and its hyperparameters."""
+    trace: list[dict[str, dict[str, torch.Tensor]]] = torch.load(
+        reference_run / "adam_trace.pt", weights_only=True
+    )
+    (group,) = load_optimizer_state(reference_run / "checkpoint")["param_groups"]
+    beta1 = group["betas"][0]
+    previous = {name: torch.zeros_like(state["exp_avg"]) for name, state in trace[0].items()}
+    for step in trace:
+        for name, state in step.items():
+            state["gradient"] = (state["exp_avg"] - beta1 * previous[name]) / (1 - beta1)
+            previous[name] = state["exp_avg"]
+    return trace, group
+
+
+def adam_noise_bounds(reference_run: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Per parameter, the largest difference float noise can make to its weight and to
+    its AdamW moments, from the one-process run's moments after each of its steps.
+
+    With gradients off by at most D per entry (D_t = GRADIENT_NOISE x the tensor's
+    largest |g_t|, D = the largest D_s so far; 0 on an entry no token has touched yet,
+    whose gradient has no terms to round): m_hat (a weighted mean of gradients, weights
+    summing to 1) moves by at most D and sqrt(v_hat) (a weighted RMS) too, so Adam's
+    direction m_hat / (sqrt(v_hat) + eps), of magnitude at most about 1 (|m_hat| <=
+    sqrt(v_hat) over these few steps), moves by at most 2 D / (sqrt(v_hat) - D + eps),
+    and never by more than 2. The weight moves lr times that per step: noise is
+    amplified on entries whose gradient is small next to their tensor's largest, which
+    a tolerance in units of the weight cannot express.
+    """
+    trace, group = adam_trace(reference_run)
+    lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+    bounds = {}
+    for name in group["params"]:
+        zeros = torch.zeros_like(trace[0][name]["exp_avg"])
+        weight, exp_avg, exp_avg_sq, noise = zeros.clone(), zeros.clone(), zeros.clone(), zeros
+        for t, step in enumerate(trace, start=1):
+            state = step[name]
+            touched = state["exp_avg_sq"] != 0
+            step_noise = touched * GRADIENT_NOISE * state["gradient"].abs().max()
+            noise = torch.maximum(noise, step_noise)
+            root_v_hat = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt()
+            direction = 2 * noise / (root_v_hat - noise + eps).clamp(min=eps)
+            weight += lr * direction.clamp(max=2.0)
+            exp_avg = beta1 * exp_avg + (1 - beta1) * step_noise
+            exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * step_noise**2
+        bounds[name] = {"weight": weight, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    return bounds
+
+
+def grad_norm_noise(reference_run: Path) -> list[float]:
+    """Per step, the relative difference float noise can make to the gradient norm:
+    ||dg|| <= sqrt(sum over tensors of size x D_t**2), divided by the norm itself (both
+    scale alike under clipping, so the clipped gradients in the trace give the ratio)."""
+    trace, _ = adam_trace(reference_run)
+    bounds = []
+    for step in trace:
+        gradients = [state["gradient"] for state in step.values()]
+        noise = sum(g.numel() * (GRADIENT_NOISE * g.abs().max().item()) ** 2 for g in gradients)
+        norm = sum(g.square().sum().item() for g in gradients)
+        bounds.append((noise / norm) ** 0.5)
+    return bounds
+
+
+def assert_within(
+    got: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor, what: str
+) -> None:
+    # plus the rounding of the compared values themselves (a few float32 ulps)
+    allowed = bound + 4 * torch.finfo(torch.float32).eps * expected.abs()
+    difference = (got - expected).abs()
+    excess = torch.where(difference == 0, 0.0, difference / allowed)  # 0 / 0: untouched
+    assert excess.max() <= 1.0, (
+        f"{what}: off by {excess.max().item():.3g}x its float-noise bound "
+        f"at {int((excess > 1).sum())} of {excess.numel()} entries"
+    )
+
+
+def assert_same_checkpoint(got: Path, reference_run: Path, same_state: bool = True) -> None:
+    """Same weights and AdamW moments as the one-process ``reference_run``, within what
+    float summation order can change (``adam_noise_bounds``); with ``same_state`` also
+    the same trainer state (step, version, data position)."""
+    expected = reference_run / "checkpoint"
+    bounds = adam_noise_bounds(reference_run)
+    weights, reference = load_model_state(got), load_model_state(expected)
+    assert weights.keys() == reference.keys()
+    for name, tensor in weights.items():
+        # (a tied matrix is written once, under the name the optimizer knows it by)
+        assert_within(tensor, reference[name], bounds[name]["weight"], name)
+    moments, reference_moments = load_optimizer_state(got), load_optimizer_state(expected)
+    assert moments["state"].keys() == reference_moments["state"].keys()
+    for name, state in moments["state"].items():
+        want = reference_moments["state"][name]
+        assert state["step"] == want["step"], name
+        assert_within(state["exp_avg"], want["exp_avg"], bounds[name]["exp_avg"], name)
+        # sqrt(v) is a weighted RMS of the gradients: noise D moves it by at most D
+        assert_within(
+            state["exp_avg_sq"].sqrt(),
+            want["exp_avg_sq"].sqrt(),
+            bounds[name]["exp_avg_sq"].sqrt(),
+            f"{name} sqrt(exp_avg_sq)",
+        )
+    if same_state:
+        assert read_state(got) == read_state(expected)
+
+
+def assert_trained(checkpoint: Path, base_model_dir: Path) -> None:
+    """The comparison means something: the steps moved the weights."""
+    weights, base = load_model_state(checkpoint), load_model_state(base_model_dir)
+    moved = max((weights[name] - base[name]).abs().max().item() for name in base)
+    assert moved > 1e-4
+
+
+def test_two_fsdp_ranks_take_the_same_steps_as_one_process(
+    base_model_dir: Path, tmp_path: Path
+) -> None:
+    ranks = run_ranks(2, spec(base_model_dir, BATCHES, tmp_path / "ranks"))
+    alone = run_one_process(spec(base_model_dir, BATCHES, tmp_path / "alone"))
+    assert_same_results(ranks, alone, tmp_path / "alone")
+    assert_same_checkpoint(tmp_path / "ranks" / "checkpoint", tmp_path / "alone")
+    assert_trained(tmp_path / "alone" / "checkpoint", base_model_dir)
+
+
+def test_two_ranks_match_one_process_with_gspo_rloo_and_a_sharded_reference(
+    base_model_dir: Path, tmp_path: Path
+) -> None:
+    """A sequence-level loss (divided by the whole batch's sequence count) and the KL
+    term, whose reference model is sharded like the policy. The GSPO clip is widened so
+    that most sequences train (at the paper's 3e-4 these random batches clip nearly all)."""
+    gspo = {"name": "gspo", "clip_eps_low": 0.5, "clip_eps_high": 0.5}
+    settings = {**SETTINGS, "loss": gspo, "advantage": "rloo", "kl_coef": 0.1}
+    ranks = run_ranks(2, spec(base_model_dir, BATCHES, tmp_path / "ranks", settings=settings))
+    alone = run_one_process(spec(base_model_dir, BATCHES, tmp_path / "alone", settings=settings))
+    assert_same_results(ranks, alone, tmp_path / "alone")
+    # step 1 starts at the reference; step 2 has moved away from it
+    assert alone[0]["kl_mean"] == 0.0 and alone[1]["kl_mean"] > 0.0
+    assert_same_checkpoint(tmp_path / "ranks" / "checkpoint", tmp_path / "alone")
+    assert_trained(tmp_path / "alone" / "checkpoint", base_model_dir)
+
+
+def test_ranks_with_unequal_micro_batch_counts_finish_the_same_step(
+    base_model_dir: Path, tmp_path: Path
+) -> None:
+    batch = make_batch(0, [[40, 4, 4, 4, 4], [4, 4, 4, 4]], seed=3)
+    settings = {**SETTINGS, "micro_batch_tokens": 8}
+    samples = [s for g in batch.groups for s in g.samples]
+    plans = plan_micro_batches(samples, world_size=2, token_budget=8)
+    # the case under test: rank 0 trains in 1 pass, rank 1 in 4
+    assert [sum(m.trained for m in plan) for plan in plans] == [1, 4]
+
+    ranks = run_ranks(2, spec(base_model_dir, [batch], tmp_path / "ranks", settings=settings))
+    alone = run_one_process(spec(base_model_dir, [batch], tmp_path / "alone", settings=settings))
+    assert_same_results(ranks, alone, tmp_path / "alone")
+    assert_same_checkpoint(tmp_path / "ranks" / "checkpoint", tmp_path / "alone")
+
+
+def test_two_ranks_resume_a_one_process_checkpoint_and_continue_identically(
+    base_model_dir: Path, tmp_path: Path
+) -> None:
+    """Restore on FSDP2 (rank 0 reads, broadcasts); the checkpoint format does not
+    depend on the world size."""
+    first = run_one_process(spec(base_model_dir, BATCHES[:1], tmp_path / "first"))
+    assert len(first) == 1
+    resumed = run_ranks(
+        2, spec(base_model_dir, BATCHES[1:], tmp_path / "resumed", tmp_path / "first/checkpoint")
+    )
+    straight = run_one_process(spec(base_model_dir, BATCHES, tmp_path / "straight"))
+    assert_same_results(resumed, straight[1:], tmp_path / "straight")
+    assert_same_checkpoint(tmp_path / "resumed" / "checkpoint", tmp_path / "straight")
+
+
+# the service, launched as documented ---------------------------------------------------
+
+
+async def start_torchrun(
+    mesh: InProcessMesh, model_dir: Path, run_dir: Path, steps: int
+) -> asyncio.subprocess.Process:
+    """``torchrun --standalone --nproc-per-node 2 -m sf_trainer``; its output goes to
+    ``<run_dir>.log``."""
+    from sf_tag_scheduler.service import TagSchedulerService
+
+    await mesh.start(TagSchedulerService())
+    env = {
+        **os.environ,
+        "SF_NATS_URL": mesh.mesh.nats_url,
+        "SF_RUN_ID": mesh.mesh.run_id,
+        "SF_RUN_DIR": str(run_dir),
+        "SF_MODEL_DIR": str(model_dir),
+        "SF_TRAINER_STEPS": str(steps),
+        "SF_TRAINER_LR": str(SETTINGS["lr"]),
+        "SF_TRAINER_MICRO_BATCH_TOKENS": str(SETTINGS["micro_batch_tokens"]),
+        "OMP_NUM_THREADS": "1",
+    }
+    torchrun = Path(sys.executable).with_name("torchrun")
+    with run_dir.with_suffix(".log").open("wb") as log:
+        return await asyncio.create_subprocess_exec(
+            *(str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "sf_trainer"),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+async def wait_for_exit(launcher: asyncio.subprocess.Process, timeout: float) -> int:
+    try:
+        return await asyncio.wait_for(launcher.wait(), timeout)
+    finally:
+        if launcher.returncode is None:
+            launcher.kill()
+            await launcher.wait()
+
+
+async def test_the_trainer_service_on_two_ranks_trains_and_publishes_versions(
+    mesh: InProcessMesh, bus: Bus, base_model_dir: Path, tmp_path: Path
+) -> None:
+    subjects = bus.subjects
+    for batch in BATCHES:
+        await bus.js_publish(subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}")
+    run_dir = tmp_path / "run"
+    launcher = await start_torchrun(mesh, base_model_dir, run_dir, steps=len(BATCHES))
+    code = await wait_for_exit(launcher, 120)
+    assert code == 0, run_dir.with_suffix(".log").read_text()[-5000:]
+
+    metrics = [
+        decode(m.data, TrainStepMetrics)
+        for m in await bus.read_subject(subjects.stream_metrics(), subjects.train_metrics())
+    ]
+    assert [(m.version, m.batch_index) for m in metrics] == [(1, 0), (2, 1)]
+    published = [
+        decode(m.data, WeightsPublished)
+        for m in await bus.read_subject(subjects.stream_weights(), subjects.weights_published())
+    ]
+    assert [p.version for p in published] == [1, 2]
+    (finished,) = [
+        decode(m.data, TrainingFinished)
+        for m in await bus.read_subject(subjects.stream_metrics(), subjects.train_finished())
+    ]
+    assert (finished.steps, finished.final_version) == (2, 2)
+
+    final = run_dir / "checkpoints" / "final"
+    assert read_state(final).data_position == 1
+    alone = run_one_process(spec(base_model_dir, BATCHES, tmp_path / "alone"))
+    expected_losses = [r["loss"] for r in alone]
+    assert [m.loss for m in metrics] == pytest.approx(expected_losses, rel=0, abs=GRADIENT_NOISE)
+    # the step's figures reach its published metrics (tolerances: assert_same_results)
+    for m, r in zip(metrics, alone, strict=True):
+        assert {k: getattr(m, k) for k in BATCH_FIGURES} == {k: r[k] for k in BATCH_FIGURES}
+        assert m.entropy_mean == pytest.approx(r["entropy_mean"], rel=GRADIENT_NOISE)
+    bounds = grad_norm_noise(tmp_path / "alone")
+    for m, r, bound in zip(metrics, alone, bounds, strict=True):
+        assert m.grad_norm == pytest.approx(r["grad_norm"], rel=bound)
+    # the final checkpoint has read one more batch than the reference's (data position)
+    assert_same_checkpoint(final, tmp_path / "alone", same_state=False)
+
+
+async def test_sigterm_to_torchrun_still_leaves_a_final_checkpoint_of_both_ranks(
+    mesh: InProcessMesh, bus: Bus, base_model_dir: Path, tmp_path: Path
+) -> None:
+    """torchrun forwards SIGTERM to every rank: rank 0 drains and gathers its final
+    checkpoint, which needs rank 1, which ignores the signal and stops on rank 0's word."""
+    subjects = bus.subjects
+    stepped = await bus.nc.subscribe(subjects.train_metrics())
+    await bus.js_publish(subjects.batch_ready(), BATCHES[0], msg_id="batch-0")
+    run_dir = tmp_path / "run"
+    launcher = await start_torchrun(mesh, base_model_dir, run_dir, steps=5)
+    try:
+        await stepped.next_msg(timeout=90)
+    finally:
+        launcher.terminate()
+        await stepped.unsubscribe()
+    await wait_for_exit(launcher, 60)  # torchrun itself exits 1 after a signal
+    log = run_dir.with_suffix(".log").read_text()
+    # torchrun's own SignalException is the one traceback: no rank failed
+    assert log.count("Traceback") == 1, log[-5000:]
+    assert read_state(run_dir / "checkpoints" / "final").data_position == 0, log[-5000:]

@@ -1,0 +1,485 @@
+"""Batches of real size from the trajectory service to the trainer (``seamlessflow.batches``):
+the packed encoding keeps every field and value, a batch far above NATS' ``max_payload``
+is published and fetched whole, and a 64 x 4k-token batch with a 16k-token sample goes
+from trajectory events through the real nats-server to a trained step."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import types
+import typing
+from pathlib import Path
+
+import msgspec
+import nats.errors
+import numpy as np
+import pytest
+from support import REPO_ROOT, InProcessMesh
+
+from seamlessflow import batches
+from seamlessflow.bus import Bus, connect
+from seamlessflow.protocol import (
+    TRAINER_DURABLE,
+    BatchReady,
+    ProtocolError,
+    RewardReported,
+    SampleGroup,
+    SessionFinished,
+    SessionOpened,
+    Subjects,
+    TaskAssignment,
+    TaskClaim,
+    TrainBatch,
+    TrainingFinished,
+    TrainSample,
+    TrainStepMetrics,
+    TurnRecorded,
+    decode,
+    encode,
+)
+from seamlessflow.resources import ResourceMembership
+from seamlessflow.service import ServiceContext
+from seamlessflow.settings import MeshSettings
+from sf_trainer.service import TrainerService
+from sf_trainer.settings import TrainerSettings
+from sf_trainer.threads import usable_cpus
+from sf_trajectory.service import TrajectoryService
+from sf_trajectory.settings import TrajectorySettings
+
+# --------------------------------------------------------------------------- encoding
+
+
+def value_for(annotation: object, rng: random.Random, length: int) -> object:
+    """A value of type ``annotation`` that differs from any default: long lists of
+    numbers (packed), short ones (kept as MessagePack arrays), every kind of field
+    ``TrainSample`` has. An annotation it does not know fails the test: extend it."""
+    origin = typing.get_origin(annotation)
+    if origin is list:
+        [item] = typing.get_args(annotation)
+        return [value_for(item, rng, length) for _ in range(length)]
+    if origin in (typing.Union, types.UnionType):
+        # the first non-None member (e.g. ``list[float] | None``)
+        member = next(a for a in typing.get_args(annotation) if a is not type(None))
+        return value_for(member, rng, length)
+    if annotation is int:
+        return rng.randrange(-(2**40), 2**40)
+    if annotation is float:
+        return rng.uniform(-50.0, 50.0)  # not exact in float32: travels as float64
+    if annotation is str:
+        return f"s{rng.randrange(10**9)}"
+    if annotation is bool:
+        return bool(rng.randrange(2))
+    raise AssertionError(f"TrainSample has a field of type {annotation!r}: teach value_for it")
+
+
+def every_field_set(rng: random.Random, length: int) -> TrainSample:
+    hints = typing.get_type_hints(TrainSample)
+    values = {
+        field.name: value_for(hints[field.name], rng, length)
+        for field in msgspec.structs.fields(TrainSample)
+    }
+    return TrainSample(**values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("length", [0, 3, 4096])
+def test_every_field_of_a_train_sample_round_trips_exactly(length: int) -> None:
+    """Whatever fields TrainSample has (a new one included), each comes back with the
+    value and type it had, for lists too short to pack and long ones alike."""
+    rng = random.Random(length)
+    samples = [every_field_set(rng, length) for _ in range(3)]
+    batch = TrainBatch(
+        batch_index=7,
+        groups=[SampleGroup(group_id="g1", task_id="t", samples=samples)],
+        policy="solver",
+        created_at=1234.5,
+    )
+    decoded = batches.decode_batch(batches.encode_batch(batch))
+    assert decoded == batch
+    for sent, got in zip(samples, decoded.groups[0].samples, strict=True):
+        for field in msgspec.structs.fields(TrainSample):
+            a, b = getattr(sent, field.name), getattr(got, field.name)
+            assert a == b and type(a) is type(b), field.name
+            if isinstance(a, list):
+                assert [type(x) for x in a] == [type(x) for x in b], field.name
+
+
+def test_values_keep_their_exact_value_and_type_at_every_width() -> None:
+    """Each list packs into the narrowest exact array: the values come back equal,
+    ints as ints and floats as floats, at the edges of each width too."""
+    f32 = [float(np.float32(x)) for x in np.linspace(-30, 0, 16)]
+    cases = {
+        "int8": [-128, 127, 0, 1, -1, 5, 6, 7],
+        "int16": [-32768, 32767, 0, 1, 2, 3, 4, 5],
+        "int32": [-(2**31), 2**31 - 1, 0, 151_000, 2, 3, 4, 5],
+        "int64": [-(2**63), 2**63 - 1, 0, 1, 2, 3, 4, 5],
+        "beyond int64": [2**64 - 1, 0, 1, 2, 3, 4, 5, 6],
+        "float32 exact": f32,
+        "float64": [0.1, -1e-300, 1e300, -0.0, 0.0, float("inf"), float("-inf"), 2.5],
+        "integral floats": [0.0, 1.0, -3.0, 4.0, 5.0, 6.0, 7.0, 8.0],
+        "bools": [True, False] * 4,
+        "ints and floats": [1, 2.5, 3, 4, 5, 6, 7, 8],
+        "floats and ints": [2.5, 1, 3, 4, 5, 6, 7, 2**60 + 1],
+        "strings": ["a"] * 8,
+    }
+    for name, values in cases.items():
+        encoded = batches._encoder.encode(batches._packed({"v": values}))
+        decoded = batches._decoder.decode(encoded)["v"]
+        assert decoded == values, name
+        assert [type(x) for x in decoded] == [type(x) for x in values], name
+        assert [str(x) for x in decoded] == [str(x) for x in values], name  # -0.0 stays
+
+
+def test_behaviour_logprobs_from_float32_take_four_bytes() -> None:
+    """Engines compute logprobs in float32: they travel as float32, exactly; ids of a
+    150k vocabulary as int32, the mask and versions as int8 (about 10 bytes a token)."""
+    rng = random.Random(0)
+    n = 4096
+    sample = TrainSample(
+        session_id="s",
+        token_ids=[rng.randrange(151_000) for _ in range(n)],
+        loss_mask=[0] * 100 + [1] * (n - 100),
+        behaviour_logprobs=[0.0] * 100
+        + [float(np.float32(-rng.uniform(0, 8))) for _ in range(n - 100)],
+        versions=[-1] * 100 + [3] * (n - 100),
+        reward=1.0,
+    )
+    batch = TrainBatch(
+        batch_index=0, groups=[SampleGroup(group_id="g", task_id="t", samples=[sample])]
+    )
+    payload = batches.encode_batch(batch)
+    assert batches.decode_batch(payload) == batch
+    assert n * (4 + 1 + 4 + 1) <= len(payload) < n * (4 + 1 + 4 + 1) + 400  # + field names
+    assert len(payload) < len(encode(batch)) / 2
+
+
+def test_a_damaged_payload_is_a_protocol_error() -> None:
+    payload = batches.encode_batch(big_batch(0, [[20]]))
+    for damaged in (payload[:-3], b"\xc7\x03\x01q\x00\x00", b"junk"):
+        with pytest.raises(ProtocolError):
+            batches.decode_batch(damaged)
+
+
+# --------------------------------------------------------------------------- delivery
+
+
+def big_batch(batch_index: int, group_lengths: list[list[int]], vocab: int = 151_000) -> TrainBatch:
+    """Samples of the given lengths: a third prompt, the rest completion with float32
+    behaviour logprobs; ids of a ``vocab``-token vocabulary."""
+    rng = np.random.default_rng(batch_index)
+    groups = []
+    for g, lengths in enumerate(group_lengths):
+        samples = []
+        for s, length in enumerate(lengths):
+            prompt = length // 3
+            samples.append(
+                TrainSample(
+                    session_id=f"b{batch_index}-g{g}-s{s}",
+                    token_ids=rng.integers(0, vocab, length).tolist(),
+                    loss_mask=[0] * prompt + [1] * (length - prompt),
+                    behaviour_logprobs=[0.0] * prompt
+                    + (-rng.uniform(0, 8, length - prompt)).astype(np.float32).tolist(),
+                    versions=[-1] * prompt + [0] * (length - prompt),
+                    reward=float(s % 2),
+                )
+            )
+        groups.append(SampleGroup(group_id=f"b{batch_index}-g{g}", task_id="t", samples=samples))
+    return TrainBatch(batch_index=batch_index, groups=groups)
+
+
+async def test_a_batch_far_above_max_payload_is_published_in_chunks_and_fetched_whole(
+    bus: Bus,
+) -> None:
+    """64 x 4k tokens: as one message (what the trajectory service published before)
+    NATS refuses it; as a payload it arrives whole and exact, and the trajectory
+    service's restart reads only the small BatchReady."""
+    batch = big_batch(0, [[4096] * 8] * 8)
+    assert len(encode(batch)) > bus.nc.max_payload
+    with pytest.raises(nats.errors.MaxPayloadError):
+        await bus.js_publish(bus.subjects.batch_ready(), batch, msg_id="batch-0-whole")
+
+    ready = await batches.publish_batch(bus, batch)
+    assert len(ready.payload.chunk_seqs) > 1
+    assert ready.payload.payload_bytes < 11 * 64 * 4096
+    assert [s.session_id for g in ready.groups for s in g.samples] == [
+        s.session_id for g in batch.groups for s in g.samples
+    ]
+    [stored] = await batches.stored_announcements(bus)
+    assert stored == ready and len(encode(stored)) < 16 * 1024
+    assert await batches.stored_batches(bus) == [batch]
+    # a re-publish (a restarted trajectory service) lands once, chunks included
+    assert await batches.publish_batch(bus, batch) == ready
+    info = await bus.js.stream_info(bus.subjects.stream_batch_payloads())
+    assert info.state.messages == len(ready.payload.chunk_seqs)
+
+
+async def test_a_payload_that_is_gone_or_altered_is_reported_as_missing(bus: Bus) -> None:
+    ready = await batches.publish_batch(bus, big_batch(0, [[300] * 4]))
+    chunk = ready.payload.chunk_seqs[0]
+    altered = msgspec.structs.replace(
+        ready, payload=msgspec.structs.replace(ready.payload, sha256="0" * 64)
+    )
+    with pytest.raises(batches.BatchPayloadMissing, match="not the one announced"):
+        await batches.fetch_batch(bus, altered)
+    other = await batches.publish_batch(bus, big_batch(1, [[10]]))
+    swapped = msgspec.structs.replace(
+        ready, payload=msgspec.structs.replace(ready.payload, chunk_seqs=other.payload.chunk_seqs)
+    )
+    with pytest.raises(batches.BatchPayloadMissing, match="is not its chunk"):
+        await batches.fetch_batch(bus, swapped)
+    await bus.js.delete_msg(bus.subjects.stream_batch_payloads(), chunk)
+    with pytest.raises(batches.BatchPayloadMissing, match="no longer in"):
+        await batches.fetch_batch(bus, ready)
+
+
+# --------------------------------------------------------------------------- end to end
+
+GROUP_SIZE = 4
+GROUPS = 16
+TOKENS = 4096
+LONG_SAMPLE = 16_384
+
+
+async def play_session(
+    bus: Bus, task: TaskAssignment, length: int, rng: np.random.Generator
+) -> int:
+    """What the gateway records for one agent session of ``length`` tokens (one turn:
+    a quarter prompt, the rest completion); returns the completion's length."""
+    session = f"s{task.group_id}-{task.sample_index}"
+    prompt = length // 4
+    completion = length - prompt
+    turn = TurnRecorded(
+        session_id=session,
+        turn_index=0,
+        request_id=session,
+        engine_id="e",
+        prompt_ids=rng.integers(3, 400, prompt).tolist(),
+        completion_ids=rng.integers(3, 400, completion).tolist(),
+        logprobs=(-rng.uniform(0.5, 6, completion)).astype(np.float32).tolist(),
+        versions=[0] * completion,
+        finish_reason="length",
+        completion_text="x",
+    )
+    events = [
+        SessionOpened(
+            session_id=session,
+            task_id=task.task_id,
+            group_id=task.group_id,
+            sample_index=task.sample_index,
+            group_size=task.group_size,
+            reference=task.reference,
+            reward_fn=task.reward_fn,
+        ),
+        turn,
+        RewardReported(session_id=session, reward=float(task.sample_index % 2)),
+        SessionFinished(session_id=session),
+    ]
+    for event in events:
+        await bus.js_publish(bus.subjects.trajectory_event(session), event)
+    return completion
+
+
+@pytest.fixture(scope="module")
+def narrow_model_dir(base_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The base model's tokenizer and vocabulary with the narrowest layers that still
+    are a Qwen2 (one layer, width 16): the attention over 262k tokens in 4-16k rows is
+    what a step on CPU spends its time on, and it grows with the width."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("narrow")
+    for name in base_model_dir.iterdir():
+        if "token" in name.name or name.suffix == ".jinja":
+            shutil.copy(name, out / name.name)
+    config = AutoConfig.from_pretrained(str(base_model_dir))
+    config.update(
+        {
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "layer_types": config.layer_types[:1],
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": LONG_SAMPLE,
+        }
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out
+
+
+async def test_a_64_by_4k_token_batch_with_a_16k_sample_is_trained(
+    mesh: InProcessMesh, bus: Bus, narrow_model_dir: Path, tmp_path: Path
+) -> None:
+    """Trajectory events of 64 sessions (63 of 4k tokens, one of 16k) -> the trajectory
+    service's batch -> the real nats-server -> the trainer, which trains it in one step
+    (micro-batches of ``micro_batch_tokens``). Fails on a build that publishes the batch
+    as one message: NATS refuses it (``MaxPayloadError``)."""
+    from sf_tag_scheduler.service import TagSchedulerService
+
+    await mesh.start(TagSchedulerService())
+    trajectory = await mesh.start(
+        TrajectoryService(
+            TrajectorySettings(group_size=GROUP_SIZE, groups_per_batch=GROUPS, data_filters="")
+        )
+    )
+    await asyncio.wait_for(trajectory.ready.wait(), 30)
+    rng = np.random.default_rng(0)
+    trained_tokens = 0
+    for index in range(GROUP_SIZE * GROUPS):
+        task = await bus.request(
+            bus.subjects.task_claim(), TaskClaim(runner_id="test"), TaskAssignment
+        )
+        length = LONG_SAMPLE if index == 5 else TOKENS
+        trained_tokens += await play_session(bus, task, length, rng)
+    service_task = mesh.running[-1][2]
+    async with asyncio.timeout(60):
+        while trajectory.next_batch_index < 1 and not service_task.done():  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    assert not service_task.done(), f"the trajectory service stopped: {service_task!r}"
+    [ready] = await batches.stored_announcements(bus)
+    assert isinstance(ready, BatchReady)
+    assert sorted(s.tokens for g in ready.groups for s in g.samples) == [TOKENS] * 63 + [
+        LONG_SAMPLE
+    ]
+
+    run = MeshSettings(
+        nats_url=mesh.mesh.nats_url, run_id=mesh.mesh.run_id, model_dir=narrow_model_dir,
+        run_dir=tmp_path,
+    )  # fmt: skip
+    # an idle dedicated engine on this host: its core is lent to the training trainer
+    idle_engine = ResourceMembership(bus, "engine-idle", "engine", ["rollout"], ["slot-0"])
+    await idle_engine.register()
+    beating = asyncio.create_task(idle_engine.heartbeat_loop())
+    trainer_bus = await connect(run.nats_url, Subjects(run.run_id), name="trainer")
+    try:
+        trainer = TrainerService(TrainerSettings(steps=1, micro_batch_tokens=LONG_SAMPLE))
+        await asyncio.wait_for(trainer.run(ServiceContext(mesh=run, bus=trainer_bus)), 300)
+    finally:
+        beating.cancel()
+        await trainer_bus.drain()
+
+    s = bus.subjects
+    [metrics] = [
+        decode(m.data, TrainStepMetrics)
+        for m in await bus.read_subject(s.stream_metrics(), s.train_metrics())
+    ]
+    assert (metrics.step, metrics.version, metrics.batch_index) == (1, 1, 0)
+    assert metrics.samples == GROUP_SIZE * GROUPS
+    assert metrics.tokens_trained == trained_tokens
+    assert np.isfinite(metrics.loss) and metrics.logprob_abs_diff > 0
+    # the trainer trained on the lent core, where it may run on a second one
+    assert (metrics.lent_thread_seconds > 0) == (usable_cpus() >= 2), metrics
+    [finished] = [
+        decode(m.data, TrainingFinished)
+        for m in await bus.read_subject(s.stream_metrics(), s.train_finished())
+    ]
+    assert finished.final_version == 1
+    consumer = await bus.js.consumer_info(s.stream_batches(), TRAINER_DURABLE)
+    assert consumer.num_pending == 0 and consumer.num_ack_pending == 0
+
+
+def test_the_transport_benchmark_runs_and_packed_is_the_smallest(tmp_path: Path) -> None:
+    """loadtests/batch_transport.py with a tiny shape: every way delivers the batch
+    intact (it asserts so) and the packed encoding is the smallest."""
+    import importlib.util
+
+    script = REPO_ROOT / "loadtests" / "batch_transport.py"
+    spec = importlib.util.spec_from_file_location("batch_transport", script)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "figures.json"
+    assert bench.main(["--shapes", "8x256", "--repeats", "1", "--json", str(out)]) == 0
+    rows = {row["way"]: row for row in msgspec.json.decode(out.read_bytes())}
+    assert set(rows) == {"json whole", "msgpack whole", "packed whole", "packed chunks"}
+    sizes = [
+        rows[way]["bytes_per_token"] for way in ("packed whole", "msgpack whole", "json whole")
+    ]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[1]
+    assert all(row["latency_s"] is not None for row in rows.values())
+
+
+async def test_a_batch_left_unacked_is_fetched_whole_by_the_next_trainer(
+    mesh: InProcessMesh, bus: Bus, narrow_model_dir: Path, tmp_path: Path
+) -> None:
+    """A trainer that stops after one step leaves the second batch in the consumer; the
+    next trainer process fetches its payload and trains it (the payload outlives the
+    process that did not ack it)."""
+    from sf_tag_scheduler.service import TagSchedulerService
+
+    await mesh.start(TagSchedulerService())
+    sent = [big_batch(0, [[300, 200], [250, 100]], 400), big_batch(1, [[400, 150], [120, 90]], 400)]
+    for batch in sent:
+        await batches.publish_batch(bus, batch)
+    run = MeshSettings(
+        nats_url=mesh.mesh.nats_url, run_id=mesh.mesh.run_id, model_dir=narrow_model_dir,
+        run_dir=tmp_path,
+    )  # fmt: skip
+    for steps in (1, 2):
+        trainer_bus = await connect(run.nats_url, Subjects(run.run_id), name="trainer")
+        try:
+            trainer = TrainerService(TrainerSettings(steps=steps, resume="latest"))
+            await asyncio.wait_for(trainer.run(ServiceContext(mesh=run, bus=trainer_bus)), 60)
+        finally:
+            await trainer_bus.drain()
+
+    s = bus.subjects
+    metrics = [
+        decode(m.data, TrainStepMetrics)
+        for m in await bus.read_subject(s.stream_metrics(), s.train_metrics())
+    ]
+    assert [(m.step, m.batch_index) for m in metrics] == [(1, 0), (2, 1)]
+    assert [m.tokens_trained for m in metrics] == [
+        sum(sum(x.loss_mask) for g in b.groups for x in g.samples) for b in sent
+    ]
+    consumer = await bus.js.consumer_info(s.stream_batches(), TRAINER_DURABLE)
+    assert consumer.num_pending == 0 and consumer.num_ack_pending == 0
+
+
+async def test_a_batch_whose_payload_is_gone_is_terminated_with_one_error(
+    mesh: InProcessMesh,
+    bus: Bus,
+    narrow_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Retention dropped batch 0's payload: the trainer says so and terminates it (no
+    retry can bring it back), then trains batch 1 once it stops waiting for batch 0."""
+    import sf_trainer.delivery
+    from sf_tag_scheduler.service import TagSchedulerService
+
+    monkeypatch.setattr(sf_trainer.delivery, "IN_ORDER_WAIT_S", 0.0)
+    await mesh.start(TagSchedulerService())
+    lost = await batches.publish_batch(bus, big_batch(0, [[300, 200]], 400))
+    await batches.publish_batch(bus, big_batch(1, [[250, 100]], 400))
+    await bus.js.purge_stream(
+        bus.subjects.stream_batch_payloads(), subject=bus.subjects.batch_payload(0)
+    )
+    run = MeshSettings(
+        nats_url=mesh.mesh.nats_url, run_id=mesh.mesh.run_id, model_dir=narrow_model_dir,
+        run_dir=tmp_path,
+    )  # fmt: skip
+    trainer_bus = await connect(run.nats_url, Subjects(run.run_id), name="trainer")
+    try:
+        trainer = TrainerService(TrainerSettings(steps=1))
+        await asyncio.wait_for(trainer.run(ServiceContext(mesh=run, bus=trainer_bus)), 60)
+    finally:
+        await trainer_bus.drain()
+
+    s = bus.subjects
+    metrics = [
+        decode(m.data, TrainStepMetrics)
+        for m in await bus.read_subject(s.stream_metrics(), s.train_metrics())
+    ]
+    assert [(m.step, m.batch_index) for m in metrics] == [(1, 1)]
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert errors == [
+        f"terminating batch 0: batch 0: chunk {lost.payload.chunk_seqs[0]} is no longer in "
+        f"{s.stream_batch_payloads()} (dropped by SF_RETENTION_BATCHES_*?)"
+    ]
+    consumer = await bus.js.consumer_info(s.stream_batches(), TRAINER_DURABLE)
+    assert consumer.num_pending == 0 and consumer.num_ack_pending == 0

@@ -1,0 +1,136 @@
+"""The CLI, the documented configuration, and the service skeleton's shutdown path."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+import pytest
+from support import REPO_ROOT
+
+from seamlessflow.protocol import ResourceRegister, RoleAssignment, Subjects, decode, encode
+from sf_app.cli import SERVICE_NAMES, configuration_reference
+
+ROOT = REPO_ROOT
+
+
+def test_the_configuration_doc_is_generated_from_the_code() -> None:
+    documented = (ROOT / "docs" / "configuration.md").read_text()
+    assert documented == configuration_reference(), (
+        "run: seamlessflow config > docs/configuration.md"
+    )
+
+
+def test_help_lists_the_commands_without_importing_torch() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "sf_app", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert {"up", "serve", "build-model", "bench", "config"} <= set(out.split())
+    # heavy imports happen inside commands: --help must not import torch
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, sf_app.cli; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    # (how fast that is belongs to no test: a wall-clock bound failed on a loaded machine)
+    assert probe == "False"
+
+
+def test_serve_refuses_an_unknown_service() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sf_app", "serve", "nope"], capture_output=True, text=True
+    )
+    assert result.returncode != 0
+    assert "unknown service" in result.stderr
+
+
+async def test_a_service_started_alone_serves_and_drains_on_sigterm(
+    nats_url: str, run_id: str, tmp_path: Path
+) -> None:
+    assert "tag-scheduler" in SERVICE_NAMES
+    env = {**os.environ, "SF_NATS_URL": nats_url, "SF_RUN_ID": run_id, "SF_RUN_DIR": str(tmp_path)}
+    log_path = tmp_path / "service.log"
+    with log_path.open("wb") as log_file:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "sf_tag_scheduler",
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    nc = await nats.connect(nats_url)
+    try:
+        subject = Subjects(run_id).sched_register()
+        request = encode(ResourceRegister(resource_id="engine-x", kind="engine", tags=["rollout"]))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                reply = decode((await nc.request(subject, request, timeout=1)).data, RoleAssignment)
+                break
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                assert time.monotonic() < deadline, "the service never answered"
+        assert reply.role == "rollout"
+
+        # SIGTERM again and again until it exits, as an impatient supervisor would: a
+        # signal in any phase of the shutdown (draining, closing the connection, flushing
+        # the spans) is harmless, and the exit code stays 0
+        async def keep_signalling() -> None:
+            while process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.002)
+
+        signals = asyncio.create_task(keep_signalling())
+        try:
+            assert await asyncio.wait_for(process.wait(), 30) == 0
+        finally:
+            signals.cancel()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await nc.close()
+    output = log_path.read_text()
+    assert "stopping: draining" in output
+    spans = list((tmp_path / "spans").glob("tag-scheduler-*.jsonl"))
+    assert spans, "the skeleton must flush the span file on shutdown"
+
+
+def test_the_service_table_names_every_service_once_and_each_loads() -> None:
+    """One table (``sf_app.service_table``) lists the services for ``serve``, ``config``
+    and the embedded run: each names a package whose ``python -m`` entry runs that
+    service, and settings that load."""
+    import importlib.util
+
+    from sf_app.service_table import SERVICE_TABLE, load, spec_of
+
+    assert len({spec.name for spec in SERVICE_TABLE}) == len(SERVICE_TABLE)
+    for spec in SERVICE_TABLE:
+        assert load(spec.settings)().model_config["env_prefix"].startswith("SF_")
+        main_module = importlib.util.find_spec(f"{spec.module}.__main__")
+        assert main_module is not None and main_module.origin is not None, spec
+        entry = Path(main_module.origin).read_text()
+        if spec.optional:  # an HTTP server beside the mesh (the built-in environment)
+            assert "run_process" not in entry and "seamlessflow.bus" not in entry
+            continue
+        [(name, started)] = re.findall(r'run_(?:service_)?process\("([a-z-]+)", (\w+)\)', entry)
+        assert name == spec.name, main_module.origin
+        [source] = re.findall(rf"from (\S+) import {started}\b", entry)
+        started_object = load(f"{source}:{started}")
+        # a service class carries its name; the trainer's entry is a function
+        assert getattr(started_object, "name", spec.name) == spec.name
+    assert {spec.module for spec in SERVICE_TABLE} >= {
+        path.parent.name for path in (ROOT / "services").glob("sf_*/__main__.py")
+    }
+    with pytest.raises(ValueError, match="unknown service 'nope'"):
+        spec_of("nope")

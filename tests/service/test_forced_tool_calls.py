@@ -1,0 +1,218 @@
+"""tool_choice 'required' and a named function, through the real gateway and HF engine
+on the tied family model, with the official SDK as the agent.
+
+The gateway appends the opening of a call (the tool parser's format) to the prompt: the
+model continues it. Those ids are inserted, not sampled, so they are recorded as prompt
+ids; every completion id is the engine's own sample, and its recorded logprob is what
+the trainer recomputes over prompt + completion at the recorded temperature.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from openai import AsyncOpenAI
+from support import recorded_turns, rollout_gateway
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from seamlessflow.assets.families import ADD_TOOL
+from seamlessflow.bus import Bus
+from seamlessflow.protocol import TurnRecorded
+from sf_engine.settings import EngineSettings
+from sf_gateway.choice import Choice
+from sf_gateway.responses import ChatFormat
+from sf_gateway.tool_parsers import QwenToolParser
+
+TOOLS: list[dict[str, Any]] = [
+    ADD_TOOL,
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}},
+]
+MESSAGES: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3?"}]
+NAMED = {"type": "function", "function": {"name": "add"}}
+
+
+@pytest.mark.parametrize(
+    ("name", "generated", "expected"),
+    [
+        ("add", ' {"a": 2, "b": 3}}\n</tool_call>', ("add", {"a": 2, "b": 3})),
+        (None, 'now", "arguments": {}}\n</tool_call>', ("now", {})),
+    ],
+)
+def test_the_opening_and_the_model_s_continuation_parse_as_one_call(
+    name: str | None, generated: str, expected: tuple[str, dict[str, Any]]
+) -> None:
+    parser = QwenToolParser()
+    opening = parser.call_opening(name)
+    assert opening.startswith(parser.start_marker)
+    choice = Choice(0, lambda ids: opening + generated[: len(ids)], hold_from=parser.start_marker)
+    choice.extend(list(range(len(generated))), [0.0] * len(generated), [0] * len(generated), [])
+    assert choice.safe_text() == ""  # held from the opening on while streaming
+    [call] = parser.parse(choice.text).tool_calls
+    assert (call.name, json.loads(call.arguments)) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "generated", "expected"),
+    [
+        # cut inside the arguments: the arguments as generated, not valid JSON
+        ("add", ' {"a": 2, "b"', ("add", '{"a": 2, "b"')),
+        # the arguments complete, the block not closed: the arguments' own JSON
+        ("add", ' {"a": 2, "b": 3}}', ("add", '{"a": 2, "b": 3}')),
+        # required: the name the model wrote
+        (None, 'now", "arguments": {', ("now", "{")),
+        (None, 'now", "argu', ("now", "")),
+        # required, the name itself unfinished: no call to give
+        (None, "no", None),
+    ],
+)
+def test_a_forced_call_the_model_did_not_finish_is_still_a_call(
+    name: str | None, generated: str, expected: tuple[str, str] | None
+) -> None:
+    """OpenAI's promise for tool_choice 'required' or a named function: the answer is a
+    tool call, its arguments as generated (the agent checks them). The sampling stays
+    unconstrained: the recorded logprobs are the model's own."""
+    parser = QwenToolParser()
+    text = parser.call_opening(name) + generated
+    assert parser.parse(text).tool_calls == []  # not a well-formed block
+    call = parser.unfinished_call(text, name)
+    assert (call and (call.name, call.arguments)) == (expected or None)
+    choice = Choice(0, lambda ids: text)
+    choice.extend([1], [0.0], [0], [])
+    choice.finish_reason = "length"
+    message = chat_view(parser, forced=True, name=name).message(choice)
+    if expected is None:
+        assert "tool_calls" not in message and message["content"] == text
+        return
+    [sent] = message["tool_calls"]
+    assert (sent["function"]["name"], sent["function"]["arguments"]) == expected
+    assert message["content"] is None
+    # cut by the budget: "length", as OpenAI says; ended by the model: "tool_calls"
+    assert chat_view(parser, forced=True, name=name).finish_reason(choice) == "length"
+    choice.finish_reason = "stop"
+    assert chat_view(parser, forced=True, name=name).finish_reason(choice) == "tool_calls"
+    # not forced: the same text stays content, as before
+    plain = chat_view(parser, forced=False, name=None).message(choice)
+    assert "tool_calls" not in plain and plain["content"] == text
+
+
+def chat_view(parser: QwenToolParser, forced: bool, name: str | None) -> ChatFormat:
+    return ChatFormat(
+        model="policy", token_text=str, parser=parser, forced=forced, forced_name=name
+    )
+
+
+@pytest.fixture
+async def gateway_url(nats_url: str, run_id: str, qwen2_tied_model_dir: Path) -> AsyncIterator[str]:
+    engine = EngineSettings(engine_id="engine-f", max_batch_size=4)
+    async with rollout_gateway(nats_url, run_id, qwen2_tied_model_dir, engine, 512) as url:
+        yield url
+
+
+def recomputed_logprobs(model: Any, turn: TurnRecorded) -> list[float]:
+    """The trainer's recomputation: one forward over prompt + completion at the turn's
+    temperature."""
+    with torch.no_grad():
+        logits = model(torch.tensor([turn.prompt_ids + turn.completion_ids])).logits[0].float()
+    logp = torch.log_softmax(logits / (turn.temperature or 1.0), dim=-1)
+    start = len(turn.prompt_ids) - 1
+    return [logp[start + j, t].item() for j, t in enumerate(turn.completion_ids)]
+
+
+async def test_forced_tool_calls_are_opened_in_the_prompt_and_trained_exactly(
+    gateway_url: str, bus: Bus, qwen2_tied_model_dir: Path
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen2_tied_model_dir))
+    parser = QwenToolParser()
+    templated = tokenizer(
+        tokenizer.apply_chat_template(
+            MESSAGES, tools=TOOLS, tokenize=False, add_generation_prompt=True
+        ),
+        add_special_tokens=False,
+    )["input_ids"]
+    async with httpx.AsyncClient(base_url=gateway_url) as http:
+        session = (await http.post("/sessions", json={})).json()
+        client = AsyncOpenAI(
+            base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+        )
+        replies = []
+        for tool_choice, stream in ((NAMED, False), ("required", False), (NAMED, True)):
+            request: dict[str, Any] = {
+                "model": "policy",
+                "messages": MESSAGES,
+                "tools": TOOLS,
+                "tool_choice": tool_choice,
+                "max_tokens": 16,
+                "temperature": 0.9,
+                "seed": 5,
+            }
+            if not stream:
+                replies.append(await client.chat.completions.create(**request, logprobs=True))
+                continue
+            chunks = [c async for c in await client.chat.completions.create(**request, stream=True)]
+            replies.append(chunks)
+        recorded = await recorded_turns(bus)
+
+        # the agent sends its answer back (as it got it) and goes on: the next prompt
+        # continues the exact ids of the forced turn, opening included
+        message = replies[0].choices[0].message
+        history = [*MESSAGES, message.model_dump(exclude_none=True)]
+        if message.tool_calls:
+            history.append(
+                {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"}
+            )
+        else:
+            history.append({"role": "user", "content": "Go on."})
+        await client.chat.completions.create(
+            model="policy", messages=history, tools=TOOLS, max_tokens=4
+        )
+        await client.close()
+    model = AutoModelForCausalLM.from_pretrained(str(qwen2_tied_model_dir), dtype=torch.float32)
+    assert len(recorded) == 3
+    for turn, tool_choice, reply in zip(recorded, (NAMED, "required", NAMED), replies, strict=True):
+        name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+        opening = parser.call_opening(name)
+        assert (
+            turn.prompt_ids == templated + tokenizer(opening, add_special_tokens=False)["input_ids"]
+        )
+        assert turn.completion_text.startswith(opening)  # what the agent's answer is made of
+        assert turn.logprobs == pytest.approx(recomputed_logprobs(model, turn), abs=1e-4)
+        parsed = parser.parse(turn.completion_text)
+        if isinstance(reply, list):  # streamed: nothing before the call is parsed
+            content = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+            calls = [  # a call's name comes in its first chunk, the arguments after
+                call.function.name
+                for c in reply
+                if c.choices
+                for call in c.choices[0].delta.tool_calls or []
+                if call.function and call.function.name
+            ]
+        else:
+            got = reply.choices[0]
+            content, calls = (
+                got.message.content or "",
+                [call.function.name for call in got.message.tool_calls or []],
+            )
+            assert [t.logprob for t in got.logprobs.content] == pytest.approx(turn.logprobs)
+        # the answer is the parse of opening + samples: a call when the model closed it,
+        # else the call it opened, unfinished (forced: the answer is a call)
+        unfinished = parser.unfinished_call(turn.completion_text, name)
+        if parsed.tool_calls:
+            assert calls == [c.name for c in parsed.tool_calls]
+            assert content == (parsed.content or "")
+        elif unfinished is not None:
+            assert calls == [unfinished.name] and content == ""
+        else:  # 'required' with the function's name itself cut off
+            assert name is None and calls == [] and content == (parsed.content or "")
+        if name is not None:
+            assert calls and calls == [name] * len(calls)
+    [follow_up] = [t for t in await recorded_turns(bus) if t not in recorded]
+    first = recorded[0]
+    assert follow_up.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == (
+        first.prompt_ids + first.completion_ids
+    )

@@ -1,0 +1,341 @@
+"""The gateway's HTTP API as a whole: its OpenAPI document, /tokenize and /detokenize,
+logprob bytes of tokens that split a character, and the checker that validates every
+answer of the gateway tests against the ``openai`` package's types."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai_shapes import check_body, documented_paths, kinds_for
+from openapi_spec_validator import validate
+from starlette.routing import Route
+from support import session_auth
+
+from seamlessflow.assets.families import FAMILIES, build_tokenizer, family_spec
+from seamlessflow.bus import Bus
+from seamlessflow.protocol import TopLogprob, TrajectoryEvent, TurnRecorded, decode
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_gateway.choice import Choice
+from sf_gateway.openapi import OPERATIONS
+from sf_gateway.responses import ChatFormat
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_gateway.templating import ChatTokenizer
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_weight_sync.service import WeightSyncService
+
+pytestmark = pytest.mark.usefixtures("openai_shapes")
+
+SPLIT_TEXT = "日本語 🙂 café ü"
+"""Every non-ASCII character here is several tokens of the base tokenizer (a byte each)."""
+
+
+@pytest.fixture
+async def gateway(mesh) -> GatewayService:  # type: ignore[no-untyped-def]
+    await mesh.start(TagSchedulerService())
+    await mesh.start(WeightSyncService())
+    await mesh.start(EngineService(EngineSettings(engine_id="engine-a", max_batch_size=8)))
+    service = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=128)))
+    await asyncio.wait_for(service.ready.wait(), 30)
+    return service  # type: ignore[no-any-return]
+
+
+def url_of(service: GatewayService) -> str:
+    return f"http://127.0.0.1:{service.bound_port}"
+
+
+async def events_of(bus: Bus) -> list[Any]:
+    s = bus.subjects
+    return [
+        decode(m.data, TrajectoryEvent)
+        for m in await bus.read_all(s.stream_trajectory(), s.trajectory_events_all())
+    ]
+
+
+# ------------------------------------------------------------------ OpenAPI
+
+
+async def test_the_openapi_document_is_valid_and_lists_every_route(
+    gateway: GatewayService,
+) -> None:
+    async with httpx.AsyncClient(base_url=url_of(gateway)) as http:
+        document = (await http.get("/openapi.json")).json()
+    validate(document)  # raises on anything OpenAPI 3.1 does not allow
+    app = gateway.gateway.app()
+    app = getattr(app, "__wrapped__", app)  # the app itself, not the answer checker
+    served = {
+        (route.path, method.lower())
+        for route in app.routes
+        if isinstance(route, Route)
+        for method in route.methods or ()
+        if method != "HEAD"
+    }
+    documented = {(path, method) for path, ops in document["paths"].items() for method in ops}
+    assert served == documented
+    assert documented_paths() == {path for path, _ in served}
+    # every documented answer is the type the answer checker validates that route with
+    for op in OPERATIONS:
+        kinds = kinds_for(op.path.replace("{session_id}", "sX"))
+        assert kinds is not None and kinds[0] is op.answer, op.path
+    chat = document["paths"]["/s/{session_id}/v1/chat/completions"]["post"]
+    schemas = document["components"]["schemas"]
+    assert chat["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/ChatCompletionRequest"
+    )
+    assert "messages" in schemas["ChatCompletionRequest"]["required"]
+    assert chat["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/ChatCompletion"
+    )
+
+
+# ------------------------------------------------------------------ tokenize
+
+
+async def test_tokenize_gives_the_ids_a_turn_records(gateway: GatewayService, bus: Bus) -> None:
+    """In a session, /tokenize answers the prompt ids its next chat turn records: the
+    first turn's template, and a follow-up's stored history ids plus its new messages."""
+    async with httpx.AsyncClient(base_url=url_of(gateway)) as http:
+        session = (await http.post("/sessions", json={})).json()
+        sid, auth = session["session_id"], session_auth(session)
+        client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"],
+                             max_retries=0)  # fmt: skip
+
+        async def tokenize(**body: Any) -> dict[str, Any]:
+            answer = await http.post(f"/s/{sid}/tokenize", json=body, headers=auth)
+            assert answer.status_code == 200, answer.text
+            return answer.json()  # type: ignore[no-any-return]
+
+        first = [{"role": "user", "content": "What is 2 + 2? " + SPLIT_TEXT}]
+        before = await tokenize(messages=first, model="policy")
+        outside = await http.post("/tokenize", json={"messages": first})
+        reply = await client.chat.completions.create(model="policy", messages=first, max_tokens=5)  # type: ignore[arg-type]
+        follow_up = [
+            *first,
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": "Sure?"},
+        ]
+        second = await tokenize(messages=follow_up, return_token_strs=True)
+        await client.chat.completions.create(model="policy", messages=follow_up, max_tokens=5)  # type: ignore[arg-type]
+        text = await tokenize(prompt=SPLIT_TEXT)
+        await client.completions.create(model="policy", prompt=SPLIT_TEXT, max_tokens=2)
+        detok = await http.post(f"/s/{sid}/detokenize", json={"tokens": second["tokens"]},
+                                headers=auth)  # fmt: skip
+        await client.close()
+    turns = [e for e in await events_of(bus) if isinstance(e, TurnRecorded)]
+    assert [t.session_id for t in turns] == [sid] * 3
+    assert before["tokens"] == turns[0].prompt_ids and before["count"] == len(turns[0].prompt_ids)
+    assert before["max_model_len"] == 128
+    assert outside.json()["tokens"] == turns[0].prompt_ids
+    # the follow-up continues the first turn's exact ids (prompt + engine completion)
+    assert second["tokens"] == turns[1].prompt_ids
+    assert second["tokens"][: len(turns[0].prompt_ids) + len(turns[0].completion_ids)] == [
+        *turns[0].prompt_ids,
+        *turns[0].completion_ids,
+    ]
+    assert len(second["token_strs"]) == second["count"]
+    assert any(s.startswith("bytes:\\x") for s in second["token_strs"])  # split characters
+    assert text["tokens"] == turns[2].prompt_ids
+    tokenizer = gateway.gateway.tokenizer
+    assert detok.json() == {"prompt": tokenizer.raw_text(turns[1].prompt_ids)}
+    assert gateway.gateway.sessions[sid].conversation.forks == 0  # a look is not a fork
+
+
+async def test_tokenize_refuses_bad_input_and_stores_nothing(
+    gateway: GatewayService, bus: Bus
+) -> None:
+    async with httpx.AsyncClient(base_url=url_of(gateway)) as http:
+        session = (await http.post("/sessions", json={})).json()
+        sid, auth = session["session_id"], session_auth(session)
+        before = await events_of(bus)
+        user = [{"role": "user", "content": "x"}]
+        bad: list[tuple[str, Any, int, str | None]] = [
+            ("tokenize", {}, 400, None),
+            ("tokenize", {"messages": user, "prompt": "x"}, 400, None),
+            ("tokenize", {"messages": []}, 400, "messages"),
+            ("tokenize", {"prompt": "x", "add_special_tokens": True}, 400, "add_special_tokens"),
+            ("tokenize", {"prompt": "x", "tools": []}, 400, None),
+            ("tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+            ("tokenize", {"prompt": "x", "model": "nope"}, 404, "model"),
+            ("detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+            ("detokenize", {"tokens": ["a"]}, 400, "tokens"),
+            ("detokenize", {}, 400, "tokens"),
+        ]
+        for route, body, status, param in bad:
+            for path in (f"/s/{sid}/{route}", f"/{route}"):
+                answer = await http.post(path, json=body, headers=auth)
+                assert answer.status_code == status, (path, body, answer.text)
+                error = answer.json()["error"]
+                assert error["type"] == "invalid_request_error" and error["message"]
+                if param is not None:
+                    assert param in (error["param"] or ""), (body, error)
+        for route in ("tokenize", "detokenize"):  # the session's key only
+            unauthorized = await http.post(f"/s/{sid}/{route}", json={"prompt": "x"})
+            assert unauthorized.status_code == 401
+        assert await events_of(bus) == before
+
+
+# ------------------------------------------------------------------ logprob bytes
+
+
+def _choice_of(tokenizer: ChatTokenizer, text: str) -> Choice:
+    ids = [*tokenizer.encode_text(text), *tokenizer.stop_token_ids[-1:]]
+    choice = Choice(0, tokenizer.decode_completion)
+    tops = [[TopLogprob(token_id=t, logprob=-0.5), TopLogprob(token_id=3, logprob=-2.0)]
+            for t in ids]  # fmt: skip
+    for i, token in enumerate(ids):  # one token at a time, as an engine streams them
+        choice.extend([token], [-0.5], [0], tops[i : i + 1])
+    choice.finish_reason = "stop"
+    return choice
+
+
+def test_logprob_bytes_are_each_tokens_raw_bytes(base_model_dir: Path) -> None:
+    """Tokens holding part of a multi-byte character carry their exact bytes (the old
+    per-token decode gave U+FFFD's bytes), in the whole answer and in the stream, and
+    their ``token`` is OpenAI's ``bytes:\\xNN`` spelling."""
+    tokenizer = ChatTokenizer(base_model_dir)
+    choice = _choice_of(tokenizer, SPLIT_TEXT)
+    assert choice.text == SPLIT_TEXT
+    assert any(tokenizer.token_text(t) == "\ufffd" for t in choice.token_ids)  # splits chars
+    end = tokenizer.tokenizer.convert_ids_to_tokens(choice.token_ids[-1])
+
+    def view() -> ChatFormat:
+        return ChatFormat(model="policy", token_text=tokenizer.token_text,
+                          token_bytes=tokenizer.token_bytes, logprobs=True)  # fmt: skip
+
+    whole = view().response(3, [choice])
+    assert check_body(ChatCompletion, json.dumps(whole).encode()) == []
+    entries = whole["choices"][0]["logprobs"]["content"]
+    assert b"".join(bytes(e["bytes"]) for e in entries) == (SPLIT_TEXT + end).encode()
+    for entry in entries:
+        for top in entry["top_logprobs"]:
+            if top["bytes"] == entry["bytes"]:
+                assert top["token"] == entry["token"]
+    partial = [e for e in entries if e["token"].startswith("bytes:")]
+    assert partial and all(
+        e["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in e["bytes"]) for e in partial
+    )
+    assert [bytes(e["bytes"]).decode() for e in entries if e not in partial] == [
+        e["token"] for e in entries if e not in partial
+    ]
+
+    streamed_choice = _choice_of(tokenizer, SPLIT_TEXT)
+    stream = view()
+    chunks = [*stream.opening([streamed_choice])]
+    progress = stream.progress(streamed_choice)
+    if progress is not None:
+        chunks.append(progress)
+    chunks += stream.closing(streamed_choice)
+    streamed = []
+    for chunk in chunks:
+        assert check_body(ChatCompletionChunk, json.dumps(chunk).encode()) == []
+        streamed += (chunk["choices"][0]["logprobs"] or {}).get("content") or []
+    assert streamed == entries
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_token_bytes_of_every_family_spell_the_text(family: str, tmp_path: Path) -> None:
+    build_tokenizer(family_spec(family)).save_pretrained(tmp_path)
+    tokenizer = ChatTokenizer(tmp_path)
+    text = SPLIT_TEXT + " <tool_call>{}</tool_call>"
+    ids = tokenizer.encode_text(text)
+    assert len(ids) > len(text.encode()) // 4, "the text is not split into small pieces"
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == text.encode()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_encoding_gives_the_ids_of_the_transformers_tokenizer(family: str, tmp_path: Path) -> None:
+    """``encode_text`` calls the fast tokenizer's own encoder (cheaper per request): the
+    ids are those transformers gives, special tokens, spaces and odd bytes included."""
+    build_tokenizer(family_spec(family)).save_pretrained(tmp_path)
+    tokenizer = ChatTokenizer(tmp_path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    texts = [
+        tokenizer.render(messages, None, True),
+        SPLIT_TEXT + " <tool_call>{}</tool_call>",
+        "  leading spaces\n\ttabs\r\n and \u00a0odd\u200b bytes \U0001f642 ",
+        tokenizer.end_of_turn + "after the end" + tokenizer.end_of_turn,
+        "",
+    ]
+    for text in texts:
+        expected = list(tokenizer.tokenizer(text, add_special_tokens=False)["input_ids"])
+        assert tokenizer.encode_text(text) == expected, text
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary(tmp_path: Path) -> None:
+    """SentencePiece-style (Llama 2, Mistral): pieces spell a space as U+2581 and bytes
+    without a piece of their own as ``<0xNN>`` (byte fallback)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", *byte_pieces])
+    backend.train_from_iterator(["hello world café, the quick brown fox"] * 20, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>").save_pretrained(tmp_path)
+    tokenizer = ChatTokenizer(tmp_path)
+    text = "hello 日本 café🙂 world"
+    ids = tokenizer.encode_text(text)
+    assert ids == list(tokenizer.tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert "<0xE6>" in tokenizer.tokenizer.convert_ids_to_tokens(ids)
+    # every piece as written: the one leading space SentencePiece adds included
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == (" " + text).encode()
+
+
+# ------------------------------------------------------------------ the checker itself
+
+GOOD_CHAT = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "policy",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "4"},
+            "finish_reason": "stop",
+            "logprobs": None,
+        }
+    ],
+}
+
+
+def _edited(path: list[Any], value: Any) -> bytes:
+    body = json.loads(json.dumps(GOOD_CHAT))
+    target = body
+    for key in path[:-1]:
+        target = target[key]
+    if value is KeyError:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (["created"], "1"),  # a string where an int belongs: the SDK would coerce it
+        (["choices", 0, "index"], 0.0),
+        (["choices", 0, "finish_reason"], "done"),
+        (["choices", 0, "logprobs"], KeyError),  # always sent by OpenAI (null or not)
+        (["choices", 0, "message", "content"], KeyError),
+        (["choices", 0, "message", "surprise"], 1),  # a field the type does not know
+        (["choices", 0, "message", "role"], KeyError),
+    ],
+)
+def test_the_checker_refuses_what_the_sdk_would_let_pass(path: list[Any], value: Any) -> None:
+    assert check_body(ChatCompletion, json.dumps(GOOD_CHAT).encode()) == []
+    assert check_body(ChatCompletion, _edited(path, value)) != []

@@ -1,0 +1,452 @@
+"""Each family's tool-call and reasoning format, through the official openai SDK against
+a real gateway, engine worker and trajectory service on a real nats-server.
+
+The engine is the scripted engine answering with scripted texts (``scripted_replies``),
+so a tiny random model "writes" a think block or a tool call; everything after the
+engine's tokens is the real data plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+from scripted_replies import scripted_engine
+from support import InProcessMesh, session_auth, session_turns, trajectory_events
+
+from seamlessflow.assets.families import ADD_TOOL, build_family_model
+from seamlessflow.bus import Bus
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_gateway.reasoning import Qwen3ReasoningParser, reasoning_parser_for
+from sf_gateway.service import GatewayService
+from sf_gateway.settings import GatewaySettings
+from sf_gateway.tool_parsers import Llama3JsonToolParser, QwenToolParser, tool_parser_for
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_trajectory.service import TrajectoryService
+from sf_weight_sync.service import WeightSyncService
+
+TOOLS = [ADD_TOOL]
+
+# ------------------------------------------------------------------ parsers alone
+
+
+def test_llama3_json_calls() -> None:
+    parser = Llama3JsonToolParser()
+    [call] = parser.parse('{"name": "add", "parameters": {"a": 1, "b": 2}}').tool_calls
+    assert call.name == "add" and json.loads(call.arguments) == {"a": 1, "b": 2}
+    parsed = parser.parse('<|python_tag|>{"name": "f", "arguments": {}}; {"name": "g", '
+                          '"parameters": {"x": [1]}}')  # fmt: skip
+    assert [c.name for c in parsed.tool_calls] == ["f", "g"] and parsed.content is None
+    for text in ['{"name": "f", "parameters": {}} and more', '{"nam": "f"}', "{oops", "Hi {"]:
+        assert parser.parse(text) == type(parsed)(text, [])
+
+
+def test_reasoning_split() -> None:
+    parser = Qwen3ReasoningParser()
+    assert parser.split("<think>\nhmm\n</think>\n\n4") == ("hmm", "4")
+    assert parser.split("4") == (None, "4")
+    assert parser.split("<think>\nstill thinking") == ("still thinking", "")  # cut
+
+
+def test_auto_picks_the_family_format() -> None:
+    from seamlessflow.assets.families import SPECS
+
+    assert isinstance(tool_parser_for("auto", SPECS["qwen3"].chat_template), QwenToolParser)
+    llama = SPECS["llama3-tied"].chat_template
+    assert isinstance(tool_parser_for("auto", llama), Llama3JsonToolParser)
+    assert tool_parser_for("none", llama) is None
+    assert isinstance(reasoning_parser_for("auto", SPECS["qwen3"].chat_template),
+                      Qwen3ReasoningParser)  # fmt: skip
+    assert reasoning_parser_for("auto", SPECS["qwen2"].chat_template) is None
+    assert reasoning_parser_for("auto", llama) is None
+    with pytest.raises(ValueError, match="known"):
+        reasoning_parser_for("deepthought", llama)
+
+
+def test_a_prompt_that_opens_the_think_block() -> None:
+    """Templates that end the generation prompt with ``<think>`` (Qwen3-2507 thinking,
+    DeepSeek-R1 distills): the answer starts inside the block."""
+    from sf_gateway.choice import Choice
+    from sf_gateway.reasoning import reasoning_of
+    from sf_gateway.responses import ChatFormat
+
+    parser = Qwen3ReasoningParser()
+    view = ChatFormat(model="m", token_text=str, reasoning=parser, reasoning_opened=True)
+    choice = Choice(0, lambda ids: "".join(chr(i) for i in ids))
+    streamed = ""
+    for ch in "\nHmm.\n</think>\n\n42":
+        choice.extend([ord(ch)], [0.0], [0], [])
+        chunk = view.progress(choice)
+        if chunk is not None:
+            streamed += chunk["choices"][0]["delta"].get("reasoning_content", "")
+    choice.finish_reason = "stop"
+    assert view.message(choice)["reasoning_content"] == streamed == "Hmm."
+    assert view.message(choice)["content"] == "42"
+    # the stored completion (special tokens kept) has its reasoning found the same way
+    assert reasoning_of(parser, "\nHmm.\n</think>\n\n42<|im_end|>") == "Hmm."
+    assert reasoning_of(parser, "<think>\nHmm.\n</think>\n\n42<|im_end|>") == "Hmm."
+    assert reasoning_of(parser, "42<|im_end|>") is None
+
+
+ANSWERS = [
+    "<think>\nLet me add.\n</think>\n\n7 + 12 = 19",
+    '<think>\nA tool.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 7}}\n'
+    "</tool_call>",
+    'Sure. <tool_call>{"name": "add", "arguments": {}}</tool_call> <tool_call>{bad}',
+    "<think>\ncut off </thi",
+    "  <thin",
+    "no think </think> here",
+    '{"name": "add", "parameters": {"a": 1}}',
+    "Plain { text",
+]
+
+
+@pytest.mark.parametrize("opened", [False, True], ids=["plain", "opened"])
+@pytest.mark.parametrize("answer", ANSWERS)
+def test_streamed_prefixes_are_prefixes_of_the_final_split(answer: str, opened: bool) -> None:
+    """Whatever is streamed at any point is a prefix of the final reasoning and content,
+    and a whole stream concatenates to the final message, for every tool parser."""
+    from sf_gateway.choice import Choice
+    from sf_gateway.responses import ChatFormat
+
+    def chars(ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    for parser in (QwenToolParser(), Llama3JsonToolParser(), None):
+
+        def view(parser: Any = parser) -> ChatFormat:
+            return ChatFormat(
+                model="m",
+                token_text=str,
+                parser=parser,
+                reasoning=Qwen3ReasoningParser(),
+                reasoning_opened=opened,
+            )
+
+        growing, choice = view(), Choice(0, chars)
+        for ch in answer:
+            choice.extend([ord(ch)], [0.0], [0], [])
+            reasoning, content = growing.streamable(choice)
+            final = view().parsed(choice)
+            assert (final.reasoning or "").startswith(reasoning), (choice.text, reasoning)
+            assert (final.content or "").startswith(content), (choice.text, content)
+
+        stream, choice = view(), Choice(0, chars)
+        sent_reasoning = sent_content = ""
+        cuts = sorted(random.Random(answer).sample(range(len(answer)), min(3, len(answer))))
+        for start, end in zip([0, *cuts], [*cuts, len(answer)], strict=True):
+            n = end - start
+            choice.extend([ord(c) for c in answer[start:end]], [0.0] * n, [0] * n, [])
+            chunk = stream.progress(choice)
+            if chunk is not None:
+                delta = chunk["choices"][0]["delta"]
+                sent_reasoning += delta.get("reasoning_content", "")
+                sent_content += delta.get("content", "")
+        choice.finish_reason = "stop"
+        for chunk in stream.closing(choice):
+            delta = chunk["choices"][0]["delta"]
+            sent_reasoning += delta.get("reasoning_content", "")
+            sent_content += delta.get("content") or ""
+        message = stream.message(choice)
+        assert sent_reasoning == (message["reasoning_content"] or "")
+        assert sent_content == (message["content"] or "")
+
+
+# ------------------------------------------------------------------ through the gateway
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = build_family_model(family, tmp_path_factory.mktemp(family))
+        return built[family]
+
+    return get
+
+
+class Run:
+    def __init__(self, url: str, replies: list[list[int]], model_dir: Path) -> None:
+        self.url = url
+        self.replies = replies
+        self.model_dir = model_dir
+
+
+@pytest.fixture
+async def start_run(
+    nats_url: str, run_id: str, monkeypatch: pytest.MonkeyPatch, family_dirs: Any
+) -> AsyncIterator[Callable[[str, list[str]], Any]]:
+    """Start a run of ``family`` whose engine answers ``texts`` in order."""
+    meshes: list[InProcessMesh] = []
+
+    async def start(family: str, texts: list[str]) -> Run:
+        model_dir = family_dirs(family)
+        replies = scripted_engine(monkeypatch, model_dir, texts)
+        mesh = InProcessMesh(nats_url, run_id, model_dir)
+        meshes.append(mesh)
+        await mesh.start(TagSchedulerService())
+        await mesh.start(WeightSyncService())
+        engine = await mesh.start(
+            EngineService(EngineSettings(engine_id="engine-r", backend="scripted"))
+        )
+        trajectory = await mesh.start(TrajectoryService())
+        gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=512)))
+        async with asyncio.timeout(60):
+            await engine.ready.wait()
+            await gateway.ready.wait()
+            await trajectory.ready.wait()
+        return Run(f"http://127.0.0.1:{gateway.bound_port}", replies, model_dir)
+
+    yield start
+    for mesh in meshes:
+        await mesh.stop()
+
+
+async def open_session(http: httpx.AsyncClient) -> tuple[dict[str, Any], AsyncOpenAI]:
+    response = await http.post("/sessions", json={})
+    assert response.status_code == 201, response.text
+    session = response.json()
+    client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
+    return session, client
+
+
+def trained_tokens(token_ids: list[int], mask: list[int], logprobs: list[float]) -> list[Any]:
+    return [(t, lp) for t, m, lp in zip(token_ids, mask, logprobs, strict=True) if m]
+
+
+async def test_qwen3_reasoning_and_tool_calls_streamed_and_not(start_run: Any, bus: Bus) -> None:
+    answers = [
+        '<think>\nI need the tool.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": '
+        '{"a": 7, "b": 12}}\n</tool_call>',
+    ] * 2 + ["<think>\nThe tool says 19.\n</think>\n\n19"] * 2
+    run = await start_run("qwen3", answers)
+    question = [{"role": "user", "content": "What is 7 + 12?"}]
+    async with httpx.AsyncClient(base_url=run.url) as http:
+        session, client = await open_session(http)
+        plain = await client.chat.completions.create(
+            model="policy",
+            messages=question,
+            tools=TOOLS,
+            max_tokens=64,  # type: ignore[arg-type]
+        )
+        streamed = await client.chat.completions.create(
+            model="policy",
+            messages=question,
+            tools=TOOLS,
+            max_tokens=64,
+            stream=True,  # type: ignore[arg-type]
+        )
+        chunks = [chunk async for chunk in streamed]
+        [choice] = plain.choices
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.model_extra["reasoning_content"] == "I need the tool."
+        assert choice.message.content is None
+        [call] = choice.message.tool_calls or []
+        assert call.function.name == "add"
+        assert json.loads(call.function.arguments) == {"a": 7, "b": 12}
+
+        # streamed: reasoning deltas first, then the call as OpenAI streams it
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+        assert reasoning == "I need the tool."
+        assert "".join(d.content or "" for d in deltas) == ""
+        call_deltas = [tc for d in deltas for tc in d.tool_calls or []]
+        assert call_deltas[0].index == 0 and call_deltas[0].id and call_deltas[0].type == "function"
+        assert call_deltas[0].function.name == "add"
+        arguments = "".join(tc.function.arguments or "" for tc in call_deltas)
+        assert json.loads(arguments) == {"a": 7, "b": 12}
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        first_reasoning = next(
+            i for i, d in enumerate(deltas) if (d.model_extra or {}).get("reasoning_content")
+        )
+        first_call = next(i for i, d in enumerate(deltas) if d.tool_calls)
+        assert first_reasoning < first_call
+
+        # the agent sends the call back with its result, and gets a reasoned answer
+        history = [
+            *question,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "19"},
+        ]
+        final = await client.chat.completions.create(
+            model="policy",
+            messages=history,
+            tools=TOOLS,
+            max_tokens=64,  # type: ignore[arg-type]
+        )
+        assert final.choices[0].message.content == "19"
+        assert final.choices[0].finish_reason == "stop"
+        assert final.choices[0].message.model_extra["reasoning_content"] == "The tool says 19."
+        stream = await client.chat.completions.create(
+            model="policy",
+            messages=history,
+            tools=TOOLS,
+            max_tokens=64,
+            stream=True,  # type: ignore[arg-type]
+        )
+        deltas = [c.choices[0].delta async for c in stream if c.choices]
+        assert "".join(d.content or "" for d in deltas) == "19"
+        await client.close()
+
+    turns = await session_turns(bus, session["session_id"])
+    # the record keeps the engine's exact tokens, think block and markers included
+    assert [t.completion_ids for t in turns] == run.replies
+    # turn 3 continued turn 1 (tool call sent back): its prompt extends turn 1's ids
+    assert turns[2].prompt_ids[: len(turns[0].prompt_ids) + len(turns[0].completion_ids)] == [
+        *turns[0].prompt_ids,
+        *turns[0].completion_ids,
+    ]
+
+
+async def test_llama3_json_tool_calls_both_ways(start_run: Any, bus: Bus) -> None:
+    """A Llama 3 call is parsed; sent back, the template renders it as the model wrote
+    it, so the next turn continues the turn's exact ids."""
+    answers = ['{"name": "add", "parameters": {"a": 7, "b": 12}}'] * 2 + ["It is 19."]
+    run = await start_run("llama3-tied", answers)
+    question = [{"role": "user", "content": "What is 7 + 12?"}]
+    async with httpx.AsyncClient(base_url=run.url) as http:
+        session, client = await open_session(http)
+        streamed = await client.chat.completions.create(
+            model="policy",
+            messages=question,
+            tools=TOOLS,
+            max_tokens=64,
+            stream=True,  # type: ignore[arg-type]
+        )
+        chunks = [c async for c in streamed]
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(d.content or "" for d in deltas) == ""
+        calls = [tc for d in deltas for tc in d.tool_calls or []]
+        assert calls[0].function.name == "add" and calls[0].id
+        arguments = "".join(tc.function.arguments or "" for tc in calls)
+        assert json.loads(arguments) == {"a": 7, "b": 12}
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # the SDK's own stream accumulator rebuilds the same message from the deltas
+        async with client.chat.completions.stream(
+            model="policy",
+            messages=question,
+            tools=TOOLS,
+            max_tokens=64,  # type: ignore[arg-type]
+        ) as accumulating:
+            rebuilt = await accumulating.get_final_completion()
+        [rebuilt_call] = rebuilt.choices[0].message.tool_calls or []
+        assert rebuilt_call.function.name == "add" and rebuilt_call.id
+        assert json.loads(rebuilt_call.function.arguments) == {"a": 7, "b": 12}
+        assert rebuilt.choices[0].finish_reason == "tool_calls"
+        history = [
+            *question,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": calls[0].id,
+                        "type": "function",
+                        "function": {"name": "add", "arguments": arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "19"},
+        ]
+        answer = await client.chat.completions.create(
+            model="policy",
+            messages=history,
+            tools=TOOLS,
+            max_tokens=64,  # type: ignore[arg-type]
+        )
+        assert answer.choices[0].message.content == "It is 19."
+        assert answer.choices[0].finish_reason == "stop"
+        assert "reasoning_content" not in (answer.choices[0].message.model_extra or {})
+        await client.close()
+    first, _, second = await session_turns(bus, session["session_id"])
+    on_path = [*first.prompt_ids, *first.completion_ids]
+    assert second.prompt_ids[: len(on_path)] == on_path
+
+
+async def test_qwen3_turns_whose_think_block_the_template_drops_are_all_trained(
+    start_run: Any, bus: Bus
+) -> None:
+    """Three thinking turns; the agent resends only the content (and Qwen3's template
+    drops earlier think blocks anyway), so each next prompt continues the previous
+    prompt, not its completion. Every turn's exact engine tokens are still trained,
+    once each, in the export and in the batch."""
+    from sf_trajectory.grouping import Grouper
+
+    answers = [f"<think>\nStep {i}.\n</think>\n\nAnswer {i}" for i in range(3)]
+    run = await start_run("qwen3", answers)
+    messages: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(base_url=run.url) as http:
+        session, client = await open_session(http)
+        for i in range(3):
+            messages.append({"role": "user", "content": f"Question {i}?"})
+            answer = await client.chat.completions.create(
+                model="policy",
+                messages=messages,
+                max_tokens=64,  # type: ignore[arg-type]
+            )
+            message = answer.choices[0].message
+            assert message.content == f"Answer {i}"
+            assert message.model_extra["reasoning_content"] == f"Step {i}."
+            messages.append({"role": "assistant", "content": message.content})
+        await client.close()
+        auth = session_auth(session)
+        sid = session["session_id"]
+        assert (await http.post(f"/sessions/{sid}/reward", json={"reward": 1.0},
+                                headers=auth)).status_code == 200  # fmt: skip
+        assert (await http.post(f"/sessions/{sid}/finish", headers=auth)).status_code == 200
+        exported = (await http.get(f"/sessions/{sid}/export", headers=auth)).json()
+
+    turns = await session_turns(bus, sid)
+    assert [t.completion_ids for t in turns] == run.replies
+    # the template dropped each earlier think block: turn k+1's prompt continues turn
+    # k's prompt ids, not its completion, and names turn k as its parent by messages
+    for before, after in itertools.pairwise(turns):
+        assert after.prompt_ids[: len(before.prompt_ids)] == before.prompt_ids
+        on_path = [*before.prompt_ids, *before.completion_ids]
+        assert after.prompt_ids[: len(on_path)] != on_path
+        assert after.parent_digest == before.node_digest
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(run.model_dir))
+    rendered = tokenizer.apply_chat_template(
+        messages[:-1], tokenize=False, add_generation_prompt=True
+    )
+    assert tokenizer.decode(turns[2].prompt_ids) == rendered  # what the template renders
+    assert "<think>" not in tokenizer.decode(turns[2].prompt_ids)
+
+    expected = sorted(
+        (t, lp) for turn in turns for t, lp in zip(turn.completion_ids, turn.logprobs, strict=True)
+    )
+    trained = [s for s in exported["samples"] if s["reward"] is not None]
+    assert len(trained) == 3 and all(s["reward"] == 1.0 for s in trained)
+    in_export = [
+        x
+        for s in trained
+        for x in trained_tokens(s["token_ids"], s["loss_mask"], s["behaviour_logprobs"])
+    ]
+    assert sorted(in_export) == expected
+    assert sorted(i for s in trained for i in s["turn_indexes"]) == [0, 1, 2]
+
+    # the trajectory service's batch path makes the same samples
+    grouper = Grouper(lambda name: lambda text, ref: 0.0)
+    for event in await trajectory_events(bus):
+        grouper.apply(event)
+    [group] = grouper.take_batch(1) or []
+    assert {sample.session_id for sample in group.samples} == {sid}
+    in_batch = [
+        x
+        for s in group.samples
+        for x in trained_tokens(s.token_ids, s.loss_mask, s.behaviour_logprobs)
+    ]
+    assert sorted(in_batch) == expected

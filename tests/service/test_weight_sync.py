@@ -1,0 +1,214 @@
+"""Weight sync on a real nats-server: both pull stores, pruning, and engines that follow
+full and delta versions, join late, refuse corrupted payloads and survive a weight-sync
+restart."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from seamlessflow.bus import Bus
+from seamlessflow.protocol import CurrentVersion, CurrentVersionQuery
+from seamlessflow.weights import (
+    EncodedWeights,
+    ObjectStorePayloads,
+    PayloadMissing,
+    SharedMemoryPayloads,
+    WeightEncoder,
+    WeightMirror,
+    WeightPublisher,
+)
+from sf_engine.service import EngineService
+from sf_engine.settings import EngineSettings
+from sf_tag_scheduler.service import TagSchedulerService
+from sf_weight_sync.service import WeightSyncService
+
+
+def small_state(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "a": torch.randn(512, 33, generator=generator),
+        "b": torch.randn(5, generator=generator),
+    }
+
+
+async def round_trip(store, encoded: EncodedWeights) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    manifest = await store.put(encoded)
+    mirror = WeightMirror()
+    mirror.apply(manifest, await store.fetch(manifest))
+    return mirror.tensors()
+
+
+async def test_object_store_moves_a_payload_in_buckets_and_loses_it_on_delete(bus: Bus) -> None:
+    store = ObjectStorePayloads(bus)
+    state = small_state(0)
+    encoded = WeightEncoder(bucket_bytes=10_000).encode(1, state)
+    assert len(encoded.manifest.bucket_sha256) == 7  # 67,648 bytes in 10 kB buckets
+    got = await round_trip(store, encoded)
+    assert all(torch.equal(got[name], state[name]) for name in state)
+    manifest = await store.put(encoded)
+    assert manifest.transport == "object" and manifest.location
+    await store.delete(manifest)
+    with pytest.raises(PayloadMissing):
+        await store.fetch(manifest)
+
+
+async def test_shared_memory_is_written_whole_and_read_in_place(tmp_path: Path) -> None:
+    store = SharedMemoryPayloads("shm-test", tmp_path)
+    state = small_state(1)
+    encoded = WeightEncoder(bucket_bytes=10_000).encode(3, state)
+    got = await round_trip(store, encoded)
+    assert all(torch.equal(got[name], state[name]) for name in state)
+    assert os.listdir(tmp_path) == ["seamlessflow-shm-test-weights-v00000003-full"]
+    manifest = await store.put(encoded)
+    other_run = SharedMemoryPayloads("other-run", tmp_path)
+    with pytest.raises(PayloadMissing):
+        await other_run.fetch(manifest)
+    await store.delete(manifest)
+    with pytest.raises(PayloadMissing):
+        await store.fetch(manifest)
+
+
+async def test_the_publisher_keeps_only_its_latest_chains(tmp_path: Path) -> None:
+    store = SharedMemoryPayloads("prune", tmp_path)
+    encoder = WeightEncoder(bucket_bytes=1 << 20, deltas=True, full_every=2)
+    publisher = WeightPublisher(store, encoder, keep_chains=1, dtype=torch.bfloat16)
+    state = small_state(2)
+    manifests = []
+    for version in (1, 2, 3):
+        state = {k: v + (0.5 if k == "b" else 0.0) for k, v in state.items()}
+        manifests.append(await publisher.publish(version, state))
+    assert [m.kind for m in manifests] == ["full", "delta", "full"]
+    assert manifests[1].payload_bytes < manifests[0].payload_bytes / 10
+    assert manifests[0].layout[0].dtype == "bfloat16"
+    for pruned in manifests[:2]:
+        with pytest.raises(PayloadMissing):
+            await store.fetch(pruned)
+    assert len(await store.fetch(manifests[2])) == manifests[2].payload_bytes
+    await publisher.close()  # shared memory is RAM: nothing outlives the publisher
+    assert os.listdir(tmp_path) == []
+
+
+async def engine_weights(worker: EngineService) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in worker.engine._params.items()}  # type: ignore[attr-defined]
+
+
+async def wait_for_version(worker: EngineService, version: int) -> None:
+    async with asyncio.timeout(60):
+        while worker.engine.version < version:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+
+def stepped(state: dict[str, torch.Tensor], version: int) -> dict[str, torch.Tensor]:
+    """Move a small part of the model, so most bf16 words stay bit-identical."""
+    changed = dict(state)
+    name = "model.norm.weight"
+    changed[name] = state[name] + 0.25 * version
+    return changed
+
+
+async def test_engines_follow_deltas_join_late_and_refuse_corrupted_payloads(
+    nats_url: str, run_id: str, base_model_dir: Path, bus: Bus
+) -> None:
+    from support import InProcessMesh, announce_weights
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_model_dir)).state_dict()
+    publisher = WeightPublisher(
+        ObjectStorePayloads(bus),
+        WeightEncoder(bucket_bytes=256 * 1024, deltas=True, full_every=10),
+        dtype=torch.bfloat16,
+    )
+
+    async def publish(version: int, state: dict[str, torch.Tensor]) -> None:
+        await announce_weights(bus, await publisher.publish(version, state))
+
+    mesh = InProcessMesh(nats_url, run_id, base_model_dir)
+    try:
+        await mesh.start(TagSchedulerService())
+        weight_sync = await mesh.start(WeightSyncService())
+        early = await mesh.start(EngineService(EngineSettings(engine_id="engine-early")))
+        async with asyncio.timeout(60):
+            await early.ready.wait()
+
+        states = {}
+        for version in (1, 2, 3):
+            states[version] = stepped(base, version)
+            await publish(version, states[version])
+            await wait_for_version(early, version)
+        kinds = [m.kind for m in weight_sync.chain.manifests]
+        assert kinds == ["full", "delta", "delta"]
+        want = {k: v.bfloat16().float() for k, v in states[3].items()}
+        got = await engine_weights(early)
+        assert all(torch.equal(got[name], want[name]) for name in want)
+
+        late = await mesh.start(EngineService(EngineSettings(engine_id="engine-late")))
+        async with asyncio.timeout(60):
+            await late.ready.wait()
+        assert late.engine.version == 3
+        late_weights = await engine_weights(late)
+        assert all(torch.equal(late_weights[name], want[name]) for name in want)
+
+        # a payload whose bytes do not match its manifest is never loaded
+        states[4] = stepped(base, 4)
+        honest = publisher.encoder.encode(4, {k: v.bfloat16() for k, v in states[4].items()})
+        damaged = bytearray(honest.payload)
+        damaged[-1] ^= 0xFF
+        await announce_weights(
+            bus, await publisher.store.put(EncodedWeights(honest.manifest, memoryview(damaged)))
+        )
+        async with asyncio.timeout(30):
+            while weight_sync.chain.version < 4:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # time enough to fetch, check and (wrongly) load
+        assert early.engine.version == 3
+        assert early.receiver.mirror.version == 3  # refused before anything was applied
+        assert all(torch.equal(early.engine._params[n], want[n]) for n in want)  # type: ignore[attr-defined]
+
+        # the next full version repairs everything
+        publisher.encoder.full_every = 1
+        states[5] = stepped(base, 5)
+        await publish(5, states[5])
+        await wait_for_version(early, 5)
+        await wait_for_version(late, 5)
+    finally:
+        await mesh.stop()
+
+
+async def test_weight_sync_rebuilds_the_chain_after_a_restart(
+    nats_url: str, run_id: str, bus: Bus
+) -> None:
+    from support import InProcessMesh, announce_weights
+
+    publisher = WeightPublisher(
+        ObjectStorePayloads(bus), WeightEncoder(bucket_bytes=1 << 20, deltas=True, full_every=3)
+    )
+    state = small_state(3)
+    for version in range(1, 6):  # full 1, deltas 2-3, full 4, delta 5
+        state = {"a": state["a"], "b": state["b"] + 1.0}
+        await announce_weights(bus, await publisher.publish(version, state))
+    mesh = InProcessMesh(nats_url, run_id, None)
+    try:
+        first = await mesh.start(WeightSyncService())
+        async with asyncio.timeout(30):
+            while first.chain.version < 5:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        await mesh.stop()
+        restarted = await mesh.start(WeightSyncService())
+        await asyncio.wait_for(restarted.ready.wait(), 30)
+        current: CurrentVersion = await bus.request(
+            bus.subjects.weights_current(), CurrentVersionQuery(engine_id="e"), CurrentVersion
+        )
+    finally:
+        await mesh.stop()
+    assert current.version == 5
+    assert [(m.version, m.kind) for m in current.chain] == [(4, "full"), (5, "delta")]
+    mirror = WeightMirror()
+    store = ObjectStorePayloads(bus)
+    for manifest in current.chain:
+        mirror.apply(manifest, await store.fetch(manifest))
+    assert torch.equal(mirror.tensors()["b"], state["b"])

@@ -1,0 +1,278 @@
+"""Plain helpers shared by the tests (fixtures live in tests/conftest.py): where the
+repository is, free ports, waiting for a condition, a mesh of services in the test's
+event loop, playing the trainer on the bus, reading back recorded turns, a small
+embedded run, and loading a loadtest script.
+
+The tests import it as ``support`` (tests/ is on ``sys.path``: pytest inserts the
+directory of tests/conftest.py), wherever under tests/ they live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+from seamlessflow.bus import Bus, connect
+from seamlessflow.protocol import Subjects
+from sf_app.run.supervisor import free_port
+
+__all__ = [
+    "GATEWAY_MAX_CONTEXT",
+    "REPO_ROOT",
+    "TESTS_DIR",
+    "InProcessMesh",
+    "announce_plan",
+    "announce_weights",
+    "eventually",
+    "free_port",
+    "free_ports",
+    "load_loadtest",
+    "publish_perturbed_version",
+    "recorded_turns",
+    "rollout_gateway",
+    "session_auth",
+    "session_turns",
+    "small_embedded_run",
+    "start_rollout",
+    "trajectory_events",
+]
+
+TESTS_DIR = Path(__file__).resolve().parent
+"""tests/: the helper modules and the scripts tests run as processes (trainer_rank.py)."""
+REPO_ROOT = TESTS_DIR.parent
+"""The repository's root: what tests read (loadtests/, examples/, compose/, docs/)."""
+
+T = TypeVar("T")
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` ports nothing listened on a moment ago; all bound at once, so they differ
+    (``free_port`` twice may give the same port)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+async def eventually(
+    condition: Callable[[], T | Awaitable[T]],
+    timeout_s: float,
+    what: str,
+    interval_s: float = 0.05,
+) -> T:
+    """Poll ``condition`` (a function or a coroutine function) until it returns something
+    truthy, and return that; fail naming ``what`` when ``timeout_s`` passes first. For a
+    test that waits for something to happen elsewhere (another task, process or service)
+    instead of sleeping a fixed time and hoping it did."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = condition()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result  # type: ignore[return-value]
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        await asyncio.sleep(interval_s)
+
+
+class InProcessMesh:
+    """Services of one run started in this test's event loop, each with its own
+    connection, exactly as ``run_service`` would start them (minus signals)."""
+
+    def __init__(
+        self, nats_url: str, run_id: str, model_dir: Path | None, policies: str = ""
+    ) -> None:
+        from seamlessflow.settings import MeshSettings
+
+        self.mesh = MeshSettings(
+            nats_url=nats_url, run_id=run_id, model_dir=model_dir, policies=policies
+        )
+        self.running: list[tuple[object, object, object]] = []
+
+    async def start(self, service, policy: str = ""):  # type: ignore[no-untyped-def]
+        """Start ``service``; ``policy``: the one it serves or trains (``SF_POLICY``)."""
+        import asyncio
+
+        from seamlessflow.service import ServiceContext
+
+        mesh = self.mesh.model_copy(update={"policy": policy}) if policy else self.mesh
+        service_bus = await connect(
+            mesh.nats_url, Subjects(mesh.run_id, mesh.policy), name=service.name
+        )
+        await service_bus.ensure_streams(mesh.policy_names())
+        ctx = ServiceContext(mesh=mesh, bus=service_bus)
+        task = asyncio.create_task(service.run(ctx))
+        self.running.append((service, ctx, task))
+        return service
+
+    async def stop(self) -> None:
+        import asyncio
+
+        running, self.running = self.running, []
+        for _, ctx, _ in reversed(running):
+            ctx.stopping.set()  # type: ignore[attr-defined]
+        # every service is stopped and its connection drained, even after one failed;
+        # then the first failure is raised
+        failures: list[BaseException] = []
+        for _, ctx, task in reversed(running):
+            try:
+                await asyncio.wait_for(task, 20)  # type: ignore[arg-type]
+            except BaseException as exc:
+                failures.append(exc)
+            finally:
+                await ctx.bus.drain()  # type: ignore[attr-defined]
+        if failures:
+            raise failures[0]
+
+
+GATEWAY_MAX_CONTEXT = 128
+"""The context of the gateway of ``start_rollout`` (the ``gateway_url`` fixture)."""
+
+
+async def start_rollout(  # type: ignore[no-untyped-def]
+    mesh: InProcessMesh, engine, max_context: int = GATEWAY_MAX_CONTEXT
+) -> str:
+    """Start what serves an agent on ``mesh``: the scheduler, weight-sync, one engine
+    worker of settings ``engine`` (``EngineSettings``) and a gateway; return the gateway's
+    URL once it is ready."""
+    from sf_engine.service import EngineService
+    from sf_gateway.service import GatewayService
+    from sf_gateway.settings import GatewaySettings
+    from sf_tag_scheduler.service import TagSchedulerService
+    from sf_weight_sync.service import WeightSyncService
+
+    await mesh.start(TagSchedulerService())
+    await mesh.start(WeightSyncService())
+    await mesh.start(EngineService(engine))
+    gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=max_context)))
+    await asyncio.wait_for(gateway.ready.wait(), 30)
+    return f"http://127.0.0.1:{gateway.bound_port}"
+
+
+@contextlib.asynccontextmanager
+async def rollout_gateway(  # type: ignore[no-untyped-def]
+    nats_url: str, run_id: str, model_dir: Path, engine, max_context: int
+) -> AsyncIterator[str]:
+    """``start_rollout`` on a mesh of its own serving ``model_dir``; yields the gateway's
+    URL and stops the mesh after."""
+    mesh = InProcessMesh(nats_url, run_id, model_dir)
+    try:
+        yield await start_rollout(mesh, engine, max_context)
+    finally:
+        await mesh.stop()
+
+
+async def announce_plan(bus: Bus, steps: int, seed: int = 0) -> None:
+    """Announce a step budget as ``sf_trainer`` does at start (TrainingPlanned): what the
+    trajectory service dispatches for."""
+    from seamlessflow.protocol import MessageIds, TrainingPlanned
+
+    policy = bus.subjects.policy
+    await bus.js_publish(
+        bus.subjects.train_plan(),
+        TrainingPlanned(steps=steps, seed=seed, policy=policy),
+        msg_id=MessageIds.train_plan(policy, f"test-{steps}-{seed}"),
+    )
+
+
+async def announce_weights(bus: Bus, manifest) -> None:  # type: ignore[no-untyped-def]
+    """Announce a stored payload as ``sf_trainer`` does after a step."""
+    from seamlessflow.protocol import MessageIds, WeightsPublished
+
+    await bus.js_publish(
+        bus.subjects.weights_published(),
+        WeightsPublished(manifest=manifest, step=manifest.version),
+        msg_id=MessageIds.weights(bus.subjects.policy, manifest.version),
+    )
+
+
+async def publish_perturbed_version(bus: Bus, version: int, base: dict) -> None:  # type: ignore[type-arg]
+    """Play the trainer: store a slightly perturbed copy of ``base`` as a full payload of
+    ``version`` in the object store, then announce it."""
+    import torch
+
+    from seamlessflow.weights import ObjectStorePayloads, WeightEncoder, WeightPublisher
+
+    state = {k: v + 0.01 * torch.randn_like(v) for k, v in base.items()}
+    publisher = WeightPublisher(ObjectStorePayloads(bus), WeightEncoder(bucket_bytes=1 << 20))
+    await announce_weights(bus, await publisher.publish(version, state))
+
+
+async def trajectory_events(bus: Bus) -> list:  # type: ignore[type-arg]
+    """Every event of the run's durable trajectory stream, in order."""
+    from seamlessflow.protocol import TrajectoryEvent, decode
+
+    s = bus.subjects
+    stored = await bus.read_all(s.stream_trajectory(), s.trajectory_events_all())
+    return [decode(m.data, TrajectoryEvent) for m in stored]
+
+
+async def recorded_turns(bus: Bus) -> list:  # type: ignore[type-arg]
+    """Every TurnRecorded in the run's durable trajectory stream, in order."""
+    from seamlessflow.protocol import TurnRecorded
+
+    return [e for e in await trajectory_events(bus) if isinstance(e, TurnRecorded)]
+
+
+async def session_turns(bus: Bus, session_id: str) -> list:  # type: ignore[type-arg]
+    """The TurnRecorded of one session, in order, from its subject of the durable
+    trajectory stream."""
+    from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
+
+    s = bus.subjects
+    stored = await bus.read_subject(s.stream_trajectory(), s.trajectory_event(session_id))
+    events = (decode(m.data, TrajectoryEvent) for m in stored)
+    return [e for e in events if isinstance(e, TurnRecorded)]
+
+
+def session_auth(session: dict) -> dict[str, str]:  # type: ignore[type-arg]
+    """Headers carrying a session's own key (what its OpenAI client sends)."""
+    return {"authorization": f"Bearer {session['api_key']}"}
+
+
+def small_embedded_run(  # type: ignore[no-untyped-def]
+    run_id: str, runs_dir: Path, model_dir: Path, steps: int, **config: object
+):
+    """An embedded run (``seamlessflow up``) of a few small steps on the test model;
+    ``config``: further ``RunConfig`` fields (over the small group, batch and agents)."""
+    from sf_app.run.config import RunConfig
+    from sf_app.run.embedded import EmbeddedRun
+
+    small = {"group_size": 4, "groups_per_batch": 2, "agent_concurrency": 8}
+    return EmbeddedRun(
+        RunConfig(
+            run_id=run_id,
+            runs_dir=runs_dir,
+            model_dir=model_dir,
+            steps=steps,
+            engine_batch_size=8,
+            live=False,
+            **{**small, **config},  # type: ignore[arg-type]
+        )
+    )
+
+
+def load_loadtest(name: str):  # type: ignore[no-untyped-def]
+    """``loadtests/<name>.py`` as a module (the loadtests are scripts, not a package),
+    registered under ``loadtests_<name>``: dataclasses look their module up by name."""
+    import importlib.util
+    import sys
+
+    path = REPO_ROOT / "loadtests" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"loadtests_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
