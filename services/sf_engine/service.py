@@ -1,7 +1,8 @@
 """engine worker: one inference engine each, reached by the gateway over NATS only.
 
 An engine serves one policy (``SF_POLICY``, registered with the tag ``policy:<name>``);
-``<policy>`` below is its own.
+``<policy>`` below is its own. About 400 lines with this subject list; weight loading is
+``weight_loading``, requests in flight ``in_flight``, the engines ``backends``.
 
 Consumes:
 - ``sf.<run>.engine.<policy>.generate`` (queue group ``engines``; GenerateRequest ->
