@@ -35,8 +35,7 @@ from sf_tag_scheduler.registry import ResourceRegistry
 from sf_tag_scheduler.roles import RoleAssigner
 from sf_tag_scheduler.settings import TagSchedulerSettings
 
-# under the service's logger: the scheduler's lines share its level and handlers
-log = logging.getLogger("sf_tag_scheduler.service.lending")
+log = logging.getLogger(__name__)
 tracer = telemetry.tracer(__name__)
 
 

@@ -31,8 +31,7 @@ from sf_tag_scheduler.registry import ResourceRegistry, ResourceState
 from sf_tag_scheduler.roles import RoleAssigner
 from sf_tag_scheduler.settings import TagSchedulerSettings
 
-# under the service's logger: the scheduler's lines share its level and handlers
-log = logging.getLogger("sf_tag_scheduler.service.membership")
+log = logging.getLogger(__name__)
 
 
 class Membership:

@@ -21,8 +21,7 @@ from seamlessflow.protocol import DEFAULT_POLICY
 from sf_tag_scheduler.idle_cores import EngineLoad
 from sf_tag_scheduler.policy import PolicyConfig, ResourceView, TagPolicy
 
-# under the service's logger: the scheduler's lines share its level and handlers
-log = logging.getLogger("sf_tag_scheduler.service.registry")
+log = logging.getLogger(__name__)
 
 
 @dataclass

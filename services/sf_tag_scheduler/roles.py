@@ -15,8 +15,7 @@ from seamlessflow.bus import Bus, NoResponder, RemoteError
 from seamlessflow.protocol import DEFAULT_POLICY, Role, RoleAck, RoleAssignment
 from sf_tag_scheduler.registry import ResourceRegistry
 
-# under the service's logger: the scheduler's lines share its level and handlers
-log = logging.getLogger("sf_tag_scheduler.service.roles")
+log = logging.getLogger(__name__)
 
 
 class RoleAssigner:

@@ -202,7 +202,7 @@ async def test_a_resource_that_leaves_is_retired_at_once_without_a_warning(
         )
         await bus.request(bus.subjects.sched_register(), request, RoleAssignment)
         beat = Heartbeat(resource_id="trainer-x", phase="idle", leaving=True)
-        with caplog.at_level(logging.INFO, logger="sf_tag_scheduler.service"):
+        with caplog.at_level(logging.INFO, logger="sf_tag_scheduler"):
             await bus.publish(bus.subjects.sched_heartbeat("trainer-x"), beat)
             async with asyncio.timeout(5):  # far less than dead_after_s
                 while True:
