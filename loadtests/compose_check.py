@@ -184,15 +184,33 @@ def daemon_answers() -> bool:
     return run(["docker", "info"], check=False, timeout=30).returncode == 0
 
 
+def docker_steps(cli: bool, daemon: bool, dockerd: bool) -> list[str]:
+    """What a machine needs before ``docker compose`` works, from what it has: a docker
+    CLI (``cli``), a daemon that answers (``daemon``), the daemon's binary (``dockerd``).
+    A CLI alone is not Docker: many machines ship the client without the engine, so no
+    daemon and no ``dockerd`` means installing ``docker.io`` (it brings ``dockerd`` and
+    containerd; a CLI already on PATH before Debian's stays in use and negotiates the
+    daemon's older API). An installed daemon that does not answer is started."""
+    if daemon:
+        return []
+    steps = [] if cli and dockerd else ["install docker.io"]
+    return [*steps, "start dockerd"]
+
+
 def ensure_docker() -> list[str]:
-    """Make sure a docker CLI, a compose CLI and a daemon are there; return the compose CLI."""
-    if shutil.which("docker") is None:
+    """Make sure a docker CLI, a compose CLI and a daemon are there (whatever Docker
+    parts the machine came with: none, a CLI without a daemon, a daemon not running);
+    return the compose CLI."""
+    cli = shutil.which("docker") is not None
+    steps = docker_steps(cli, cli and daemon_answers(), shutil.which("dockerd") is not None)
+    if "install docker.io" in steps:
         apt_install("docker.io")
-    if not daemon_answers():
+    if "start dockerd" in steps:
         dockerd = shutil.which("dockerd")
         if dockerd is None or not is_root():
             raise CheckFailed(
-                "the Docker daemon does not answer (`docker info`) and cannot be started here"
+                "the Docker daemon does not answer (`docker info`) and cannot be started "
+                "here (dockerd needs root)"
             )
         log = Path("/var/log/sf-compose-check-dockerd.log")
         say(f"starting dockerd (log: {log})")

@@ -737,5 +737,69 @@ def config() -> None:
     typer.echo(configuration_reference(), nl=False)
 
 
+@app.command()
+def doctor(
+    measure: Annotated[
+        bool, typer.Option(help="Also time one matmul in float32 and under bf16 autocast.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object instead.")] = False,
+) -> None:
+    """Print this machine's capabilities (CPU kind, bf16, cores, GPUs, Docker, a compose
+    CLI) and the defaults a run would choose on it."""
+    from seamlessflow.machine import capabilities, engine_dtype, matmul_seconds, resolve_precision
+
+    facts = capabilities()
+    devices = ["cpu"] + (["cuda"] if facts["gpus"] else [])
+    chosen = {}
+    for device in devices:
+        precision = resolve_precision("auto", device)
+        chosen[device] = {
+            "precision": precision.chosen,
+            "why": precision.reason,
+            "engine_dtype": engine_dtype("auto", device),
+            "weights_dtype": "bfloat16" if precision.chosen == "bf16-mixed" else "float32",
+        }
+    report: dict[str, Any] = {"machine": facts, "defaults": chosen}
+    if measure:
+        fp32, bf16 = matmul_seconds("float32"), matmul_seconds("bfloat16")
+        report["matmul_512x576x1536_one_thread_ms"] = {
+            "float32": round(fp32 * 1e3, 2),
+            "bf16_autocast": round(bf16 * 1e3, 2),
+            "bf16_over_float32": round(bf16 / fp32, 2),
+        }
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    gpus = ", ".join(
+        f"{gpu['name']} ({gpu['memory_gib']} GiB, bf16 {gpu['bf16']})" for gpu in facts["gpus"]
+    )
+    docker = "no CLI"
+    if facts["docker_cli"]:
+        docker = "daemon answers" if facts["docker_daemon"] else "CLI only, no daemon answers"
+        if not facts["docker_daemon"] and facts["dockerd_installed"]:
+            docker += " (dockerd installed, not running)"
+    lines = [
+        f"cpu:        {facts['cpu']}, torch kernels {facts['cpu_isa']}, "
+        f"bf16 {'native' if facts['cpu_bf16'] else 'not native'}, {facts['cores']} cores",
+        f"gpu:        {gpus or 'none'}",
+        f"docker:     {docker}",
+        f"compose:    {facts['compose_cli'] or 'none'}",
+        f"torch:      {facts['torch']}",
+    ]
+    for device, picked in chosen.items():
+        lines.append(
+            f"on {device + ':':<7} precision {picked['precision']}, engine "
+            f"{picked['engine_dtype']}, weights travel as {picked['weights_dtype']} "
+            f"({picked['why']})"
+        )
+    if measure:
+        figures = report["matmul_512x576x1536_one_thread_ms"]
+        lines.append(
+            f"matmul:     float32 {figures['float32']} ms, bf16 autocast "
+            f"{figures['bf16_autocast']} ms ({figures['bf16_over_float32']}x), one thread"
+        )
+    typer.echo("\n".join(lines))
+
+
 def main() -> None:
     app()

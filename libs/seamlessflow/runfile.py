@@ -70,7 +70,7 @@ RUN_OPTIONS: dict[str, RunOption] = {
     "checkpoint_every": RunOption(("SF_TRAINER_CHECKPOINT_EVERY",), 10),
     "lr": RunOption(("SF_TRAINER_LR",), 1e-4),
     "eval_every": RunOption(("SF_TRAINER_EVAL_EVERY",), 0),
-    "precision": RunOption(("SF_TRAINER_PRECISION",), "fp32"),
+    "precision": RunOption(("SF_TRAINER_PRECISION",), "auto"),
     "max_tokens": RunOption(("SF_TRAINER_EVAL_MAX_TOKENS", "SF_AGENTS_MAX_TOKENS"), 6),
     "engine_batch_size": RunOption(("SF_ENGINE_MAX_BATCH_SIZE",), 64),
     "agent": RunOption(("SF_AGENTS_AGENT",), "single_turn"),

@@ -1,8 +1,11 @@
+from __future__ import annotations
+
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from seamlessflow.machine import engine_dtype
 from seamlessflow.runfile import RunFileSettings, run_default
 
 
@@ -36,8 +39,12 @@ class EngineSettings(RunFileSettings):
     float32; the engine logs its hit rate at each weight load. (The ``vllm`` backend
     runs without prefix caching.)"""
 
-    dtype: str = "float32"
-    """Weights dtype of the engine (float32 keeps logprobs comparable with the trainer)."""
+    dtype: str = "auto"
+    """Weights dtype of the engine: a torch dtype name, or ``auto``
+    (``seamlessflow.machine.engine_dtype``, resolved when the settings are read):
+    ``bfloat16`` on a CUDA device that computes it natively (the ``hf`` backend's
+    ``device``; vLLM's GPU), ``float32`` on every CPU (float32 keeps logprobs comparable
+    with the trainer, and an AVX2-only CPU computes bf16 ~40x slower)."""
 
     device: str = "cpu"
     """torch device of the ``hf`` backend's model (``cpu``, ``cuda``, ``cuda:1``); vLLM
@@ -72,3 +79,15 @@ class EngineSettings(RunFileSettings):
 
     version_poll_s: float = 5.0
     """How often to ask weight-sync for the current version (catches missed broadcasts)."""
+
+    @model_validator(mode="after")
+    def _dtype_from_the_hardware(self) -> EngineSettings:
+        # resolved once, here: backends see a torch dtype name, never "auto"
+        if self.dtype == "auto":
+            device = self.device
+            if self.backend == "vllm":  # vLLM places itself: on the GPU where there is one
+                import torch
+
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.dtype = engine_dtype("auto", device)
+        return self

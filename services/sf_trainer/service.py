@@ -140,6 +140,8 @@ class TrainerService:
         self.policy = ctx.subjects.policy
         self.trainer_id = f"trainer-{self.policy}-{socket.gethostname()}-{os.getpid()}"
         self.model_dir = ctx.mesh.model_dir
+        log.info("%s; weights travel as %s", self.settings.precision_choice.line(),
+                 weight_transfer(self.settings).dtype or "float32")  # fmt: skip
         # Every Learner call runs on this one thread, in call order: the collectives are
         # issued in the order the other ranks replay them, even when a stop comes while
         # a step is still running.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -19,6 +19,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from seamlessflow.machine import PrecisionChoice, resolve_precision
 from seamlessflow.runfile import (
     RunFileError,
     RunFileSettings,
@@ -114,6 +115,7 @@ class TrainerSettings(RunFileSettings):
         extra="ignore",
         use_attribute_docstrings=True,
     )
+    _precision_choice: PrecisionChoice = PrivateAttr()
 
     steps: int = run_default("steps")
     """Optimizer steps (one batch each); the trainer finishes after this many. Steps a
@@ -137,8 +139,12 @@ class TrainerSettings(RunFileSettings):
     min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     """``linear`` / ``cosine``: the rate the decay ends at, as a fraction of ``lr``."""
 
-    precision: Literal["fp32", "bf16-mixed"] = run_default("precision")
-    """Compute precision of forward and backward. ``fp32``: everything in float32.
+    precision: Literal["auto", "fp32", "bf16-mixed"] = run_default("precision")
+    """Compute precision of forward and backward. ``auto`` (resolved when the settings
+    are read, ``seamlessflow.machine.resolve_precision``): ``bf16-mixed`` where ``device``
+    computes bf16 natively (a CUDA device that supports it, a CPU whose oneDNN reports
+    bf16), ``fp32`` elsewhere (an AVX2-only CPU computes bf16 ~40x slower than float32).
+    ``fp32``: everything in float32.
     ``bf16-mixed``: master weights, gradients as the optimizer sees them and the AdamW
     state stay float32; forward and backward run in bfloat16 (one process: autocast;
     several ranks: FSDP2's ``MixedPrecisionPolicy`` with bf16 parameters, gradients
@@ -300,6 +306,19 @@ class TrainerSettings(RunFileSettings):
                 # a dotted path that is not there, or not a plug-in of this kind
                 raise ValueError(f"{variable}={choice.name!r}: {exc}") from None
         return self
+
+    @model_validator(mode="after")
+    def _precision_from_the_hardware(self) -> TrainerSettings:
+        # resolved once, here: every reader of ``precision`` sees fp32 or bf16-mixed
+        choice = resolve_precision(self.precision, self.device)
+        self.precision = choice.chosen
+        self._precision_choice = choice
+        return self
+
+    @property
+    def precision_choice(self) -> PrecisionChoice:
+        """What ``precision`` was resolved to and why (the trainer logs it at start)."""
+        return self._precision_choice
 
     @model_validator(mode="after")
     def _overlong_window_fits(self) -> TrainerSettings:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from support import small_embedded_run
 
+from seamlessflow.machine import resolve_precision
 from sf_app.run.config import RunConfig, deployment
 from sf_app.timeline import build_timeline, load_phase_spans
 
@@ -45,6 +46,12 @@ async def test_a_run_lends_and_reclaims_training_slots(
     assert summary.mode == mode
     written = json.loads((tmp_path / run_id / "summary.json").read_text())
     assert written["mode"] == mode and 0 <= written["bubble_ratio"] < 1
+    # the run records the precision it resolved on this machine, and why
+    chosen = resolve_precision("auto")
+    assert written["precision"] == {**chosen.record(), "requested": "auto"}
+    assert written["hardware"]["cpu_bf16"] == (chosen.chosen == "bf16-mixed")
+    trainer_log = (tmp_path / run_id / "logs" / "trainer.log").read_text()
+    assert chosen.line() in trainer_log
     spans = [
         json.loads(line) for line in (tmp_path / run_id / "spans.jsonl").read_text().splitlines()
     ]

@@ -116,3 +116,20 @@ def test_a_wheel_name_goes_to_its_normalized_project_folder(check: ModuleType) -
     assert check.normalized("typing_extensions") == "typing-extensions"
     assert check.normalized("MarkupSafe") == "markupsafe"
     assert check.normalized("zope.interface") == "zope-interface"
+
+
+@pytest.mark.parametrize(
+    ("cli", "daemon", "dockerd", "steps"),
+    [
+        (False, False, False, ["install docker.io", "start dockerd"]),  # nothing
+        (True, False, False, ["install docker.io", "start dockerd"]),  # a CLI, no engine
+        (True, False, True, ["start dockerd"]),  # installed, not running
+        (True, True, True, []),  # running
+    ],
+)
+def test_docker_parts_a_machine_lacks_are_installed_or_started(
+    check: ModuleType, cli: bool, daemon: bool, dockerd: bool, steps: list[str]
+) -> None:
+    """A fresh machine may ship a docker CLI without a daemon: the CLI alone must not
+    stop the check (it did: CI passed only where docker.io had been installed by hand)."""
+    assert check.docker_steps(cli, daemon, dockerd) == steps

@@ -72,11 +72,13 @@ class RunConfig(BaseModel):
     one, e.g. room for a tool call; else 6)."""
     lr: float = run_default("lr")
     """Trainer learning rate."""
-    precision: Literal["fp32", "bf16-mixed"] = run_default("precision")
-    """The trainer's compute precision (``SF_TRAINER_PRECISION``): ``bf16-mixed`` keeps
-    float32 master weights and optimizer state and computes forward and backward in
-    bfloat16 (1.8x faster on a CPU with AVX512-BF16, at a ~0.03 nats mean gap to the
-    float32 engine's logprobs: docs/models.md)."""
+    precision: Literal["auto", "fp32", "bf16-mixed"] = run_default("precision")
+    """The trainer's compute precision (``SF_TRAINER_PRECISION``): ``auto`` is
+    ``bf16-mixed`` where the trainer's device computes bf16 natively (a CUDA GPU that
+    supports it, a CPU whose oneDNN reports bf16) and ``fp32`` elsewhere; the run prints
+    its choice first and records it in summary.json. ``bf16-mixed`` keeps float32 master
+    weights and optimizer state and computes forward and backward in bfloat16 (1.8x
+    faster on a CPU with AVX512-BF16, ~40x slower on an AVX2-only one: docs/models.md)."""
     eval_every: int = Field(default=run_default("eval_every"), ge=0)
     """Held-out evaluation by the trainer every N steps, and of the base model before the
     first step and after the last (``SF_TRAINER_EVAL_EVERY``; 0: none): greedy answers to

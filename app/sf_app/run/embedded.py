@@ -34,6 +34,7 @@ from pathlib import Path
 
 from seamlessflow.bus import Bus, Unrecoverable, connect, next_message
 from seamlessflow.connection import RunConnection
+from seamlessflow.machine import cpu_computes_bf16, cpu_isa, resolve_precision, usable_cores
 from seamlessflow.natsserver import EmbeddedNats, embedded_cluster
 from seamlessflow.protocol import (
     Subjects,
@@ -96,6 +97,17 @@ class EmbeddedRun(Supervisor):
             metrics_by_policy={policy: [] for policy in config.policies},
             restarts=self.restarts,
         )
+        self.precision = resolve_precision(config.precision, trainer_device())
+        """``--precision`` resolved for this machine (``auto``: from the hardware), as
+        the trainer resolves it by the same rule on the same device: what the run
+        prints and records."""
+        self.state.precision = self.precision
+        self.state.hardware = {
+            "cpu_isa": cpu_isa(),
+            "cpu_bf16": cpu_computes_bf16(),
+            "cores": usable_cores(),
+            "trainer_device": trainer_device(),
+        }
         self.nats_token = ""
         self.tracker = Tracker((), run_dir=self.run_dir, run_id=self.run_id, policies=[], config={})
         """Experiment tracking (``--report-to``), started with the run."""
@@ -146,6 +158,8 @@ class EmbeddedRun(Supervisor):
         from sf_app.base_model import built_model_name, ensure_base_model, sized_config
 
         c = self.config
+        # first: what this machine made the run choose (stderr, as the lines below)
+        print(self.precision.line(), file=sys.stderr, flush=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if c.run_file is not None:
             shutil.copyfile(c.run_file, self.run_dir / RUN_FILE_COPY)
@@ -472,6 +486,11 @@ class EmbeddedRun(Supervisor):
                 return problem
             await asyncio.sleep(0.2)
         return None
+
+
+def trainer_device() -> str:
+    """The device the run's trainers compute on (``SF_TRAINER_DEVICE``; the CPU)."""
+    return os.environ.get("SF_TRAINER_DEVICE", "cpu")
 
 
 def run_embedded(config: RunConfig) -> Summary:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from seamlessflow.machine import PrecisionChoice
 from seamlessflow.protocol import TrainEvalMetrics, TrainingFinished, TrainStepMetrics
 from seamlessflow.settings import checkpoints_dir
 from sf_app.run.config import RunConfig
@@ -38,6 +39,9 @@ class RunState:
     """running, then finished | interrupted | failed: <the one line why>."""
     restarts: dict[str, int] = field(default_factory=dict)
     """The supervisor's restart counts (the same dict)."""
+    precision: PrecisionChoice | None = None
+    """The trainer's precision as the run resolved it (``--precision``, ``auto``)."""
+    hardware: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     started_wall: float = field(default_factory=time.time)
 
@@ -111,6 +115,11 @@ class Summary:
     """Supervision: how many times each process (by label; ``nats`` for the embedded
     server) was started again after an unexpected exit."""
     config: dict[str, Any] = field(default_factory=dict)
+    precision: dict[str, str] = field(default_factory=dict)
+    """What the trainer computed in and why: ``requested`` (``auto`` unless given),
+    ``chosen`` (``fp32`` | ``bf16-mixed``), ``reason`` (what the hardware does)."""
+    hardware: dict[str, Any] = field(default_factory=dict)
+    """The machine the run chose its defaults on: ``cpu_isa``, ``cpu_bf16``, ``cores``."""
 
 
 def window_mean(values: list[float], first: bool) -> float | None:
@@ -186,6 +195,8 @@ def write_report(state: RunState) -> Summary:
         eval_last=eval_record(evals[-1]) if evals else None,
         restarts=dict(state.restarts),
         config=json.loads(state.config.model_dump_json()),
+        precision=state.precision.record() if state.precision else {},
+        hardware=dict(state.hardware),
     )
     (run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
     if any(state.metrics_by_policy.values()):

@@ -97,7 +97,6 @@ PRETRAINED: dict[str, PackagedModel] = {
             "max_tokens": 64,
             "group_size": 8,
             "groups_per_batch": 4,
-            "precision": "bf16-mixed",
             "eval_every": 10,
         },
     ),
