@@ -224,9 +224,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate (constant)")
     parser.add_argument(
         "--precision",
-        choices=("fp32", "bf16-mixed"),
-        default="fp32",
-        help="both trainers' compute precision (float32 master weights either way)",
+        choices=("auto", "fp32", "bf16-mixed"),
+        default="auto",
+        help="both trainers' compute precision (float32 master weights either way); "
+        "auto: bf16-mixed where the CPU computes bf16 natively (seamlessflow doctor)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -296,7 +297,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
+    from seamlessflow.machine import resolve_precision
     from seamlessflow.tasks import get_task_source
+
+    # both sides in the one precision this machine computes best (TRL's bf16 flag)
+    args.precision = resolve_precision(args.precision).chosen
 
     try:
         source = get_task_source(args.task, args.seed)  # an rg: task checks its options here

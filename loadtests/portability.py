@@ -8,7 +8,8 @@ order, or a test that only passes on an idle machine, shows here rather than on 
 user's machine:
 
 - ``ATEN_CPU_CAPABILITY`` = ``avx512``, ``avx2``, ``default`` (on a CPU without AVX-512
-  torch falls back to the best it has, so that variant repeats ``avx2``);
+  torch falls back to the best it has, so that variant repeats ``avx2``); the ``avx2``
+  variant also sets ``ONEDNN_MAX_CPU_ISA=AVX2``: an AVX2-only CPU without native bf16;
 - ``OMP_NUM_THREADS=2`` (tests that pin their own thread count keep it);
 - a busy loop pinned to core 0 (``taskset``, when present) for the whole run: the suite
   then shares a core with it, as on a loaded CI runner. The hog is killed at the end.
@@ -26,7 +27,13 @@ import time
 
 VARIANTS: list[tuple[str, dict[str, str], bool]] = [
     ("ATEN_CPU_CAPABILITY=avx512", {"ATEN_CPU_CAPABILITY": "avx512"}, False),
-    ("ATEN_CPU_CAPABILITY=avx2", {"ATEN_CPU_CAPABILITY": "avx2"}, False),
+    # an AVX2-only CPU: torch's kernels and oneDNN's (which then reports no bf16, so
+    # every ``auto`` precision resolves to float32, as on such a CPU)
+    (
+        "AVX2-only (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2)",
+        {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+        False,
+    ),
     ("ATEN_CPU_CAPABILITY=default", {"ATEN_CPU_CAPABILITY": "default"}, False),
     ("OMP_NUM_THREADS=2", {"OMP_NUM_THREADS": "2"}, False),
     ("CPU hog on core 0", {}, True),

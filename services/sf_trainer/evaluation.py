@@ -22,9 +22,6 @@ from seamlessflow.tasks import TaskItem, get_task_source
 from sf_trainer.distributed import TrainGroup, forward_precision
 from sf_trainer.settings import TrainerSettings
 
-EVAL_BATCH = 16
-"""Prompts generated together (left-padded)."""
-
 
 @dataclass(frozen=True)
 class EvalSet:
@@ -69,8 +66,9 @@ def evaluate(
     total = 0.0
     model.eval()
     try:
-        for start in range(0, len(eval_set.items), EVAL_BATCH):
-            items = eval_set.items[start : start + EVAL_BATCH]
+        batch = settings.eval_batch_size
+        for start in range(0, len(eval_set.items), batch):
+            items = eval_set.items[start : start + batch]
             encoded = tokenizer.apply_chat_template(
                 [list(item.messages) for item in items],
                 add_generation_prompt=True,

@@ -172,6 +172,11 @@ class TrainerSettings(RunFileSettings):
     eval_max_tokens: int = Field(default=run_default("max_tokens"), ge=1)
     """Completion budget of each evaluated answer (greedy decoding)."""
 
+    eval_batch_size: int = Field(default=64, ge=1)
+    """Prompts generated together (left-padded) in an evaluation. One batch of 64 beats
+    four of 16 by 1.45x on one AVX2 core (SmolLM2-135M, 64 prompts x 64 tokens greedy,
+    float32: 52.7 s against 4 x 19.1 s): the matmuls are wider for the same steps."""
+
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas (SRPO's choice)."""
 

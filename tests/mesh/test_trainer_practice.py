@@ -289,8 +289,8 @@ def test_evaluation_scores_each_greedy_completion_once_against_its_reference(
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     task = f"{data}?reward=test_trainer_practice:recording_reward&eval_fraction=0.5"
     items = get_task_source(task).items("eval")
-    assert len(items) > 16  # more than one generation batch (EVAL_BATCH)
-    policy = learner(base_model_dir, eval_every=1, eval_task=task, eval_items=0)
+    assert len(items) > 16  # more than one generation batch
+    policy = learner(base_model_dir, eval_every=1, eval_task=task, eval_items=0, eval_batch_size=16)
     SCORED.clear()
     evaluated = policy.evaluate()
     # every held-out prompt (prompts of differing lengths: left-padded together) scored

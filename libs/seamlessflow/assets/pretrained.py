@@ -92,12 +92,12 @@ PRETRAINED: dict[str, PackagedModel] = {
         "Q4_1 weights dequantized to float32",
         run_defaults={
             "task": SMOLLM2_TASK,
-            "steps": 30,
+            "steps": 20,
             "lr": 1e-5,
             "max_tokens": 64,
             "group_size": 8,
-            "groups_per_batch": 4,
-            "eval_every": 10,
+            "groups_per_batch": 2,
+            "eval_every": 20,
         },
     ),
 }
