@@ -10,6 +10,7 @@ selects by the ``integration`` marker set here, not by folder."""
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -26,6 +27,13 @@ from seamlessflow.protocol import Subjects
 # the three folders: each is on sys.path, as pytest puts the folder of a test it imports.
 for folder in ("unit", "service", "mesh"):
     sys.path.append(str(Path(__file__).resolve().parent / folder))
+
+# The suite's trainers compute in float32 on every machine, whatever ``auto`` would pick
+# there: the tests compare the trainer's logprobs with the engines' (float32) at float32
+# tolerances (tests/service/test_model_families.py, ``tol_same``). Tests of bf16 name it
+# (tests/mesh/test_trainer_practice.py), and tests of ``auto`` ask for it
+# (tests/unit/test_machine.py; tests/mesh/test_modes.py's embedded runs).
+os.environ["SF_TRAINER_PRECISION"] = "fp32"
 
 REAL_PARTS = frozenset({"nats_url", "base_model_dir", "chatty_model_dir", "qwen2_tied_model_dir"})
 """Fixtures that start a nats-server or build a model: a test that uses one

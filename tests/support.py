@@ -249,7 +249,8 @@ def small_embedded_run(  # type: ignore[no-untyped-def]
     from sf_app.run.config import RunConfig
     from sf_app.run.embedded import EmbeddedRun
 
-    small = {"group_size": 4, "groups_per_batch": 2, "agent_concurrency": 8}
+    # float32 as the suite's other trainers (tests/conftest.py), unless a test asks
+    small = {"group_size": 4, "groups_per_batch": 2, "agent_concurrency": 8, "precision": "fp32"}
     return EmbeddedRun(
         RunConfig(
             run_id=run_id,

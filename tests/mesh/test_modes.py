@@ -40,7 +40,7 @@ async def test_a_run_lends_and_reclaims_training_slots(
 ) -> None:
     steps = 3
     summary = await small_embedded_run(
-        run_id, tmp_path, base_model_dir, steps, nats_url=nats_url, mode=mode
+        run_id, tmp_path, base_model_dir, steps, nats_url=nats_url, mode=mode, precision="auto"
     ).run()
     assert summary.status == "finished" and summary.final_version == steps
     assert summary.mode == mode
