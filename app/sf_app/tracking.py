@@ -186,7 +186,17 @@ class WandbBackend:
         self.run.log({tag: wandb.Image(str(path))})
 
     def close(self) -> None:
+        """Finish the run; on return its files under ``<run_dir>/wandb`` are complete.
+
+        ``finish`` returns once the W&B service has taken the run's last record, not
+        once it has written it: the service closes the run's transaction log only later,
+        on its own (an offline run read back right after ``finish`` may hold no rows
+        yet). Tearing the service down waits for it to close every file and exit; the
+        next run starts a new one."""
+        import wandb
+
         self.run.finish()
+        wandb.teardown()
 
 
 BACKEND_CLASSES: dict[str, type[TensorBoardBackend] | type[WandbBackend]] = {
