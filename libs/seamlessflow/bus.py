@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import io
 import logging
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -175,6 +176,9 @@ class Bus:
         an existing one with another count stops the service with one line. None (tools,
         tests): create with 1, take existing ones as they are."""
         self._subscriptions: list[Subscription] = []
+        self._followers: weakref.WeakSet[Subscription] = weakref.WeakSet()
+        """The ordered consumers of :meth:`follow`, which their readers may leave with
+        messages unread: :meth:`drain` ends them first (see there)."""
         self._handlers: set[asyncio.Task[None]] = set()
         self._reconnect_callbacks: list[Callable[[], Awaitable[None]]] = []
 
@@ -557,6 +561,7 @@ class Bus:
             deliver_policy=DeliverPolicy.ALL,
             idle_heartbeat=FOLLOW_HEARTBEAT_S,
         )
+        self._followers.add(sub)
         return sub, last_seq
 
     async def read_all(self, stream: str, subject: str) -> list[Msg]:
@@ -621,18 +626,29 @@ class Bus:
             with contextlib.suppress(nats.errors.Error):
                 await sub.unsubscribe()
         self._subscriptions.clear()
+        # A follower whose reader has stopped (the service's loop is done) keeps the
+        # messages stored since in its queue, unread: nats-py's drain waits for every
+        # queue to empty, so it would wait out its whole timeout. The stream keeps them.
+        for sub in list(self._followers):
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        self._followers.clear()
         if self._handlers:
             _, pending = await asyncio.wait(set(self._handlers), timeout=timeout)
             for task in pending:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
+        # nats-py times its own drain out: cancelling it from outside instead (wait_for)
+        # left its gathered subscription drains cancelled with nobody to read them, and
+        # asyncio logged "_GatheringFuture exception was never retrieved".
+        self.nc.options["drain_timeout"] = timeout
         try:
-            await asyncio.wait_for(self.nc.drain(), timeout)
+            await self.nc.drain()
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
             pass  # the server went while draining: what is left cannot reach it
-        except TimeoutError:
-            pass
+        except nats.errors.TimeoutError:
+            pass  # its last flush went unanswered: closed below all the same
         finally:
             if not self.nc.is_closed:
                 with contextlib.suppress(RuntimeError, OSError, nats.errors.Error):

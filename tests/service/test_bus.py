@@ -134,6 +134,47 @@ async def test_next_message_of_a_followed_stream_is_none_when_nothing_comes(bus:
         await sub.unsubscribe()
 
 
+async def test_a_bus_drains_at_once_past_a_follower_left_with_unread_messages(
+    nats_url: str, run_id: str
+) -> None:
+    """A service's follower whose reader has stopped (the trajectory service's event
+    loop, as the gateway finishes one more session) holds what was stored since, unread.
+    nats-py's drain waits for every subscription's queue to empty: the drain waited out
+    its whole timeout, was cancelled from outside, and asyncio logged "_GatheringFuture
+    exception was never retrieved" (test_agents_gateway_lost under load). The bus now
+    ends its followers first and lets nats-py time its own drain."""
+    import gc
+
+    from seamlessflow.bus import connect
+    from seamlessflow.protocol import Subjects
+
+    s = Subjects(run_id)
+    writer = await connect(nats_url, s, name="writer")
+    service = await connect(nats_url, s, name="service")
+    unretrieved: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    try:
+        await writer.ensure_streams()
+        follower, _ = await service.follow(s.stream_metrics(), s.train_all())
+        for seed in range(3):  # stored after its reader stopped: never read
+            await writer.js_publish(s.train_plan(), TrainingPlanned(steps=1, seed=seed))
+        async with asyncio.timeout(5):
+            while not follower._pending_queue.qsize():  # noqa: ASYNC110 (nats-py's queue)
+                await asyncio.sleep(0.01)
+        started = loop.time()
+        await service.drain(timeout=4.0)
+        drain_s = loop.time() - started
+        gc.collect()  # an unretrieved future reports itself when it is collected
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+        await writer.drain()
+    assert not unretrieved, unretrieved
+    assert service.nc.is_closed
+    assert drain_s < 2.0, f"the drain waited {drain_s:.1f}s on an unread queue"
+
+
 async def test_reconnect_callbacks_run_once_the_broker_is_back(tmp_path: Path) -> None:
     """A broker restart is reported to whoever waits for core NATS replies (the
     gateway re-routes its engine calls then: a reply sent meanwhile may be lost)."""
