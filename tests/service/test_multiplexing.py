@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 from support import session_auth
 from transformers import AutoModelForCausalLM
 
@@ -89,9 +89,19 @@ async def test_reclaim_during_generation_loses_no_request_and_no_token(
     from support import InProcessMesh
 
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
+    # Every service here shares this test's event loop, and a stall of that loop reads
+    # as a silent engine. Making an OpenAI client loads the CA bundle: 8 of them held the
+    # loop 0.47 s on a quiet core (54 ms each), several seconds at the load averages of
+    # 4-12 where this test failed. The scheduler then found no heartbeat within
+    # ``dead_after_s`` (5 s), declared the engines dead, and engine-l was no longer lent:
+    # the claim had nothing to reclaim (TimeoutError). The clients are made once, before
+    # the mesh runs (one pool for every agent, as in sf_agents), and death detection,
+    # which this test does not check, gets room for the stalls of one shared loop.
+    http = httpx.AsyncClient(timeout=120)
+    openai_http = DefaultAsyncHttpxClient()
     try:
         scheduler, _dedicated, lendable, gateway = await start_lending_mesh(
-            mesh, TagSchedulerSettings(mode="multiplexed")
+            mesh, TagSchedulerSettings(mode="multiplexed", dead_after_s=60.0)
         )
         # The trainer waits for its first batch. No wait was measured yet, so the policy
         # lends (here already when engine-l registered: no trainer was training).
@@ -106,10 +116,13 @@ async def test_reclaim_during_generation_loses_no_request_and_no_token(
 
         url = f"http://127.0.0.1:{gateway.bound_port}"
 
-        async def agent(index: int, http: httpx.AsyncClient) -> str:
-            session = (await http.post("/sessions", json={})).json()
+        async def agent(index: int) -> str:
+            session = (await http.post(f"{url}/sessions", json={})).json()
             client = AsyncOpenAI(
-                base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+                base_url=session["base_url"],
+                api_key=session["api_key"],
+                max_retries=0,
+                http_client=openai_http,
             )
             messages = [{"role": "user", "content": f"Count to {index}"}]
             if index % 2:
@@ -134,35 +147,35 @@ async def test_reclaim_during_generation_loses_no_request_and_no_token(
                     max_tokens=MAX_TOKENS,
                 )
                 text = reply.choices[0].message.content or ""
-            await client.close()
             await http.post(
-                f"/sessions/{session['session_id']}/finish", headers=session_auth(session)
+                f"{url}/sessions/{session['session_id']}/finish", headers=session_auth(session)
             )
             return text
 
-        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-            agents = [asyncio.create_task(agent(i, http)) for i in range(AGENTS)]
-            # wait until the lent engine holds answers that have started streaming
-            async with asyncio.timeout(60):
-                while not any(  # noqa: ASYNC110 (the gateway's own bookkeeping)
-                    gateway.gateway.engines._engine_calls.get("engine-l", {})
-                ):
-                    await asyncio.sleep(0.01)
-            on_lent_engine = set(gateway.gateway.engines._engine_calls["engine-l"])
-            # a batch is ready: the trainer claims its slot back
-            granted: SlotsGranted = await bus.request(
-                bus.subjects.sched_claim(),
-                SlotsClaim(trainer_id="trainer-t", batch_index=0),
-                SlotsGranted,
-                timeout=30,
-            )
-            # the slot is free when the claim returns: nothing runs on the lent engine
-            assert granted.reclaimed == ["engine-l"] and granted.missed == []
-            assert lendable._generate_sub is None and not lendable._in_flight
-            assert lendable.handed_back >= 1
-            async with asyncio.timeout(120):
-                texts = await asyncio.gather(*agents)
+        agents = [asyncio.create_task(agent(i)) for i in range(AGENTS)]
+        # wait until the lent engine holds answers that have started streaming
+        async with asyncio.timeout(60):
+            while not any(  # noqa: ASYNC110 (the gateway's own bookkeeping)
+                gateway.gateway.engines._engine_calls.get("engine-l", {})
+            ):
+                await asyncio.sleep(0.01)
+        on_lent_engine = set(gateway.gateway.engines._engine_calls["engine-l"])
+        # a batch is ready: the trainer claims its slot back
+        granted: SlotsGranted = await bus.request(
+            bus.subjects.sched_claim(),
+            SlotsClaim(trainer_id="trainer-t", batch_index=0),
+            SlotsGranted,
+            timeout=30,
+        )
+        # the slot is free when the claim returns: nothing runs on the lent engine
+        assert granted.reclaimed == ["engine-l"] and granted.missed == []
+        assert lendable._generate_sub is None and not lendable._in_flight
+        assert lendable.handed_back >= 1
+        async with asyncio.timeout(120):
+            texts = await asyncio.gather(*agents)
     finally:
+        await http.aclose()
+        await openai_http.aclose()
         await mesh.stop()
 
     assert on_lent_engine
