@@ -22,12 +22,14 @@ gap above :data:`CONVERSION_TOLERANCE` fails the conversion and leaves nothing b
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import json
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,12 +94,12 @@ PRETRAINED: dict[str, PackagedModel] = {
         "Q4_1 weights dequantized to float32",
         run_defaults={
             "task": SMOLLM2_TASK,
-            "steps": 20,
+            "steps": 16,
             "lr": 1e-5,
             "max_tokens": 64,
             "group_size": 8,
             "groups_per_batch": 2,
-            "eval_every": 20,
+            "eval_every": 16,
         },
     ),
 }
@@ -181,9 +183,24 @@ def ensure_pretrained(name: str, cache_dir: Path, force: bool = False) -> Path:
     model = packaged_model(name)
     source = gguf_path(model)
     out = converted_dir(name, cache_dir)
-    if not force and is_converted(out, file_sha256(source)):
-        return out
-    return convert_pretrained(name, out)
+    with _converting(out):
+        if not force and is_converted(out, file_sha256(source)):
+            return out
+        return convert_pretrained(name, out)
+
+
+@contextlib.contextmanager
+def _converting(out: Path) -> Iterator[None]:
+    """Held while ``out`` is checked and converted: two processes on one cache (two runs,
+    the suite's parallel workers) convert once, and neither replaces the directory the
+    other reads."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def convert_pretrained(name: str, out: Path) -> Path:
