@@ -28,9 +28,11 @@ up-two-policies *ARGS:
     {{bin}}/seamlessflow up --policies solver,verifier --agent solve_and_verify {{ARGS}}
 
 # the test suite (real nats-server, real HTTP, real torch; vLLM when installed; the
-# trace store of `just trace-store`; the packaged pretrained model)
+# trace store of `just trace-store`; the packaged pretrained model), one worker per core
+# up to 4 (pytest-xdist; each worker its own nats-server and built models; `-n 0` runs
+# it in one process)
 test *ARGS: _cpu-only trace-store pretrained
-    {{bin}}/pytest -q {{ARGS}}
+    {{bin}}/pytest -q -n auto --maxprocesses 4 --dist worksteal {{ARGS}}
 
 # the pure units alone (no nats-server, no built model, no other process; tests/conftest.py
 # marks the rest `integration`): about 45 s on two cores, for a quick check while working

@@ -272,6 +272,17 @@ async def cancel_if_running(running: asyncio.Task) -> None:  # type: ignore[type
         await asyncio.gather(running, return_exceptions=True)
 
 
+@pytest.fixture(autouse=True)
+def stall_detection_for_a_loaded_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runs here time lost groups out after 15 s (``faults_config``), so the
+    trajectory service's stall rule (no session finished for ``stall_timeouts`` group
+    time-outs) would call a run stalled after 30 s. A killed engine and gateway coming
+    back beside another test's mesh (the suite's parallel workers) took 46 s to finish
+    a session: the run failed as stalled while it was recovering. These tests catch a
+    real stall themselves (no progress for 300 s); the rule gets 8 time-outs (120 s)."""
+    monkeypatch.setenv("SF_TRAJECTORY_STALL_TIMEOUTS", "8")
+
+
 def faults_config(run_id: str, base_model_dir: Path, tmp_path: Path, steps: int) -> RunConfig:
     return RunConfig(
         run_id=run_id,
