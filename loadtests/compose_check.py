@@ -99,6 +99,15 @@ BUILD_TIMEOUT_S = 1800.0
 # how long the killed gateway stays down before the documented recovery
 GATEWAY_DOWN_S = 15.0
 RUN_TIMEOUT_S = 900.0
+SERVICES_LOGGED = (
+    "trainer",
+    "trajectory",
+    "gateway",
+    "agents",
+    "engine",
+    "tag-scheduler",
+    "weight-sync",
+)
 
 T = TypeVar("T")
 
@@ -573,19 +582,19 @@ class Stack:
 
     def tails(self, lines: int = 12) -> str:
         out = []
-        for service in (
-            "trainer",
-            "trajectory",
-            "gateway",
-            "agents",
-            "engine",
-            "tag-scheduler",
-            "weight-sync",
-        ):
+        for service in SERVICES_LOGGED:
             with contextlib.suppress(CheckFailed):
                 text = self.logs(service).splitlines()[-lines:]
                 out.append(f"--- {service}\n" + "\n".join(text))
         return "\n".join(out)
+
+    def save_logs(self, folder: Path) -> None:
+        """Every service's whole log, one file each, before the stack goes down: a pass
+        that was slow for a reason (a group waiting out its time-out) can be read after."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for service in SERVICES_LOGGED:
+            with contextlib.suppress(CheckFailed, subprocess.TimeoutExpired):
+                (folder / f"{service}.log").write_text(self.logs(service))
 
     def volume(self, name: str) -> str:
         found = self.labelled("volume", "volume", name)
@@ -923,6 +932,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="leave the stack up (and its volumes)")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
     parser.add_argument(
+        "--logs", type=Path, help="write every service's log into this folder, pass or fail"
+    )
+    parser.add_argument(
         "--nats-cluster",
         action="store_true",
         help="profile nats-cluster: three NATS nodes, R3 streams, the stream leader killed",
@@ -993,6 +1005,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed = True
         say(f"FAILED: `{' '.join(map(str, exc.cmd))[:120]}` ran past {exc.timeout:.0f}s")
     finally:
+        if stack is not None and args.logs:
+            stack.save_logs(args.logs)
         if stack is not None and args.keep:
             say(f"left up: {' '.join(stack.cli)} (down -v when done, then rm -r {workdir})")
         elif stack is not None:
