@@ -1,7 +1,7 @@
 """Plain helpers shared by the tests (fixtures live in tests/conftest.py): where the
 repository is, free ports, waiting for a condition, a mesh of services in the test's
 event loop, playing the trainer on the bus, reading back recorded turns, a small
-embedded run, and loading a loadtest script.
+embedded run, loading a loadtest script, and a TCP proxy that loses what crosses it.
 
 The tests import it as ``support`` (tests/ is on ``sys.path``: pytest inserts the
 directory of tests/conftest.py), wherever under tests/ they live.
@@ -27,6 +27,7 @@ __all__ = [
     "REPO_ROOT",
     "TESTS_DIR",
     "InProcessMesh",
+    "TcpProxy",
     "announce_plan",
     "announce_weights",
     "eventually",
@@ -134,6 +135,60 @@ class InProcessMesh:
                 await ctx.bus.drain()  # type: ignore[attr-defined]
         if failures:
             raise failures[0]
+
+
+class TcpProxy:
+    """A real TCP proxy in front of a server (a NATS server here): forwards bytes both
+    ways, and on demand loses what its clients send (as into the socket of a server
+    that died: the writes succeed, nothing arrives) and cuts every connection (the
+    clients see the server go away and reconnect through the proxy)."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.losing = False
+        """While set, what clients send is read and dropped."""
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._pipes: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        """Listen on a free loopback port; return it."""
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection(*self.target)
+        self._writers |= {client_w, server_w}
+        for pipe in (self._pipe(client_r, server_w, upstream=True), self._pipe(server_r, client_w)):
+            task = asyncio.create_task(pipe)
+            self._pipes.add(task)
+            task.add_done_callback(self._pipes.discard)
+
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, upstream: bool = False
+    ) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                if upstream and self.losing:
+                    continue
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    def cut(self) -> None:
+        """Close every connection now (both sides) and stop losing: the next ones pass."""
+        self.losing = False
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+
+    async def close(self) -> None:
+        self.cut()
+        for task in list(self._pipes):
+            task.cancel()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
 
 
 GATEWAY_MAX_CONTEXT = 128

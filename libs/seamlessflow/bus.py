@@ -181,6 +181,10 @@ class Bus:
         messages unread: :meth:`drain` ends them first (see there)."""
         self._handlers: set[asyncio.Task[None]] = set()
         self._reconnect_callbacks: list[Callable[[], Awaitable[None]]] = []
+        self.reconnects = 0
+        """How many times the connection came back after the broker went away (a
+        resource's heartbeats carry it: the gateway re-routes the calls an engine held
+        across a reconnect, whose replies may have been lost)."""
 
     def on_reconnect(self, callback: Callable[[], Awaitable[None]]) -> None:
         """Call ``callback`` each time the connection is back after the broker went
@@ -190,6 +194,7 @@ class Bus:
         self._reconnect_callbacks.append(callback)
 
     async def _reconnected(self) -> None:
+        self.reconnects += 1
         log.warning("nats: connection restored")
         for callback in list(self._reconnect_callbacks):
             try:

@@ -97,6 +97,7 @@ class ResourceMembership:
         self._beat_now = asyncio.Event()
         """Set on a phase change: the heartbeat goes at once, not at the next tick (the
         tag-scheduler lends an idle engine's cores to training on it)."""
+        bus.on_reconnect(self._beat_at_once)
 
     async def register(self) -> RoleAssignment:
         """Register until the scheduler answers (it may start after us)."""
@@ -196,6 +197,11 @@ class ResourceMembership:
         except Exception as exc:  # a stopping process: the reason is logged, nothing raised
             log.info("%s: could not say it leaves (%s)", self.resource_id, exc)
 
+    async def _beat_at_once(self) -> None:
+        """NATS came back: the next beat (with the new ``connection``) goes now, so that
+        the gateway re-routes what this resource held without waiting a tick."""
+        self._beat_now.set()
+
     async def heartbeat_loop(self) -> None:
         subject = self.bus.subjects.sched_heartbeat(self.resource_id)
         while True:
@@ -206,6 +212,7 @@ class ResourceMembership:
                     phase=self.phase,
                     in_flight=self.in_flight,
                     version=self.version,
+                    connection=self.bus.reconnects,
                 ),
             )
             with contextlib.suppress(TimeoutError):

@@ -7,10 +7,11 @@ to a freshly lent engine (``GenerateReply.resume_on``). Engines always stream
 GenerateChunks to the gateway's one chunk inbox: chunk 0 names the engine that took
 the request, and every chunk carries the tokens so far into the choice; the
 GenerateReply is authoritative. An interruption (finish_reason "abort", an engine
-declared dead by ``sf.<run>.sched.phase``, no engine confirming the request) is
-resumed by re-submitting prompt + partial ids, never re-tokenized, until the answer is
-complete. ``sf.<run>.engine.abort`` frees the slot of a request whose answer is no
-longer needed (a stop string matched, the client left, the request is re-routed).
+declared dead or reconnected to NATS by ``sf.<run>.sched.phase``, no engine confirming
+the request) is resumed by re-submitting prompt + partial ids, never re-tokenized,
+until the answer is complete. ``sf.<run>.engine.abort`` frees the slot of a request
+whose answer is no longer needed (a stop string matched, the client left, the request is
+re-routed).
 """
 
 from __future__ import annotations
@@ -261,23 +262,27 @@ class EngineClient:
 
     async def on_phase(self, change: PhaseChanged) -> None:
         """An engine declared dead by the tag-scheduler: re-route its requests now
-        instead of waiting for a reply that will never come."""
-        if change.phase != "dead":
+        instead of waiting for a reply that will never come. An engine whose NATS
+        connection came back likewise: a chunk or reply it sent while away may be lost
+        (written to a server that died), and the abort makes it drop its copies."""
+        if change.phase not in ("dead", "reconnected"):
             return
         calls = self._engine_calls.pop(change.resource_id, {})
-        # Requests not yet confirmed by any engine may have been on the dead one: abort
-        # them everywhere (a live engine drops its copy) and re-submit them too.
+        # Requests not yet confirmed by any engine may have been on that one (its
+        # chunk 0 lost): abort them everywhere (a live engine drops its copy) and
+        # re-submit them too.
         unconfirmed = self._engine_calls.pop(UNASSIGNED, {})
+        what = "died" if change.phase == "dead" else "reconnected to NATS"
         if calls or unconfirmed:
             log.warning(
-                "engine %s died; re-routing %d requests (+%d unconfirmed)",
+                "engine %s %s; re-routing %d requests (+%d unconfirmed)",
                 change.resource_id,
+                what,
                 len(calls),
                 len(unconfirmed),
             )
-        for request_id in unconfirmed:
-            await self._abort(request_id, f"engine {change.resource_id} died")
         for request_id, reply_task in {**calls, **unconfirmed}.items():
+            await self._abort(request_id, f"engine {change.resource_id} {what}")
             self._lost[request_id] = change.resource_id
             reply_task.cancel()
 

@@ -20,7 +20,8 @@ recorded for that policy. One tokenizer (``SF_MODEL_DIR``) serves every policy.
 Consumes:
 - ``sf.<run>.engine.<policy>.generate`` replies (GenerateReply) from engine workers, and
   their GenerateChunks on a private inbox (which engine holds a request, tokens so far)
-- ``sf.<run>.sched.phase`` (PhaseChanged): a dead engine's requests are re-routed
+- ``sf.<run>.sched.phase`` (PhaseChanged): the requests of an engine declared dead, or
+  whose NATS connection came back (its replies may be lost), are re-routed
 Produces:
 - ``sf.<run>.engine.<policy>.generate`` requests (GenerateRequest, queue group
   ``engines``; ``...engine.<policy>.direct.<engine>`` to resume a request handed over

@@ -3,8 +3,9 @@
 It owns ``sched.register`` (ResourceRegister -> RoleAssignment: a resource joins, or
 joins again, and is told its role), ``sched.heartbeat.<resource>`` (each beat keeps its
 resource alive and carries its phase and load) and the liveness check that declares
-dead a resource whose heartbeats stopped. Each phase change and each death is announced
-on ``sched.phase`` (PhaseChanged: the gateway re-routes what a dead engine held).
+dead a resource whose heartbeats stopped. Each phase change, each death and each NATS
+reconnect of a resource is announced on ``sched.phase`` (PhaseChanged: the gateway
+re-routes what a dead or reconnected engine held).
 """
 
 from __future__ import annotations
@@ -126,6 +127,12 @@ class Membership:
             state.phase = beat.phase
             await self._announce(beat.resource_id, beat.phase)
             await self.registry.store(beat.resource_id)
+        if state.connection is not None and beat.connection > state.connection:
+            # What it sent while its connection was down may be lost (a reply to the
+            # gateway written to a dead server's socket): the gateway re-routes its calls.
+            log.warning("resource %s reconnected to NATS", beat.resource_id)
+            await self._announce(beat.resource_id, "reconnected")
+        state.connection = beat.connection
         if (load_changed or revived) and state.view.kind == "engine":
             await self.cores.update(state.policy)
 
@@ -151,7 +158,9 @@ class Membership:
         self.lending.lend_others(state.policy, decisions.rebalance(time.monotonic()), resource_id)
         await self.cores.update(state.policy)
 
-    async def _announce(self, resource_id: str, phase: Phase | Literal["dead"]) -> None:
+    async def _announce(
+        self, resource_id: str, phase: Phase | Literal["dead", "reconnected"]
+    ) -> None:
         await self.bus.publish(
             self.bus.subjects.sched_phase(), PhaseChanged(resource_id=resource_id, phase=phase)
         )

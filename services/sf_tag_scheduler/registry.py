@@ -38,6 +38,9 @@ class ResourceState:
     """Host and pid of the process that registered it."""
     in_flight: int = 0
     """Requests in flight, as its last heartbeat said."""
+    connection: int | None = None
+    """Its last heartbeat's ``connection`` (reconnects of its NATS client); None until
+    the first beat after it registered or was restored, which announces nothing."""
 
 
 class ResourceRegistry:

@@ -22,7 +22,8 @@ Produces:
   release), the cores of the dedicated rollout engines on its host that have nothing
   to do (``idle_cores.cores_for_training``); sent on every change, 0 threads when the
   engines take them back or the trainer stops training
-- ``sf.<run>.sched.phase`` (PhaseChanged: phase transitions and deaths)
+- ``sf.<run>.sched.phase`` (PhaseChanged: phase transitions, deaths, and NATS
+  reconnects, from a heartbeat whose ``connection`` grew)
 - KV bucket ``sf_<run>_resources``: one entry per resource (tags, slots, role, phase,
   status, process); read back on start-up, so a restarted scheduler knows every
   resource again without asking it to register (see ``ResourceRegistry.restore``)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 from openai import AsyncOpenAI
 
 from seamlessflow.bus import Bus
@@ -198,3 +199,75 @@ async def test_a_request_no_engine_confirms_is_resubmitted(
             frozen.kill()
             await frozen.wait()
         await mesh.stop()
+
+
+async def test_an_engine_that_reconnected_has_its_requests_rerouted(
+    nats_url: str,
+    run_id: str,
+    chatty_model_dir: Path,
+    bus: Bus,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine whose NATS server went away while it held a confirmed request: the
+    tokens it sent meanwhile, its reply included, are lost (written into the dead
+    server's socket), then it reconnects. Not dead (its heartbeats come back) and
+    confirmed (chunk 0 arrived), the request would wait ``generate_timeout_s`` for
+    that reply (what a NATS cluster losing a node showed: 300 s for one call). The
+    engine's next heartbeat says it reconnected, and the gateway re-routes the call."""
+    from support import InProcessMesh, TcpProxy, eventually, recorded_turns
+
+    monkeypatch.setenv("SF_ENGINE_SCRIPTED_STEP_S", "0.05")  # 40 tokens: ~2 s
+    host, _, port = nats_url.removeprefix("nats://").rpartition(":")
+    proxy = TcpProxy(host, int(port))
+    proxy_url = f"nats://127.0.0.1:{await proxy.start()}"
+    mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
+    behind_proxy = InProcessMesh(proxy_url, run_id, chatty_model_dir)
+    try:
+        # liveness and the first-chunk and reply time-outs all far longer than the test
+        await mesh.start(TagSchedulerService(TagSchedulerSettings(dead_after_s=600)))
+        await mesh.start(WeightSyncService())
+        gateway = await mesh.start(
+            GatewayService(
+                GatewaySettings(
+                    port=0, max_context=512, first_chunk_timeout_s=300, generate_timeout_s=300
+                )
+            )
+        )
+        engine = await behind_proxy.start(
+            EngineService(EngineSettings(engine_id="engine-x", backend="scripted"))
+        )
+        async with asyncio.timeout(90):
+            await engine.ready.wait()
+            await gateway.ready.wait()
+        engines = gateway.gateway.engines
+        url = f"http://127.0.0.1:{gateway.bound_port}"
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            session = (await http.post("/sessions", json={})).json()
+            client = AsyncOpenAI(
+                base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+            )
+            call = asyncio.create_task(
+                client.chat.completions.create(
+                    model="policy",
+                    messages=[{"role": "user", "content": "Count"}],
+                    max_tokens=40,
+                )
+            )
+            await eventually(lambda: engines._engine_calls.get("engine-x"), 30, "confirmed")
+            proxy.losing = True  # the engine's server "dies": what it sends is lost
+            await eventually(lambda: not len(engine._in_flight), 30, "the engine answered")
+            assert not call.done()  # its reply was lost
+            proxy.cut()  # the engine reconnects (through the proxy, which passes again)
+            async with asyncio.timeout(60):  # far below the 300 s reply time-out
+                reply = await call
+            await client.close()
+        assert engines.reroutes >= 1
+    finally:
+        await behind_proxy.stop()
+        await mesh.stop()
+        await proxy.close()
+
+    (turn,) = await recorded_turns(bus)
+    # the answer the client got is the one recorded, made of both engine calls' tokens
+    assert turn.completion_text == reply.choices[0].message.content
+    assert len(turn.completion_ids) == len(turn.logprobs) == reply.usage.completion_tokens

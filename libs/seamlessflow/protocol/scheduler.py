@@ -115,15 +115,19 @@ class Heartbeat(Message, tag="sched.heartbeat"):
     in_flight: int = 0
     version: int = 0
     sent_at: float = msgspec.field(default_factory=time.time)
+    connection: int = 0
+    """How many times this process's NATS connection came back (``Bus.reconnects``).
+    When it grows, the tag-scheduler announces the resource "reconnected": what it sent
+    while away may be lost, replies to the gateway included."""
     leaving: bool = False
     """The last beat of a process that stops cleanly: the tag-scheduler retires it now
     (a "left" line, not a "missed heartbeats" warning ``dead_after_s`` later)."""
 
 
 class PhaseChanged(Message, tag="sched.phase"):
-    """tag-scheduler -> gateway and weight-sync (core): a resource changed phase, or was
-    declared dead."""
+    """tag-scheduler -> gateway and weight-sync (core): a resource changed phase, was
+    declared dead, or reconnected to NATS (its heartbeat's ``connection`` grew)."""
 
     resource_id: str
-    phase: Phase | Literal["dead"]
+    phase: Phase | Literal["dead", "reconnected"]
     at: float = msgspec.field(default_factory=time.time)

@@ -416,8 +416,8 @@ class Subjects:
 
     @route(PhaseChanged, by="tag-scheduler", to=("gateway", "weight-sync"), transport="core")
     def sched_phase(self) -> str:
-        """PhaseChanged: tag-scheduler -> gateway and weight-sync (core): phase changes
-        and deaths."""
+        """PhaseChanged: tag-scheduler -> gateway and weight-sync (core): phase changes,
+        deaths and NATS reconnects."""
         return f"{self._root}.sched.phase"
 
     @route(
