@@ -200,7 +200,7 @@ async def start_rollout(  # type: ignore[no-untyped-def]
 ) -> str:
     """Start what serves an agent on ``mesh``: the scheduler, weight-sync, one engine
     worker of settings ``engine`` (``EngineSettings``) and a gateway; return the gateway's
-    URL once it is ready."""
+    URL once both are ready."""
     from sf_engine.service import EngineService
     from sf_gateway.service import GatewayService
     from sf_gateway.settings import GatewaySettings
@@ -209,9 +209,12 @@ async def start_rollout(  # type: ignore[no-untyped-def]
 
     await mesh.start(TagSchedulerService())
     await mesh.start(WeightSyncService())
-    await mesh.start(EngineService(engine))
+    engine_worker = await mesh.start(EngineService(engine))
     gateway = await mesh.start(GatewayService(GatewaySettings(port=0, max_context=max_context)))
     await asyncio.wait_for(gateway.ready.wait(), 30)
+    # and serving: vLLM on two busy cores takes longer to start than the gateway waits
+    # for an engine (``engine_wait_s``), and a test's first call would get a 503
+    await asyncio.wait_for(engine_worker.ready.wait(), 600)
     return f"http://127.0.0.1:{gateway.bound_port}"
 
 

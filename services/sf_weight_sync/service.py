@@ -40,7 +40,7 @@ from seamlessflow.protocol import (
     decode,
 )
 from seamlessflow.service import ServiceContext, supervise
-from seamlessflow.weights import VersionChain
+from seamlessflow.weights.chain import VersionChain
 from sf_weight_sync.settings import WeightSyncSettings
 
 log = logging.getLogger(__name__)

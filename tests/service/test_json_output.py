@@ -51,29 +51,28 @@ async def test_json_schema_output_on_vllm_is_json_and_recorded_as_constrained(
     messages: list[dict[str, Any]] = [{"role": "user", "content": "2 + 3? Answer in JSON."}]
     async with httpx.AsyncClient(base_url=gateway_url) as http:
         session = (await http.post("/sessions", json={})).json()
-        client = AsyncOpenAI(
+        async with AsyncOpenAI(
             base_url=session["base_url"], api_key=session["api_key"], max_retries=0
-        )
-        forms = [
-            {"type": "json_schema", "json_schema": {"name": "sum", "schema": SCHEMA}},
-            {"type": "json_object"},
-        ]
-        replies = [
-            await client.chat.completions.create(
+        ) as client:  # closed even when a call fails
+            forms = [
+                {"type": "json_schema", "json_schema": {"name": "sum", "schema": SCHEMA}},
+                {"type": "json_object"},
+            ]
+            replies = [
+                await client.chat.completions.create(
+                    model="policy",
+                    messages=messages,  # type: ignore[arg-type]
+                    response_format=form,  # type: ignore[arg-type]
+                    max_tokens=400,  # far more than the grammar's answers take
+                    seed=1,
+                )
+                for form in forms
+            ]
+            plain = await client.chat.completions.create(
                 model="policy",
-                messages=messages,  # type: ignore[arg-type]
-                response_format=form,  # type: ignore[arg-type]
-                max_tokens=400,  # far more than the grammar's answers take
-                seed=1,
+                messages=messages,
+                max_tokens=4,  # type: ignore[arg-type]
             )
-            for form in forms
-        ]
-        plain = await client.chat.completions.create(
-            model="policy",
-            messages=messages,
-            max_tokens=4,  # type: ignore[arg-type]
-        )
-        await client.close()
     # The grammar ends each answer with a complete value (then only the stop token is
     # allowed); the random model fills free strings and whitespace with anything.
     answers = []

@@ -4,6 +4,9 @@ real torch tensors."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import msgspec
 import numpy as np
 import pytest
@@ -249,6 +252,19 @@ def test_version_chain_accepts_only_what_continues_it() -> None:
     assert chain.version == 2
     fresh = WeightEncoder(bucket_bytes=4096).encode(5, model_state()).manifest
     assert chain.extend(fresh) and [m.version for m in chain.manifests] == [5]
+
+
+def test_the_weight_sync_service_starts_without_torch() -> None:
+    """weight-sync keeps manifests, never tensors: its service module, the package's
+    names and its chain import no torch (seconds of CPU at every start and restart)."""
+    code = (
+        "import sys, sf_weight_sync.service, seamlessflow.weights\n"
+        "from seamlessflow.weights import VersionChain\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "from seamlessflow.weights import WeightEncoder\n"
+        "assert 'torch' in sys.modules and WeightEncoder.__module__.endswith('codec')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@
   any) -> return the manifest that the trainer then announces; keeps the latest
   ``keep_chains`` chains (a full payload and the deltas after it), deletes older ones,
   and, once, every older payload in the store (those of an earlier trainer process).
-- ``VersionChain`` (weight-sync): the manifests that build the current version; a late
-  joiner or an engine after a gap gets the whole chain.
+- ``VersionChain`` (weight-sync, in ``chain``: no torch): the manifests that build the
+  current version; a late joiner or an engine after a gap gets the whole chain.
 - ``WeightReceiver`` (engine): follows a chain or a single broadcast payload from the
   version it holds, fetching at its own pace; raises ``VersionGap`` when it needs the
   chain, and never returns a partially built set.
@@ -117,30 +117,6 @@ class WeightPublisher:
                 for name, t in state_dict.items()
             }
         return self.encoder.encode(version, state_dict)
-
-
-class VersionChain:
-    """A full manifest and the consecutive deltas after it, up to the current version."""
-
-    def __init__(self) -> None:
-        self.manifests: list[WeightManifest] = []
-
-    @property
-    def version(self) -> int:
-        return self.manifests[-1].version if self.manifests else 0
-
-    def extend(self, manifest: WeightManifest) -> bool:
-        """Add the next version; False if it does not continue this chain (a delta on
-        a base this chain does not end with), which leaves the chain unchanged."""
-        if manifest.kind == "full":
-            if manifest.version > self.version or not self.manifests:
-                self.manifests = [manifest]
-                return True
-            return False
-        if self.manifests and manifest.base_version == self.version:
-            self.manifests.append(manifest)
-            return True
-        return False
 
 
 class WeightReceiver:
