@@ -27,7 +27,7 @@ import logging
 import time
 
 from seamlessflow import telemetry
-from seamlessflow.bus import DurableConsumer, ack_redeliverable
+from seamlessflow.bus import JETSTREAM_SETUP_RETRY, DurableConsumer, ack_redeliverable
 from seamlessflow.protocol import (
     WEIGHT_SYNC_DURABLE,
     CurrentVersion,
@@ -39,6 +39,7 @@ from seamlessflow.protocol import (
     WeightsPublished,
     decode,
 )
+from seamlessflow.retry import retry
 from seamlessflow.service import ServiceContext, supervise
 from seamlessflow.weights.chain import VersionChain
 from sf_weight_sync.settings import WeightSyncSettings
@@ -64,7 +65,10 @@ class WeightSyncService:
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
         subjects = ctx.subjects
-        await self._reload_chain()
+        # Read at start, like the streams' set-up: on a cluster still electing the
+        # stream's leader it times out, and is asked again (started without torch, this
+        # service asks within a second of the cluster's start: it failed there once).
+        await retry(self._reload_chain, JETSTREAM_SETUP_RETRY)
         await ctx.bus.subscribe(subjects.weights_loaded(), WeightsLoaded, self._on_loaded)
         await ctx.bus.subscribe(subjects.sched_phase(), PhaseChanged, self._on_phase)
         await ctx.bus.serve(subjects.weights_current(), CurrentVersionQuery, self.on_query)
@@ -106,7 +110,8 @@ class WeightSyncService:
 
     async def _reload_chain(self) -> None:
         """After a restart: walk the stream back from its last message to the latest
-        full payload, then replay forward."""
+        full payload, then replay forward. Changes nothing until every read is done (a
+        retry starts afresh)."""
         subjects, bus = self.ctx.subjects, self.ctx.bus
         last = await bus.last_stored(subjects.stream_weights(), subjects.weights_published())
         if last is None:
