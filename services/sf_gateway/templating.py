@@ -10,8 +10,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from seamlessflow.assets.tokenizer import load_tokenizer
 
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 """A SentencePiece byte-fallback piece: one raw byte."""
@@ -20,7 +22,7 @@ METASPACE = "\u2581"
 
 class ChatTokenizer:
     def __init__(self, model_dir: Path) -> None:
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(model_dir)
         stops = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id}
         for special in ("<|im_end|>", "<|endoftext|>"):
             token_id = self.tokenizer.convert_tokens_to_ids(special)

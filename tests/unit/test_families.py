@@ -4,6 +4,8 @@ matrix and save no separate lm_head, builds are deterministic, templates prefix-
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ from seamlessflow.assets.families import (
     build_family_model,
     family_spec,
 )
+from seamlessflow.assets.tokenizer import CHOICES_DIR, load_tokenizer
 from seamlessflow.weights.tied import tied_aliases
 
 CHAT = [
@@ -203,3 +206,70 @@ def test_unknown_family_and_cli(tmp_path: Path) -> None:
     assert info["family"] == "llama3-tied" and info["seed"] == 3
     assert info["tie_word_embeddings"] is True
     assert (tmp_path / "llama" / "model.safetensors").exists()
+
+
+# ------------------------------------------- the tokenizer AutoTokenizer picks, without torch
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "base"])
+def test_a_recorded_tokenizer_choice_loads_what_autotokenizer_loads(
+    family: str,
+    family_dirs: dict[str, Path],
+    base_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model_dir = base_model_dir if family == "base" else family_dirs[family]
+    monkeypatch.setenv("SF_CACHE_DIR", str(tmp_path))
+    expected = AutoTokenizer.from_pretrained(str(model_dir))
+    first = load_tokenizer(model_dir)  # asks AutoTokenizer and records its class
+    (record,) = (tmp_path / CHOICES_DIR).iterdir()
+    second = load_tokenizer(model_dir)  # the recorded class, directly
+    text = "What is 7 + 12? <|im_end|> caf\u00e9 \U0001f600\n\n  19"
+    for tokenizer in (first, second):
+        assert type(tokenizer) is type(expected)
+        assert tokenizer.all_special_ids == expected.all_special_ids
+        assert (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) == (
+            expected.eos_token_id,
+            expected.pad_token_id,
+            expected.bos_token_id,
+        )
+        assert tokenizer(text)["input_ids"] == expected(text)["input_ids"]
+        assert tokenizer.apply_chat_template(
+            CHAT, tokenize=False, add_generation_prompt=True
+        ) == expected.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    # the recorded load imports no torch (the reason for the record)
+    probe = (
+        "import sys; from pathlib import Path; "
+        "from seamlessflow.assets.tokenizer import load_tokenizer; "
+        f"t = load_tokenizer(Path({str(model_dir)!r})); "
+        "print(type(t).__name__, 'torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**os.environ, "SF_CACHE_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert out == [type(expected).__name__, "False"]
+    # a record naming a class that does not import is asked again and rewritten
+    record.write_text(json.dumps({"module": "transformers", "name": "NoSuchTokenizer"}))
+    assert type(load_tokenizer(model_dir)) is type(expected)
+    assert json.loads(record.read_text())["name"] == type(expected).__qualname__
+
+
+def test_a_tokenizer_with_remote_code_is_never_recorded(
+    family_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir = tmp_path / "remote"
+    shutil.copytree(family_dirs["qwen2"], model_dir)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_mine.MineTokenizer"]}
+    config_path.write_text(json.dumps(config))
+    monkeypatch.setenv("SF_CACHE_DIR", str(tmp_path / "cache"))
+    # whatever AutoTokenizer makes of it, every time: remote code decides the class
+    expected = AutoTokenizer.from_pretrained(str(model_dir))
+    assert type(load_tokenizer(model_dir)) is type(expected)
+    assert not (tmp_path / "cache").exists()

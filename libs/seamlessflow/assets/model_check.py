@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from seamlessflow.assets.tokenizer import load_tokenizer
 from seamlessflow.bus import Unrecoverable
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -145,9 +146,7 @@ def task_context_tokens(model_dir: Path, task: str, seed: int, max_tokens: int) 
     from seamlessflow.tasks import get_task_source
 
     try:
-        from transformers import AutoTokenizer
-
-        tokenizer: Any = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        tokenizer: Any = load_tokenizer(model_dir, local_files_only=True)
         source = get_task_source(task, seed=seed)
         tools = getattr(source, "tools", None)
         items = [item for split in ("train", "eval") for item in source.items(split)]
@@ -258,9 +257,7 @@ def _tokenizer_problems(model_dir: Path, config: dict[str, Any] | None, *, chat:
             )
         return problems
     try:
-        from transformers import AutoTokenizer
-
-        tokenizer: Any = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        tokenizer: Any = load_tokenizer(model_dir, local_files_only=True)
     except Exception as exc:  # a broken tokenizer is the model's problem: report it
         return [f"the tokenizer does not load ({one_line(exc)})"]
     if not chat:
