@@ -6,6 +6,7 @@ so ``seamlessflow --help`` is instant.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -412,6 +413,15 @@ def build_model(
     force: Annotated[bool, typer.Option(help="Rebuild even if up to date.")] = False,
     task: Annotated[str, typer.Option(help="Task to warm up on.")] = "arithmetic",
     size: Annotated[str, typer.Option(help="Model size: small | medium (~25M).")] = "small",
+    sft_steps: Annotated[
+        int | None,
+        typer.Option(
+            envvar="SF_BASE_MODEL_SFT_STEPS",
+            min=0,
+            help="Warm-up steps (default: the task's recipe; fewer build faster and learn "
+            "less: the compose checks' plumbing runs use 30).",
+        ),
+    ] = None,
 ) -> None:
     """Build the base model and tokenizer, or convert a packaged pretrained model (no
     downloads); skip if up to date."""
@@ -434,7 +444,10 @@ def build_model(
     from sf_app.base_model import build_base_model, ensure_base_model, sized_config
 
     build = build_base_model if force else ensure_base_model
-    path = build(out, seed=seed, task=task, config=sized_config(task, size))
+    config = sized_config(task, size)
+    if sft_steps is not None:
+        config = dataclasses.replace(config, sft_steps=sft_steps)
+    path = build(out, seed=seed, task=task, config=config)
     typer.echo(str(path))
 
 
@@ -728,6 +741,17 @@ def configuration_reference() -> str:
             default = info.get_default(call_default_factory=True)
             description = " ".join((info.description or "").split()).replace("|", "\\|")
             lines.append(f"| `{env}` | `{default!s}` | {description} |")
+    lines += ["", "## Command-line options read from the environment", "",
+              "| variable | option | meaning |", "|---|---|---|"]  # fmt: skip
+    group = typer.main.get_command(app)
+    for command_name, command in sorted(getattr(group, "commands", {}).items()):
+        for param in command.params:
+            for env in [param.envvar] if isinstance(param.envvar, str) else param.envvar or ():
+                option = f"seamlessflow {command_name} {param.opts[0]}"
+                description = " ".join((getattr(param, "help", "") or "").split())
+                lines.append(
+                    f"| `{env}` | `{option}` | {description.replace('|', chr(92) + '|')} |"
+                )
     return "\n".join(lines) + "\n"
 
 

@@ -24,6 +24,7 @@ it exited 0, and ``final`` must stay as it was.
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import re
 import secrets
@@ -62,6 +63,8 @@ VARIABLES = {
     "SF_NATS_TOKEN": "-" + secrets.token_urlsafe(16),
     "SF_GATEWAY_API_KEYS": secrets.token_urlsafe(16),
     "SF_TRAINER_STEPS": str(STEPS),
+    # plumbing, not learning: the suite's 30 warm-up steps, not the recipe's 500
+    "SF_BASE_MODEL_SFT_STEPS": "30",
     "SF_TRAJECTORY_GROUP_SIZE": "4",
     "SF_TRAJECTORY_GROUPS_PER_BATCH": "2",
 }
@@ -470,7 +473,11 @@ def test_compose_as_processes_trains_the_built_in_task_and_keeps_its_final(
         state = checkpoint.read_state(final)
         assert (state.step, state.trained, state.version) == (STEPS, STEPS, STEPS), state
         trained = checkpoint.load_model_state(final)
-        base = checkpoint.load_model_state(Path(containers.env("trainer")["SF_MODEL_DIR"]))
+        model_dir = Path(containers.env("trainer")["SF_MODEL_DIR"])
+        base = checkpoint.load_model_state(model_dir)
+        # the variable reached build-model's command line through its environment
+        build_info = json.loads((model_dir / "build_info.json").read_text())
+        assert build_info["sft_steps"] == int(VARIABLES["SF_BASE_MODEL_SFT_STEPS"])
         assert trained.keys() == base.keys()
         if any_group_with_signal(containers.env("trainer")):
             # some group's rewards differed, so some advantage was not 0: a step moved
