@@ -3,12 +3,12 @@
 ``AutoTokenizer`` picks a tokenizer class from config.json and tokenizer_config.json. To
 read config.json it imports transformers' model configurations, and those import torch:
 about 8 s of CPU on two cores, paid by every process that only tokenizes (the gateway,
-``seamlessflow up``'s model check). The class it picks depends only on those two files
-and on transformers' version. So the first load asks ``AutoTokenizer`` and records its
-choice in the model cache (``$SF_CACHE_DIR/tokenizer-classes``, one small file per
-content), and later loads of the same content instantiate the recorded class directly,
-as ``AutoTokenizer`` itself ends by doing. The tokenizer is the same object either way
-(``tests/unit/test_families.py``).
+``seamlessflow up``'s model check). The class it picks depends only on those two files,
+the path as given and transformers' version. So the first load asks ``AutoTokenizer``
+and records its choice in the model cache (``$SF_CACHE_DIR/tokenizer-classes``, one
+small file per path and content), and later loads of the same path and content
+instantiate the recorded class directly, as ``AutoTokenizer`` itself ends by doing. The
+tokenizer is the same object either way (``tests/unit/test_families.py``).
 
 Not recorded: a tokenizer with remote code (``auto_map``), which ``AutoTokenizer`` alone
 loads. A record that cannot be read, or names a class that no longer imports, is asked
@@ -51,7 +51,9 @@ def cache_dir() -> Path:
 
 def _record_path(model_dir: Path) -> Path | None:
     """Where AutoTokenizer's choice for this content is kept; None for remote code."""
-    digest = hashlib.sha256(f"transformers {version('transformers')}".encode())
+    # the path as given too: AutoTokenizer matches it against hub ids it treats apart
+    # (``MODEL_IDS_TO_TOKENIZERS_BACKEND``, e.g. a relative ``deepseek-ai/deepseek-coder-x``)
+    digest = hashlib.sha256(f"transformers {version('transformers')}\0{model_dir}".encode())
     for name in ("tokenizer_config.json", "config.json"):
         try:
             content = (model_dir / name).read_bytes()
