@@ -112,11 +112,34 @@ JETSTREAM_UNAVAILABLE = (
 """What JetStream answers while it cannot serve: a cluster electing a leader after a node
 was lost, a broker restarting. Transient: seconds."""
 
+NO_SUITABLE_PEERS = 10005
+"""JetStream's error code for a stream whose replicas it has no servers to place on."""
+
+
+class ReplicaPeersMissing(Unrecoverable):
+    """JetStream has fewer servers than a stream's replicas. While a cluster forms, its
+    servers join the meta group one by one (its leader answers before the last has
+    joined): retried during set-up, then this one line (the cluster is smaller than
+    ``SF_NATS_REPLICAS``)."""
+
+
+def _raise_if_no_peers(exc: nats.js.errors.BadRequestError, stream: str, replicas: int) -> None:
+    if exc.err_code == NO_SUITABLE_PEERS:
+        raise ReplicaPeersMissing(
+            f"stream {stream}: JetStream has no {replicas} servers to place its replicas on "
+            "(SF_NATS_REPLICAS is more than the cluster's servers, or they have not joined)"
+        ) from exc
+
+
+PLACEMENT_RETRY = RetryPolicy(retry_on=(ReplicaPeersMissing,), first_delay_s=0.5, deadline_s=60.0)
+"""A bucket's creation waits up to 60 s for the servers its replicas need."""
+
 JETSTREAM_SETUP_RETRY = RetryPolicy(
-    retry_on=JETSTREAM_UNAVAILABLE, first_delay_s=0.5, deadline_s=60.0
+    retry_on=(*JETSTREAM_UNAVAILABLE, ReplicaPeersMissing), first_delay_s=0.5, deadline_s=60.0
 )
 """Creating or checking the run's streams at start is tried again for up to 60 s while
-JetStream is unavailable (a cluster electing its leader), then the service fails."""
+JetStream is unavailable (a cluster electing its leader, or still gathering the servers
+for its replicas), then the service fails."""
 
 
 class BrokerUnavailable(Exception):
@@ -396,7 +419,8 @@ class Bus:
                 try:
                     await self.js.add_stream(wanted)
                     return
-                except nats.js.errors.BadRequestError:
+                except nats.js.errors.BadRequestError as exc:
+                    _raise_if_no_peers(exc, name, wanted.num_replicas or 1)
                     # another service created it between our lookup and our add
                     info = await self.js.stream_info(name)
             have = info.config
@@ -537,7 +561,15 @@ class Bus:
         except nats.js.errors.NotFoundError:
             pass
         replicas = self.replicas or 1
-        return KeyValueBucket(await self.js.create_key_value(bucket=bucket, replicas=replicas))
+
+        async def create() -> KeyValue:
+            try:
+                return await self.js.create_key_value(bucket=bucket, replicas=replicas)
+            except nats.js.errors.BadRequestError as exc:
+                _raise_if_no_peers(exc, f"KV_{bucket}", replicas)
+                raise
+
+        return KeyValueBucket(await retry(create, PLACEMENT_RETRY))
 
     async def object_bucket(self, bucket: str) -> ObjectBucket:
         """The object store ``bucket``, created if missing."""
@@ -547,7 +579,15 @@ class Bus:
             self._check_replicas(info.config.name or bucket, info.config.num_replicas)
         except nats.js.errors.BucketNotFoundError:
             config = ObjectStoreConfig(bucket=bucket, replicas=self.replicas or 1)
-            store = await self.js.create_object_store(bucket, config=config)
+
+            async def create() -> ObjectStore:
+                try:
+                    return await self.js.create_object_store(bucket, config=config)
+                except nats.js.errors.BadRequestError as exc:
+                    _raise_if_no_peers(exc, bucket, config.replicas)
+                    raise
+
+            store = await retry(create, PLACEMENT_RETRY)
         return ObjectBucket(self.js, store, bucket)
 
     async def follow(self, stream: str, subject: str) -> tuple[Subscription, int]:

@@ -6,6 +6,7 @@ made with another count stops with one line instead of running on them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import nats.js.errors
 import pytest
 from support import free_port
 
-from seamlessflow.bus import Bus, Unrecoverable, connect
+from seamlessflow.bus import JETSTREAM_SETUP_RETRY, Bus, Unrecoverable, connect
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import Subjects
 
@@ -21,20 +22,77 @@ from seamlessflow.protocol import Subjects
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[list[EmbeddedNats]]:
-    """Three nats-servers routed to each other, JetStream on each."""
+def cluster_servers(root: Path) -> list[EmbeddedNats]:
+    """Three nats-servers routed to each other, JetStream on each (not started)."""
     routes = [free_port() for _ in range(3)]
     servers = []
+    for i, port in enumerate(routes):
+        others = ",".join(f"nats://127.0.0.1:{p}" for p in routes if p != port)
+        args = ["--server_name", f"n{i}", "--cluster_name", "sf"]
+        args += ["--cluster", f"nats://127.0.0.1:{port}", "--routes", others]
+        servers.append(EmbeddedNats(root / f"n{i}", extra_args=args))
+    return servers
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[list[EmbeddedNats]]:
+    servers = cluster_servers(tmp_path)
     try:
-        for i, port in enumerate(routes):
-            others = ",".join(f"nats://127.0.0.1:{p}" for p in routes if p != port)
-            args = ["--server_name", f"n{i}", "--cluster_name", "sf"]
-            args += ["--cluster", f"nats://127.0.0.1:{port}", "--routes", others]
-            server = EmbeddedNats(tmp_path / f"n{i}", extra_args=args)
+        for server in servers:
             server.start()
-            servers.append(server)
         yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+async def test_streams_wait_for_the_servers_their_replicas_need(tmp_path: Path) -> None:
+    """Two of three servers elect a meta leader, so JetStream answers, but it has no
+    third server to place a third replica on ("no suitable peers for placement", as in
+    a cluster whose last server has not joined yet). Streams and buckets wait for it
+    (fresh CI hit this: the set-up took the refusal for a concurrent creation)."""
+    servers = cluster_servers(tmp_path)
+    try:
+        servers[0].start()
+        servers[1].start()
+        urls = ",".join(server.url for server in servers[:2])
+        bus = await connect(urls, Subjects("late"), name="test", replicas=3, wait_s=30)
+        try:
+            await jetstream_ready(bus)
+            setup = asyncio.ensure_future(bus.ensure_streams())
+            await asyncio.sleep(3.0)
+            assert not setup.done(), setup.exception()  # waiting, not failed
+            servers[2].start()
+            await asyncio.wait_for(setup, 90)
+            await bus.key_value("registry")
+            async for info in streams_of(bus):
+                assert info.config.num_replicas == 3, info.config.name
+        finally:
+            await bus.drain()
+    finally:
+        for server in servers:
+            server.stop()
+
+
+async def test_streams_without_the_servers_for_their_replicas_stop_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        "seamlessflow.bus.JETSTREAM_SETUP_RETRY",
+        dataclasses.replace(JETSTREAM_SETUP_RETRY, deadline_s=3.0),
+    )
+    servers = cluster_servers(tmp_path)
+    try:
+        servers[0].start()
+        servers[1].start()
+        urls = ",".join(server.url for server in servers[:2])
+        bus = await connect(urls, Subjects("few"), name="test", replicas=3, wait_s=30)
+        try:
+            await jetstream_ready(bus)
+            with pytest.raises(Unrecoverable, match="no 3 servers to place its replicas on"):
+                await bus.ensure_streams()
+        finally:
+            await bus.drain()
     finally:
         for server in servers:
             server.stop()
