@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import nats.js.errors
@@ -46,11 +46,11 @@ def cluster(tmp_path: Path) -> Iterator[list[EmbeddedNats]]:
             server.stop()
 
 
-async def test_streams_wait_for_the_servers_their_replicas_need(tmp_path: Path) -> None:
-    """Two of three servers elect a meta leader, so JetStream answers, but it has no
-    third server to place a third replica on ("no suitable peers for placement", as in
-    a cluster whose last server has not joined yet). Streams and buckets wait for it
-    (fresh CI hit this: the set-up took the refusal for a concurrent creation)."""
+@pytest.fixture
+async def two_of_three(tmp_path: Path) -> AsyncIterator[tuple[Bus, EmbeddedNats]]:
+    """A bus asking for 3 replicas of a cluster whose third server is not started yet
+    (returned beside it). Two servers elect a meta leader, so JetStream answers, but has
+    no third server to place a third replica on ("no suitable peers for placement")."""
     servers = cluster_servers(tmp_path)
     try:
         servers[0].start()
@@ -59,14 +59,7 @@ async def test_streams_wait_for_the_servers_their_replicas_need(tmp_path: Path) 
         bus = await connect(urls, Subjects("late"), name="test", replicas=3, wait_s=30)
         try:
             await jetstream_ready(bus)
-            setup = asyncio.ensure_future(bus.ensure_streams())
-            await asyncio.sleep(3.0)
-            assert not setup.done(), setup.exception()  # waiting, not failed
-            servers[2].start()
-            await asyncio.wait_for(setup, 90)
-            await bus.key_value("registry")
-            async for info in streams_of(bus):
-                assert info.config.num_replicas == 3, info.config.name
+            yield bus, servers[2]
         finally:
             await bus.drain()
     finally:
@@ -74,28 +67,32 @@ async def test_streams_wait_for_the_servers_their_replicas_need(tmp_path: Path) 
             server.stop()
 
 
+async def test_streams_wait_for_the_servers_their_replicas_need(
+    two_of_three: tuple[Bus, EmbeddedNats],
+) -> None:
+    """As in a cluster whose last server has not joined yet: streams and buckets wait for
+    it (fresh CI hit this: the set-up took the refusal for a concurrent creation)."""
+    bus, third = two_of_three
+    setup = asyncio.ensure_future(bus.ensure_streams())
+    await asyncio.sleep(3.0)
+    assert not setup.done(), setup.exception()  # waiting, not failed
+    third.start()
+    await asyncio.wait_for(setup, 90)
+    await bus.key_value("registry")
+    async for info in streams_of(bus):
+        assert info.config.num_replicas == 3, info.config.name
+
+
 async def test_streams_without_the_servers_for_their_replicas_stop_with_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    two_of_three: tuple[Bus, EmbeddedNats], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(
         "seamlessflow.bus.JETSTREAM_SETUP_RETRY",
         dataclasses.replace(JETSTREAM_SETUP_RETRY, deadline_s=3.0),
     )
-    servers = cluster_servers(tmp_path)
-    try:
-        servers[0].start()
-        servers[1].start()
-        urls = ",".join(server.url for server in servers[:2])
-        bus = await connect(urls, Subjects("few"), name="test", replicas=3, wait_s=30)
-        try:
-            await jetstream_ready(bus)
-            with pytest.raises(Unrecoverable, match="no 3 servers to place its replicas on"):
-                await bus.ensure_streams()
-        finally:
-            await bus.drain()
-    finally:
-        for server in servers:
-            server.stop()
+    bus, _ = two_of_three
+    with pytest.raises(Unrecoverable, match="no 3 servers to place its replicas on"):
+        await bus.ensure_streams()
 
 
 async def jetstream_ready(bus: Bus, timeout: float = 60.0) -> None:
