@@ -16,7 +16,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from seamlessflow.bus import Bus, connect
 from seamlessflow.protocol import Subjects
@@ -99,7 +99,8 @@ class InProcessMesh:
         self.mesh = MeshSettings(
             nats_url=nats_url, run_id=run_id, model_dir=model_dir, policies=policies
         )
-        self.running: list[tuple[object, object, object]] = []
+        self.running: list[tuple[Any, Any, asyncio.Task[None]]] = []
+        """(service, its ServiceContext, the task running it), in the order started."""
 
     async def start(self, service, policy: str = ""):  # type: ignore[no-untyped-def]
         """Start ``service``; ``policy``: the one it serves or trains (``SF_POLICY``)."""
@@ -118,23 +119,55 @@ class InProcessMesh:
         return service
 
     async def stop(self) -> None:
-        import asyncio
-
         running, self.running = self.running, []
         for _, ctx, _ in reversed(running):
-            ctx.stopping.set()  # type: ignore[attr-defined]
+            ctx.stopping.set()
         # every service is stopped and its connection drained, even after one failed;
         # then the first failure is raised
         failures: list[BaseException] = []
-        for _, ctx, task in reversed(running):
+        for service, ctx, task in reversed(running):
             try:
-                await asyncio.wait_for(task, 20)  # type: ignore[arg-type]
+                done, _ = await asyncio.wait([task], timeout=STOP_BUDGET_S)
+                if not done:
+                    # where every task of the loop waits, before cancelling changes it:
+                    # a service that does not stop is a bug to find, not a slow machine
+                    where = tasks_waiting()
+                    task.cancel()
+                    await asyncio.wait([task], timeout=STOP_BUDGET_S)
+                    raise AssertionError(
+                        f"{service.name} did not stop within {STOP_BUDGET_S} s of being "
+                        f"asked; the loop's tasks were waiting at:\n{where}"
+                    )
+                task.result()
             except BaseException as exc:
                 failures.append(exc)
             finally:
-                await ctx.bus.drain()  # type: ignore[attr-defined]
+                await ctx.bus.drain()
         if failures:
             raise failures[0]
+
+
+STOP_BUDGET_S = 60.0
+"""How long ``InProcessMesh.stop`` waits for one service to return once asked: a healthy
+one returns within a second or two; on a loaded two-core machine a weight copy or a decode
+step in flight (which a cancelled engine finishes before releasing its lock) can take
+several seconds more."""
+
+
+def tasks_waiting() -> str:
+    """One line per pending task of the running loop: its name and the innermost frame it
+    is suspended in, the first thing to read when something does not stop."""
+    lines = []
+    for task in asyncio.all_tasks():
+        frames = task.get_stack()
+        frame = frames[-1] if frames else None
+        at = (
+            f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+            if frame is not None
+            else "(not started)"
+        )
+        lines.append(f"  {task.get_name()} ({task.get_coro()!r:.80}): {at}")
+    return "\n".join(sorted(lines))
 
 
 class TcpProxy:
