@@ -21,18 +21,24 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from seamlessflow.service import configure_logging
 from seamlessflow.service import main as run_service_process
 from seamlessflow.settings import MeshSettings
-from sf_trainer.distributed import TrainGroup
-from sf_trainer.learner import Learner
-from sf_trainer.service import TrainerService
 from sf_trainer.settings import TrainerSettings
+
+if TYPE_CHECKING:
+    from sf_trainer.distributed import TrainGroup
 
 
 def main() -> None:
     settings = TrainerSettings()
+    # torch, transformers and the model code (about 9 CPU-seconds) only once the settings
+    # are known good: a bad variable ends the process with its one line at once
+    from sf_trainer.distributed import TrainGroup
+    from sf_trainer.service import TrainerService
+
     group = TrainGroup.from_env(settings.device, settings.collective_timeout_s)
     try:
         if group.is_leader:
@@ -62,4 +68,6 @@ def follow_rank_zero(settings: TrainerSettings, group: TrainGroup, mesh: MeshSet
         signal.signal(stop_signal, signal.SIG_IGN)
     if mesh.model_dir is None:
         raise RuntimeError("the trainer needs SF_MODEL_DIR")
+    from sf_trainer.learner import Learner
+
     Learner(settings, group, mesh.model_dir, seed=mesh.seed).follow()
