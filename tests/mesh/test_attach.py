@@ -65,13 +65,14 @@ async def test_an_openai_agent_joins_a_live_run_with_its_own_key_and_its_session
             )
             assert opened.status_code == 201, opened.text
             session = opened.json()
-            agent = openai.AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"])
-            answer = await agent.chat.completions.create(
-                model="policy",
-                messages=[{"role": "user", "content": "What is 7 + 12?"}],
-                max_tokens=8,
-            )
-            await agent.close()
+            async with openai.AsyncOpenAI(
+                base_url=session["base_url"], api_key=session["api_key"]
+            ) as agent:
+                answer = await agent.chat.completions.create(
+                    model="policy",
+                    messages=[{"role": "user", "content": "What is 7 + 12?"}],
+                    max_tokens=8,
+                )
             assert answer.choices[0].message.content is not None
             finished = await http.post(
                 f"/sessions/{session['session_id']}/finish",

@@ -56,13 +56,14 @@ async def one_exported_session(connection: RunConnection) -> tuple[list[int], li
         )
         assert opened.status_code == 201, opened.text
         session = opened.json()
-        agent = openai.AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"])
-        answer = await agent.chat.completions.create(
-            model="policy",
-            messages=QUESTION,
-            max_tokens=8,  # type: ignore[arg-type]
-        )
-        await agent.close()
+        async with openai.AsyncOpenAI(
+            base_url=session["base_url"], api_key=session["api_key"]
+        ) as agent:
+            answer = await agent.chat.completions.create(
+                model="policy",
+                messages=QUESTION,
+                max_tokens=8,  # type: ignore[arg-type]
+            )
         own = {"authorization": f"Bearer {session['api_key']}"}
         finished = await http.post(f"/sessions/{session['session_id']}/finish", headers=own)
         assert finished.status_code == 200, finished.text

@@ -102,21 +102,20 @@ async def test_unstreamed_answers_ask_for_rare_chunks_and_are_recorded_whole(
         url = f"http://127.0.0.1:{gateway.bound_port}"
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
             session = (await http.post("/sessions", json={})).json()
-        client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"])
-        texts = []
-        for stream, stop in ((False, None), (True, None), (False, ["\n\n\n"])):
-            messages = [{"role": "user", "content": f"turn {len(texts)}"}]
-            if stream:
-                parts = await client.chat.completions.create(
-                    model="policy", messages=messages, max_tokens=MAX_TOKENS, stream=True
-                )
-                texts.append("".join([c.choices[0].delta.content or "" async for c in parts]))
-            else:
-                answer = await client.chat.completions.create(
-                    model="policy", messages=messages, max_tokens=MAX_TOKENS, stop=stop
-                )
-                texts.append(answer.choices[0].message.content)
-        await client.close()
+        async with AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"]) as client:
+            texts = []
+            for stream, stop in ((False, None), (True, None), (False, ["\n\n\n"])):
+                messages = [{"role": "user", "content": f"turn {len(texts)}"}]
+                if stream:
+                    parts = await client.chat.completions.create(
+                        model="policy", messages=messages, max_tokens=MAX_TOKENS, stream=True
+                    )
+                    texts.append("".join([c.choices[0].delta.content or "" async for c in parts]))
+                else:
+                    answer = await client.chat.completions.create(
+                        model="policy", messages=messages, max_tokens=MAX_TOKENS, stop=stop
+                    )
+                    texts.append(answer.choices[0].message.content)
         await bus.nc.flush()
     finally:
         await watch.unsubscribe()

@@ -80,26 +80,25 @@ async def test_requests_on_a_killed_engine_finish_on_another(
 
         async def agent(index: int, http: httpx.AsyncClient) -> str:
             session = (await http.post("/sessions", json={})).json()
-            client = AsyncOpenAI(
+            async with AsyncOpenAI(
                 base_url=session["base_url"], api_key=session["api_key"], max_retries=0
-            )
-            reply = await client.chat.completions.create(
-                model="policy",
-                messages=[{"role": "user", "content": f"Count to {index}"}],
-                max_tokens=MAX_TOKENS,
-                stream=index % 2 == 1,  # type: ignore[arg-type]
-            )
-            if index % 2:
-                text = "".join(
-                    [
-                        c.choices[0].delta.content or ""
-                        async for c in reply  # type: ignore[union-attr]
-                        if c.choices
-                    ]
+            ) as client:
+                reply = await client.chat.completions.create(
+                    model="policy",
+                    messages=[{"role": "user", "content": f"Count to {index}"}],
+                    max_tokens=MAX_TOKENS,
+                    stream=index % 2 == 1,  # type: ignore[arg-type]
                 )
-            else:
-                text = reply.choices[0].message.content  # type: ignore[union-attr]
-            await client.close()
+                if index % 2:
+                    text = "".join(
+                        [
+                            c.choices[0].delta.content or ""
+                            async for c in reply  # type: ignore[union-attr]
+                            if c.choices
+                        ]
+                    )
+                else:
+                    text = reply.choices[0].message.content  # type: ignore[union-attr]
             return text
 
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
@@ -176,15 +175,14 @@ async def test_a_request_no_engine_confirms_is_resubmitted(
 
             async def ask(index: int) -> str:
                 session = (await http.post("/sessions", json={})).json()
-                client = AsyncOpenAI(
+                async with AsyncOpenAI(
                     base_url=session["base_url"], api_key=session["api_key"], max_retries=0
-                )
-                reply = await client.chat.completions.create(
-                    model="policy",
-                    messages=[{"role": "user", "content": f"Count to {index}"}],
-                    max_tokens=8,
-                )
-                await client.close()
+                ) as client:
+                    reply = await client.chat.completions.create(
+                        model="policy",
+                        messages=[{"role": "user", "content": f"Count to {index}"}],
+                        max_tokens=8,
+                    )
                 return reply.choices[0].message.content or ""
 
             async with asyncio.timeout(60):  # far below the 300 s reply time-out
@@ -243,24 +241,23 @@ async def test_an_engine_that_reconnected_has_its_requests_rerouted(
         url = f"http://127.0.0.1:{gateway.bound_port}"
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             session = (await http.post("/sessions", json={})).json()
-            client = AsyncOpenAI(
+            async with AsyncOpenAI(
                 base_url=session["base_url"], api_key=session["api_key"], max_retries=0
-            )
-            call = asyncio.create_task(
-                client.chat.completions.create(
-                    model="policy",
-                    messages=[{"role": "user", "content": "Count"}],
-                    max_tokens=40,
+            ) as client:
+                call = asyncio.create_task(
+                    client.chat.completions.create(
+                        model="policy",
+                        messages=[{"role": "user", "content": "Count"}],
+                        max_tokens=40,
+                    )
                 )
-            )
-            await eventually(lambda: engines._engine_calls.get("engine-x"), 30, "confirmed")
-            proxy.losing = True  # the engine's server "dies": what it sends is lost
-            await eventually(lambda: not len(engine._in_flight), 30, "the engine answered")
-            assert not call.done()  # its reply was lost
-            proxy.cut()  # the engine reconnects (through the proxy, which passes again)
-            async with asyncio.timeout(60):  # far below the 300 s reply time-out
-                reply = await call
-            await client.close()
+                await eventually(lambda: engines._engine_calls.get("engine-x"), 30, "confirmed")
+                proxy.losing = True  # the engine's server "dies": what it sends is lost
+                await eventually(lambda: not len(engine._in_flight), 30, "the engine answered")
+                assert not call.done()  # its reply was lost
+                proxy.cut()  # the engine reconnects (through the proxy, which passes again)
+                async with asyncio.timeout(60):  # far below the 300 s reply time-out
+                    reply = await call
         assert engines.reroutes >= 1
     finally:
         await behind_proxy.stop()

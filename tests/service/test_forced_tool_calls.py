@@ -137,41 +137,42 @@ async def test_forced_tool_calls_are_opened_in_the_prompt_and_trained_exactly(
     )["input_ids"]
     async with httpx.AsyncClient(base_url=gateway_url) as http:
         session = (await http.post("/sessions", json={})).json()
-        client = AsyncOpenAI(
+        async with AsyncOpenAI(
             base_url=session["base_url"], api_key=session["api_key"], max_retries=0
-        )
-        replies = []
-        for tool_choice, stream in ((NAMED, False), ("required", False), (NAMED, True)):
-            request: dict[str, Any] = {
-                "model": "policy",
-                "messages": MESSAGES,
-                "tools": TOOLS,
-                "tool_choice": tool_choice,
-                "max_tokens": 16,
-                "temperature": 0.9,
-                "seed": 5,
-            }
-            if not stream:
-                replies.append(await client.chat.completions.create(**request, logprobs=True))
-                continue
-            chunks = [c async for c in await client.chat.completions.create(**request, stream=True)]
-            replies.append(chunks)
-        recorded = await recorded_turns(bus)
+        ) as client:
+            replies = []
+            for tool_choice, stream in ((NAMED, False), ("required", False), (NAMED, True)):
+                request: dict[str, Any] = {
+                    "model": "policy",
+                    "messages": MESSAGES,
+                    "tools": TOOLS,
+                    "tool_choice": tool_choice,
+                    "max_tokens": 16,
+                    "temperature": 0.9,
+                    "seed": 5,
+                }
+                if not stream:
+                    replies.append(await client.chat.completions.create(**request, logprobs=True))
+                    continue
+                chunks = [
+                    c async for c in await client.chat.completions.create(**request, stream=True)
+                ]
+                replies.append(chunks)
+            recorded = await recorded_turns(bus)
 
-        # the agent sends its answer back (as it got it) and goes on: the next prompt
-        # continues the exact ids of the forced turn, opening included
-        message = replies[0].choices[0].message
-        history = [*MESSAGES, message.model_dump(exclude_none=True)]
-        if message.tool_calls:
-            history.append(
-                {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"}
+            # the agent sends its answer back (as it got it) and goes on: the next prompt
+            # continues the exact ids of the forced turn, opening included
+            message = replies[0].choices[0].message
+            history = [*MESSAGES, message.model_dump(exclude_none=True)]
+            if message.tool_calls:
+                history.append(
+                    {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "5"}
+                )
+            else:
+                history.append({"role": "user", "content": "Go on."})
+            await client.chat.completions.create(
+                model="policy", messages=history, tools=TOOLS, max_tokens=4
             )
-        else:
-            history.append({"role": "user", "content": "Go on."})
-        await client.chat.completions.create(
-            model="policy", messages=history, tools=TOOLS, max_tokens=4
-        )
-        await client.close()
     model = AutoModelForCausalLM.from_pretrained(str(qwen2_tied_model_dir), dtype=torch.float32)
     assert len(recorded) == 3
     for turn, tool_choice, reply in zip(recorded, (NAMED, "required", NAMED), replies, strict=True):

@@ -42,19 +42,18 @@ async def test_an_unmodified_openai_client_only_sets_base_url(
 ) -> None:  # type: ignore[no-untyped-def]
     async with httpx.AsyncClient(base_url=gateway_url) as http:
         session = await new_session(http, task_id="t1", reference="4", reward_fn="integer_match")
-        client = AsyncOpenAI(
+        async with AsyncOpenAI(
             base_url=session["base_url"], api_key=session["api_key"], max_retries=0
-        )
-        messages = [{"role": "user", "content": "What is 2 + 2?"}]
-        reply = await client.chat.completions.create(
-            model="policy",
-            messages=messages,
-            max_tokens=6,
-            logprobs=True,
-            seed=1,  # type: ignore[arg-type]
-        )
-        models = await client.models.list()
-        await client.close()
+        ) as client:
+            messages = [{"role": "user", "content": "What is 2 + 2?"}]
+            reply = await client.chat.completions.create(
+                model="policy",
+                messages=messages,
+                max_tokens=6,
+                logprobs=True,
+                seed=1,  # type: ignore[arg-type]
+            )
+            models = await client.models.list()
         assert [m.id for m in models.data] == ["policy"]
         finish = await http.post(
             f"/sessions/{session['session_id']}/finish", headers=session_auth(session)
@@ -84,11 +83,10 @@ async def test_an_unmodified_openai_client_only_sets_base_url(
 async def test_completions_accept_token_id_prompts(gateway_url: str, bus: Bus) -> None:
     async with httpx.AsyncClient(base_url=gateway_url) as http:
         session = await new_session(http)
-        client = AsyncOpenAI(
+        async with AsyncOpenAI(
             base_url=session["base_url"], api_key=session["api_key"], max_retries=0
-        )
-        reply = await client.completions.create(model="policy", prompt=[5, 6, 7], max_tokens=3)
-        await client.close()
+        ) as client:
+            reply = await client.completions.create(model="policy", prompt=[5, 6, 7], max_tokens=3)
     turn = next(e for e in await trajectory_events(bus) if isinstance(e, TurnRecorded))
     assert turn.prompt_ids == [5, 6, 7]
     assert reply.choices[0].text == turn.completion_text
@@ -307,12 +305,13 @@ async def test_an_episode_reports_step_rewards_and_a_failure_reason(
 async def test_the_sdk_raises_not_found_for_an_unknown_model(gateway_url: str) -> None:
     async with httpx.AsyncClient(base_url=gateway_url) as http:
         session = await new_session(http)
-    client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
-    with pytest.raises(NotFoundError, match="does not exist"):
-        await client.chat.completions.create(
-            model="gpt-9", messages=[{"role": "user", "content": "hi"}]
-        )
-    await client.close()
+    async with AsyncOpenAI(
+        base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+    ) as client:
+        with pytest.raises(NotFoundError, match="does not exist"):
+            await client.chat.completions.create(
+                model="gpt-9", messages=[{"role": "user", "content": "hi"}]
+            )
 
 
 async def test_export_shows_every_branch_with_exact_engine_ids(
@@ -325,21 +324,20 @@ async def test_export_shows_every_branch_with_exact_engine_ids(
     async with httpx.AsyncClient(base_url=gateway_url) as http:
         session = await new_session(http, reference="4", reward_fn="integer_match")
         sid = session["session_id"]
-        client = AsyncOpenAI(
+        async with AsyncOpenAI(
             base_url=session["base_url"], api_key=session["api_key"], max_retries=0
-        )
-        first = [{"role": "user", "content": "What is 2 + 2?"}]
-        a1 = await client.chat.completions.create(model="policy", messages=first, max_tokens=4)  # type: ignore[arg-type]
-        reply1 = {"role": "assistant", "content": a1.choices[0].message.content}
-        second = [*first, reply1, {"role": "user", "content": "Sure?"}]
-        await client.chat.completions.create(model="policy", messages=second, max_tokens=4)  # type: ignore[arg-type]
-        edited = [
-            *first,
-            {"role": "assistant", "content": "five"},
-            {"role": "user", "content": "Sure?"},
-        ]
-        await client.chat.completions.create(model="policy", messages=edited, max_tokens=4)  # type: ignore[arg-type]
-        await client.close()
+        ) as client:
+            first = [{"role": "user", "content": "What is 2 + 2?"}]
+            a1 = await client.chat.completions.create(model="policy", messages=first, max_tokens=4)  # type: ignore[arg-type]
+            reply1 = {"role": "assistant", "content": a1.choices[0].message.content}
+            second = [*first, reply1, {"role": "user", "content": "Sure?"}]
+            await client.chat.completions.create(model="policy", messages=second, max_tokens=4)  # type: ignore[arg-type]
+            edited = [
+                *first,
+                {"role": "assistant", "content": "five"},
+                {"role": "user", "content": "Sure?"},
+            ]
+            await client.chat.completions.create(model="policy", messages=edited, max_tokens=4)  # type: ignore[arg-type]
         assert (
             await http.post(f"/sessions/{sid}/finish", headers=session_auth(session))
         ).status_code == 200
@@ -395,12 +393,12 @@ async def test_streamed_text_equals_non_streamed_and_the_record(gateway_url: str
     ask = {"model": "policy", "messages": QUESTION, "max_tokens": 12, "temperature": 1.0}
     async with httpx.AsyncClient(base_url=gateway_url) as http:
         sid, client = await open_client(http)
-        whole = await client.chat.completions.create(**ask, seed=3)  # type: ignore[call-overload]
-        stream = await client.chat.completions.create(
-            **ask, seed=3, stream=True, stream_options={"include_usage": True}, logprobs=True
-        )  # type: ignore[call-overload]
-        chunks = [chunk async for chunk in stream]
-        await client.close()
+        async with client:
+            whole = await client.chat.completions.create(**ask, seed=3)  # type: ignore[call-overload]
+            stream = await client.chat.completions.create(
+                **ask, seed=3, stream=True, stream_options={"include_usage": True}, logprobs=True
+            )  # type: ignore[call-overload]
+            chunks = [chunk async for chunk in stream]
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert deltas[0].role == "assistant"
     streamed = "".join(d.content or "" for d in deltas)
@@ -449,26 +447,26 @@ async def test_the_sync_client_in_a_thread_streams_too(gateway_url: str, bus: Bu
 async def test_n_choices_are_sibling_turns(gateway_url: str, bus: Bus) -> None:
     async with httpx.AsyncClient(base_url=gateway_url) as http:
         sid, client = await open_client(http)
-        reply = await client.chat.completions.create(
-            model="policy",
-            messages=QUESTION,
-            max_tokens=6,
-            n=3,
-            seed=5,  # type: ignore[arg-type]
-        )
-        streamed = await client.chat.completions.create(
-            model="policy",
-            messages=QUESTION,
-            max_tokens=6,
-            n=3,
-            seed=5,
-            stream=True,  # type: ignore[arg-type]
-        )
-        texts = ["", "", ""]
-        async for chunk in streamed:
-            for choice in chunk.choices:
-                texts[choice.index] += choice.delta.content or ""
-        await client.close()
+        async with client:
+            reply = await client.chat.completions.create(
+                model="policy",
+                messages=QUESTION,
+                max_tokens=6,
+                n=3,
+                seed=5,  # type: ignore[arg-type]
+            )
+            streamed = await client.chat.completions.create(
+                model="policy",
+                messages=QUESTION,
+                max_tokens=6,
+                n=3,
+                seed=5,
+                stream=True,  # type: ignore[arg-type]
+            )
+            texts = ["", "", ""]
+            async for chunk in streamed:
+                for choice in chunk.choices:
+                    texts[choice.index] += choice.delta.content or ""
     assert [c.index for c in reply.choices] == [0, 1, 2]
     turns = await recorded_turns(bus, sid)
     assert len(turns) == 6 and [t.turn_index for t in turns] == list(range(6))
@@ -482,18 +480,18 @@ async def test_n_choices_are_sibling_turns(gateway_url: str, bus: Bus) -> None:
 async def test_top_logprobs_shape_and_consistency(gateway_url: str, bus: Bus) -> None:
     async with httpx.AsyncClient(base_url=gateway_url) as http:
         sid, client = await open_client(http)
-        reply = await client.chat.completions.create(
-            model="policy",
-            messages=QUESTION,
-            max_tokens=8,
-            temperature=0,  # greedy: the chosen token is always listed (no flaky sampling)
-            logprobs=True,
-            top_logprobs=4,  # type: ignore[arg-type]
-        )
-        legacy = await client.completions.create(
-            model="policy", prompt="What is 1 + 1?", max_tokens=5, logprobs=3
-        )
-        await client.close()
+        async with client:
+            reply = await client.chat.completions.create(
+                model="policy",
+                messages=QUESTION,
+                max_tokens=8,
+                temperature=0,  # greedy: the chosen token is always listed (no flaky sampling)
+                logprobs=True,
+                top_logprobs=4,  # type: ignore[arg-type]
+            )
+            legacy = await client.completions.create(
+                model="policy", prompt="What is 1 + 1?", max_tokens=5, logprobs=3
+            )
     content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
     turn = (await recorded_turns(bus, sid))[0]
     assert content is not None and len(content) == len(turn.completion_ids)
@@ -572,9 +570,10 @@ async def test_a_session_key_opens_its_own_session_and_no_other(gateway_url: str
             [msgspec.to_builtins(e) for e in before]
         )
         # its own key works (an OpenAI client sends it as its api_key)
-        client = AsyncOpenAI(base_url=mine["base_url"], api_key=mine["api_key"], max_retries=0)
-        assert [m.id for m in (await client.models.list()).data] == ["policy"]
-        await client.close()
+        async with AsyncOpenAI(
+            base_url=mine["base_url"], api_key=mine["api_key"], max_retries=0
+        ) as client:
+            assert [m.id for m in (await client.models.list()).data] == ["policy"]
         assert (await http.post(f"/sessions/{sid}/finish", headers=session_auth(mine))).is_success
 
 

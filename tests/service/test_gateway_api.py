@@ -105,30 +105,34 @@ async def test_tokenize_gives_the_ids_a_turn_records(gateway: GatewayService, bu
     async with httpx.AsyncClient(base_url=url_of(gateway)) as http:
         session = (await http.post("/sessions", json={})).json()
         sid, auth = session["session_id"], session_auth(session)
-        client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"],
-                             max_retries=0)  # fmt: skip
+        async with AsyncOpenAI(
+            base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+        ) as client:
 
-        async def tokenize(**body: Any) -> dict[str, Any]:
-            answer = await http.post(f"/s/{sid}/tokenize", json=body, headers=auth)
-            assert answer.status_code == 200, answer.text
-            return answer.json()  # type: ignore[no-any-return]
+            async def tokenize(**body: Any) -> dict[str, Any]:
+                answer = await http.post(f"/s/{sid}/tokenize", json=body, headers=auth)
+                assert answer.status_code == 200, answer.text
+                return answer.json()  # type: ignore[no-any-return]
 
-        first = [{"role": "user", "content": "What is 2 + 2? " + SPLIT_TEXT}]
-        before = await tokenize(messages=first, model="policy")
-        outside = await http.post("/tokenize", json={"messages": first})
-        reply = await client.chat.completions.create(model="policy", messages=first, max_tokens=5)  # type: ignore[arg-type]
-        follow_up = [
-            *first,
-            {"role": "assistant", "content": reply.choices[0].message.content},
-            {"role": "user", "content": "Sure?"},
-        ]
-        second = await tokenize(messages=follow_up, return_token_strs=True)
-        await client.chat.completions.create(model="policy", messages=follow_up, max_tokens=5)  # type: ignore[arg-type]
-        text = await tokenize(prompt=SPLIT_TEXT)
-        await client.completions.create(model="policy", prompt=SPLIT_TEXT, max_tokens=2)
-        detok = await http.post(f"/s/{sid}/detokenize", json={"tokens": second["tokens"]},
-                                headers=auth)  # fmt: skip
-        await client.close()
+            first = [{"role": "user", "content": "What is 2 + 2? " + SPLIT_TEXT}]
+            before = await tokenize(messages=first, model="policy")
+            outside = await http.post("/tokenize", json={"messages": first})
+            reply = await client.chat.completions.create(
+                model="policy",
+                messages=first,
+                max_tokens=5,  # type: ignore[arg-type]
+            )
+            follow_up = [
+                *first,
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": "Sure?"},
+            ]
+            second = await tokenize(messages=follow_up, return_token_strs=True)
+            await client.chat.completions.create(model="policy", messages=follow_up, max_tokens=5)  # type: ignore[arg-type]
+            text = await tokenize(prompt=SPLIT_TEXT)
+            await client.completions.create(model="policy", prompt=SPLIT_TEXT, max_tokens=2)
+            detok = await http.post(f"/s/{sid}/detokenize", json={"tokens": second["tokens"]},
+                                    headers=auth)  # fmt: skip
     turns = [e for e in await events_of(bus) if isinstance(e, TurnRecorded)]
     assert [t.session_id for t in turns] == [sid] * 3
     assert before["tokens"] == turns[0].prompt_ids and before["count"] == len(turns[0].prompt_ids)

@@ -70,30 +70,32 @@ async def test_stop_strings_cut_the_answer_and_record_the_completing_token(
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(chatty_model_dir))
     sid, client = await open_client(chatty.url)
-    ask: dict[str, Any] = {"model": "policy", "prompt": [7, 8, 9], "max_tokens": 24}
-    ask["temperature"] = 0
-    ref = await client.completions.create(**ask)
-    text = ref.choices[0].text
-    stop = text[6:9]
-    assert len(stop) == 3, "the greedy answer is too short to cut"
-    cut = await client.completions.create(**ask, stop=[stop, "\x00never"])
-    streamed = await client.completions.create(**ask, stop=stop, stream=True)
-    streamed_text = "".join([c.choices[0].text async for c in streamed])
-    chat = await client.chat.completions.create(
-        model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=24, seed=1
-    )
-    chat_text = chat.choices[0].message.content or ""
-    chat_stop = chat_text[5:7]
-    chat_cut = await client.chat.completions.create(
-        model="policy",
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=24,
-        seed=1,
-        stop=chat_stop,
-        stream=True,
-    )
-    chat_streamed = "".join([c.choices[0].delta.content or "" async for c in chat_cut if c.choices])
-    await client.close()
+    async with client:
+        ask: dict[str, Any] = {"model": "policy", "prompt": [7, 8, 9], "max_tokens": 24}
+        ask["temperature"] = 0
+        ref = await client.completions.create(**ask)
+        text = ref.choices[0].text
+        stop = text[6:9]
+        assert len(stop) == 3, "the greedy answer is too short to cut"
+        cut = await client.completions.create(**ask, stop=[stop, "\x00never"])
+        streamed = await client.completions.create(**ask, stop=stop, stream=True)
+        streamed_text = "".join([c.choices[0].text async for c in streamed])
+        chat = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=24, seed=1
+        )
+        chat_text = chat.choices[0].message.content or ""
+        chat_stop = chat_text[5:7]
+        chat_cut = await client.chat.completions.create(
+            model="policy",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=24,
+            seed=1,
+            stop=chat_stop,
+            stream=True,
+        )
+        chat_streamed = "".join(
+            [c.choices[0].delta.content or "" async for c in chat_cut if c.choices]
+        )
 
     expected = text[: text.find(stop)]
     assert cut.choices[0].text == expected == streamed_text
@@ -120,29 +122,29 @@ async def test_a_client_leaving_mid_stream_frees_the_engine_slot(
 
     watch = await bus.nc.subscribe(bus.subjects.engine_abort(), cb=on_abort)
     sid, client = await open_client(chatty.url)
-    stream = await client.chat.completions.create(
-        model="policy",
-        messages=[{"role": "user", "content": "Tell me everything."}],
-        max_tokens=400,
-        stream=True,
-    )
-    received = 0
-    async for chunk in stream:
-        received += bool(chunk.choices and chunk.choices[0].delta.content)
-        if received == 3:
-            break
-    assert chatty.engine.membership.in_flight == 1
-    await stream.close()  # the agent goes away mid-answer
-    # The engine frees the slot when the gateway's abort reaches it; the same message
-    # reaches this test on its own connection, in its own time: under load the slot was
-    # free before ``on_abort`` had run, and the check below saw no abort. Both are
-    # waited for; the ``late`` case sees the abort a second late.
-    async with asyncio.timeout(30):
-        while chatty.engine.membership.in_flight or not aborts:  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
-    await bus.nc.flush()  # a second abort, if one was sent, has reached this connection
-    await asyncio.sleep(abort_seen_after_s + 0.2)
-    await client.close()
+    async with client:
+        stream = await client.chat.completions.create(
+            model="policy",
+            messages=[{"role": "user", "content": "Tell me everything."}],
+            max_tokens=400,
+            stream=True,
+        )
+        received = 0
+        async for chunk in stream:
+            received += bool(chunk.choices and chunk.choices[0].delta.content)
+            if received == 3:
+                break
+        assert chatty.engine.membership.in_flight == 1
+        await stream.close()  # the agent goes away mid-answer
+        # The engine frees the slot when the gateway's abort reaches it; the same message
+        # reaches this test on its own connection, in its own time: under load the slot was
+        # free before ``on_abort`` had run, and the check below saw no abort. Both are
+        # waited for; the ``late`` case sees the abort a second late.
+        async with asyncio.timeout(30):
+            while chatty.engine.membership.in_flight or not aborts:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        await bus.nc.flush()  # a second abort, if one was sent, has reached this connection
+        await asyncio.sleep(abort_seen_after_s + 0.2)
     await watch.unsubscribe()
     assert [a.reason for a in aborts] == ["client disconnected"]
     assert chatty.engine.requests_served == 1
@@ -159,30 +161,30 @@ async def test_a_streamed_answer_continues_across_an_interruption(
     state = {k: v + 0.01 * torch.randn_like(v) for k, v in base.items()}
     engine = chatty.engine.engine
     sid, client = await open_client(chatty.url)
-    stream = await client.chat.completions.create(
-        model="policy",
-        messages=[{"role": "user", "content": "Tell me everything."}],
-        max_tokens=200,
-        temperature=0,
-        stream=True,
-        logprobs=True,
-    )
-    text, logprobs, finishes, interrupted = "", [], [], False
-    async for chunk in stream:
-        if not chunk.choices:
-            continue
-        choice = chunk.choices[0]
-        text += choice.delta.content or ""
-        logprobs += [
-            t.logprob for t in (choice.logprobs.content if choice.logprobs else None) or []
-        ]
-        finishes.append(choice.finish_reason)
-        if not interrupted and logprobs:
-            interrupted = True
-            await engine.pause("abort")
-            await engine.load_weights(state, 1)
-            await engine.resume()
-    await client.close()
+    async with client:
+        stream = await client.chat.completions.create(
+            model="policy",
+            messages=[{"role": "user", "content": "Tell me everything."}],
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+            logprobs=True,
+        )
+        text, logprobs, finishes, interrupted = "", [], [], False
+        async for chunk in stream:
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            text += choice.delta.content or ""
+            logprobs += [
+                t.logprob for t in (choice.logprobs.content if choice.logprobs else None) or []
+            ]
+            finishes.append(choice.finish_reason)
+            if not interrupted and logprobs:
+                interrupted = True
+                await engine.pause("abort")
+                await engine.load_weights(state, 1)
+                await engine.resume()
     [turn] = await session_turns(bus, sid)
     assert turn.versions[0] == 0 and turn.versions[-1] == 1, "no interruption mid-answer"
     assert text == turn.completion_text  # one continuous answer across the resume

@@ -69,45 +69,44 @@ async def test_trained_tokens_of_a_tool_using_agent_that_edits_history(
         session = (
             await http.post("/sessions", json={"reference": "5", "reward_fn": "integer_match"})
         ).json()
-        client = AsyncOpenAI(
+        async with AsyncOpenAI(
             base_url=session["base_url"], api_key=session["api_key"], max_retries=0
-        )
+        ) as client:
 
-        async def ask(messages: list[dict]) -> dict:  # type: ignore[type-arg]
-            reply = await client.chat.completions.create(
-                model="policy",
-                messages=messages,
-                tools=TOOLS,
-                max_tokens=8,
-                seed=3,  # type: ignore[arg-type]
-            )
-            return reply.choices[0].message.model_dump(exclude_none=True)
+            async def ask(messages: list[dict]) -> dict:  # type: ignore[type-arg]
+                reply = await client.chat.completions.create(
+                    model="policy",
+                    messages=messages,
+                    tools=TOOLS,
+                    max_tokens=8,
+                    seed=3,  # type: ignore[arg-type]
+                )
+                return reply.choices[0].message.model_dump(exclude_none=True)
 
-        history = [
-            {"role": "user", "content": "What is 2 + 3? Use the tool."},
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": "call_0",
-                        "type": "function",
-                        "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
-                    }
-                ],
-            },
-            {"role": "tool", "tool_call_id": "call_0", "content": "5"},
-        ]
-        first = await ask(history)
-        second_messages = [*history, first, {"role": "user", "content": "Say it again."}]
-        await ask(second_messages)
-        edited = [
-            *history,
-            {"role": "assistant", "content": "It is 5."},
-            {"role": "user", "content": "Say it again."},
-        ]
-        await ask(edited)
-        await client.close()
+            history = [
+                {"role": "user", "content": "What is 2 + 3? Use the tool."},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_0",
+                            "type": "function",
+                            "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_0", "content": "5"},
+            ]
+            first = await ask(history)
+            second_messages = [*history, first, {"role": "user", "content": "Say it again."}]
+            await ask(second_messages)
+            edited = [
+                *history,
+                {"role": "assistant", "content": "It is 5."},
+                {"role": "user", "content": "Say it again."},
+            ]
+            await ask(edited)
         assert (
             await http.post(
                 f"/sessions/{session['session_id']}/finish", headers=session_auth(session)

@@ -327,15 +327,14 @@ async def test_tool_user_against_the_real_gateway(
                               "reward_fn": "code_match"},
                     )
                 ).json()  # fmt: skip
-                client = AsyncOpenAI(
+                async with AsyncOpenAI(
                     base_url=session["base_url"], api_key=session["api_key"], max_retries=0
-                )
-                task = AgentTask(
-                    item.task_id, [dict(m) for m in item.messages], "policy", item.reference,
-                    max_tokens=32, temperature=0.0,  # greedy: deterministic, no flaky sampling
-                )  # fmt: skip
-                assert await tool_user(client, task) is None
-                await client.close()
+                ) as client:
+                    task = AgentTask(
+                        item.task_id, [dict(m) for m in item.messages], "policy", item.reference,
+                        max_tokens=32, temperature=0.0,  # greedy: deterministic, no flaky sampling
+                    )  # fmt: skip
+                    assert await tool_user(client, task) is None
                 assert (
                     await http.post(
                         f"/sessions/{session['session_id']}/finish", headers=session_auth(session)

@@ -232,25 +232,26 @@ async def test_a_late_engine_serves_only_after_catching_up(
 async def ask(http: httpx.AsyncClient, index: int, max_tokens: int) -> str:
     """One agent session, one answer (streamed for odd ``index``)."""
     session = (await http.post("/sessions", json={})).json()
-    client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
-    messages = [{"role": "user", "content": f"Count to {index}"}]
-    if index % 2:
-        stream = await client.chat.completions.create(
-            model="policy",
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=max_tokens,
-            stream=True,
-        )
-        parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
-        text = "".join(parts)
-    else:
-        reply = await client.chat.completions.create(
-            model="policy",
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=max_tokens,
-        )
-        text = reply.choices[0].message.content or ""
-    await client.close()
+    async with AsyncOpenAI(
+        base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+    ) as client:
+        messages = [{"role": "user", "content": f"Count to {index}"}]
+        if index % 2:
+            stream = await client.chat.completions.create(
+                model="policy",
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=max_tokens,
+                stream=True,
+            )
+            parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+            text = "".join(parts)
+        else:
+            reply = await client.chat.completions.create(
+                model="policy",
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=max_tokens,
+            )
+            text = reply.choices[0].message.content or ""
     await http.post(f"/sessions/{session['session_id']}/finish", headers=session_auth(session))
     return text
 

@@ -76,46 +76,45 @@ async def test_agents_never_notice_weight_updates(
 
         async def agent(index: int, http: httpx.AsyncClient) -> list[tuple[str, list[float]]]:
             session = (await http.post("/sessions", json={})).json()
-            client = AsyncOpenAI(
+            async with AsyncOpenAI(
                 base_url=session["base_url"], api_key=session["api_key"], max_retries=0
-            )
-            seen = []
-            turn = 0
-            while turn == 0 or not done.is_set():  # answers keep flowing during every update
-                messages = [{"role": "user", "content": f"What is {index} + {turn}?"}]
-                turn += 1
-                if index % 2:  # half the agents stream: the SSE stream must not break
-                    stream = await client.chat.completions.create(
+            ) as client:
+                seen = []
+                turn = 0
+                while turn == 0 or not done.is_set():  # answers keep flowing during every update
+                    messages = [{"role": "user", "content": f"What is {index} + {turn}?"}]
+                    turn += 1
+                    if index % 2:  # half the agents stream: the SSE stream must not break
+                        stream = await client.chat.completions.create(
+                            model="policy",
+                            messages=messages,
+                            max_tokens=MAX_TOKENS,
+                            logprobs=True,
+                            stream=True,  # type: ignore[arg-type]
+                        )
+                        text, logprobs, finishes = "", [], []
+                        async for chunk in stream:
+                            if not chunk.choices:
+                                continue
+                            delta = chunk.choices[0]
+                            text += delta.delta.content or ""
+                            if delta.logprobs and delta.logprobs.content:
+                                logprobs += [t.logprob for t in delta.logprobs.content]
+                            if delta.finish_reason:
+                                finishes.append(delta.finish_reason)
+                        assert len(finishes) == 1, "one answer, one finish"
+                        seen.append((text, logprobs))
+                        continue
+                    reply = await client.chat.completions.create(
                         model="policy",
                         messages=messages,
                         max_tokens=MAX_TOKENS,
-                        logprobs=True,
-                        stream=True,  # type: ignore[arg-type]
+                        logprobs=True,  # type: ignore[arg-type]
                     )
-                    text, logprobs, finishes = "", [], []
-                    async for chunk in stream:
-                        if not chunk.choices:
-                            continue
-                        delta = chunk.choices[0]
-                        text += delta.delta.content or ""
-                        if delta.logprobs and delta.logprobs.content:
-                            logprobs += [t.logprob for t in delta.logprobs.content]
-                        if delta.finish_reason:
-                            finishes.append(delta.finish_reason)
-                    assert len(finishes) == 1, "one answer, one finish"
-                    seen.append((text, logprobs))
-                    continue
-                reply = await client.chat.completions.create(
-                    model="policy",
-                    messages=messages,
-                    max_tokens=MAX_TOKENS,
-                    logprobs=True,  # type: ignore[arg-type]
-                )
-                choice = reply.choices[0]
-                assert choice.message.content is not None
-                logprobs = [t.logprob for t in choice.logprobs.content]  # type: ignore[union-attr]
-                seen.append((choice.message.content, logprobs))
-            await client.close()
+                    choice = reply.choices[0]
+                    assert choice.message.content is not None
+                    logprobs = [t.logprob for t in choice.logprobs.content]  # type: ignore[union-attr]
+                    seen.append((choice.message.content, logprobs))
             await http.post(
                 f"/sessions/{session['session_id']}/finish", headers=session_auth(session)
             )

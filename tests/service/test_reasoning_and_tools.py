@@ -234,70 +234,76 @@ async def test_qwen3_reasoning_and_tool_calls_streamed_and_not(start_run: Any, b
     question = [{"role": "user", "content": "What is 7 + 12?"}]
     async with httpx.AsyncClient(base_url=run.url) as http:
         session, client = await open_session(http)
-        plain = await client.chat.completions.create(
-            model="policy",
-            messages=question,
-            tools=TOOLS,
-            max_tokens=64,  # type: ignore[arg-type]
-        )
-        streamed = await client.chat.completions.create(
-            model="policy",
-            messages=question,
-            tools=TOOLS,
-            max_tokens=64,
-            stream=True,  # type: ignore[arg-type]
-        )
-        chunks = [chunk async for chunk in streamed]
-        [choice] = plain.choices
-        assert choice.finish_reason == "tool_calls"
-        assert choice.message.model_extra["reasoning_content"] == "I need the tool."
-        assert choice.message.content is None
-        [call] = choice.message.tool_calls or []
-        assert call.function.name == "add"
-        assert json.loads(call.function.arguments) == {"a": 7, "b": 12}
+        async with client:
+            plain = await client.chat.completions.create(
+                model="policy",
+                messages=question,
+                tools=TOOLS,
+                max_tokens=64,  # type: ignore[arg-type]
+            )
+            streamed = await client.chat.completions.create(
+                model="policy",
+                messages=question,
+                tools=TOOLS,
+                max_tokens=64,
+                stream=True,  # type: ignore[arg-type]
+            )
+            chunks = [chunk async for chunk in streamed]
+            [choice] = plain.choices
+            assert choice.finish_reason == "tool_calls"
+            assert choice.message.model_extra["reasoning_content"] == "I need the tool."
+            assert choice.message.content is None
+            [call] = choice.message.tool_calls or []
+            assert call.function.name == "add"
+            assert json.loads(call.function.arguments) == {"a": 7, "b": 12}
 
-        # streamed: reasoning deltas first, then the call as OpenAI streams it
-        deltas = [c.choices[0].delta for c in chunks if c.choices]
-        reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
-        assert reasoning == "I need the tool."
-        assert "".join(d.content or "" for d in deltas) == ""
-        call_deltas = [tc for d in deltas for tc in d.tool_calls or []]
-        assert call_deltas[0].index == 0 and call_deltas[0].id and call_deltas[0].type == "function"
-        assert call_deltas[0].function.name == "add"
-        arguments = "".join(tc.function.arguments or "" for tc in call_deltas)
-        assert json.loads(arguments) == {"a": 7, "b": 12}
-        assert chunks[-1].choices[0].finish_reason == "tool_calls"
-        first_reasoning = next(
-            i for i, d in enumerate(deltas) if (d.model_extra or {}).get("reasoning_content")
-        )
-        first_call = next(i for i, d in enumerate(deltas) if d.tool_calls)
-        assert first_reasoning < first_call
+            # streamed: reasoning deltas first, then the call as OpenAI streams it
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            reasoning = "".join(
+                (d.model_extra or {}).get("reasoning_content") or "" for d in deltas
+            )
+            assert reasoning == "I need the tool."
+            assert "".join(d.content or "" for d in deltas) == ""
+            call_deltas = [tc for d in deltas for tc in d.tool_calls or []]
+            assert (
+                call_deltas[0].index == 0
+                and call_deltas[0].id
+                and call_deltas[0].type == "function"
+            )
+            assert call_deltas[0].function.name == "add"
+            arguments = "".join(tc.function.arguments or "" for tc in call_deltas)
+            assert json.loads(arguments) == {"a": 7, "b": 12}
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            first_reasoning = next(
+                i for i, d in enumerate(deltas) if (d.model_extra or {}).get("reasoning_content")
+            )
+            first_call = next(i for i, d in enumerate(deltas) if d.tool_calls)
+            assert first_reasoning < first_call
 
-        # the agent sends the call back with its result, and gets a reasoned answer
-        history = [
-            *question,
-            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-            {"role": "tool", "tool_call_id": call.id, "content": "19"},
-        ]
-        final = await client.chat.completions.create(
-            model="policy",
-            messages=history,
-            tools=TOOLS,
-            max_tokens=64,  # type: ignore[arg-type]
-        )
-        assert final.choices[0].message.content == "19"
-        assert final.choices[0].finish_reason == "stop"
-        assert final.choices[0].message.model_extra["reasoning_content"] == "The tool says 19."
-        stream = await client.chat.completions.create(
-            model="policy",
-            messages=history,
-            tools=TOOLS,
-            max_tokens=64,
-            stream=True,  # type: ignore[arg-type]
-        )
-        deltas = [c.choices[0].delta async for c in stream if c.choices]
-        assert "".join(d.content or "" for d in deltas) == "19"
-        await client.close()
+            # the agent sends the call back with its result, and gets a reasoned answer
+            history = [
+                *question,
+                {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "19"},
+            ]
+            final = await client.chat.completions.create(
+                model="policy",
+                messages=history,
+                tools=TOOLS,
+                max_tokens=64,  # type: ignore[arg-type]
+            )
+            assert final.choices[0].message.content == "19"
+            assert final.choices[0].finish_reason == "stop"
+            assert final.choices[0].message.model_extra["reasoning_content"] == "The tool says 19."
+            stream = await client.chat.completions.create(
+                model="policy",
+                messages=history,
+                tools=TOOLS,
+                max_tokens=64,
+                stream=True,  # type: ignore[arg-type]
+            )
+            deltas = [c.choices[0].delta async for c in stream if c.choices]
+            assert "".join(d.content or "" for d in deltas) == "19"
 
     turns = await session_turns(bus, session["session_id"])
     # the record keeps the engine's exact tokens, think block and markers included
@@ -317,58 +323,58 @@ async def test_llama3_json_tool_calls_both_ways(start_run: Any, bus: Bus) -> Non
     question = [{"role": "user", "content": "What is 7 + 12?"}]
     async with httpx.AsyncClient(base_url=run.url) as http:
         session, client = await open_session(http)
-        streamed = await client.chat.completions.create(
-            model="policy",
-            messages=question,
-            tools=TOOLS,
-            max_tokens=64,
-            stream=True,  # type: ignore[arg-type]
-        )
-        chunks = [c async for c in streamed]
-        deltas = [c.choices[0].delta for c in chunks if c.choices]
-        assert "".join(d.content or "" for d in deltas) == ""
-        calls = [tc for d in deltas for tc in d.tool_calls or []]
-        assert calls[0].function.name == "add" and calls[0].id
-        arguments = "".join(tc.function.arguments or "" for tc in calls)
-        assert json.loads(arguments) == {"a": 7, "b": 12}
-        assert chunks[-1].choices[0].finish_reason == "tool_calls"
-        # the SDK's own stream accumulator rebuilds the same message from the deltas
-        async with client.chat.completions.stream(
-            model="policy",
-            messages=question,
-            tools=TOOLS,
-            max_tokens=64,  # type: ignore[arg-type]
-        ) as accumulating:
-            rebuilt = await accumulating.get_final_completion()
-        [rebuilt_call] = rebuilt.choices[0].message.tool_calls or []
-        assert rebuilt_call.function.name == "add" and rebuilt_call.id
-        assert json.loads(rebuilt_call.function.arguments) == {"a": 7, "b": 12}
-        assert rebuilt.choices[0].finish_reason == "tool_calls"
-        history = [
-            *question,
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": calls[0].id,
-                        "type": "function",
-                        "function": {"name": "add", "arguments": arguments},
-                    }
-                ],
-            },
-            {"role": "tool", "tool_call_id": calls[0].id, "content": "19"},
-        ]
-        answer = await client.chat.completions.create(
-            model="policy",
-            messages=history,
-            tools=TOOLS,
-            max_tokens=64,  # type: ignore[arg-type]
-        )
-        assert answer.choices[0].message.content == "It is 19."
-        assert answer.choices[0].finish_reason == "stop"
-        assert "reasoning_content" not in (answer.choices[0].message.model_extra or {})
-        await client.close()
+        async with client:
+            streamed = await client.chat.completions.create(
+                model="policy",
+                messages=question,
+                tools=TOOLS,
+                max_tokens=64,
+                stream=True,  # type: ignore[arg-type]
+            )
+            chunks = [c async for c in streamed]
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            assert "".join(d.content or "" for d in deltas) == ""
+            calls = [tc for d in deltas for tc in d.tool_calls or []]
+            assert calls[0].function.name == "add" and calls[0].id
+            arguments = "".join(tc.function.arguments or "" for tc in calls)
+            assert json.loads(arguments) == {"a": 7, "b": 12}
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+            # the SDK's own stream accumulator rebuilds the same message from the deltas
+            async with client.chat.completions.stream(
+                model="policy",
+                messages=question,
+                tools=TOOLS,
+                max_tokens=64,  # type: ignore[arg-type]
+            ) as accumulating:
+                rebuilt = await accumulating.get_final_completion()
+            [rebuilt_call] = rebuilt.choices[0].message.tool_calls or []
+            assert rebuilt_call.function.name == "add" and rebuilt_call.id
+            assert json.loads(rebuilt_call.function.arguments) == {"a": 7, "b": 12}
+            assert rebuilt.choices[0].finish_reason == "tool_calls"
+            history = [
+                *question,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": calls[0].id,
+                            "type": "function",
+                            "function": {"name": "add", "arguments": arguments},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": calls[0].id, "content": "19"},
+            ]
+            answer = await client.chat.completions.create(
+                model="policy",
+                messages=history,
+                tools=TOOLS,
+                max_tokens=64,  # type: ignore[arg-type]
+            )
+            assert answer.choices[0].message.content == "It is 19."
+            assert answer.choices[0].finish_reason == "stop"
+            assert "reasoning_content" not in (answer.choices[0].message.model_extra or {})
     first, _, second = await session_turns(bus, session["session_id"])
     on_path = [*first.prompt_ids, *first.completion_ids]
     assert second.prompt_ids[: len(on_path)] == on_path
@@ -388,18 +394,18 @@ async def test_qwen3_turns_whose_think_block_the_template_drops_are_all_trained(
     messages: list[dict[str, Any]] = []
     async with httpx.AsyncClient(base_url=run.url) as http:
         session, client = await open_session(http)
-        for i in range(3):
-            messages.append({"role": "user", "content": f"Question {i}?"})
-            answer = await client.chat.completions.create(
-                model="policy",
-                messages=messages,
-                max_tokens=64,  # type: ignore[arg-type]
-            )
-            message = answer.choices[0].message
-            assert message.content == f"Answer {i}"
-            assert message.model_extra["reasoning_content"] == f"Step {i}."
-            messages.append({"role": "assistant", "content": message.content})
-        await client.close()
+        async with client:
+            for i in range(3):
+                messages.append({"role": "user", "content": f"Question {i}?"})
+                answer = await client.chat.completions.create(
+                    model="policy",
+                    messages=messages,
+                    max_tokens=64,  # type: ignore[arg-type]
+                )
+                message = answer.choices[0].message
+                assert message.content == f"Answer {i}"
+                assert message.model_extra["reasoning_content"] == f"Step {i}."
+                messages.append({"role": "assistant", "content": message.content})
         auth = session_auth(session)
         sid = session["session_id"]
         assert (await http.post(f"/sessions/{sid}/reward", json={"reward": 1.0},

@@ -73,22 +73,21 @@ async def run_agent(url: str) -> None:
     """One session, three turns on one branch, each at its own temperature."""
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         session = (await http.post("/sessions", json={})).json()
-        client = AsyncOpenAI(
+        async with AsyncOpenAI(
             base_url=session["base_url"], api_key=session["api_key"], max_retries=0
-        )
-        messages: list[dict] = []  # type: ignore[type-arg]
-        for index, (temperature, top_p) in enumerate(TURNS):
-            messages.append({"role": "user", "content": f"Say something, {index}."})
-            reply = await client.chat.completions.create(
-                model="policy",
-                messages=messages,  # type: ignore[arg-type]
-                max_tokens=MAX_TOKENS,
-                temperature=temperature,
-                top_p=top_p,
-                seed=index,  # type: ignore[arg-type]
-            )
-            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
-        await client.close()
+        ) as client:
+            messages: list[dict] = []  # type: ignore[type-arg]
+            for index, (temperature, top_p) in enumerate(TURNS):
+                messages.append({"role": "user", "content": f"Say something, {index}."})
+                reply = await client.chat.completions.create(
+                    model="policy",
+                    messages=messages,  # type: ignore[arg-type]
+                    max_tokens=MAX_TOKENS,
+                    temperature=temperature,
+                    top_p=top_p,
+                    seed=index,  # type: ignore[arg-type]
+                )
+                messages.append(reply.choices[0].message.model_dump(exclude_none=True))
         auth = session_auth(session)
         path = f"/sessions/{session['session_id']}"
         assert (await http.post(f"{path}/reward", json={"reward": 1.0}, headers=auth)).is_success
