@@ -110,6 +110,14 @@ async def test_stop_strings_cut_the_answer_and_record_the_completing_token(
         assert turn.completion_text == expected and turn.finish_reason == "stop"
 
 
+SEED_TRIES = 20
+LONG_ANSWER: dict[str, Any] = {
+    "model": "policy",
+    "messages": [{"role": "user", "content": "Tell me everything."}],
+    "max_tokens": 400,
+}
+
+
 @pytest.mark.parametrize("abort_seen_after_s", [0.0, 1.0], ids=["abort-seen-at-once", "late"])
 async def test_a_client_leaving_mid_stream_frees_the_engine_slot(
     chatty: Mesh, bus: Bus, abort_seen_after_s: float
@@ -120,20 +128,27 @@ async def test_a_client_leaving_mid_stream_frees_the_engine_slot(
         await asyncio.sleep(abort_seen_after_s)  # the test's loop, busy or loaded
         aborts.append(decode(msg.data, AbortGeneration))
 
+    # The random model stops on its own now and then (512 tokens, one of them a stop):
+    # find a seed whose answer runs to its budget, in a session of its own.
+    _, probe = await open_client(chatty.url)
+    async with probe:
+        for seed in range(SEED_TRIES):
+            ask = await probe.chat.completions.create(**LONG_ANSWER, seed=seed)
+            if ask.choices[0].finish_reason == "length":
+                break
+        else:
+            pytest.fail(f"no seed in {SEED_TRIES} gave an answer that runs to its budget")
+    served_before = chatty.engine.requests_served
     watch = await bus.nc.subscribe(bus.subjects.engine_abort(), cb=on_abort)
     sid, client = await open_client(chatty.url)
     async with client:
-        stream = await client.chat.completions.create(
-            model="policy",
-            messages=[{"role": "user", "content": "Tell me everything."}],
-            max_tokens=400,
-            stream=True,
-        )
-        received = 0
+        stream = await client.chat.completions.create(**LONG_ANSWER, seed=seed, stream=True)
         async for chunk in stream:
-            received += bool(chunk.choices and chunk.choices[0].delta.content)
-            if received == 3:
+            if chunk.choices and chunk.choices[0].delta.content:
                 break
+        # Frozen at a token boundary, the answer cannot reach its budget while the client
+        # leaves, however slowly this loaded loop gets to the next line.
+        await chatty.engine.engine.pause("keep")
         assert chatty.engine.membership.in_flight == 1
         await stream.close()  # the agent goes away mid-answer
         # The engine frees the slot when the gateway's abort reaches it; the same message
@@ -145,9 +160,10 @@ async def test_a_client_leaving_mid_stream_frees_the_engine_slot(
                 await asyncio.sleep(0.02)
         await bus.nc.flush()  # a second abort, if one was sent, has reached this connection
         await asyncio.sleep(abort_seen_after_s + 0.2)
+        await chatty.engine.engine.resume()
     await watch.unsubscribe()
     assert [a.reason for a in aborts] == ["client disconnected"]
-    assert chatty.engine.requests_served == 1
+    assert chatty.engine.requests_served == served_before + 1
     assert await session_turns(bus, sid) == []  # an answer nobody received is not recorded
 
 
