@@ -52,11 +52,14 @@ lock: _cpu-only
 # a trace store to open a run's spans in, here, without containers: Arize Phoenix (OTLP/HTTP
 # in at /v1/traces, SQLite, REST API, web UI) in a venv of its own, .venv-traces (its
 # requirements conflict with the project's pins), at the versions of
-# constraints-trace-store.txt; a no-op once installed. docs/observability.md
+# constraints-trace-store.txt; a no-op once installed. docs/observability.md. One install at
+# a time (flock): a second caller waits for the first and finds it installed (.ci/run
+# starts one beside the main install)
 trace-store:
     #!/usr/bin/env bash
     set -euo pipefail
     cd "{{justfile_directory()}}"
+    if command -v flock >/dev/null; then exec 9>.venv-traces.lock && flock 9; fi
     if [ -x .venv-traces/bin/phoenix ] && .venv-traces/bin/python -c 'import importlib.metadata as m, sys; sys.exit(m.version("arize-phoenix") != "{{trace_store_version}}")' 2>/dev/null; then exit 0; fi
     echo "installing the trace store (arize-phoenix {{trace_store_version}}) into .venv-traces"
     rm -rf .venv-traces
