@@ -108,6 +108,17 @@ class SlotLending:
         serve."""
         while True:
             policy, plan = await self._lends.get()
+            # A plan waits here while an earlier one is lent (or rebalanced); a claim may
+            # have taken its engines back meanwhile (``TagPolicy.lent`` no longer holds
+            # them). Lending those now would serve rollout on slots that train.
+            lent = self.registry.decisions(policy).lent
+            current = tuple(rid for rid in plan.lend if rid in lent)
+            if current != plan.lend:
+                log.info("lend of %s dropped: reclaimed before it ran",
+                         [rid for rid in plan.lend if rid not in lent])  # fmt: skip
+                if not current:
+                    continue
+                plan = replace(plan, lend=current)
             started = time.monotonic()
             with tracer.start_as_current_span(
                 "sched.lend",

@@ -435,3 +435,70 @@ async def test_an_early_reclaim_frees_the_slot_before_the_trainer_claims_it(
     for turn in turns:  # scripted answers run to their budget, across the hand-back
         assert turn.finish_reason == "length"
         assert len(turn.completion_ids) == len(turn.logprobs) == max_tokens
+
+
+async def test_a_lend_decided_before_a_claim_is_not_carried_out_after_it(
+    nats_url: str, run_id: str, bus: Bus
+) -> None:
+    """Lends run one plan at a time, in the background. Here a plan's slow engine
+    (``engine-slow``: 3 s to take rollout once registered) holds the lending while the
+    trainer claims, releases again and claims again; the next plan waits behind it with
+    its engines already taken back. Carried out late, it would put ``engine-fast`` in
+    rollout while its slot trains (a fresh CI run saw a lent engine serve 0.12 s into a
+    train step). Both engines are the product's own resource clients; the test plays
+    the trainer on the scheduler's subjects, as ``sf_trainer`` does."""
+    from support import InProcessMesh
+
+    from seamlessflow.protocol import RoleAssignment
+    from seamlessflow.resources import ResourceMembership, RoleOutcome
+
+    roles: dict[str, list[str]] = {"engine-slow": [], "engine-fast": []}
+    take_rollout_s = {"engine-slow": 0.0, "engine-fast": 0.0}
+
+    def engine(resource_id: str) -> ResourceMembership:
+        async def on_role(assignment: RoleAssignment) -> RoleOutcome:
+            if assignment.role == "rollout":
+                await asyncio.sleep(take_rollout_s[resource_id])
+            roles[resource_id].append(assignment.role)
+            return RoleOutcome()
+
+        return ResourceMembership(
+            bus, resource_id, "engine", ["train", "rollout"], ["slot-1"], on_role=on_role
+        )
+
+    mesh = InProcessMesh(nats_url, run_id, None)
+    beats: list[asyncio.Task[None]] = []
+    try:
+        settings = TagSchedulerSettings(
+            mode="colocated", reclaim_timeout_s=0.5, rebalance_on_lend=False
+        )
+        scheduler = await mesh.start(TagSchedulerService(settings))
+        members = [ResourceMembership(bus, "t", "trainer", ["train"], slots=["slot-1"])]
+        members += [engine(resource_id) for resource_id in roles]
+        for member in members:  # colocated: the engines are lent as they register
+            await member.register()
+            beats.append(asyncio.create_task(member.heartbeat_loop()))
+        take_rollout_s["engine-slow"] = 3.0
+        release = SlotsReleased(trainer_id="t", version=0)
+        claim = SlotsClaim(trainer_id="t", batch_index=0)
+        await bus.request(bus.subjects.sched_claim(), claim, SlotsGranted)
+        for _ in range(2):  # the first lend holds the lending 3 s; the second waits
+            report = await bus.request(bus.subjects.sched_release(), release, LendReport)
+            assert sorted(report.lent) == ["engine-fast", "engine-slow"], report.reason
+            granted = await bus.request(bus.subjects.sched_claim(), claim, SlotsGranted)
+            assert granted.missed == ["engine-slow"]  # still taking rollout
+        taken_back = len(roles["engine-fast"])
+        assert roles["engine-fast"][-1] == "idle", roles
+        # the first lend ends once engine-slow took rollout (then the two reclaims); a
+        # late lend would run then
+        async with asyncio.timeout(30):
+            while len(roles["engine-slow"]) < 5:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(1.5)  # a late lend, had one been sent, has been taken
+        assert roles["engine-fast"][taken_back:] == [], roles
+        assert roles["engine-slow"] == ["rollout", "idle", "rollout", "idle", "idle"]
+        assert scheduler.registry.decisions().lent == set()
+    finally:
+        for beat in beats:
+            beat.cancel()
+        await mesh.stop()
