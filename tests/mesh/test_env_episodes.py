@@ -23,6 +23,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from support import eventually
 from test_faults import cancel_if_running, run_store, stored_events_and_reports
@@ -62,6 +63,20 @@ async def stored(run_dir: Path, run_id: str) -> tuple[list[TrajectoryEvent], dic
     return events, dropped
 
 
+def episodes_in_play(env_pid: int) -> int:
+    """Open WebSocket sessions on the environment server, by the kernel's count: each
+    episode holds one connection to its listening port from reset to close (the agent
+    makes no other requests to it), so this is how many episodes a kill would cut."""
+    try:
+        connections = psutil.Process(env_pid).net_connections("tcp")
+    except psutil.NoSuchProcess:
+        return 0
+    listening = {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
+    return sum(
+        c.status == psutil.CONN_ESTABLISHED and c.laddr.port in listening for c in connections
+    )
+
+
 async def test_episodes_in_an_openenv_server_train_and_survive_its_restart(
     run_id: str, base_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -85,11 +100,18 @@ async def test_episodes_in_an_openenv_server_train_and_survive_its_restart(
     running = asyncio.create_task(run.run())
     try:
         async with asyncio.timeout(600):
-            # mid-run, with episodes in play on it: the server goes away
+            # mid-run, with episodes in play on it: the server goes away. Rollout waits
+            # for the trainer at times (max_batches_ahead), so two steps in is not
+            # enough: CI once killed it between batches, with no episode to cut. Two in
+            # play, as the kill comes, leaves no chance that both end in between
             await eventually(lambda: len(run.state.metrics) >= 2 or running.done(), 300, "steps")
+            env_pid = run.processes["env"].pid
+            await eventually(
+                lambda: episodes_in_play(env_pid) >= 2 or running.done(), 120, "episodes"
+            )
             assert not running.done(), run.state.status
             killed_at = time.monotonic()
-            os.kill(run.processes["env"].pid, signal.SIGKILL)
+            os.kill(env_pid, signal.SIGKILL)
             await eventually(lambda: "env" in run.restarts or running.done(), 30, "restart")
             summary = await running
     finally:
