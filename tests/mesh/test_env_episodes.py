@@ -39,6 +39,7 @@ from seamlessflow.protocol import (
 )
 from sf_app.run.config import RunConfig
 from sf_app.run.embedded import EmbeddedRun
+from sf_app.run.forkserver import ForkedProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -119,6 +120,9 @@ async def test_episodes_in_an_openenv_server_train_and_survive_its_restart(
     assert summary.status == "finished", summary.status
     assert summary.final_version == STEPS
     assert summary.restarts == {"env": 1}
+    # started, and started again, from the fork server (the default)
+    assert isinstance(run.processes["env"], ForkedProcess)
+    assert isinstance(run.processes["trainer"], ForkedProcess)
     assert time.monotonic() > killed_at
 
     events, dropped = await stored(tmp_path / run_id, run_id)

@@ -49,7 +49,7 @@ from seamlessflow.settings import MeshSettings
 from seamlessflow.tasks import task_names
 from sf_app.run.config import RunConfig, default_run_id, deployment, is_users_model
 from sf_app.run.report import Progress, RunState, Summary, struct_dict, write_report
-from sf_app.run.supervisor import Supervisor, free_port
+from sf_app.run.supervisor import Supervisor, fork_server_for, free_port
 from sf_app.service_table import SERVICE_TABLE
 from sf_app.tracking import Tracker
 
@@ -77,6 +77,15 @@ async def wait_for_jetstream(url: str, token: str) -> None:
         await bus.drain()
 
 
+PROCESS_DEFAULTS = {
+    # each process uses one core; several share the machine
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+"""What every process of the run has in its environment beside the caller's variables
+and the ``SF_`` settings (these are read at import: the fork server is started with them)."""
+
+
 class EmbeddedRun(Supervisor):
     """One embedded run: its processes (``Supervisor``), what it has seen (``state``)."""
 
@@ -89,6 +98,7 @@ class EmbeddedRun(Supervisor):
             policies=config.policies,
             max_restarts=config.max_restarts,
             pin_slots=config.pin_slots,
+            fork_server=config.fork_server,
         )
         self.state = RunState(
             config=config,
@@ -134,9 +144,7 @@ class EmbeddedRun(Supervisor):
                 "SF_MODEL_DIR": str(model_dir),
                 "SF_GATEWAY_PORT": str(gateway_port),
                 "SF_AGENTS_GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
-                # each process uses one core; several share the machine
-                "OMP_NUM_THREADS": "1",
-                "TOKENIZERS_PARALLELISM": "false",
+                **PROCESS_DEFAULTS,
             }
         )
         # every process reads its section of the run's copy of the run file, or none: a
@@ -175,6 +183,10 @@ class EmbeddedRun(Supervisor):
             self.state.status = f"failed: --report-to: {type(exc).__name__}: {exc}"
             log.error("%s", self.state.status)
             return self.report()
+        if self.use_fork_server:
+            # importing beside the model's preparation and the broker's start; the run
+            # waits for it before its first process (prepare_fork_server)
+            fork_server_for({**os.environ, **PROCESS_DEFAULTS})
         if c.model or (c.model_dir is not None and is_users_model(c.model_dir)):
             if c.model:  # a packaged pretrained model, converted once into the cache
                 try:
@@ -270,6 +282,7 @@ class EmbeddedRun(Supervisor):
                 gateway_key=env["SF_AGENTS_GATEWAY_KEY"],
             )
             self.connection.write(self.run_dir)
+            await self.prepare_fork_server(env)
             # stderr: stdout is for results (`seamlessflow bench` prints its JSON there)
             print(self.connection.attach_instructions(self.run_dir), file=sys.stderr, flush=True)
             if c.builtin_env:

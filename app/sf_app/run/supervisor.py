@@ -1,8 +1,11 @@
 """Supervision of an embedded run's processes: start, restart within a budget, stop in order.
 
-Every process is started exactly as it would be deployed alone
-(``python -m sf_app serve <service>`` with its settings in the environment), in its own
-session so that Ctrl-C reaches the runner, which stops them in dependency order. One that
+Every process runs exactly what it would run deployed alone (``seamlessflow serve
+<service>`` with its settings in the environment), in its own session so that Ctrl-C
+reaches the runner, which stops them in dependency order. It is forked from a warm
+interpreter (``forkserver``: its imports done once, not per process) when the run has
+one that serves its environment, and started as ``python -m sf_app serve <service>``
+otherwise (a vLLM engine always: vLLM starts processes of its own). One that
 ends unexpectedly is started again with the same command and environment, at most
 ``max_restarts`` times; an exit with ``EXIT_UNRECOVERABLE`` is never retried (it would
 fail the same way) and fails the run with the process's last log line.
@@ -11,6 +14,7 @@ fail the same way) and fails the run with the process's last log line.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 import signal
@@ -20,9 +24,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from seamlessflow.bus import EXIT_UNRECOVERABLE
 from seamlessflow.natsserver import EmbeddedNats
+from sf_app.run.forkserver import READY_TIMEOUT_S, ForkServer, ForkServerGone
 from sf_app.service_table import SERVICE_TABLE
 
 log = logging.getLogger(__name__)
@@ -43,6 +49,47 @@ class Launch:
     slots: list[str]
 
 
+class ServiceProcess(Protocol):
+    """A process of the run, fresh (``subprocess.Popen``) or forked (``ForkedProcess``)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
+_fork_servers: list[ForkServer] = []
+"""The fork servers of this Python process, most recent last: the runs of one process (a
+benchmark's modes, a test session's worker) share them, so each imports once."""
+
+MAX_FORK_SERVERS = 2
+"""Servers kept for different environments (each holds ~0.5 GB of imports)."""
+
+
+def fork_server_for(env: dict[str, str]) -> ForkServer:
+    """A running server for ``env``'s import settings: this process's, or a new one
+    (importing in the background; ``wait_ready`` before use)."""
+    for server in _fork_servers:
+        if server.serves(env):
+            return server
+    for server in [s for s in _fork_servers if s.gone]:
+        _fork_servers.remove(server)
+    while len(_fork_servers) >= MAX_FORK_SERVERS:
+        _fork_servers.pop(0).close()
+    server = ForkServer.launch(env)
+    _fork_servers.append(server)
+    return server
+
+
+@atexit.register
+def _close_fork_servers() -> None:
+    for server in _fork_servers:
+        server.close()
+
+
 def free_port() -> int:
     """A TCP port free on the loopback interface right now."""
     with socket.socket() as sock:
@@ -55,13 +102,23 @@ class Supervisor:
     trains several), and the embedded NATS server if the run started one."""
 
     def __init__(
-        self, run_dir: Path, *, policies: list[str], max_restarts: int, pin_slots: bool
+        self,
+        run_dir: Path,
+        *,
+        policies: list[str],
+        max_restarts: int,
+        pin_slots: bool,
+        fork_server: bool = True,
     ) -> None:
         self.run_dir = run_dir
         self.policies = policies
         self.max_restarts = max_restarts
         self.pin_slots = pin_slots
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        # the server counts its threads in /proc before it forks: Linux only
+        self.use_fork_server = fork_server and sys.platform == "linux"
+        self.fork_server: ForkServer | None = None
+        """Where this run's processes are forked from, once ready (``prepare_fork_server``)."""
+        self.processes: dict[str, ServiceProcess] = {}
         self.launches: dict[str, Launch] = {}
         """Label -> how its process was started: a restart starts it the same way."""
         self.restarts: dict[str, int] = {}
@@ -90,19 +147,51 @@ class Supervisor:
         self.launches[label] = Launch(service, env, slots or ["slot-0"])
         self._start(label)
 
+    async def prepare_fork_server(self, env: dict[str, str]) -> None:
+        """Have a fork server for ``env`` ready (started now, or earlier by another run
+        of this process). One that refuses or takes too long is logged and not used: the
+        processes then start fresh, as they would without one."""
+        if not self.use_fork_server:
+            return
+        server = fork_server_for(env)
+        problem = await asyncio.to_thread(server.wait_ready, READY_TIMEOUT_S)
+        if problem:
+            log.warning("processes start fresh: the fork server %s", problem)
+            return
+        self.fork_server = server
+
     def _start(self, label: str) -> None:
         launch = self.launches[label]
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        with (logs / f"{label}.log").open("ab") as out:
-            self.processes[label] = process = subprocess.Popen(
-                [sys.executable, "-m", "sf_app", "serve", launch.service],
-                env=launch.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # Ctrl-C reaches the runner, which stops us in order
-            )
+        log_file = logs / f"{label}.log"
+        log_file.touch()  # there from the start, as a fresh process's redirected output
+        server = self.fork_server
+        process: ServiceProcess | None = None
+        if server is not None and server.serves(launch.env) and not self.starts_own(launch):
+            try:
+                process = server.start(launch.service, launch.env, log_file)
+            except ForkServerGone as exc:
+                log.warning("processes start fresh from now on: %s", exc)
+                self.fork_server = None
+        if process is None:
+            with log_file.open("ab") as out:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "sf_app", "serve", launch.service],
+                    env=launch.env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # Ctrl-C reaches the runner, which stops us
+                )
+        self.processes[label] = process
         self.pin(process.pid, launch.slots)
+
+    @staticmethod
+    def starts_own(launch: Launch) -> bool:
+        """A process that starts processes of its own from a fresh interpreter (a vLLM
+        engine: its core and worker import vLLM themselves), so a fork saves it little
+        and would hand vLLM a parent that is not what it expects."""
+        return launch.service == "engine" and launch.env.get("SF_ENGINE_BACKEND") == "vllm"
 
     def pin(self, pid: int, slots: list[str]) -> None:
         """``pin_slots``: run ``pid`` on the cores of ``slots`` (``slot-<i>``)."""
