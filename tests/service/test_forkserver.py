@@ -99,8 +99,9 @@ def test_the_server_imports_the_services_once_and_serves_only_its_environment(
 
 @pytest.mark.parametrize("how", ["fresh", "forked"])
 def test_a_service_serves_from_its_settings_in_its_own_session_and_shuts_down_on_sigterm(
-    how: str, server: ForkServer, tmp_path: Path
+    how: str, server: ForkServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # not where the server started: the child runs here
     port = free_port()
     log = tmp_path / "env.log"
     process = start(how, server, env_service(port), log)
@@ -108,6 +109,7 @@ def test_a_service_serves_from_its_settings_in_its_own_session_and_shuts_down_on
         wait_until(lambda: health(port) == 200 or process.poll() is not None, 60)
         assert process.poll() is None, log.read_text()
         assert os.getsid(process.pid) == process.pid  # Ctrl-C at the runner misses it
+        assert os.readlink(f"/proc/{process.pid}/cwd") == str(tmp_path)
         assert "listening on" in log.read_text()
         with pytest.raises(subprocess.TimeoutExpired):
             process.wait(0.2)

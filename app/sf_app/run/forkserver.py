@@ -23,7 +23,8 @@ Invariants that make a fork equal to a fresh start:
 - **Fresh randomness.** Python's ``random`` is reseeded in each child (a fork copies the
   generator's state: two children would draw the same numbers).
 
-The protocol: JSON lines. Requests on the server's stdin: ``{"service", "env", "log"}``.
+The protocol: JSON lines. Requests on the server's stdin: ``{"service", "env", "log",
+"cwd"}``.
 Replies on its stdout: ``{"ready": [modules]}`` once, or ``{"refused": why}`` and the
 server exits; ``{"started": pid}`` per request, in order; ``{"exited": pid, "code": c}``
 as each child ends (``c`` as ``Popen.returncode``: negative for a signal). The server
@@ -151,11 +152,11 @@ def serve_forks() -> None:
             request = json.loads(line)
             pid = os.fork()
             if pid == 0:
-                run_child(request["service"], request["env"], request["log"])
+                run_child(request["service"], request["env"], request["log"], request["cwd"])
             reply({"started": pid})
 
 
-def run_child(service: str, env: dict[str, str], log: str) -> None:
+def run_child(service: str, env: dict[str, str], log: str, cwd: str) -> None:
     """In the forked child: become the service's process, run it, and exit with its
     code (never returns: the server's loop must not go on in a child)."""
     code = 1
@@ -171,6 +172,11 @@ def run_child(service: str, env: dict[str, str], log: str) -> None:
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the server's pipes, as close_fds does
         os.environ.clear()
         os.environ.update(env)
+        # where a fresh process would run: the run's directory now, not the server's
+        # when it started (``python -m`` put that first on the import path)
+        if sys.path and sys.path[0] == os.getcwd():
+            sys.path[0] = cwd
+        os.chdir(cwd)
         random.seed()
         from sf_app.service_table import serve
 
@@ -251,11 +257,12 @@ class ForkServer:
         """Fork a child that runs ``service`` with ``env``, writing to ``log``."""
         if not self.serves(env):
             raise ValueError("this fork server was started with another environment")
-        request = json.dumps({"service": service, "env": env, "log": str(log)}) + "\n"
+        request = {"service": service, "env": env, "log": str(log), "cwd": os.getcwd()}
+        line = json.dumps(request) + "\n"
         with self._lock:
             assert self.process.stdin is not None
             try:
-                self.process.stdin.write(request.encode())
+                self.process.stdin.write(line.encode())
                 self.process.stdin.flush()
             except (BrokenPipeError, OSError):
                 self.gone = True
