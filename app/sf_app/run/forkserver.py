@@ -48,7 +48,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 PRELOAD = (
     "torch",
@@ -156,10 +156,11 @@ def serve_forks() -> None:
             reply({"started": pid})
 
 
-def run_child(service: str, env: dict[str, str], log: str, cwd: str) -> None:
-    """In the forked child: become the service's process, run it, and exit with its
-    code (never returns: the server's loop must not go on in a child)."""
-    code = 1
+def run_child(service: str, env: dict[str, str], log: str, cwd: str) -> NoReturn:
+    """In the forked child: become the service's process and run it. It never returns
+    into the server's loop: the service's end (a return, ``SystemExit``, an exception)
+    unwinds to the top of the interpreter, which exits as a fresh one would (non-daemon
+    threads joined, atexit handlers such as the tracer's flush run, the same code)."""
     try:
         os.setsid()  # as start_new_session: Ctrl-C reaches the runner, not us
         signal.set_wakeup_fd(-1)
@@ -178,23 +179,13 @@ def run_child(service: str, env: dict[str, str], log: str, cwd: str) -> None:
             sys.path[0] = cwd
         os.chdir(cwd)
         random.seed()
-        from sf_app.service_table import serve
-
         sys.argv = [sys.executable]
-        serve(service)
-        code = 0
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
+        from sf_app.service_table import serve
     except BaseException:
         traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        os._exit(1)  # not a service yet: nothing of it to wind down
+    serve(service)
+    sys.exit(0)
 
 
 # ------------------------------------------------------------------ the client
