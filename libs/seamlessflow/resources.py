@@ -215,6 +215,10 @@ class ResourceMembership:
                     connection=self.bus.reconnects,
                 ),
             )
+            # asyncio.timeout, not wait_for: on Python 3.11, wait_for returns the inner
+            # wait's result when a beat is asked for as the loop is cancelled, swallowing
+            # the cancel (the loop then beat for ever and its service never stopped)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._beat_now.wait(), HEARTBEAT_INTERVAL_S)
+                async with asyncio.timeout(HEARTBEAT_INTERVAL_S):
+                    await self._beat_now.wait()
             self._beat_now.clear()

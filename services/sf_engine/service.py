@@ -241,10 +241,9 @@ class EngineService:
             async with self.loader.lock:  # never in the middle of a weight swap
                 handed_back = len(self._in_flight)
                 await self.engine.pause("abort")
-                try:  # their "abort" replies are on the way
-                    await asyncio.wait_for(
-                        self._in_flight.empty.wait(), self.settings.release_timeout_s
-                    )
+                try:  # their "abort" replies are on the way (timeout: see heartbeat_loop)
+                    async with asyncio.timeout(self.settings.release_timeout_s):
+                        await self._in_flight.empty.wait()
                 except TimeoutError:
                     log.error(
                         "%s: %d requests still in flight after the release time-out",
