@@ -735,6 +735,12 @@ class DurableConsumer:
         return messages[0] if messages else None
 
 
+KV_PUT_RETRY = RetryPolicy(retry_on=JETSTREAM_UNAVAILABLE, first_delay_s=0.5, deadline_s=30.0)
+"""A key-value put is retried for up to 30 s (fresh CI: the tag-scheduler's registry
+write met "no response from stream" as an external cluster lost a node, and the
+service fell over)."""
+
+
 class KeyValueBucket:
     """A JetStream key-value bucket (:meth:`Bus.key_value`); values are bytes, encoded
     by the caller."""
@@ -758,7 +764,13 @@ class KeyValueBucket:
         return entry.value
 
     async def put(self, key: str, value: bytes) -> None:
-        await self._kv.put(key, value)
+        """Set ``key``; tried again while JetStream cannot serve (a cluster electing the
+        bucket's leader after a node is lost): a put of the same value twice is one put."""
+
+        async def put_once() -> None:
+            await self._kv.put(key, value)
+
+        await retry(put_once, KV_PUT_RETRY)
 
 
 class ObjectBucket:
