@@ -15,12 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support import eventually
 
 from sf_app.run.embedded import PROCESS_DEFAULTS
 from sf_app.run.forkserver import ForkServer, ForkServerGone
@@ -77,13 +77,6 @@ def health(port: int) -> int | None:
         return None
 
 
-def wait_until(condition: object, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"not within {timeout_s} s"
-        time.sleep(0.1)
-
-
 def test_the_server_imports_the_services_once_and_serves_only_its_environment(
     server: ForkServer,
 ) -> None:
@@ -98,7 +91,7 @@ def test_the_server_imports_the_services_once_and_serves_only_its_environment(
 
 
 @pytest.mark.parametrize("how", ["fresh", "forked"])
-def test_a_service_serves_from_its_settings_in_its_own_session_and_shuts_down_on_sigterm(
+async def test_a_service_serves_from_its_settings_in_its_own_session_and_shuts_down_on_sigterm(
     how: str, server: ForkServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)  # not where the server started: the child runs here
@@ -106,7 +99,7 @@ def test_a_service_serves_from_its_settings_in_its_own_session_and_shuts_down_on
     log = tmp_path / "env.log"
     process = start(how, server, env_service(port), log)
     try:
-        wait_until(lambda: health(port) == 200 or process.poll() is not None, 60)
+        await eventually(lambda: health(port) == 200 or process.poll() is not None, 60, "listening")
         assert process.poll() is None, log.read_text()
         assert os.getsid(process.pid) == process.pid  # Ctrl-C at the runner misses it
         assert os.readlink(f"/proc/{process.pid}/cwd") == str(tmp_path)
@@ -138,16 +131,18 @@ def test_a_setting_it_cannot_use_is_one_line_and_exit_78(
 
 
 @pytest.mark.parametrize("how", ["fresh", "forked"])
-def test_a_killed_service_reports_the_signal(how: str, server: ForkServer, tmp_path: Path) -> None:
+async def test_a_killed_service_reports_the_signal(
+    how: str, server: ForkServer, tmp_path: Path
+) -> None:
     port = free_port()
     process = start(how, server, env_service(port), tmp_path / "env.log")
-    wait_until(lambda: health(port) == 200, 60)
+    await eventually(lambda: health(port) == 200, 60, "listening")
     os.kill(process.pid, signal.SIGKILL)
     assert process.wait(30) == -signal.SIGKILL
     process.kill()  # reaped: no signal goes to a pid that may be another process's now
 
 
-def test_children_outlive_a_server_that_is_gone_and_then_report_a_failure(
+async def test_children_outlive_a_server_that_is_gone_and_then_report_a_failure(
     tmp_path: Path,
 ) -> None:
     server = ForkServer.launch(base_env())
@@ -155,7 +150,7 @@ def test_children_outlive_a_server_that_is_gone_and_then_report_a_failure(
     port = free_port()
     process = server.start("env", env_service(port), tmp_path / "env.log")
     try:
-        wait_until(lambda: health(port) == 200, 60)
+        await eventually(lambda: health(port) == 200, 60, "listening")
         server.process.kill()
         with pytest.raises(ForkServerGone):
             server.start("env", env_service(free_port()), tmp_path / "other.log")
