@@ -5,8 +5,9 @@ MASTER_PORT). Every rank builds the Learner exactly as ``sf_trainer.launch`` doe
 0 drives it through its commands (restore, steps, checkpoint, stop) and the others
 follow. Usage: ``python trainer_rank.py SPEC.json``, where the spec names the model,
 the trainer settings, the batches, an optional checkpoint to resume from and the
-output directory (rank 0 writes ``results.json``, ``checkpoint/`` and, with
-``eval_every``, ``eval.json`` there). A
+output directory (rank 0 writes ``results.json``, ``checkpoint/``, with
+``eval_every`` ``eval.json`` and with ``save_loaded`` ``loaded.pt``, the weights
+before any step, there). A
 one-process run also writes ``adam_trace.pt``: its AdamW moments after every step, from
 which the distributed tests derive how far float noise can move a weight.
 """
@@ -47,6 +48,9 @@ def main(spec_path: str) -> None:
 def lead(learner: Learner, spec: dict[str, Any]) -> None:
     out = Path(spec["out"])
     version = 0
+    if spec.get("save_loaded"):  # the weights as loaded, gathered from every rank
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(learner.full_weights(), out / "loaded.pt")
     if spec.get("resume"):
         version = learner.restore(Path(spec["resume"])).version
     results = []

@@ -392,6 +392,58 @@ def compare(
     typer.echo(f"wrote {out}")
 
 
+@app.command()
+def plan(
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="A model shape (qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen2.5-32b), a "
+            "model directory or a config.json."
+        ),
+    ],
+    gpus: Annotated[str, typer.Option(help="Rank counts, comma-separated.")] = "1,2,4,8",
+    master_dtype: Annotated[
+        str, typer.Option(help="float32 | bfloat16 (SF_TRAINER_MASTER_DTYPE).")
+    ] = "float32",
+    precision: Annotated[
+        str, typer.Option(help="bf16-mixed | fp32: what forward and backward compute in.")
+    ] = "bf16-mixed",
+    gradient_checkpointing: Annotated[
+        bool, typer.Option(help="SF_TRAINER_GRADIENT_CHECKPOINTING.")
+    ] = False,
+    cpu_offload: Annotated[bool, typer.Option(help="SF_TRAINER_CPU_OFFLOAD.")] = False,
+    micro_batch_tokens: Annotated[int, typer.Option(help="SF_TRAINER_MICRO_BATCH_TOKENS.")] = 16384,
+    logprob_chunk_tokens: Annotated[
+        int, typer.Option(help="SF_TRAINER_LOGPROB_CHUNK_TOKENS.")
+    ] = 1024,
+    runtime_gb: Annotated[
+        float, typer.Option(help="Held before the model (CUDA context, torch).")
+    ] = 1.0,
+) -> None:
+    """Memory per rank of the trainer for a model on N ranks, from the model built on the
+    meta device (sf_app.plan): sharded state, gathered units, activations, logits."""
+    from seamlessflow.assets.shapes import shape_config
+    from sf_app.plan import PlanSettings, model_sizes, plan_table
+
+    if master_dtype not in ("float32", "bfloat16") or precision not in ("bf16-mixed", "fp32"):
+        raise typer.BadParameter("--master-dtype float32|bfloat16, --precision bf16-mixed|fp32")
+    try:
+        config = shape_config(model)
+        counts = [int(count) for count in gpus.split(",")]
+    except ValueError as exc:
+        fail(str(exc))
+    settings = PlanSettings(
+        master_dtype=master_dtype,
+        compute_dtype="bfloat16" if precision == "bf16-mixed" else "float32",
+        gradient_checkpointing=gradient_checkpointing,
+        cpu_offload=cpu_offload,
+        micro_batch_tokens=micro_batch_tokens,
+        logprob_chunk_tokens=logprob_chunk_tokens,
+        runtime_gb=runtime_gb,
+    )
+    typer.echo(plan_table(model, model_sizes(config), settings, counts))
+
+
 @app.command("build-model")
 def build_model(
     out: Annotated[

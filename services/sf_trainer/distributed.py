@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 # gathers: the full tensors, copied to the CPU, on rank 0 only
@@ -114,31 +114,38 @@ class TrainGroup:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
-    def shard(self, model: Model, bf16_mixed: bool = False) -> Model:
+    def shard(self, model: Model, bf16_mixed: bool = False, cpu_offload: bool = False) -> Model:
         """Move ``model`` to this rank's device; with several ranks, shard it with FSDP2.
 
         Each module class the model names as unsplittable (HF's ``_no_split_modules``:
         the decoder layers) becomes one FSDP unit, then the root holds the rest
         (embeddings, final norm, head; tied input and output embeddings are one
-        parameter there, kept one by FSDP2). Every rank loaded the same weights, so
-        sharding needs no broadcast. ``bf16_mixed``: the units all-gather their
-        parameters in bfloat16 and compute in it, and reduce gradients in float32 into
-        the float32 shards (``MixedPrecisionPolicy``); one process ignores it (the step
-        uses autocast, ``forward_precision``).
+        parameter there, kept one by FSDP2). A model on the meta device stays there:
+        each rank then reads only its own shard (``sf_trainer.sharded_loading``); a
+        loaded one (every rank loaded the same weights) is sharded without a
+        broadcast. ``bf16_mixed``: the units all-gather their parameters in bfloat16
+        and compute in it, and reduce gradients in float32 into the master shards
+        (``MixedPrecisionPolicy``); one process ignores it (the step uses autocast,
+        ``forward_precision``). ``cpu_offload`` (CUDA ranks): the shards, their
+        gradients and the optimizer step live on the host (``CPUOffloadPolicy``).
         """
-        model.to(self.device)
+        on_meta = any(parameter.is_meta for parameter in model.parameters())
         if self.mesh is None:
-            return model
+            return model if on_meta else model.to(self.device)
+        if not on_meta:
+            model.to(self.device)
         policy = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if bf16_mixed
             else MixedPrecisionPolicy()
         )
-        unsplittable = set(getattr(model, "_no_split_modules", None) or ())
-        for module in list(model.modules()):
-            if module is not model and type(module).__name__ in unsplittable:
-                fully_shard(module, mesh=self.mesh, mp_policy=policy)
-        fully_shard(model, mesh=self.mesh, mp_policy=policy)
+        offload = CPUOffloadPolicy() if cpu_offload and self.device.type == "cuda" else None
+        options: dict[str, Any] = {"mesh": self.mesh, "mp_policy": policy}
+        if offload is not None:
+            options["offload_policy"] = offload
+        for unit in fsdp_units(model):
+            fully_shard(unit, **options)
+        fully_shard(model, **options)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 # sum, don't average: the loss is normalised by the global token count
@@ -205,6 +212,18 @@ class TrainGroup:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.distributed)
         set_model_state_dict(model, model_state, options=options)
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
+
+def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules ``TrainGroup.shard`` makes FSDP units below the root: each instance of
+    a class the model names unsplittable (HF's ``_no_split_modules``: the decoder
+    layers). The root unit holds every parameter outside them."""
+    unsplittable = set(getattr(model, "_no_split_modules", None) or ())
+    return [
+        module
+        for module in model.modules()
+        if module is not model and type(module).__name__ in unsplittable
+    ]
 
 
 def _host_copy(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 
-from seamlessflow.assets.loading import load_causal_lm
+from seamlessflow.assets.loading import check_tied, load_causal_lm
 from seamlessflow.assets.model_check import ModelNeeds, check_model
 from seamlessflow.protocol import TrainBatch
 from seamlessflow.weights.tied import tied_aliases, with_aliases, without_aliases
@@ -31,10 +31,19 @@ from sf_trainer.logprobs import chunked_head_refusal
 from sf_trainer.losses import chosen_loss
 from sf_trainer.schedule import lr_at
 from sf_trainer.settings import TrainerSettings
+from sf_trainer.sharded_loading import materialize_own_shards, model_on_meta
 from sf_trainer.step import StepResult, train_step
 from sf_trainer.threads import ThreadBudget
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 log = logging.getLogger(__name__)
+
+MASTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""``SF_TRAINER_MASTER_DTYPE`` -> the dtype of the weights the optimizer updates: bf16
+is then also what forward and backward compute in; with float32 masters, ``precision``
+says (sf_trainer.distributed.forward_precision, TrainGroup.shard)."""
 
 
 class Step(msgspec.Struct, tag="step"):
@@ -90,9 +99,14 @@ class Learner:
         self.bf16_mixed = settings.precision == "bf16-mixed"
         # every rank, before loading: one line naming all the model lacks (exit 78)
         check_model(model_dir, ModelNeeds(chat=False))
-        # float32 master weights in every precision: bf16 is only what forward and
-        # backward compute in (sf_trainer.distributed.forward_precision, TrainGroup.shard)
-        model = load_causal_lm(model_dir, torch.float32)
+        self.master_dtype = MASTER_DTYPES[settings.master_dtype]
+        # one process loads the model whole; several ranks build it on the meta device
+        # and each reads only its own shard (sf_trainer.sharded_loading)
+        model = (
+            model_on_meta(model_dir, self.master_dtype)
+            if group.distributed
+            else load_causal_lm(model_dir, self.master_dtype)
+        )
         model.train()
         refusal = chunked_head_refusal(model)
         if settings.logprob_chunk_tokens and refusal is not None:
@@ -103,10 +117,13 @@ class Learner:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+        if settings.cpu_offload and group.device.type != "cuda":
+            log.info("SF_TRAINER_CPU_OFFLOAD changes nothing on %s: the state is in host "
+                     "memory already", group.device)  # fmt: skip
         self.tied = tied_aliases(model.state_dict(keep_vars=True))
         """{alias: name} of tied matrices: published and checkpointed once, under the
         first name (``seamlessflow.weights.tied``)."""
-        self.model = group.shard(model, bf16_mixed=self.bf16_mixed)
+        self.model = self._placed(model)
         self.threads: ThreadBudget | None = None
         """One rank on the CPU: it may train on cores lent by idle rollout engines
         (``sf_trainer.threads``). Not with several ranks: they step together, so one
@@ -114,9 +131,7 @@ class Learner:
         if group.world_size == 1 and group.device.type == "cpu":
             self.threads = ThreadBudget(settings.torch_threads)
             self.threads.install(self.model)
-        self.reference = (
-            load_reference(model_dir, group, self.bf16_mixed) if settings.kl_coef > 0 else None
-        )
+        self.reference = self._reference() if settings.kl_coef > 0 else None
         self.eval_set = EvalSet.from_settings(settings, seed) if settings.eval_every else None
         self.next_step = 0
         """Index in the run of the next step when the caller does not name it: counts
@@ -127,6 +142,31 @@ class Learner:
             betas=settings.betas,
             weight_decay=settings.weight_decay,
         )
+
+    def _placed(self, model: PreTrainedModel) -> PreTrainedModel:
+        """``model`` on this rank's device, sharded with several ranks; a model built
+        on the meta device is then filled with this rank's shard of the weights."""
+        model = self.group.shard(
+            model, bf16_mixed=self.bf16_mixed, cpu_offload=self.settings.cpu_offload
+        )
+        if self.group.distributed:
+            materialize_own_shards(model, self.model_dir, self.group.device, self.tied)
+            check_tied(model)
+        return model
+
+    def _reference(self) -> PreTrainedModel:
+        """The base model as the KL term's reference: frozen (no grad, never in a
+        checkpoint or an optimizer), in eval mode, sharded like the policy, in its
+        precision (its forward all-gathers on every rank, in the same passes as the
+        policy's)."""
+        model = (
+            model_on_meta(self.model_dir, self.master_dtype)
+            if self.group.distributed
+            else load_causal_lm(self.model_dir, self.master_dtype)
+        )
+        model.eval()
+        model.requires_grad_(False)
+        return self._placed(model)
 
     # rank 0 ------------------------------------------------------------------------
 
@@ -244,13 +284,3 @@ class Learner:
                 betas=self.settings.betas,
                 weight_decay=self.settings.weight_decay,
             )
-
-
-def load_reference(model_dir: Path, group: TrainGroup, bf16_mixed: bool = False) -> torch.nn.Module:
-    """The base model as the KL term's reference: frozen (no grad, never in a checkpoint
-    or an optimizer), in eval mode, sharded like the policy, in its precision (its
-    forward all-gathers on every rank, in the same passes as the policy's)."""
-    model = load_causal_lm(model_dir, torch.float32)
-    model.eval()
-    model.requires_grad_(False)
-    return group.shard(model, bf16_mixed=bf16_mixed)

@@ -151,6 +151,20 @@ class TrainerSettings(RunFileSettings):
     reduced in float32). Logprobs are taken in float32 from the bf16 logits, so they
     differ from the engine's by bf16 rounding (``logprob_abs_diff`` shows it)."""
 
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype of the weights the optimizer updates (and of its AdamW state).
+    ``float32``: the usual master weights, whatever ``precision`` computes in.
+    ``bfloat16``: half the memory of weights, gradients and optimizer state (about 8
+    bytes a parameter instead of 16), at the cost of updates smaller than bf16's
+    resolution being lost; forward and backward then compute in bf16 too."""
+
+    cpu_offload: bool = False
+    """With several ranks on GPUs: parameters, gradients and the AdamW state stay in host
+    memory between uses and the optimizer step runs on the CPU (FSDP2's
+    ``CPUOffloadPolicy``); each unit's weights visit the GPU only for its forward and
+    backward. A CPU trainer holds everything in host memory already: the setting
+    changes nothing there (logged at start)."""
+
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of
     keeping them (HF gradient checkpointing, non-reentrant): less memory, about one more

@@ -22,6 +22,7 @@ from support import TESTS_DIR, InProcessMesh, free_port
 from trainer_batches import make_batch
 from trainer_rank import lead
 
+from seamlessflow.assets.families import build_family_model
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import (
     TrainBatch,
@@ -39,6 +40,7 @@ from sf_trainer.checkpoint import (
 from sf_trainer.distributed import TrainGroup, partition_by_tokens
 from sf_trainer.learner import Learner
 from sf_trainer.settings import TrainerSettings
+from sf_trainer.sharded_loading import own_rows
 from sf_trainer.step import micro_batches, plan_micro_batches, trained_token_count
 
 WORKER = TESTS_DIR / "trainer_rank.py"
@@ -392,6 +394,42 @@ def test_two_ranks_resume_a_one_process_checkpoint_and_continue_identically(
     straight = run_one_process(spec(base_model_dir, BATCHES, tmp_path / "straight"))
     assert_same_results(resumed, straight[1:], tmp_path / "straight")
     assert_same_checkpoint(tmp_path / "resumed" / "checkpoint", tmp_path / "straight")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3-tied"])
+def test_each_rank_reads_only_its_shard_and_the_ranks_step_as_one_process(
+    family: str, tmp_path: Path
+) -> None:
+    """Two ranks build the model on the meta device and read their own rows from the
+    safetensors (``sf_trainer.sharded_loading``); one process loads it whole. Gathered,
+    the ranks hold the file's weights bit for bit; the step's figures and weights then
+    match one process's, which they would not with a wrong buffer the file does not
+    hold (rotary frequencies) or a tied matrix loaded twice."""
+    model_dir = build_family_model(family, tmp_path / "model")
+    batch = make_batch(0, [[6, 9, 14], [8, 11, 5]], seed=4)
+    job = spec(model_dir, [batch], tmp_path / "ranks")
+    ranks = run_ranks(2, {**job, "save_loaded": True})
+    alone = run_one_process(spec(model_dir, [batch], tmp_path / "alone"))
+
+    loaded = torch.load(tmp_path / "ranks" / "loaded.pt", weights_only=True)
+    stored = load_model_state(model_dir)
+    assert loaded.keys() == stored.keys()
+    for name, tensor in stored.items():
+        assert torch.equal(loaded[name], tensor), name
+    assert_same_results(ranks, alone, tmp_path / "alone")
+    assert_same_checkpoint(tmp_path / "ranks" / "checkpoint", tmp_path / "alone")
+
+
+def test_rows_split_as_fsdp2_splits_them() -> None:
+    # torch.chunk's split: ceil(n / ranks) rows each, the last ranks fewer or none
+    assert [own_rows(10, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [own_rows(2, r, 4) for r in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    for total, ranks in [(10, 4), (7, 3), (1, 2), (151936, 2), (5, 8)]:
+        chunks = torch.arange(total).chunk(ranks)
+        for rank in range(ranks):
+            start, end = own_rows(total, rank, ranks)
+            expected = chunks[rank].tolist() if rank < len(chunks) else []
+            assert list(range(start, end)) == expected, (total, ranks, rank)
 
 
 # the service, launched as documented ---------------------------------------------------

@@ -21,13 +21,17 @@ _V = TypeVar("_V")
 def tied_aliases(named: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """{alias: first name} for entries that share one storage, in ``named``'s order
     (``model.state_dict(keep_vars=True)`` or ``named_parameters(remove_duplicate=False)``
-    of an unsharded model); empty for an untied model."""
+    of an unsharded model); empty for an untied model. On the meta device, where no
+    tensor has storage, a tied matrix is one object under two names."""
     first: dict[tuple[int, int], str] = {}
     aliases: dict[str, str] = {}
     for name, tensor in named.items():
         if tensor.numel() == 0:
             continue
-        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
+        if tensor.is_meta:
+            key = (-1, id(tensor))
+        else:
+            key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
         if key in first:
             aliases[name] = first[key]
         else:

@@ -1,0 +1,223 @@
+"""The trainer on two CPU ranks with models users train: peak memory per rank, time to the
+first step, and the cost of gathering a version, loaded whole or sharded from the first byte.
+
+Each model is a shape from its published config (``seamlessflow.assets.shapes``: the
+Qwen2.5-0.5B and Qwen2.5-1.5B shapes) with random bf16 weights written once as
+safetensors files of 1 GB with their index (cached under ``--cache``). Per
+configuration, two gloo ranks (one torch thread each) build the trainer's ``Learner``
+exactly as ``torchrun -m sf_trainer`` does, take one step on a small batch and gather
+the full weights once (what a published version costs today). Each rank reports its
+peak resident memory (``VmHWM``), which the table sets beside the bound of the
+issue: 0.6x the full model in float32 plus its AdamW state (16 bytes a parameter).
+
+``--loading whole`` is the path before sharded loading (every rank loads the whole
+model with ``from_pretrained``, then FSDP2 shards it), kept here as the yardstick by
+swapping the two loading functions in the worker; ``sharded`` is the product's path.
+
+    .venv/bin/python loadtests/sharded_memory.py [--shapes qwen2.5-0.5b] \
+        [--loadings whole,sharded] [--master float32] [--out runs/load/sharded.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+GB = 1e9
+BOUND_RATIO = 0.6
+BYTES_PER_PARAMETER = 16
+"""float32 weights (4), gradients (4) and AdamW's two moments (8): a model's full
+training state, unsharded."""
+
+
+def peak_rss_bytes() -> int:
+    """This process's resident high-water mark (``VmHWM``). Not ``ru_maxrss``: Linux
+    carries a parent's peak across fork and exec into it."""
+    return _status_kib("VmHWM") * 1024
+
+
+def rss_bytes() -> int:
+    return _status_kib("VmRSS") * 1024
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def rank_main(job: dict[str, Any]) -> None:
+    """One rank: build the Learner, step once, gather once; write its figures."""
+    import torch
+
+    from seamlessflow.protocol import SampleGroup, TrainBatch, TrainSample
+    from sf_trainer import learner as learner_module
+    from sf_trainer.distributed import TrainGroup
+    from sf_trainer.settings import TrainerSettings
+
+    figures: dict[str, Any] = {"rss_before_model_gb": rss_bytes() / GB}
+    if job["loading"] == "whole":
+        from seamlessflow.assets.loading import load_causal_lm
+
+        learner_module.model_on_meta = load_causal_lm
+        learner_module.materialize_own_shards = lambda *args: None
+    settings = TrainerSettings(
+        torch_threads=1, master_dtype=job["master"], precision="fp32", eval_every=0
+    )
+    group = TrainGroup.from_env("cpu", timeout_s=1800)
+    started = time.perf_counter()
+    learner = learner_module.Learner(settings, group, Path(job["model_dir"]))
+    figures["load_s"] = time.perf_counter() - started
+    figures["rss_after_load_gb"] = peak_rss_bytes() / GB
+    if group.is_leader:
+        samples = [
+            TrainSample(
+                session_id=f"s{index}",
+                token_ids=[(index * 37 + t * 11) % 500 for t in range(job["tokens"])],
+                loss_mask=[0] * (job["tokens"] // 4) + [1] * (job["tokens"] - job["tokens"] // 4),
+                behaviour_logprobs=[-1.0] * job["tokens"],
+                versions=[0] * job["tokens"],
+                reward=float(index % 2),
+            )
+            for index in range(job["samples"])
+        ]
+        batch = TrainBatch(
+            batch_index=0, groups=[SampleGroup(group_id="g", task_id="t", samples=samples)]
+        )
+        step_started = time.perf_counter()
+        learner.step(batch, version=0)
+        figures["first_step_s"] = time.perf_counter() - step_started
+        figures["to_first_step_s"] = time.perf_counter() - started
+        figures["rss_after_step_gb"] = peak_rss_bytes() / GB
+        gather_started = time.perf_counter()
+        weights = learner.full_weights(torch.bfloat16)
+        figures["gather_s"] = time.perf_counter() - gather_started
+        figures["gathered_gb"] = sum(t.numel() * t.element_size() for t in weights.values()) / GB
+        del weights
+        learner.stop()
+    else:
+        learner.follow()
+    figures["peak_rss_gb"] = peak_rss_bytes() / GB
+    Path(job["out"], f"rank{group.rank}.json").write_text(json.dumps(figures))
+    group.close()
+
+
+def parameter_count(model_dir: Path) -> int:
+    import torch
+
+    from sf_trainer.sharded_loading import model_on_meta
+
+    model = model_on_meta(model_dir, torch.float32)
+    return sum(p.numel() for p in model.parameters())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_configuration(job: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+    out = Path(job["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "job.json"
+    spec.write_text(json.dumps(job))
+    port = free_port()
+    processes = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        with (out / f"rank{rank}.log").open("wb") as log:
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--rank-job", str(spec)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    try:
+        codes = [process.wait(timeout=timeout_s) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    if codes != [0, 0]:
+        tail = (out / "rank0.log").read_text()[-2000:]
+        raise SystemExit(f"{job['shape']} {job['loading']}: ranks ended with {codes}\n{tail}")
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rank-job", help=argparse.SUPPRESS)
+    parser.add_argument("--shapes", default="qwen2.5-0.5b")
+    parser.add_argument("--loadings", default="whole,sharded")
+    parser.add_argument("--master", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache/seamlessflow/shapes")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs/load/sharded_memory.json")
+    parser.add_argument("--timeout-s", type=float, default=1800)
+    args = parser.parse_args()
+    if args.rank_job:
+        rank_main(json.loads(Path(args.rank_job).read_text()))
+        return
+    from seamlessflow.assets.shapes import write_random_model
+
+    results = []
+    for shape in args.shapes.split(","):
+        model_dir = args.cache / shape
+        if not (model_dir / "model.safetensors.index.json").is_file():
+            started = time.perf_counter()
+            write_random_model(shape, model_dir)
+            print(f"{shape}: random bf16 weights written in {time.perf_counter() - started:.0f} s")
+        parameters = parameter_count(model_dir)
+        bound_gb = BOUND_RATIO * BYTES_PER_PARAMETER * parameters / GB
+        for loading in args.loadings.split(","):
+            job = {
+                "shape": shape,
+                "loading": loading,
+                "master": args.master,
+                "model_dir": str(model_dir),
+                "samples": args.samples,
+                "tokens": args.tokens,
+                "out": str(args.out.parent / "sharded_memory" / f"{shape}-{loading}"),
+            }
+            ranks = run_configuration(job, args.timeout_s)
+            result = {**job, "parameters": parameters, "bound_gb": bound_gb, "ranks": ranks}
+            results.append(result)
+            peak = max(rank["peak_rss_gb"] for rank in ranks)
+            leader = ranks[0]
+            print(
+                f"{shape} ({parameters / 1e9:.2f}B) {loading:>7} {args.master}: peak RSS per "
+                f"rank {ranks[0]['peak_rss_gb']:.2f} / {ranks[1]['peak_rss_gb']:.2f} GB "
+                f"({peak / bound_gb * BOUND_RATIO:.2f}x the fp32 model + AdamW; bound "
+                f"{bound_gb:.2f} GB = {BOUND_RATIO}x), load {leader['load_s']:.1f} s, first "
+                f"step {leader['first_step_s']:.1f} s (start to step "
+                f"{leader['to_first_step_s']:.1f} s), gather {leader['gathered_gb']:.2f} GB in "
+                f"{leader['gather_s']:.1f} s",
+                flush=True,
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
