@@ -5,7 +5,8 @@ Each model is a shape from its published config (``seamlessflow.assets.shapes``:
 Qwen2.5-0.5B and Qwen2.5-1.5B shapes) with random bf16 weights written once as
 safetensors files of 1 GB with their index (cached under ``--cache``). Per
 configuration, two gloo ranks (one torch thread each) build the trainer's ``Learner``
-exactly as ``torchrun -m sf_trainer`` does, take one step on a small batch and gather
+exactly as ``torchrun -m sf_trainer`` does, take two steps on a small batch (the
+second is the steady state: AdamW's state exists from the first step's end) and gather
 the full weights once (what a published version costs today). Each rank reports its
 peak resident memory (``VmHWM``), which the table sets beside the bound of the
 issue: 0.6x the full model in float32 plus its AdamW state (16 bytes a parameter).
@@ -59,7 +60,6 @@ def rank_main(job: dict[str, Any]) -> None:
     """One rank: build the Learner, step once, gather once; write its figures."""
     import torch
 
-    from seamlessflow.protocol import SampleGroup, TrainBatch, TrainSample
     from sf_trainer import learner as learner_module
     from sf_trainer.distributed import TrainGroup
     from sf_trainer.settings import TrainerSettings
@@ -79,24 +79,14 @@ def rank_main(job: dict[str, Any]) -> None:
     figures["load_s"] = time.perf_counter() - started
     figures["rss_after_load_gb"] = peak_rss_bytes() / GB
     if group.is_leader:
-        samples = [
-            TrainSample(
-                session_id=f"s{index}",
-                token_ids=[(index * 37 + t * 11) % 500 for t in range(job["tokens"])],
-                loss_mask=[0] * (job["tokens"] // 4) + [1] * (job["tokens"] - job["tokens"] // 4),
-                behaviour_logprobs=[-1.0] * job["tokens"],
-                versions=[0] * job["tokens"],
-                reward=float(index % 2),
-            )
-            for index in range(job["samples"])
-        ]
-        batch = TrainBatch(
-            batch_index=0, groups=[SampleGroup(group_id="g", task_id="t", samples=samples)]
-        )
         step_started = time.perf_counter()
-        learner.step(batch, version=0)
-        figures["first_step_s"] = time.perf_counter() - step_started
-        figures["to_first_step_s"] = time.perf_counter() - started
+        if job["step"]:
+            # the first step allocates AdamW's state after its backward; the second is the
+            # steady state, whose forward and backward run with that state allocated
+            learner.step(one_batch(job["samples"], job["tokens"]), version=0)
+            figures["first_step_s"] = time.perf_counter() - step_started
+            figures["to_first_step_s"] = time.perf_counter() - started
+            learner.step(one_batch(job["samples"], job["tokens"]), version=1)
         figures["rss_after_step_gb"] = peak_rss_bytes() / GB
         gather_started = time.perf_counter()
         weights = learner.full_weights(torch.bfloat16)
@@ -109,6 +99,27 @@ def rank_main(job: dict[str, Any]) -> None:
     figures["peak_rss_gb"] = peak_rss_bytes() / GB
     Path(job["out"], f"rank{group.rank}.json").write_text(json.dumps(figures))
     group.close()
+
+
+def one_batch(count: int, tokens: int) -> Any:
+    """``count`` samples of ``tokens`` tokens (a quarter prompt), ids under 500."""
+    from seamlessflow.protocol import SampleGroup, TrainBatch, TrainSample
+
+    prompt = tokens // 4
+    samples = [
+        TrainSample(
+            session_id=f"s{index}",
+            token_ids=[(index * 37 + t * 11) % 500 for t in range(tokens)],
+            loss_mask=[0] * prompt + [1] * (tokens - prompt),
+            behaviour_logprobs=[-1.0] * tokens,
+            versions=[0] * tokens,
+            reward=float(index % 2),
+        )
+        for index in range(count)
+    ]
+    return TrainBatch(
+        batch_index=0, groups=[SampleGroup(group_id="g", task_id="t", samples=samples)]
+    )
 
 
 def parameter_count(model_dir: Path) -> int:
@@ -172,6 +183,9 @@ def main() -> None:
     parser.add_argument("--master", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument(
+        "--no-step", action="store_true", help="load and gather only (no optimizer state)"
+    )
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache/seamlessflow/shapes")
     parser.add_argument("--out", type=Path, default=ROOT / "runs/load/sharded_memory.json")
     parser.add_argument("--timeout-s", type=float, default=1800)
@@ -198,6 +212,7 @@ def main() -> None:
                 "model_dir": str(model_dir),
                 "samples": args.samples,
                 "tokens": args.tokens,
+                "step": not args.no_step,
                 "out": str(args.out.parent / "sharded_memory" / f"{shape}-{loading}"),
             }
             ranks = run_configuration(job, args.timeout_s)
@@ -205,14 +220,20 @@ def main() -> None:
             results.append(result)
             peak = max(rank["peak_rss_gb"] for rank in ranks)
             leader = ranks[0]
+            step = (
+                f"peak after two steps {leader['rss_after_step_gb']:.2f} GB, first step "
+                f"{leader['first_step_s']:.1f} s (start to step {leader['to_first_step_s']:.1f} s)"
+                if job["step"]
+                else "no step"
+            )
             print(
-                f"{shape} ({parameters / 1e9:.2f}B) {loading:>7} {args.master}: peak RSS per "
-                f"rank {ranks[0]['peak_rss_gb']:.2f} / {ranks[1]['peak_rss_gb']:.2f} GB "
-                f"({peak / bound_gb * BOUND_RATIO:.2f}x the fp32 model + AdamW; bound "
-                f"{bound_gb:.2f} GB = {BOUND_RATIO}x), load {leader['load_s']:.1f} s, first "
-                f"step {leader['first_step_s']:.1f} s (start to step "
-                f"{leader['to_first_step_s']:.1f} s), gather {leader['gathered_gb']:.2f} GB in "
-                f"{leader['gather_s']:.1f} s",
+                f"{shape} ({parameters / 1e9:.2f}B) {loading:>7} {args.master}: before the model "
+                f"{leader['rss_before_model_gb']:.2f} GB, after loading "
+                f"{leader['rss_after_load_gb']:.2f} GB in {leader['load_s']:.1f} s; {step}; "
+                f"peak of rank 0 / 1 with the gather {ranks[0]['peak_rss_gb']:.2f} / "
+                f"{ranks[1]['peak_rss_gb']:.2f} GB ({peak / bound_gb * BOUND_RATIO:.2f}x the "
+                f"fp32 model + AdamW; bound {bound_gb:.2f} GB = {BOUND_RATIO}x); gather "
+                f"{leader['gathered_gb']:.2f} GB in {leader['gather_s']:.1f} s",
                 flush=True,
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)

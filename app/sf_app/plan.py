@@ -11,8 +11,9 @@ rank holds, with ``ranks`` ranks:
 - **gathered units**: the root unit (embeddings, final norm, head) stays gathered from
   its forward to its backward (FSDP2 does not reshard the root after forward); decoder
   layers are gathered one at a time plus the one prefetched. Each in the compute
-  dtype, and its unsharded gradient (compute dtype, then float32 for the reduction)
-  while it is reduced.
+  dtype, and, while it is reduced, its unsharded gradient (compute dtype) and the
+  float32 buffer FSDP2 copies it into for the reduce-scatter. The parts' peaks are
+  added as if they coincided: an estimate from above.
 - **activations** of one micro-batch (``micro_batch_tokens``) saved for backward, per
   token and layer: the layer's input, the q/k/v and attention outputs, the MLP's gate,
   up, activation and product (compute dtype; attention through SDPA keeps no
@@ -122,10 +123,10 @@ def plan_memory(sizes: ModelSizes, settings: PlanSettings) -> MemoryPlan:
     gathered = 0
     if settings.ranks > 1:
         gathered_params = (sizes.root_parameters + 2 * sizes.layer_parameters) * compute
-        # a unit's full gradient in the compute dtype, and its float32 copy to be reduced
+        # a unit's full gradient in the compute dtype, and the float32 buffer FSDP2
+        # copies it into to reduce-scatter it (a copy in float32 too)
         largest_unit = max(sizes.root_parameters, sizes.layer_parameters)
-        gradient_bytes = compute + 4 if compute != 4 else 4
-        gathered = gathered_params + largest_unit * gradient_bytes
+        gathered = gathered_params + largest_unit * (compute + 4)
     tokens = settings.micro_batch_tokens
     per_token_layer = (
         compute * (6 * sizes.hidden + 2 * sizes.kv_width + 4 * sizes.intermediate)

@@ -9,8 +9,9 @@ With several ranks no rank ever holds the whole model:
    part is this rank's rows (``Shard(0)``, ``torch.chunk``'s split: ``ceil(n / ranks)``
    rows each, the last ranks fewer or none);
 3. :func:`materialize_own_shards` allocates the local parts on the rank's device and
-   fills each from the safetensors files, reading only its rows (a slice of the
-   memory-mapped file) and casting them to the parameter's dtype there. Buffers, which
+   fills each from the safetensors files, reading only its rows (one positioned read
+   per tensor, not a memory mapping, whose touched pages would count as the rank's
+   resident memory) and casting them to the parameter's dtype there. Buffers, which
    FSDP2 does not shard, are read whole when the file has them; the others (non-
    persistent: rotary frequencies, embedding scales) are computed by the model's own
    initialisation, which transformers uses the same way for its meta-device loads.
@@ -23,8 +24,9 @@ sharding, tensor for tensor (``tests/mesh/test_trainer_distributed.py``).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
-from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,10 +65,7 @@ def tensor_files(model_dir: Path) -> dict[str, Path]:
     single = model_dir / SINGLE_FILE
     if not single.is_file():
         raise ShardedLoadError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as file:
-        return {name: single for name in file.keys()}
+    return dict.fromkeys(read_header(single), single)
 
 
 def own_rows(total: int, rank: int, ranks: int) -> tuple[int, int]:
@@ -96,17 +95,76 @@ def materialize_own_shards(
             f"{model_dir} lacks {len(missing)} tensor(s) the model's config builds: "
             f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
         )
-    with ExitStack() as stack:
-        from safetensors import safe_open
+    headers: dict[Path, dict[str, StoredTensor]] = {}
+    for name, tensor in loaded.items():
+        file_name = _file_name(name, files, aliases)
+        assert file_name is not None
+        path = files[file_name]
+        if path not in headers:
+            headers[path] = read_header(path)
+        _fill(tensor, path, headers[path][file_name], name)
 
-        opened: dict[Path, Any] = {}
-        for name, tensor in loaded.items():
-            file_name = _file_name(name, files, aliases)
-            assert file_name is not None
-            path = files[file_name]
-            if path not in opened:
-                opened[path] = stack.enter_context(safe_open(str(path), framework="pt"))
-            _fill(tensor, opened[path].get_slice(file_name), name)
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor's entry in a safetensors header: where its bytes lie in the file."""
+
+    dtype: torch.dtype
+    shape: list[int]
+    offset: int
+    """Of its first byte, from the start of the file."""
+
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_header(path: Path) -> dict[str, StoredTensor]:
+    """The tensors of a safetensors file: an 8-byte little-endian header length, the
+    JSON header, then the data, each tensor's bytes contiguous in row-major order."""
+    with path.open("rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        header: dict[str, Any] = json.loads(file.read(length))
+    header.pop("__metadata__", None)
+    data_start = 8 + length
+    stored = {}
+    for name, entry in header.items():
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ShardedLoadError(f"{path}: {name} has dtype {entry['dtype']}, not read here")
+        stored[name] = StoredTensor(
+            dtype, list(entry["shape"]), data_start + entry["data_offsets"][0]
+        )
+    return stored
+
+
+def read_rows(path: Path, stored: StoredTensor, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) of a stored tensor, read with one positioned read: no mapping
+    of the file, whose touched pages would count in this process's resident memory."""
+    row_elements = math.prod(stored.shape[1:])
+    row_bytes = row_elements * stored.dtype.itemsize
+    rows = torch.empty((end - start) * row_bytes, dtype=torch.uint8)
+    if rows.numel():
+        with path.open("rb", buffering=0) as file:
+            file.seek(stored.offset + start * row_bytes)
+            array: Any = rows.numpy()
+            view = memoryview(array)
+            while view:  # readinto may return less than asked
+                count = file.readinto(view)
+                if not count:
+                    raise ShardedLoadError(f"{path}: ends inside a tensor")
+                view = view[count:]
+    return rows.view(stored.dtype).view([end - start, *stored.shape[1:]])
 
 
 def _stored_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -145,25 +203,29 @@ def _file_name(name: str, files: dict[str, Path], aliases: dict[str, str]) -> st
     return None
 
 
-def _fill(tensor: torch.Tensor, stored: Any, name: str) -> None:
-    """Copy this rank's part of the file's ``stored`` slice into ``tensor``."""
-    shape = list(stored.get_shape())
-    if list(tensor.shape) != shape:
-        raise ShardedLoadError(f"{name}: the file holds {shape}, the model {list(tensor.shape)}")
+def _fill(tensor: torch.Tensor, path: Path, stored: StoredTensor, name: str) -> None:
+    """Copy this rank's part of the ``stored`` tensor into ``tensor`` (cast as it goes)."""
+    if list(tensor.shape) != stored.shape:
+        raise ShardedLoadError(
+            f"{name}: the file holds {stored.shape}, the model {list(tensor.shape)}"
+        )
+    if not stored.shape:  # a scalar
+        with torch.no_grad():
+            tensor.copy_(read_rows(path, StoredTensor(stored.dtype, [1], stored.offset), 0, 1)[0])
+        return
     if isinstance(tensor, DTensor):
         local = tensor.to_local()
         placement = tensor.placements[0]
         if not (isinstance(placement, Shard) and placement.dim == 0):
             raise ShardedLoadError(f"{name}: sharded as {placement}, not by rows")
         mesh = tensor.device_mesh
-        start, end = own_rows(shape[0], mesh.get_local_rank(), mesh.size())
+        start, end = own_rows(stored.shape[0], mesh.get_local_rank(), mesh.size())
         if local.shape[0] != end - start:
             raise ShardedLoadError(
                 f"{name}: this rank holds {local.shape[0]} rows, its split {end - start}"
             )
-        if end > start:
-            with torch.no_grad():
-                local.copy_(stored[start:end])
-        return
-    with torch.no_grad():
-        tensor.copy_(stored[:])
+    else:
+        local, start, end = tensor, 0, stored.shape[0]
+    if end > start:
+        with torch.no_grad():
+            local.copy_(read_rows(path, stored, start, end))
