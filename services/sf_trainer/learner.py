@@ -117,9 +117,10 @@ class Learner:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
-        if settings.cpu_offload and group.device.type != "cuda":
-            log.info("SF_TRAINER_CPU_OFFLOAD changes nothing on %s: the state is in host "
-                     "memory already", group.device)  # fmt: skip
+        if settings.cpu_offload and not (group.distributed and group.device.type == "cuda"):
+            log.info("SF_TRAINER_CPU_OFFLOAD changes nothing here (%s, %d rank(s)): it keeps "
+                     "the FSDP2 shards of CUDA ranks on the host", group.device,
+                     group.world_size)  # fmt: skip
         self.tied = tied_aliases(model.state_dict(keep_vars=True))
         """{alias: name} of tied matrices: published and checkpointed once, under the
         first name (``seamlessflow.weights.tied``)."""

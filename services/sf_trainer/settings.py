@@ -162,8 +162,8 @@ class TrainerSettings(RunFileSettings):
     """With several ranks on GPUs: parameters, gradients and the AdamW state stay in host
     memory between uses and the optimizer step runs on the CPU (FSDP2's
     ``CPUOffloadPolicy``); each unit's weights visit the GPU only for its forward and
-    backward. A CPU trainer holds everything in host memory already: the setting
-    changes nothing there (logged at start)."""
+    backward. It changes nothing (logged at start) for one process, which FSDP2 does
+    not shard, or a CPU trainer, whose state is in host memory already."""
 
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass instead of

@@ -420,6 +420,28 @@ def test_each_rank_reads_only_its_shard_and_the_ranks_step_as_one_process(
     assert_same_checkpoint(tmp_path / "ranks" / "checkpoint", tmp_path / "alone")
 
 
+def test_bf16_master_weights_train_and_checkpoint_in_bf16_on_one_and_two_ranks(
+    base_model_dir: Path, tmp_path: Path
+) -> None:
+    """``SF_TRAINER_MASTER_DTYPE=bfloat16``: the weights AdamW updates and its moments are
+    bf16 (half the state), in one process and on two ranks; the steps still train.
+    (bf16 rounding differs between the two, so they are not compared entry by entry.)"""
+    settings = {**SETTINGS, "master_dtype": "bfloat16"}
+    alone = run_one_process(spec(base_model_dir, BATCHES, tmp_path / "alone", settings=settings))
+    ranks = run_ranks(2, spec(base_model_dir, BATCHES, tmp_path / "ranks", settings=settings))
+    base = load_model_state(base_model_dir)
+    for run, results in (("alone", alone), ("ranks", ranks)):
+        weights = load_model_state(tmp_path / run / "checkpoint")
+        assert {t.dtype for t in weights.values()} == {torch.bfloat16}, run
+        moved = max((weights[n].float() - base[n].float()).abs().max().item() for n in base)
+        assert moved > 1e-3, run
+        moments = load_optimizer_state(tmp_path / run / "checkpoint")["state"]
+        assert {m["exp_avg"].dtype for m in moments.values()} == {torch.bfloat16}, run
+        assert all(torch.isfinite(torch.tensor(r["loss"])) for r in results), run
+    # the same batches, split over the ranks: the same tokens trained
+    assert [r["tokens_trained"] for r in ranks] == [r["tokens_trained"] for r in alone]
+
+
 def test_rows_split_as_fsdp2_splits_them() -> None:
     # torch.chunk's split: ceil(n / ranks) rows each, the last ranks fewer or none
     assert [own_rows(10, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
