@@ -302,6 +302,15 @@ class Bus:
         self._subscriptions.append(sub)
         return sub
 
+    def lost_to_the_server(self, exc: BaseException) -> bool:
+        """``exc`` (every error of a group) is a NATS error or a broken socket, raised
+        while this connection has no server: what the server's absence explains."""
+        if self.nc.is_connected:
+            return False
+        if isinstance(exc, BaseExceptionGroup):
+            return all(self.lost_to_the_server(inner) for inner in exc.exceptions)
+        return isinstance(exc, (nats.errors.Error, OSError))
+
     @property
     def max_payload(self) -> int:
         """The largest message (bytes) the server takes, as it announced on connecting."""

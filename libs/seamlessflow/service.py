@@ -121,7 +121,13 @@ async def run_service(service: Service, mesh: MeshSettings) -> None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await run_task
         if not run_task.cancelled():
-            run_task.result()
+            failure = run_task.exception()
+            if failure is not None and ctx.stopping.is_set() and bus.lost_to_the_server(failure):
+                # Asked to stop while the server was gone: a request still in flight (a
+                # consumer being set up) times out. That is the stop, not a failure.
+                log.warning("stopped while NATS was unreachable: %r", failure)
+            else:
+                run_task.result()
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -14,9 +14,12 @@ from pathlib import Path
 
 import nats
 import pytest
-from support import REPO_ROOT
+from support import REPO_ROOT, eventually
 
+from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import ResourceRegister, RoleAssignment, Subjects, decode, encode
+from seamlessflow.service import ServiceContext, run_service
+from seamlessflow.settings import MeshSettings
 from sf_app.cli import SERVICE_NAMES, configuration_reference
 
 ROOT = REPO_ROOT
@@ -134,3 +137,55 @@ def test_the_service_table_names_every_service_once_and_each_loads() -> None:
     }
     with pytest.raises(ValueError, match="unknown service 'nope'"):
         spec_of("nope")
+
+
+class _RequestsAfterTheServerLeft:
+    """A service whose request (as a consumer's set-up is) goes out after the NATS server
+    left: it times out. With ``after_stop`` it is its last act once asked to stop."""
+
+    name = "requests-after-the-server-left"
+
+    def __init__(self, after_stop: bool) -> None:
+        self.after_stop = after_stop
+        self.running = asyncio.Event()
+        self.server_gone = asyncio.Event()
+
+    async def run(self, ctx: ServiceContext) -> None:
+        self.running.set()
+        await self.server_gone.wait()
+        await eventually(
+            lambda: not ctx.bus.nc.is_connected, 30, "the client to see the server leave"
+        )
+        if self.after_stop:
+            await ctx.stopping.wait()
+        await ctx.bus.nc.request("sf.test.nobody", b"", timeout=0.5)
+
+
+@pytest.mark.parametrize("after_stop", [True, False])
+async def test_a_request_that_times_out_because_the_server_left_is_the_stop_not_a_failure(
+    tmp_path: Path, after_stop: bool
+) -> None:
+    """A service stopped while NATS is gone, in the middle of a request, stops (the CI
+    once saw weight-sync exit 1 there, its durable consumer being set up); the same
+    timeout without a stop asked is still a failure."""
+    server = EmbeddedNats(tmp_path / "nats")
+    server.start()
+    mesh = MeshSettings(nats_url=server.url, run_id="gone", drain_timeout_s=5.0)
+    service = _RequestsAfterTheServerLeft(after_stop)
+    running = asyncio.create_task(run_service(service, mesh))
+    try:
+        async with asyncio.timeout(30):
+            await service.running.wait()
+        server.stop()
+        service.server_gone.set()
+        async with asyncio.timeout(30):
+            if after_stop:
+                os.kill(os.getpid(), signal.SIGTERM)  # its handler sets ctx.stopping
+                await running  # returns: the stop, no error
+            else:
+                with pytest.raises(nats.errors.TimeoutError):
+                    await running
+    finally:
+        server.stop()
+        if not running.done():
+            running.cancel()
