@@ -5,10 +5,10 @@ Transports. For each size (``--sizes``, MB = 10^6 bytes) a bf16 state dict of
 ``STATE_TENSORS`` equal matrices is synced as one full version, the way the trainer and
 one engine do it, and timed in parts:
 
-- ``encode``: ``WeightEncoder.encode`` (flatten into one buffer + sha256 per bucket);
+- ``encode``: ``WeightEncoder.encode`` (flatten into one buffer + a digest per bucket);
 - ``put``: the trainer stores the payload completely (``PayloadStore.put``);
 - ``fetch``: the engine gets it (``PayloadStore.fetch``);
-- ``apply``: ``WeightMirror.apply`` (sha256 of every bucket, then the copy into the
+- ``apply``: ``WeightMirror.apply`` (the digest of every bucket, then the copy into the
   engine's flat state).
 
 ``shm`` is ``SharedMemoryPayloads`` in a temporary directory of /dev/shm; ``object`` is
@@ -24,8 +24,9 @@ version, in the trainer as here.
 Bounds, measured in the same run on the same number of bytes, best of ``--repeats``:
 ``memcpy`` (``torch.Tensor.copy_`` of a uint8 tensor, the bound of ``shm``) and
 ``loopback TCP`` (one socket on 127.0.0.1 with large buffers, a sender thread and a
-receiver, the bound of ``object`` and ``collective``); ``sha256`` (``hashlib``) is shown
-too because every sync hashes the payload twice. ``sync/bound`` is the whole sync's
+receiver, the bound of ``object`` and ``collective``); the payload digest (XXH3-128) and
+``sha256`` (``hashlib``, the digest before) are shown too because every sync hashes the
+payload twice. ``sync/bound`` is the whole sync's
 bandwidth over the bound's, ``move/bound`` that of put + fetch alone.
 
 torch runs on one thread everywhere, as the trainer does by default
@@ -88,6 +89,7 @@ from seamlessflow.weights import (
     WeightReceiver,
     collective,
 )
+from seamlessflow.weights.layout import digest_of
 from seamlessflow.weights.settings import WeightTransferSettings
 from sf_app.base_model import IM_END, TASK, ensure_base_model
 from sf_trainer.grpo import token_logprobs
@@ -200,12 +202,12 @@ def loopback_tcp_seconds(nbytes: int, repeats: int) -> float:
     return best_of(repeats, transfer)
 
 
-def sha256_seconds(nbytes: int, repeats: int) -> float:
+def hash_seconds(nbytes: int, repeats: int, hash_once: Callable[[memoryview], object]) -> float:
     data = memoryview(bytearray(nbytes))
 
     def digest() -> float:
         started = time.perf_counter()
-        hashlib.sha256(data).digest()
+        hash_once(data)
         return time.perf_counter() - started
 
     return best_of(repeats, digest)
@@ -216,7 +218,8 @@ def measure_bounds(nbytes: int, repeats: int) -> dict[str, float]:
     return {
         "memcpy": memcpy_seconds(nbytes, repeats),
         "loopback_tcp": loopback_tcp_seconds(nbytes, repeats),
-        "sha256": sha256_seconds(nbytes, repeats),
+        "xxh3_128": hash_seconds(nbytes, repeats, digest_of),
+        "sha256": hash_seconds(nbytes, repeats, lambda data: hashlib.sha256(data).digest()),
     }
 
 
@@ -582,12 +585,13 @@ def print_transports(sizes: list[dict[str, Any]], bucket_bytes: int, repeats: in
                 f"{figures['move_to_bound']:>9.3f}"
             )
     print(f"\nBounds (best of {repeats}), MB/s")
-    print(f"{'size MB':>8}{'memcpy':>10}{'loopback TCP':>14}{'sha256':>10}")
+    print(f"{'size MB':>8}{'memcpy':>10}{'loopback TCP':>14}{'xxh3-128':>10}{'sha256':>10}")
     for size in sizes:
         bounds = size["bounds"]
         print(
             f"{size['state_bytes'] / MB:>8.0f}{bounds['memcpy']['MBps']:>10.0f}"
-            f"{bounds['loopback_tcp']['MBps']:>14.0f}{bounds['sha256']['MBps']:>10.0f}"
+            f"{bounds['loopback_tcp']['MBps']:>14.0f}{bounds['xxh3_128']['MBps']:>10.0f}"
+            f"{bounds['sha256']['MBps']:>10.0f}"
         )
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -148,16 +147,3 @@ def test_full_model_state_casts_floats_where_they_live() -> None:
     assert plain["weight"].data_ptr() != model.weight.data_ptr()
     plain["weight"].zero_()
     assert model.weight.abs().sum() > 0
-
-
-def test_bucket_digests_in_parallel_are_the_sequential_ones() -> None:
-    from seamlessflow.weights import layout
-
-    data = bytes(range(256)) * 1000 + b"tail"
-    expected = [
-        hashlib.sha256(data[start:end]).hexdigest()
-        for start, end in layout.bucket_ranges(len(data), 4096)
-    ]
-    assert layout.bucket_digests(data, 4096) == expected
-    assert layout.bucket_digests(data[:10], 4096) == [hashlib.sha256(data[:10]).hexdigest()]
-    assert math.ceil(len(data) / 4096) == len(expected)

@@ -16,9 +16,10 @@ MANIFEST = p.WeightManifest(
     location="weights-v00000002-delta",
     payload_bytes=12,
     bucket_bytes=1024,
-    bucket_sha256=["ab"],
+    digest="xxh3-128",
+    bucket_digests=["ab"],
     state_bytes=64,
-    state_sha256="cd",
+    state_digest="cd",
     layout=[p.TensorSpec(name="w", dtype="bfloat16", shape=[4, 8], offset=0)],
     delta=p.DeltaEncoding(word_bytes=2, changed_words=2, positions="indices"),
 )

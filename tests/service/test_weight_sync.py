@@ -48,7 +48,7 @@ async def test_object_store_moves_a_payload_in_buckets_and_loses_it_on_delete(bu
     store = ObjectStorePayloads(bus)
     state = small_state(0)
     encoded = WeightEncoder(bucket_bytes=10_000).encode(1, state)
-    assert len(encoded.manifest.bucket_sha256) == 7  # 67,648 bytes in 10 kB buckets
+    assert len(encoded.manifest.bucket_digests) == 7  # 67,648 bytes in 10 kB buckets
     got = await round_trip(store, encoded)
     assert all(torch.equal(got[name], state[name]) for name in state)
     manifest = await store.put(encoded)

@@ -181,7 +181,7 @@ def test_mirror_follows_full_and_deltas_across_buckets_smaller_than_a_tensor() -
     for version in range(1, 6):
         state = one_step(state, 0.01, seed=version)
         encoded = encoder.encode(version, state)
-        assert len(encoded.manifest.bucket_sha256) == -(-encoded.manifest.payload_bytes // 1000)
+        assert len(encoded.manifest.bucket_digests) == -(-encoded.manifest.payload_bytes // 1000)
         mirror.apply(encoded.manifest, encoded.payload)
         assert mirror.version == version
         assert_same_state(mirror.tensors(), state)
@@ -211,7 +211,7 @@ def test_mirror_refuses_a_delta_whose_result_does_not_match_the_announced_state(
     first = encoder.encode(1, model_state())
     mirror.apply(first.manifest, first.payload)
     second = encoder.encode(2, one_step(model_state(), 0.01, seed=4))
-    lying = msgspec.structs.replace(second.manifest, state_sha256="0" * 64)
+    lying = msgspec.structs.replace(second.manifest, state_digest="0" * 64)
     with pytest.raises(WeightsCorrupted):
         mirror.apply(lying, second.payload)
     assert mirror.version == 0 and mirror.tensors() == {}
@@ -285,3 +285,22 @@ def test_a_manifest_that_contradicts_itself_is_refused_and_changes_nothing(lie: 
         mirror.apply(liar, good.payload)
     assert mirror.version == 1
     assert_same_state(mirror.tensors(), model_state())
+
+
+def test_bucket_digests_are_each_buckets_xxh3_128() -> None:
+    """Checked against xxhash's streaming hasher, fed in odd pieces: the digest of every
+    bucket, the short last one too, and the state's digest over them."""
+    import xxhash
+
+    from seamlessflow.weights.layout import bucket_digests, bucket_ranges, state_digest
+
+    data = bytes(range(256)) * 1000 + b"tail"
+    expected = []
+    for start, end in bucket_ranges(len(data), 4096):
+        hasher = xxhash.xxh3_128()
+        for piece in range(start, end, 1000):
+            hasher.update(data[piece : min(piece + 1000, end)])
+        expected.append(hasher.hexdigest())
+    assert len(expected) == -(-len(data) // 4096)
+    assert bucket_digests(data, 4096) == expected
+    assert state_digest(expected) == xxhash.xxh3_128("".join(expected).encode()).hexdigest()

@@ -39,9 +39,9 @@ class WeightManifest(msgspec.Struct, kw_only=True):
     """One weight payload: where it is, how to check it, what it turns into.
 
     ``full`` payloads are the flat state itself; a ``delta`` applies on top of exactly
-    ``base_version``. Payloads move in buckets of ``bucket_bytes`` with one sha256 each;
-    ``state_sha256`` is the digest of the resulting flat state (the sha256 of its bucket
-    digests), checked after a delta is applied.
+    ``base_version``. Payloads move in buckets of ``bucket_bytes`` with one digest each
+    (``digest`` names the hash); ``state_digest`` is the digest of the resulting flat
+    state (the digest of its bucket digests), checked after a delta is applied.
     """
 
     version: int
@@ -52,9 +52,10 @@ class WeightManifest(msgspec.Struct, kw_only=True):
     location: str
     payload_bytes: int
     bucket_bytes: int
-    bucket_sha256: list[str]
+    digest: Literal["xxh3-128"]
+    bucket_digests: list[str]
     state_bytes: int
-    state_sha256: str
+    state_digest: str
     layout: list[TensorSpec]
     delta: DeltaEncoding | None = None
 

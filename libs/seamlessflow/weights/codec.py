@@ -7,7 +7,7 @@ version gap, and whenever the delta would not be smaller than ``max_delta_ratio`
 the state.
 
 ``WeightMirror`` (engine side) holds the flat state of the version an engine serves. It
-checks every payload bucket against its sha256 before touching anything, applies a
+checks every payload bucket against its digest before touching anything, applies a
 delta only on top of exactly its base version, and after a delta checks the digest of
 the whole resulting state, so an engine is never handed a partial or wrong set.
 """
@@ -23,6 +23,7 @@ import torch
 from seamlessflow.protocol import TensorSpec, WeightManifest
 from seamlessflow.weights import delta
 from seamlessflow.weights.layout import (
+    DIGEST,
     LayoutMismatch,
     as_bytes,
     bucket_digests,
@@ -90,9 +91,10 @@ class WeightEncoder:
             location="",
             payload_bytes=flat.numel(),
             bucket_bytes=self.bucket_bytes,
-            bucket_sha256=state_digests,
+            digest=DIGEST,
+            bucket_digests=state_digests,
             state_bytes=flat.numel(),
-            state_sha256=state_digest(state_digests),
+            state_digest=state_digest(state_digests),
             layout=layout,
         )
         payload = as_bytes(flat)
@@ -144,9 +146,10 @@ class WeightEncoder:
             location="",
             payload_bytes=len(data),
             bucket_bytes=self.bucket_bytes,
-            bucket_sha256=bucket_digests(data, self.bucket_bytes),
+            digest=DIGEST,
+            bucket_digests=bucket_digests(data, self.bucket_bytes),
             state_bytes=full.state_bytes,
-            state_sha256=full.state_sha256,
+            state_digest=full.state_digest,
             layout=full.layout,
             delta=encoding,
         )
@@ -189,8 +192,8 @@ class WeightMirror:
             raise WeightsCorrupted(
                 f"version {manifest.version}: {len(view)} bytes, announced {manifest.payload_bytes}"
             )
-        if bucket_digests(view, manifest.bucket_bytes) != manifest.bucket_sha256:
-            raise WeightsCorrupted(f"version {manifest.version}: a bucket's sha256 does not match")
+        if bucket_digests(view, manifest.bucket_bytes) != manifest.bucket_digests:
+            raise WeightsCorrupted(f"version {manifest.version}: a bucket's digest does not match")
         try:
             state_bytes = layout_bytes(manifest.layout)
         except LayoutMismatch as exc:
@@ -202,7 +205,7 @@ class WeightMirror:
         if manifest.kind == "full":
             if (
                 manifest.payload_bytes != manifest.state_bytes
-                or state_digest(manifest.bucket_sha256) != manifest.state_sha256
+                or state_digest(manifest.bucket_digests) != manifest.state_digest
             ):
                 raise WeightsCorrupted(f"version {manifest.version}: inconsistent manifest")
             if self.flat is None or self.flat.numel() != manifest.state_bytes:
@@ -223,7 +226,7 @@ class WeightMirror:
         except delta.DeltaCorrupted as exc:
             raise WeightsCorrupted(f"version {manifest.version}: {exc}") from exc
         digests = bucket_digests(as_bytes(self.flat), manifest.bucket_bytes)
-        if state_digest(digests) != manifest.state_sha256:
+        if state_digest(digests) != manifest.state_digest:
             # patched in place: what is held is no known version any more
             self.version, self.flat, self.manifest = 0, None, None
             raise WeightsCorrupted(f"version {manifest.version}: wrong state after the delta")

@@ -15,7 +15,7 @@ Protocol, in band, from ``src``:
    that size on the collective's device, so a payload of any size moves with a fixed
    transfer budget.
 
-Receivers do not trust the wire: ``WeightMirror.apply`` checks every bucket's sha256 (and
+Receivers do not trust the wire: ``WeightMirror.apply`` checks every bucket's digest (and
 the state digest after a delta) before anything is served. The payload also sits in the
 pull store, so an engine that refuses a broadcast, or joins after the group formed,
 fetches it from there.

@@ -44,7 +44,7 @@ class WeightTransferSettings(RunFileSettings):
     """Send in full when a delta would exceed this fraction of the full state."""
 
     bucket_mb: float = 64.0
-    """Transfer bucket: payloads move and are checked (sha256) in pieces of this size."""
+    """Transfer bucket: payloads move and are checked (a digest each) in pieces of this size."""
 
     keep_chains: int = 2
     """Payload chains (a full version and its deltas) the trainer keeps for engines

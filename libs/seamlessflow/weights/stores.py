@@ -151,7 +151,7 @@ class ObjectStorePayloads:
         store's "deleted" markers too (``ObjectBucket.remove``: otherwise disk grew by a
         payload per version)."""
         store = await self._objects()
-        for index in range(len(manifest.bucket_sha256)):
+        for index in range(len(manifest.bucket_digests)):
             await store.remove(_bucket_object(manifest.location, index))
 
     async def delete_before(self, version: int) -> None:
@@ -233,10 +233,10 @@ def _check_buckets(manifest: WeightManifest) -> None:
     """The manifest's sizes agree with each other: one digest per bucket. Arithmetic
     only, so a wild size never yields a long list of buckets."""
     size, bucket = manifest.payload_bytes, manifest.bucket_bytes
-    if size < 0 or bucket <= 0 or -(-size // bucket) != len(manifest.bucket_sha256):
+    if size < 0 or bucket <= 0 or -(-size // bucket) != len(manifest.bucket_digests):
         raise WeightsCorrupted(
             f"version {manifest.version}: {size} bytes in buckets of {bucket} bytes "
-            f"do not make its {len(manifest.bucket_sha256)} bucket digests"
+            f"do not make its {len(manifest.bucket_digests)} bucket digests"
         )
 
 
