@@ -172,6 +172,9 @@ async def test_a_request_that_times_out_because_the_server_left_is_the_stop_not_
     server.start()
     mesh = MeshSettings(nats_url=server.url, run_id="gone", drain_timeout_s=5.0)
     service = _RequestsAfterTheServerLeft(after_stop)
+    # run_service ignores SIGTERM once it stops (a process on its way out); this process
+    # goes on, and children it starts later would inherit the ignored signal
+    sigterm = signal.getsignal(signal.SIGTERM)
     running = asyncio.create_task(run_service(service, mesh))
     try:
         async with asyncio.timeout(30):
@@ -187,5 +190,7 @@ async def test_a_request_that_times_out_because_the_server_left_is_the_stop_not_
                     await running
     finally:
         server.stop()
-        if not running.done():
-            running.cancel()
+        running.cancel()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await running  # its own finally has run: the handler below stays
+        signal.signal(signal.SIGTERM, sigterm)

@@ -340,7 +340,8 @@ def test_a_steps_record_carries_every_figure_of_its_result() -> None:
     result = train_step(model, optimizer, metrics_batch(), TrainerSettings(), CURRENT_VERSION)
     manifest = WeightManifest(
         version=4, kind="delta", transport="object", location="weights-4", payload_bytes=10,
-        bucket_bytes=10, bucket_sha256=[], state_bytes=40, state_sha256="", layout=[],
+        bucket_bytes=10, digest="xxh3-128", bucket_digests=[], state_bytes=40, state_digest="",
+        layout=[],
     )  # fmt: skip
     record = metrics_of(
         result, policy="solver", step=4, version=4, batch_index=7, manifest=manifest,
