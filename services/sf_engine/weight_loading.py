@@ -35,6 +35,7 @@ from seamlessflow.protocol import (
 from seamlessflow.resources import ResourceMembership
 from seamlessflow.retry import RetryPolicy, retry
 from seamlessflow.weights import VersionGap
+from seamlessflow.weights.collective import Received
 from seamlessflow.weights.group import PushListener, join_as_engine
 from seamlessflow.weights.settings import WeightTransferSettings
 from sf_engine.backends import InferenceEngine
@@ -114,11 +115,12 @@ class WeightLoader:
             if held == target:
                 await self._serve_held(chain[-1].kind)
 
-    async def pushed(self, manifest: WeightManifest, payload: memoryview) -> None:
+    async def pushed(self, received: Received) -> None:
         """A payload broadcast by the trainer's push group (``SF_WEIGHTS_GROUP_*``)."""
+        manifest = received.manifest
         async with self.lock:
             try:
-                held = await self.receiver.accept(manifest, payload)
+                held = await self.receiver.accept(received)
             except (VersionGap, weights.WeightsCorrupted) as exc:
                 log.warning("%s: pushed version %d refused (%s); it will be pulled",
                             self.engine_id, manifest.version, exc)  # fmt: skip

@@ -58,7 +58,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from seamlessflow.assets.families import FAMILIES, build_family_model
 from seamlessflow.assets.loading import causal_lm_from_config
 from seamlessflow.bus import Bus
-from seamlessflow.protocol import WeightManifest
 from seamlessflow.weights import (
     ObjectStorePayloads,
     SharedMemoryPayloads,
@@ -133,7 +132,7 @@ class _PushPair:
         channel: queue.Queue[torch.Tensor] = queue.Queue()
         self.sender, self.receiver = _PipeRank(channel, 0), _PipeRank(channel, 1)
 
-    async def push(self, encoded: Any) -> tuple[WeightManifest, memoryview]:
+    async def push(self, encoded: Any) -> collective.Received:
         sent = asyncio.to_thread(collective.send, self.sender, encoded)
         received = asyncio.to_thread(collective.receive, self.receiver)
         _, got = await asyncio.gather(sent, received)
@@ -153,6 +152,10 @@ class _PipeRank:
             self.channel.put(tensor.clone())
         else:
             tensor.copy_(self.channel.get(timeout=60))
+
+    def start_broadcast(self, tensor: torch.Tensor, src: int) -> collective.Pending:
+        self.broadcast(tensor, src)
+        return collective.Completed()
 
 
 @contextlib.asynccontextmanager
@@ -351,8 +354,7 @@ async def test_family_weights_travel_every_transport_and_engines_serve_them(
             for name, store in stores.items():
                 manifest = await store.put(encoded)
                 assert await receivers[name].follow([manifest]) == version
-            pushed_manifest, pushed = await push.push(encoded)
-            assert await receivers["push"].accept(pushed_manifest, pushed) == version
+            assert await receivers["push"].accept(await push.push(encoded)) == version
             for name, receiver in receivers.items():
                 got = receiver.mirror.tensors()
                 assert got.keys() == wire.keys(), name

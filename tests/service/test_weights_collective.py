@@ -52,10 +52,12 @@ def run_rank(rank: int, port: int, out: str) -> None:
             return
         mirror = WeightMirror()
         log = []
-        while (received := collective.receive(group)) is not None:
-            manifest, payload = received
+        # one buffer for every payload: each is applied (copied out) before the next lands
+        reused = collective.new_buffer(1 << 20)
+        while (received := collective.receive(group, buffer=lambda n: reused[:n])) is not None:
+            manifest = received.manifest
             try:
-                mirror.apply(manifest, payload)
+                mirror.apply(manifest, received.payload, received.bucket_digests)
             except WeightsCorrupted:
                 log.append(f"refused {manifest.version}")
                 continue

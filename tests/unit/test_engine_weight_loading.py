@@ -29,6 +29,8 @@ from seamlessflow.protocol import (
 )
 from seamlessflow.weights import WeightReceiver
 from seamlessflow.weights.codec import EncodedWeights, WeightEncoder
+from seamlessflow.weights.collective import Received
+from seamlessflow.weights.layout import bucket_digests
 from seamlessflow.weights.stores import PayloadMissing
 from sf_engine.in_flight import InFlight
 from sf_engine.settings import EngineSettings
@@ -203,13 +205,19 @@ async def test_a_corrupted_or_missing_payload_loads_nothing() -> None:
     assert rig.engine.loaded == [] and rig.engine.version == 0 and rig.announced() == []
 
 
+def off_the_wire(manifest: WeightManifest, payload: bytes) -> Received:
+    """``payload`` as the push group's receiver hands it over: with the digests of the
+    bytes that arrived."""
+    return Received(manifest, memoryview(payload), bucket_digests(payload, manifest.bucket_bytes))
+
+
 async def test_an_asleep_engine_skips_broadcasts_and_pushes_until_it_catches_up() -> None:
     rig = Rig()
     weights = state(1)
     manifest = await rig.publish(1, weights)
     rig.loader.asleep = True
     await rig.loader.on_load(LoadWeights(manifest=manifest))
-    await rig.loader.pushed(manifest, memoryview(rig.store.payloads[manifest.location]))
+    await rig.loader.pushed(off_the_wire(manifest, rig.store.payloads[manifest.location]))
     assert rig.engine.loaded == []
     rig.loader.asleep = False  # lent back: it asks weight-sync and loads the current one
     rig.bus.answers = [CurrentVersion(version=1, chain=[manifest])]
@@ -222,9 +230,9 @@ async def test_a_pushed_payload_is_served_and_a_refused_one_is_left_to_the_pull(
     weights = state(1)
     manifest = await rig.publish(1, weights)
     good = rig.store.payloads[manifest.location]
-    await rig.loader.pushed(manifest, memoryview(bytes(len(good))))  # wrong bytes
+    await rig.loader.pushed(off_the_wire(manifest, bytes(len(good))))  # wrong bytes
     assert rig.engine.loaded == []
-    await rig.loader.pushed(manifest, memoryview(good))
+    await rig.loader.pushed(off_the_wire(manifest, good))
     assert_serves(rig, 1, weights)
     assert rig.announced() == [1]
 

@@ -36,7 +36,7 @@ def run_rank(rank: int, unique_id: tuple[int, ...], out: str) -> None:
         return
     mirror = WeightMirror()
     while (received := collective.receive(group)) is not None:
-        mirror.apply(*received)
+        mirror.apply(received.manifest, received.payload, received.bucket_digests)
     exact = torch.equal(mirror.tensors()["w"], state_at(2)["w"])
     Path(out, "rank1").write_text(f"{mirror.version} {exact}")
 

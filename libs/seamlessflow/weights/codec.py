@@ -185,14 +185,25 @@ class WeightMirror:
             f"{chain[0].base_version}"
         )
 
-    def apply(self, manifest: WeightManifest, payload: memoryview | bytes) -> None:
-        """Check then apply one payload; blocking (call it in a worker thread)."""
+    def apply(
+        self,
+        manifest: WeightManifest,
+        payload: memoryview | bytes,
+        payload_digests: list[str] | None = None,
+    ) -> None:
+        """Check then apply one payload; blocking (call it in a worker thread).
+
+        ``payload_digests``: the digest of each of ``payload``'s buckets, computed by
+        the caller from these very bytes (the push group's receiver hashes each bucket
+        as it lands); None: hashed here."""
         view = memoryview(payload).cast("B")
         if len(view) != manifest.payload_bytes:
             raise WeightsCorrupted(
                 f"version {manifest.version}: {len(view)} bytes, announced {manifest.payload_bytes}"
             )
-        if bucket_digests(view, manifest.bucket_bytes) != manifest.bucket_digests:
+        if payload_digests is None:
+            payload_digests = bucket_digests(view, manifest.bucket_bytes)
+        if payload_digests != manifest.bucket_digests:
             raise WeightsCorrupted(f"version {manifest.version}: a bucket's digest does not match")
         try:
             state_bytes = layout_bytes(manifest.layout)

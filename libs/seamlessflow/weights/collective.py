@@ -11,30 +11,49 @@ rank, a world size, an in-place ``broadcast``). Two thin implementations:
 Protocol, in band, from ``src``:
 1. a header ``int64[2]``: manifest length, payload length (both 0 = "no more");
 2. the manifest (msgspec JSON, uint8);
-3. the payload in buckets of ``manifest.bucket_bytes`` through one staging buffer of
-   that size on the collective's device, so a payload of any size moves with a fixed
-   transfer budget.
+3. the payload in buckets of ``manifest.bucket_bytes``, ``IN_FLIGHT`` of them on the
+   wire at once. On the CPU (gloo) the buckets go straight from the sender's payload
+   into the receiver's buffer; a GPU collective stages them through ``IN_FLIGHT``
+   device buffers of a bucket each, so a payload of any size moves with a fixed transfer
+   budget.
 
-Receivers do not trust the wire: ``WeightMirror.apply`` checks every bucket's digest (and
-the state digest after a delta) before anything is served. The payload also sits in the
-pull store, so an engine that refuses a broadcast, or joins after the group formed,
-fetches it from there.
+Receivers do not trust the wire: the receiver hashes each bucket as it lands, while the
+next one is on the wire, and ``WeightMirror.apply`` compares those digests with the
+manifest's (and the state digest after a delta) before anything is served. The receiver
+writes into a buffer its caller hands it (``PushListener`` reuses two): allocating, and
+so faulting in, a fresh payload per version cost about 0.5 s per GB here. The payload
+also sits in the pull store, so an engine that refuses a broadcast, or joins after the
+group formed, fetches it from there.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Protocol
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import torch
 
 from seamlessflow.protocol import WeightManifest
 from seamlessflow.weights.codec import EncodedWeights
-from seamlessflow.weights.layout import bucket_ranges
+from seamlessflow.weights.layout import as_bytes, bucket_ranges, digest_of
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+
+IN_FLIGHT = 2
+"""Buckets broadcast at once: while one is on the wire the sender prepares the next and
+the receiver hashes the one before."""
+
+
+class Pending(Protocol):
+    def wait(self) -> None:
+        """Block until the broadcast is complete on this rank."""
+        ...
 
 
 class Collective(Protocol):
@@ -45,6 +64,30 @@ class Collective(Protocol):
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         """In place on every rank: ``tensor`` becomes ``src``'s (blocking)."""
         ...
+
+    def start_broadcast(self, tensor: torch.Tensor, src: int) -> Pending:
+        """``broadcast``, started: ``tensor`` is ``src``'s once the result's ``wait``
+        returns, and neither side touches it before. Every rank starts the same
+        broadcasts in the same order."""
+        ...
+
+
+class Completed:
+    """A broadcast that completed when it was started (a collective that only broadcasts
+    synchronously)."""
+
+    def wait(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Received:
+    """One payload off the wire, not yet checked against its manifest."""
+
+    manifest: WeightManifest
+    payload: memoryview
+    bucket_digests: list[str]
+    """The digest of each bucket as it arrived (for ``WeightMirror.apply``)."""
 
 
 class TorchCollective:
@@ -60,8 +103,13 @@ class TorchCollective:
         self.device = torch.device(device)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.start_broadcast(tensor, src).wait()
+
+    def start_broadcast(self, tensor: torch.Tensor, src: int) -> Pending:
         source = self._dist.get_global_rank(self.group, src) if self.group is not None else src
-        self._dist.broadcast(tensor, source, group=self.group)
+        work = self._dist.broadcast(tensor, source, group=self.group, async_op=True)
+        assert work is not None  # async_op=True always returns the work
+        return work
 
 
 class CupyNcclCollective:  # pragma: no cover - needs a GPU (tests/unit/test_gpu_weights.py)
@@ -89,11 +137,28 @@ class CupyNcclCollective:  # pragma: no cover - needs a GPU (tests/unit/test_gpu
         return tuple(nccl.get_unique_id())
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.start_broadcast(tensor, src).wait()
+
+    def start_broadcast(self, tensor: torch.Tensor, src: int) -> Pending:
         # bytes as uint8: NCCL needs no dtype knowledge for a broadcast
         raw = tensor.view(torch.uint8)
-        stream = torch.cuda.current_stream().cuda_stream
-        self._comm.bcast(raw.data_ptr(), raw.numel(), self._nccl.NCCL_UINT8, src, stream)
-        torch.cuda.current_stream().synchronize()
+        stream = torch.cuda.current_stream()
+        self._comm.bcast(
+            raw.data_ptr(), raw.numel(), self._nccl.NCCL_UINT8, src, stream.cuda_stream
+        )
+        return _StreamDone(stream)
+
+
+class _StreamDone:  # pragma: no cover - needs a GPU
+    """A GPU broadcast queued on ``stream``: ``wait`` blocks the host until it ran (a
+    CUDA event's own ``wait`` would only make another stream wait)."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+
+    def wait(self) -> None:
+        self.event.synchronize()
 
 
 def send(collective: Collective, encoded: EncodedWeights, src: int = 0) -> None:
@@ -104,20 +169,41 @@ def send(collective: Collective, encoded: EncodedWeights, src: int = 0) -> None:
     collective.broadcast(
         torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(collective.device), src
     )
-    staging = torch.empty(
-        encoded.manifest.bucket_bytes, dtype=torch.uint8, device=collective.device
-    )
-    source = _read_only_bytes(payload) if len(payload) else None
-    for start, end in bucket_ranges(len(payload), encoded.manifest.bucket_bytes):
-        assert source is not None
-        staging[: end - start].copy_(source[start:end])
-        collective.broadcast(staging[: end - start], src)
+    if not len(payload):
+        return
+    source = _read_only_bytes(payload)
+    staging = _staging(collective, encoded.manifest.bucket_bytes)
+    in_flight: deque[Pending] = deque()
+    for index, (start, end) in enumerate(
+        bucket_ranges(len(payload), encoded.manifest.bucket_bytes)
+    ):
+        if len(in_flight) == IN_FLIGHT:
+            in_flight.popleft().wait()  # its staging buffer is free again
+        if staging:
+            piece = staging[index % IN_FLIGHT][: end - start]
+            piece.copy_(source[start:end])
+        else:
+            piece = source[start:end]  # gloo only reads the source rank's tensor
+        in_flight.append(collective.start_broadcast(piece, src))
+    for pending in in_flight:
+        pending.wait()
+
+
+def _staging(collective: Collective, bucket_bytes: int) -> list[torch.Tensor]:
+    """A bucket-sized buffer per broadcast in flight on a GPU collective; none on the
+    CPU, where the payload itself is broadcast."""
+    if collective.device.type == "cpu":
+        return []
+    return [
+        torch.empty(bucket_bytes, dtype=torch.uint8, device=collective.device)
+        for _ in range(IN_FLIGHT)
+    ]
 
 
 def _read_only_bytes(payload: memoryview) -> torch.Tensor:
     """`payload` as a uint8 tensor without a copy. A delta's payload is immutable
     `bytes`; torch warns that it cannot mark the tensor read-only, but `send` only reads
-    it (into the staging buffer)."""
+    it."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
         return torch.frombuffer(payload, dtype=torch.uint8)
@@ -128,8 +214,16 @@ def send_stop(collective: Collective, src: int = 0) -> None:
     _header(collective, src, 0, 0)
 
 
-def receive(collective: Collective, src: int = 0) -> tuple[WeightManifest, memoryview] | None:
-    """The next payload broadcast by ``src`` (unverified), or None after ``send_stop``."""
+def new_buffer(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def receive(
+    collective: Collective, src: int = 0, buffer: Callable[[int], torch.Tensor] = new_buffer
+) -> Received | None:
+    """The next payload broadcast by ``src``, or None after ``send_stop``. It lands in
+    ``buffer(n)``, a contiguous CPU uint8 tensor of ``n`` bytes that nobody else touches
+    until the payload is applied."""
     manifest_length, payload_length = _header(collective, src, 0, 0)
     if manifest_length == 0:
         return None
@@ -138,13 +232,30 @@ def receive(collective: Collective, src: int = 0) -> tuple[WeightManifest, memor
     manifest = msgspec.json.decode(manifest_bytes.cpu().numpy().tobytes(), type=WeightManifest)
     if manifest.payload_bytes != payload_length:
         raise ValueError("header and manifest disagree on the payload size")
-    payload = torch.empty(payload_length, dtype=torch.uint8)
-    staging = torch.empty(manifest.bucket_bytes, dtype=torch.uint8, device=collective.device)
-    for start, end in bucket_ranges(payload_length, manifest.bucket_bytes):
-        collective.broadcast(staging[: end - start], src)
-        payload[start:end].copy_(staging[: end - start])
-    array: Any = payload.numpy()
-    return manifest, memoryview(array).cast("B")
+    payload = buffer(payload_length)
+    if payload.numel() != payload_length or payload.dtype != torch.uint8:
+        raise ValueError(
+            f"a buffer of {payload.numel()} {payload.dtype} for {payload_length} bytes"
+        )
+    view = as_bytes(payload)
+    staging = _staging(collective, manifest.bucket_bytes)
+    digests: list[str] = []
+    in_flight: deque[tuple[Pending, int, int, torch.Tensor]] = deque()
+
+    def land(pending: Pending, start: int, end: int, piece: torch.Tensor) -> None:
+        pending.wait()
+        if staging:
+            payload[start:end].copy_(piece)
+        digests.append(digest_of(view[start:end]))
+
+    for index, (start, end) in enumerate(bucket_ranges(payload_length, manifest.bucket_bytes)):
+        if len(in_flight) == IN_FLIGHT:
+            land(*in_flight.popleft())
+        piece = staging[index % IN_FLIGHT][: end - start] if staging else payload[start:end]
+        in_flight.append((collective.start_broadcast(piece, src), start, end, piece))
+    while in_flight:
+        land(*in_flight.popleft())
+    return Received(manifest, view, digests)
 
 
 def _header(

@@ -22,11 +22,13 @@ from collections.abc import Callable, Coroutine
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
+
 from seamlessflow.bus import Bus, NoResponder
-from seamlessflow.protocol import WeightManifest, WeightsGroupOffer, WeightsGroupQuery
+from seamlessflow.protocol import WeightsGroupOffer, WeightsGroupQuery
 from seamlessflow.retry import RetryPolicy, retry
 from seamlessflow.weights import collective
-from seamlessflow.weights.collective import Collective
+from seamlessflow.weights.collective import Collective, Received
 from seamlessflow.weights.settings import WeightTransferSettings
 
 log = logging.getLogger(__name__)
@@ -92,7 +94,7 @@ async def join_as_engine(bus: Bus, settings: WeightTransferSettings) -> Collecti
     )
 
 
-Apply = Callable[[WeightManifest, memoryview], Coroutine[Any, Any, None]]
+Apply = Callable[[Received], Coroutine[Any, Any, None]]
 
 
 class PushListener:
@@ -103,22 +105,33 @@ class PushListener:
         self.apply = apply
         self.loop = loop
         self.received = 0
+        self._buffers = [collective.new_buffer(0), collective.new_buffer(0)]
         self.thread = threading.Thread(target=self._run, name="weights-push", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """Where the next payload lands: the two buffers in turn, each grown to the
+        largest payload it held. Payload k lands in the buffer of payload k - 2, whose
+        apply has settled (``_run`` waits for it before handing over payload k - 1);
+        payload k - 1's apply may still be reading the other one."""
+        index = self.received % 2
+        if self._buffers[index].numel() < nbytes:
+            self._buffers[index] = collective.new_buffer(0)  # the old one is freed first
+            self._buffers[index] = collective.new_buffer(nbytes)
+        return self._buffers[index][:nbytes]
+
     def _run(self) -> None:
         pending: concurrent.futures.Future[None] | None = None
         try:
-            while (received := collective.receive(self.group)) is not None:
-                manifest, payload = received
+            while (received := collective.receive(self.group, buffer=self._buffer)) is not None:
                 self.received += 1
                 if pending is not None:
                     # at most one payload waits to be applied: memory stays bounded, and
                     # the trainer's broadcast never waits for an engine's swap
                     _settled(pending)
-                pending = asyncio.run_coroutine_threadsafe(self.apply(manifest, payload), self.loop)
+                pending = asyncio.run_coroutine_threadsafe(self.apply(received), self.loop)
         except Exception as exc:  # a broken group: keep pulling from the store
             log.warning("push group ended: %r; pulling from the store only", exc)
 

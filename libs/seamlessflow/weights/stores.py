@@ -34,7 +34,12 @@ from seamlessflow.weights.layout import bucket_ranges
 
 # NATS caps a message at 1 MiB by default; a chunk leaves room for the headers.
 OBJECT_CHUNK_BYTES = 1024 * 1024 - 4096
-OBJECT_FETCH_PARALLEL = 4
+OBJECT_FETCH_PARALLEL = 2
+"""Buckets an engine fetches at once. With 4, a 1 GB fetch on two busy cores had the
+server close the engine's connection as a slow consumer (its 64 MiB ``max_pending``
+exceeded: each get's flow-control window is pushed while nats-py reads behind) and the
+fetch failed or was retried after a reconnect; 2 never did in the runs here, and fetched
+1 GB in 11.8-12.1 s against 10-15 s with 4 (docs/benchmarks.md, "Weight sync")."""
 
 
 class PayloadMissing(Exception):

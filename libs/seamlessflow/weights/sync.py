@@ -24,7 +24,7 @@ from seamlessflow.bus import BROKER_ERRORS
 from seamlessflow.protocol import WeightManifest
 from seamlessflow.weights import collective
 from seamlessflow.weights.codec import EncodedWeights, WeightEncoder, WeightMirror
-from seamlessflow.weights.collective import Collective
+from seamlessflow.weights.collective import Collective, Received
 from seamlessflow.weights.stores import PayloadMissing, PayloadStore
 
 log = logging.getLogger(__name__)
@@ -124,11 +124,13 @@ class WeightReceiver:
         self.stores = dict(stores)
         self.mirror = WeightMirror()
 
-    async def accept(self, manifest: WeightManifest, payload: memoryview) -> int:
+    async def accept(self, pushed: Received) -> int:
         """A pushed payload: apply it if it continues what the mirror holds; returns the
         version held. Raises VersionGap or WeightsCorrupted (nothing applied)."""
-        if self.mirror.plan([manifest]):
-            await asyncio.to_thread(self.mirror.apply, manifest, payload)
+        if self.mirror.plan([pushed.manifest]):
+            await asyncio.to_thread(
+                self.mirror.apply, pushed.manifest, pushed.payload, pushed.bucket_digests
+            )
         return self.mirror.version
 
     async def follow(self, chain: list[WeightManifest]) -> int:
