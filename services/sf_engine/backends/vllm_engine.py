@@ -201,6 +201,7 @@ class VllmEngine(InferenceEngine):
         version: version of the initial weights.
         kv_cache_gib: CPU KV cache size (sets `VLLM_CPU_KVCACHE_SPACE` if unset).
         enforce_eager: skip torch.compile / CUDA graphs (startup ~18 s vs ~56 s cold).
+        tensor_parallel: GPUs the model is split across (vLLM `tensor_parallel_size`).
         engine_kwargs: extra `AsyncEngineArgs` fields (override the defaults above).
     """
 
@@ -214,6 +215,7 @@ class VllmEngine(InferenceEngine):
         version: int = 0,
         kv_cache_gib: int = 1,
         enforce_eager: bool = True,
+        tensor_parallel: int = 1,
         engine_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if max_batch_size < 1:
@@ -225,6 +227,7 @@ class VllmEngine(InferenceEngine):
         self._version = version
         self._kv_cache_gib = kv_cache_gib
         self._enforce_eager = enforce_eager
+        self._tensor_parallel = tensor_parallel
         self._has_tokenizer = (Path(model) / "tokenizer_config.json").is_file()
         """Structured outputs compile their grammar over the tokenizer's vocabulary."""
         self._engine_kwargs = dict(engine_kwargs or {})
@@ -310,10 +313,18 @@ class VllmEngine(InferenceEngine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._vllm = (VllmSamplingParams, TokensPrompt, RequestOutputKind)
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args()))
+        _shutdown_once(llm)
+        return llm
+
+    def engine_args(self) -> dict[str, Any]:
+        """vLLM's ``AsyncEngineArgs`` for this engine (after ``start`` read the model's
+        context)."""
         kwargs: dict[str, Any] = {
             "model": str(self._model_dir),
             "dtype": self._dtype,
             "enforce_eager": self._enforce_eager,
+            "tensor_parallel_size": self._tensor_parallel,
             "max_model_len": self._max_context,
             "max_num_seqs": self._max_batch_size,
             "skip_tokenizer_init": not self._has_tokenizer,
@@ -329,9 +340,7 @@ class VllmEngine(InferenceEngine):
             "worker_extension_cls": f"{__name__}._SfWorkerExtension",
         }
         kwargs.update(self._engine_kwargs)
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-        _shutdown_once(llm)
-        return llm
+        return kwargs
 
     async def close(self) -> None:
         if self._closed:
@@ -700,6 +709,8 @@ def _build(settings: EngineSettings, model_dir: str) -> VllmEngine:
         dtype=settings.dtype,
         max_batch_size=settings.max_batch_size,
         max_context=settings.max_context,
+        enforce_eager=not settings.cuda_graphs,
+        tensor_parallel=settings.tensor_parallel,
         engine_kwargs={"enable_sleep_mode": True} if settings.vllm_sleep_mode else None,
     )
 
