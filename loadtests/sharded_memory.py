@@ -6,8 +6,10 @@ Qwen2.5-0.5B and Qwen2.5-1.5B shapes) with random bf16 weights written once as
 safetensors files of 1 GB with their index (cached under ``--cache``). Per
 configuration, two gloo ranks (one torch thread each) build the trainer's ``Learner``
 exactly as ``torchrun -m sf_trainer`` does, take two steps on a small batch (the
-second is the steady state: AdamW's state exists from the first step's end) and gather
-the full weights once (what a published version costs today). Each rank reports its
+second is the steady state: AdamW's state exists from the first step's end), publish a
+version as the trainer does (``Learner.encode_weights``: tensor by tensor into a bf16
+payload, rank 0's peak recorded after it) and then gather the whole state dict once (how
+versions were gathered before). Each rank reports its
 peak resident memory (``VmHWM``), which the table sets beside the bound of the
 issue: 0.6x the full model in float32 plus its AdamW state (16 bytes a parameter).
 
@@ -60,6 +62,7 @@ def rank_main(job: dict[str, Any]) -> None:
     """One rank: build the Learner, step once, gather once; write its figures."""
     import torch
 
+    from seamlessflow.weights.codec import WeightEncoder
     from sf_trainer import learner as learner_module
     from sf_trainer.distributed import TrainGroup
     from sf_trainer.settings import TrainerSettings
@@ -88,6 +91,15 @@ def rank_main(job: dict[str, Any]) -> None:
             figures["to_first_step_s"] = time.perf_counter() - started
             learner.step(one_batch(job["samples"], job["tokens"]), version=1)
         figures["rss_after_step_gb"] = peak_rss_bytes() / GB
+        # a version as the trainer publishes it: tensor by tensor into a bf16 payload
+        publish_started = time.perf_counter()
+        encoder = WeightEncoder(bucket_bytes=64 << 20)
+        encoded = learner.encode_weights(encoder, 1, torch.bfloat16)
+        figures["publish_s"] = time.perf_counter() - publish_started
+        figures["payload_gb"] = len(encoded.payload) / GB
+        figures["peak_after_publish_gb"] = peak_rss_bytes() / GB
+        del encoded, encoder
+        # the whole state dict gathered first, as versions were published before
         gather_started = time.perf_counter()
         weights = learner.full_weights(torch.bfloat16)
         figures["gather_s"] = time.perf_counter() - gather_started
@@ -233,7 +245,9 @@ def main() -> None:
                 f"peak of rank 0 / 1 with the gather {ranks[0]['peak_rss_gb']:.2f} / "
                 f"{ranks[1]['peak_rss_gb']:.2f} GB ({peak / bound_gb * BOUND_RATIO:.2f}x the "
                 f"fp32 model + AdamW; bound {bound_gb:.2f} GB = {BOUND_RATIO}x); gather "
-                f"{leader['gathered_gb']:.2f} GB in {leader['gather_s']:.1f} s",
+                f"{leader['gathered_gb']:.2f} GB in {leader['gather_s']:.1f} s; published "
+                f"({leader['payload_gb']:.2f} GB payload) in {leader['publish_s']:.1f} s, rank 0's "
+                f"peak then {leader['peak_after_publish_gb']:.2f} GB",
                 flush=True,
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ follow. Usage: ``python trainer_rank.py SPEC.json``, where the spec names the mo
 the trainer settings, the batches, an optional checkpoint to resume from and the
 output directory (rank 0 writes ``results.json``, ``checkpoint/``, with
 ``eval_every`` ``eval.json`` and with ``save_loaded`` ``loaded.pt``, the weights
-before any step, there). A
+before any step, and ``published.pt``, the same published as a bf16 version, there). A
 one-process run also writes ``adam_trace.pt``: its AdamW moments after every step, from
 which the distributed tests derive how far float noise can move a weight.
 """
@@ -24,6 +24,7 @@ import msgspec
 import torch
 
 from seamlessflow.protocol import TrainBatch
+from seamlessflow.weights.codec import WeightEncoder, WeightMirror
 from sf_trainer.checkpoint import TrainerState
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.launch import exit_now
@@ -51,6 +52,11 @@ def lead(learner: Learner, spec: dict[str, Any]) -> None:
     if spec.get("save_loaded"):  # the weights as loaded, gathered from every rank
         out.mkdir(parents=True, exist_ok=True)
         torch.save(learner.full_weights(), out / "loaded.pt")
+        # and as a version is published: gathered tensor by tensor into a bf16 payload
+        encoded = learner.encode_weights(WeightEncoder(bucket_bytes=1 << 16), 1, torch.bfloat16)
+        mirror = WeightMirror()
+        mirror.apply(encoded.manifest, encoded.payload)
+        torch.save(mirror.tensors(), out / "published.pt")
     if spec.get("resume"):
         version = learner.restore(Path(spec["resume"])).version
     results = []

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -192,6 +192,44 @@ class TrainGroup:
                 for k, v in model.state_dict().items()
             }
         return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=_GATHER))
+
+    def host_tensors(
+        self,
+        model: torch.nn.Module,
+        dtype: torch.dtype | None = None,
+        skip: Collection[str] = (),
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The unsharded weights one tensor at a time, in the state dict's order (less
+        the names in ``skip``): on rank 0 each as a CPU tensor (the floating-point ones in
+        ``dtype``, cast where they live), nothing on the others. Every rank must run it
+        to the end: a sharded tensor is gathered by a collective. At most one whole
+        tensor exists at a time; a yielded tensor may be the live weight of one process,
+        so copy it before the next step."""
+        for name, tensor in model.state_dict().items():
+            if name in skip:
+                continue
+            value = tensor.detach()
+            if dtype is not None and value.is_floating_point() and value.dtype != dtype:
+                value = value.to(dtype)  # a DTensor casts its shard: half the gather's bytes
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            if self.is_leader:
+                yield name, value.cpu()
+
+    def host_layout(
+        self, model: torch.nn.Module, dtype: torch.dtype | None = None, skip: Collection[str] = ()
+    ) -> list[tuple[str, torch.dtype, list[int]]]:
+        """Name, dtype and whole shape of each tensor ``host_tensors`` yields, known on
+        every rank without gathering anything."""
+        return [
+            (
+                name,
+                dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype,
+                list(tensor.shape),  # a DTensor's shape is the whole tensor's
+            )
+            for name, tensor in model.state_dict().items()
+            if name not in skip
+        ]
 
     def full_optimizer_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer

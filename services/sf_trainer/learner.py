@@ -21,6 +21,8 @@ import torch
 from seamlessflow.assets.loading import check_tied, load_causal_lm
 from seamlessflow.assets.model_check import ModelNeeds, check_model
 from seamlessflow.protocol import TrainBatch
+from seamlessflow.weights.codec import EncodedWeights, WeightEncoder
+from seamlessflow.weights.layout import dtype_name, layout_of, torch_dtype
 from seamlessflow.weights.tied import tied_aliases, with_aliases, without_aliases
 from sf_trainer import checkpoint
 from sf_trainer.advantages import chosen_estimator
@@ -59,6 +61,13 @@ class GatherWeights(msgspec.Struct, tag="gather_weights"):
     """Gather the full weights on rank 0 (to publish them)."""
 
 
+class StreamWeights(msgspec.Struct, tag="stream_weights"):
+    """Gather the full weights tensor by tensor on rank 0, into a weight payload."""
+
+    dtype: str = ""
+    """The floating-point tensors' travel dtype (a torch dtype name; empty: as trained)."""
+
+
 class GatherCheckpoint(msgspec.Struct, tag="gather_checkpoint"):
     """Gather the full weights and optimizer state on rank 0 (to write a checkpoint)."""
 
@@ -75,7 +84,7 @@ class Stop(msgspec.Struct, tag="stop"):
     """Rank 0 is done: followers return."""
 
 
-Command = Step | GatherWeights | GatherCheckpoint | Restore | Evaluate | Stop
+Command = Step | GatherWeights | StreamWeights | GatherCheckpoint | Restore | Evaluate | Stop
 
 
 class Learner:
@@ -189,6 +198,17 @@ class Learner:
         self._announce(GatherWeights())
         return without_aliases(self.group.full_model_state(self.model, dtype), self.tied)
 
+    def encode_weights(
+        self, encoder: WeightEncoder, version: int, dtype: torch.dtype | None = None
+    ) -> EncodedWeights:
+        """The weights published as ``version``, gathered one tensor at a time straight
+        into ``encoder``'s payload (floating-point tensors in ``dtype``): no whole copy of
+        the model exists on rank 0 beside the payload."""
+        self._announce(StreamWeights(dtype=dtype_name(dtype) if dtype is not None else ""))
+        layout = layout_of(self.group.host_layout(self.model, dtype, skip=self.tied))
+        tensors = self.group.host_tensors(self.model, dtype, skip=self.tied)
+        return encoder.encode_stream(version, layout, tensors)
+
     def save(self, out: Path, state: TrainerState) -> Path:
         self._announce(GatherCheckpoint())
         model_state, optimizer_state = self._gather_checkpoint()
@@ -236,6 +256,10 @@ class Learner:
                     self._step(command)
                 case GatherWeights():
                     self.group.full_model_state(self.model)
+                case StreamWeights(dtype=dtype):
+                    travel = torch_dtype(dtype) if dtype else None
+                    for _ in self.group.host_tensors(self.model, travel, skip=self.tied):
+                        pass  # the gathers are collectives: rank 0 keeps the tensors
                 case GatherCheckpoint():
                     self._gather_checkpoint()
                 case Restore():

@@ -330,10 +330,15 @@ class TrainerService:
         with tracer.start_as_current_span(
             "trainer.publish_weights", attributes={"version": self.version}
         ):
-            # cast to the travel dtype where the weights live (the publisher's cast
-            # then has nothing left to do)
-            state = await self._on_learner(self.learner.full_weights, self.publisher.dtype)
-            return await self.publisher.publish(self.version, state)
+            # gathered tensor by tensor into the payload, each cast to the travel dtype
+            # where it lives; the publisher then stores and pushes it
+            encoded = await self._on_learner(
+                self.learner.encode_weights,
+                self.publisher.encoder,
+                self.version,
+                self.publisher.dtype,
+            )
+            return await self.publisher.publish_encoded(encoded)
 
     async def _checkpoint_if_due(self) -> None:
         """``checkpoints/step-<n>`` every ``SF_TRAINER_CHECKPOINT_EVERY`` steps, keeping

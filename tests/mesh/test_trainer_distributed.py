@@ -402,7 +402,8 @@ def test_each_rank_reads_only_its_shard_and_the_ranks_step_as_one_process(
 ) -> None:
     """Two ranks build the model on the meta device and read their own rows from the
     safetensors (``sf_trainer.sharded_loading``); one process loads it whole. Gathered,
-    the ranks hold the file's weights bit for bit; the step's figures and weights then
+    the ranks hold the file's weights bit for bit, and publish them so (tensor by tensor
+    into a bf16 payload, ``Learner.encode_weights``); the step's figures and weights then
     match one process's, which they would not with a wrong buffer the file does not
     hold (rotary frequencies) or a tied matrix loaded twice."""
     model_dir = build_family_model(family, tmp_path / "model")
@@ -412,10 +413,13 @@ def test_each_rank_reads_only_its_shard_and_the_ranks_step_as_one_process(
     alone = run_one_process(spec(model_dir, [batch], tmp_path / "alone"))
 
     loaded = torch.load(tmp_path / "ranks" / "loaded.pt", weights_only=True)
+    published = torch.load(tmp_path / "ranks" / "published.pt", weights_only=True)
     stored = load_model_state(model_dir)
-    assert loaded.keys() == stored.keys()
+    assert loaded.keys() == stored.keys() == published.keys()
     for name, tensor in stored.items():
         assert torch.equal(loaded[name], tensor), name
+        # the version engines get: gathered tensor by tensor into the payload, in bf16
+        assert torch.equal(published[name], tensor.to(torch.bfloat16)), name
     assert_same_results(ranks, alone, tmp_path / "alone")
     assert_same_checkpoint(tmp_path / "ranks" / "checkpoint", tmp_path / "alone")
 

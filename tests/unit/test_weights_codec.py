@@ -304,3 +304,28 @@ def test_bucket_digests_are_each_buckets_xxh3_128() -> None:
     assert len(expected) == -(-len(data) // 4096)
     assert bucket_digests(data, 4096) == expected
     assert state_digest(expected) == xxhash.xxh3_128("".join(expected).encode()).hexdigest()
+
+
+def test_a_state_streamed_tensor_by_tensor_encodes_as_the_whole_dict() -> None:
+    """``encode_stream`` (a trainer gathering one tensor at a time into the payload) gives
+    the payload and manifest of ``encode``; the stream must be exactly the layout's
+    tensors, in its order, in its dtypes and shapes."""
+    from seamlessflow.weights.layout import layout_of
+
+    state = model_state()
+    layout = layout_of((name, t.dtype, list(t.shape)) for name, t in state.items())
+    whole = WeightEncoder(bucket_bytes=1000).encode(3, state)
+    streamed = WeightEncoder(bucket_bytes=1000).encode_stream(3, layout, iter(state.items()))
+    assert streamed.manifest == whole.manifest
+    assert bytes(streamed.payload) == bytes(whole.payload)
+
+    items = list(state.items())
+    wrong_dtype = [(items[0][0], items[0][1].double()), *items[1:]]
+    for stream, problem in (
+        (items[::-1], "where the layout has"),
+        (items[:-1], f"{len(items) - 1} tensors for a layout of {len(items)}"),
+        ([*items, items[0]], "beyond a layout"),
+        (wrong_dtype, "float64"),
+    ):
+        with pytest.raises(LayoutMismatch, match=problem):
+            WeightEncoder(bucket_bytes=1000).encode_stream(4, layout, iter(stream))

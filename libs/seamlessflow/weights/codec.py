@@ -14,7 +14,7 @@ the whole resulting state, so an engine is never handed a partial or wrong set.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +31,7 @@ from seamlessflow.weights.layout import (
     layout_bytes,
     plan_layout,
     state_digest,
+    stream_into,
     tensor_views,
     word_bytes,
 )
@@ -83,6 +84,25 @@ class WeightEncoder:
         layout = plan_layout(state_dict)
         flat = self._buffer(layout)
         flatten_into(flat, state_dict, layout)
+        return self._encode_flat(version, flat, layout)
+
+    def encode_stream(
+        self,
+        version: int,
+        layout: list[TensorSpec],
+        tensors: Iterable[tuple[str, torch.Tensor]],
+    ) -> EncodedWeights:
+        """``encode`` of tensors that come one at a time, in ``layout``'s order
+        (``layout.layout_of``): each goes straight into the payload, so no whole state
+        dict exists beside it. Same payload and manifest as ``encode`` of the same
+        tensors."""
+        flat = self._buffer(layout)
+        stream_into(flat, tensors, layout)
+        return self._encode_flat(version, flat, layout)
+
+    def _encode_flat(
+        self, version: int, flat: torch.Tensor, layout: list[TensorSpec]
+    ) -> EncodedWeights:
         state_digests = bucket_digests(as_bytes(flat), self.bucket_bytes)
         manifest = WeightManifest(
             version=version,

@@ -9,7 +9,7 @@ dtype and every element size divides every offset (the delta codec relies on it)
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final
 
 import torch
@@ -44,12 +44,16 @@ def spec_bytes(spec: TensorSpec) -> int:
 
 def plan_layout(state_dict: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
     """Tensors in the state dict's order, each at an ALIGNMENT-aligned offset."""
+    return layout_of((name, t.dtype, list(t.shape)) for name, t in state_dict.items())
+
+
+def layout_of(tensors: Iterable[tuple[str, torch.dtype, list[int]]]) -> list[TensorSpec]:
+    """``plan_layout`` from each tensor's name, dtype and shape alone (a sharded model's
+    whole shapes are known before any of it is gathered)."""
     layout: list[TensorSpec] = []
     offset = 0
-    for name, tensor in state_dict.items():
-        spec = TensorSpec(
-            name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), offset=offset
-        )
+    for name, dtype, shape in tensors:
+        spec = TensorSpec(name=name, dtype=dtype_name(dtype), shape=list(shape), offset=offset)
         layout.append(spec)
         offset = _aligned(offset + spec_bytes(spec))
     return layout
@@ -78,14 +82,38 @@ def flatten_into(
         tensor = state_dict.get(spec.name)
         if tensor is None:
             raise LayoutMismatch(f"missing tensor {spec.name!r}")
-        if dtype_name(tensor.dtype) != spec.dtype or list(tensor.shape) != spec.shape:
-            raise LayoutMismatch(
-                f"{spec.name}: {dtype_name(tensor.dtype)}{list(tensor.shape)} "
-                f"!= {spec.dtype}{spec.shape}"
-            )
-        size = spec_bytes(spec)
-        raw = tensor.detach().reshape(-1).view(torch.uint8)
-        flat[spec.offset : spec.offset + size].copy_(raw)
+        place(flat, spec, tensor)
+
+
+def stream_into(
+    flat: torch.Tensor, tensors: Iterable[tuple[str, torch.Tensor]], layout: list[TensorSpec]
+) -> None:
+    """Copy each ``(name, tensor)`` as it comes to its place in ``flat``: exactly the
+    layout's tensors, in its order. Only one of them needs to exist at a time (a trainer
+    gathers its shards tensor by tensor into the payload)."""
+    count = 0
+    for count, (name, tensor) in enumerate(tensors, start=1):
+        if count > len(layout):
+            raise LayoutMismatch(f"{name!r} beyond a layout of {len(layout)} tensors")
+        spec = layout[count - 1]
+        if name != spec.name:
+            raise LayoutMismatch(f"{name!r} where the layout has {spec.name!r}")
+        place(flat, spec, tensor)
+    if count != len(layout):
+        raise LayoutMismatch(f"{count} tensors for a layout of {len(layout)}")
+
+
+def place(flat: torch.Tensor, spec: TensorSpec, tensor: torch.Tensor) -> None:
+    """Copy ``tensor`` to ``spec``'s place in ``flat``; its dtype and shape must be the
+    spec's."""
+    if dtype_name(tensor.dtype) != spec.dtype or list(tensor.shape) != spec.shape:
+        raise LayoutMismatch(
+            f"{spec.name}: {dtype_name(tensor.dtype)}{list(tensor.shape)} "
+            f"!= {spec.dtype}{spec.shape}"
+        )
+    size = spec_bytes(spec)
+    raw = tensor.detach().reshape(-1).view(torch.uint8)
+    flat[spec.offset : spec.offset + size].copy_(raw)
 
 
 def flatten(state_dict: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, list[TensorSpec]]:

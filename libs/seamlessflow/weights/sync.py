@@ -56,6 +56,11 @@ class WeightPublisher:
     async def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightManifest:
         """Store ``version`` completely (cast to ``dtype`` if set); its manifest."""
         encoded = await asyncio.to_thread(self._encode, version, state_dict)
+        return await self.publish_encoded(encoded)
+
+    async def publish_encoded(self, encoded: EncodedWeights) -> WeightManifest:
+        """``publish`` of a version ``encoder`` already encoded (a trainer gathers its
+        shards straight into the payload: ``Learner.encode_weights``)."""
         manifest = await self.store.put(encoded)
         if self.push is not None:
             await self._broadcast(self.push, EncodedWeights(manifest, encoded.payload))
