@@ -401,7 +401,7 @@ def _two_gpu_rank(rank: int, unique_id: tuple[int, ...], out: str) -> None:
         return
     mirror = WeightMirror()
     while (received := collective.receive(group)) is not None:
-        mirror.apply(*received)
+        mirror.apply(received.manifest, received.payload, received.bucket_digests)
     exact = torch.equal(mirror.tensors()["w"], state_at(2)["w"])
     Path(out).write_text(json.dumps({"version": mirror.version, "exact": exact}))
 
