@@ -58,7 +58,8 @@ class Step(msgspec.Struct, tag="step"):
 
 
 class GatherWeights(msgspec.Struct, tag="gather_weights"):
-    """Gather the full weights on rank 0 (to publish them)."""
+    """Gather the full weights on rank 0 as one state dict (``Learner.full_weights``:
+    tests and tools; a published version is gathered by ``StreamWeights``)."""
 
 
 class StreamWeights(msgspec.Struct, tag="stream_weights"):
