@@ -99,11 +99,19 @@ async def test_a_service_serves_from_its_settings_in_its_own_session_and_shuts_d
     log = tmp_path / "env.log"
     process = start(how, server, env_service(port), log)
     try:
-        await eventually(lambda: health(port) == 200 or process.poll() is not None, 60, "listening")
+        # the announcement comes after uvicorn has started (its flag is polled), so the
+        # server may answer first: wait for both
+        await eventually(
+            lambda: (
+                ("listening on" in log.read_text() and health(port) == 200)
+                or process.poll() is not None
+            ),
+            60,
+            "listening",
+        )
         assert process.poll() is None, log.read_text()
         assert os.getsid(process.pid) == process.pid  # Ctrl-C at the runner misses it
         assert os.readlink(f"/proc/{process.pid}/cwd") == str(tmp_path)
-        assert "listening on" in log.read_text()
         with pytest.raises(subprocess.TimeoutExpired):
             process.wait(0.2)
         process.send_signal(signal.SIGTERM)
@@ -111,6 +119,7 @@ async def test_a_service_serves_from_its_settings_in_its_own_session_and_shuts_d
         assert process.wait(30) == -signal.SIGTERM, log.read_text()
     finally:
         process.kill()
+        process.wait(30)  # reaped: a Popen collected unreaped warns in a later test
     assert process.poll() == -signal.SIGTERM
     assert health(port) is None
 
