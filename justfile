@@ -30,9 +30,12 @@ up-two-policies *ARGS:
 # the test suite (real nats-server, real HTTP, real torch; vLLM when installed; the
 # trace store of `just trace-store`; the packaged pretrained model), one worker per core
 # up to 4 (pytest-xdist; each worker its own nats-server and built models; `-n 0` runs
-# it in one process)
+# it in one process). The README's test install skips pip's bytecode compile (--no-compile;
+# the suite imports a fifth of what is installed), so the suite writes the bytecode of
+# what it imports, whatever PYTHONDONTWRITEBYTECODE the caller's environment sets: else
+# every process it starts would compile torch, transformers and vLLM from source again
 test *ARGS: _cpu-only trace-store pretrained
-    {{bin}}/pytest -q -n auto --maxprocesses 4 --dist worksteal {{ARGS}}
+    env -u PYTHONDONTWRITEBYTECODE {{bin}}/pytest -q -n auto --maxprocesses 4 --dist worksteal {{ARGS}}
 
 # the pure units alone (no nats-server, no built model, no other process; tests/conftest.py
 # marks the rest `integration`): about 45 s on two cores, for a quick check while working
