@@ -40,6 +40,17 @@ REAL_PARTS = frozenset({"nats_url", "base_model_dir", "chatty_model_dir", "qwen2
 (directly or through another fixture) is an ``integration`` test."""
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The README's test install leaves bytecode to the imports (``pip install
+    --no-compile``), so a third-party module may be compiled for the first time inside the
+    suite, under its ``error`` filter. The compiler's warnings about a module's source
+    (SyntaxWarning, such as cellpylib's ``is "recursive"``; Python 3.11's "invalid escape
+    sequence" DeprecationWarning) would then turn its import into a SyntaxError, where
+    pip's compile shows them to nobody. Ours have neither (ruff F632, W605)."""
+    config.addinivalue_line("filterwarnings", "ignore::SyntaxWarning")
+    config.addinivalue_line("filterwarnings", "ignore:invalid escape sequence:DeprecationWarning")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests split by kind: ``integration`` (a real nats-server, the built model, other
     processes: marked here from their fixtures, or by hand) and the pure units (the
