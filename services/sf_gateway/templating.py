@@ -23,7 +23,10 @@ METASPACE = "\u2581"
 class ChatTokenizer:
     def __init__(self, model_dir: Path) -> None:
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(model_dir)
+        # the chat's end of turn, padding, and the model's own eos ids (a base model given
+        # a chat template, such as Gemma 3 270M, may still end a document on its eos)
         stops = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id}
+        stops |= _generation_eos_ids(model_dir)
         for special in ("<|im_end|>", "<|endoftext|>"):
             token_id = self.tokenizer.convert_tokens_to_ids(special)
             if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id:
@@ -117,6 +120,17 @@ class ChatTokenizer:
             return piece.replace(METASPACE, " ").encode()
         # other vocabularies: the token's text is whole characters
         return self.token_text(token_id).encode()
+
+
+def _generation_eos_ids(model_dir: Path) -> set[int]:
+    """``eos_token_id`` (an id or a list) of the directory's generation_config.json."""
+    try:
+        config = json.loads((Path(model_dir) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    value = config.get("eos_token_id") if isinstance(config, dict) else None
+    values = value if isinstance(value, list) else [value]
+    return {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
 
 
 def _model_type(model_dir: Path) -> str:

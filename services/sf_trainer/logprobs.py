@@ -31,9 +31,10 @@ import torch
 
 from sf_trainer.grpo import chunked_token_logprobs, token_logprobs
 
-PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+PLAIN_HEAD_MODEL_TYPES = frozenset({"gemma3_text", "llama", "mistral", "qwen2", "qwen3"})
 """``config.model_type`` of the families whose logits are ``lm_head(final hidden
-states)`` exactly (read in transformers' modeling files)."""
+states)`` exactly (read in transformers' modeling files; Gemma 3 soft-caps only where its
+config sets ``final_logit_softcapping``, which :func:`chunked_head_refusal` checks)."""
 
 
 def chunked_head_refusal(model: torch.nn.Module) -> str | None:

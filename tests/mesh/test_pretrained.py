@@ -1,9 +1,11 @@
-"""The real pretrained model: SmolLM2-135M-Instruct, converted from the GGUF file its
-package ships (``seamlessflow.assets.pretrained``), through the trainer and both engines.
+"""The real pretrained models: SmolLM2-135M-Instruct (installed by ``just test``) and Gemma
+3 270M (a second family, where ``just pretrained gemma3-270m`` installed it; skipped
+otherwise), each converted from the GGUF file its packages ship
+(``seamlessflow.assets.pretrained``), through the trainer and both engines.
 
 The conversion runs once into the model cache (``SF_CACHE_DIR``, default
-``~/.cache/seamlessflow``), as ``seamlessflow up --model smollm2-135m-instruct`` does, and
-later runs of the suite reuse it. Checked here:
+``~/.cache/seamlessflow``), as ``seamlessflow up --model NAME`` does, and later runs of the
+suite reuse it. Checked here, for each:
 
 - the converted directory gives the GGUF-loaded model's logits, on a prompt the
   conversion did not check itself, and its tokenizer renders chats to the same ids;
@@ -35,7 +37,8 @@ from seamlessflow.assets.pretrained import (
     PretrainedUnavailable,
     _load_gguf,
     ensure_pretrained,
-    gguf_path,
+    gguf_file,
+    gguf_files,
     packaged_model,
 )
 from seamlessflow.protocol import SampleGroup, TrainBatch, TrainSample
@@ -44,7 +47,7 @@ from sf_trainer.distributed import TrainGroup
 from sf_trainer.learner import Learner
 from sf_trainer.settings import TrainerSettings
 
-NAME = "smollm2-135m-instruct"
+MODELS = ("smollm2-135m-instruct", "gemma3-270m")
 MAX_TOKENS = 8
 CHATS = (
     [{"role": "user", "content": "What is 23 + 19? Answer with the number."}],
@@ -62,13 +65,14 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smollm2_dir() -> Path:
+@pytest.fixture(scope="module", params=MODELS)
+def pretrained_dir(request: pytest.FixtureRequest) -> Path:
+    name = request.param
     try:
-        gguf_path(packaged_model(NAME))
-    except PretrainedUnavailable as exc:  # `just test` installs it (`just pretrained`)
+        gguf_files(packaged_model(name))
+    except PretrainedUnavailable as exc:  # `just test` installs the first (`just pretrained`)
         pytest.skip(str(exc))
-    return ensure_pretrained(NAME, Path(os.environ.get("SF_CACHE_DIR", "~/.cache/seamlessflow")))
+    return ensure_pretrained(name, Path(os.environ.get("SF_CACHE_DIR", "~/.cache/seamlessflow")))
 
 
 def _chat_ids(tokenizer: object, messages: list[dict[str, str]]) -> list[int]:
@@ -78,16 +82,21 @@ def _chat_ids(tokenizer: object, messages: list[dict[str, str]]) -> list[int]:
     return list(ids)
 
 
-def test_converted_model_gives_the_gguf_models_logits_and_ids(smollm2_dir: Path) -> None:
+def test_converted_model_gives_the_gguf_models_logits_and_ids(pretrained_dir: Path) -> None:
     import json
 
-    info = json.loads((smollm2_dir / BUILD_INFO).read_text())
+    info = json.loads((pretrained_dir / BUILD_INFO).read_text())
     assert info["max_logit_gap"] <= CONVERSION_TOLERANCE
     assert info["check_prompts"] == list(CHECK_PROMPTS)
-    reference, gguf_tokenizer = _load_gguf(gguf_path(packaged_model(NAME)))
-    converted = load_causal_lm(smollm2_dir, torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir), local_files_only=True)
+    packaged = packaged_model(info["name"])
+    assert info["source_sha256"] == packaged.sha256
+    with gguf_file(packaged, pretrained_dir.parent) as source:
+        reference, gguf_tokenizer = _load_gguf(source, packaged)
+    converted = load_causal_lm(pretrained_dir, torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(pretrained_dir), local_files_only=True)
     assert converted.config.tie_word_embeddings
+    if packaged.end_of_turn:  # the chat's end of turn is the eos the gateway stops on
+        assert tokenizer.eos_token == packaged.end_of_turn
     for messages in CHATS:
         ids = _chat_ids(tokenizer, list(messages))
         assert ids == _chat_ids(gguf_tokenizer, list(messages))
@@ -99,13 +108,13 @@ def test_converted_model_gives_the_gguf_models_logits_and_ids(smollm2_dir: Path)
 
 
 @pytest.mark.parametrize("backend", ENGINE_BACKENDS.names())
-def test_check_model_accepts_the_converted_model(smollm2_dir: Path, backend: str) -> None:
+def test_check_model_accepts_the_converted_model(pretrained_dir: Path, backend: str) -> None:
     declared = ENGINE_BACKENDS.get(backend)
     unavailable = declared.unavailable()
     if unavailable is not None:
         pytest.skip(unavailable)
     # the context a reasoning task's prompt and a long answer need
-    check_model(smollm2_dir, ModelNeeds(architecture=declared.architecture, context_tokens=4096))
+    check_model(pretrained_dir, ModelNeeds(architecture=declared.architecture, context_tokens=4096))
 
 
 def _sample(
@@ -161,17 +170,17 @@ async def _served_within_bound(
 
 @pytest.mark.parametrize("kind", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
 async def test_engines_serve_the_trainers_weights_before_and_after_a_step(
-    smollm2_dir: Path, kind: str
+    pretrained_dir: Path, kind: str
 ) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(pretrained_dir), local_files_only=True)
     prompts = [_chat_ids(tokenizer, list(messages)) for messages in CHATS]
     learner = Learner(
         TrainerSettings(lr=1e-4),
         TrainGroup(device=torch.device("cpu")),
-        smollm2_dir,
+        pretrained_dir,
     )
     before = {name: tensor.clone() for name, tensor in learner.full_weights().items()}
-    async with _engine(kind, smollm2_dir) as engine:
+    async with _engine(kind, pretrained_dir) as engine:
         answers = await _served_within_bound(engine, learner, prompts, version=0)
         # one real step on the engine's own answers: per prompt, its two answers rewarded
         # 1 and 0, so each group has a learning signal
