@@ -13,6 +13,7 @@ from typing import Any
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from seamlessflow.assets.model_check import config_ids
 from seamlessflow.assets.tokenizer import load_tokenizer
 
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -26,7 +27,7 @@ class ChatTokenizer:
         # the chat's end of turn, padding, and the model's own eos ids (a base model given
         # a chat template, such as Gemma 3 270M, may still end a document on its eos)
         stops = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id}
-        stops |= _generation_eos_ids(model_dir)
+        stops |= config_ids(Path(model_dir), None, "eos_token_id")  # generation_config.json's
         for special in ("<|im_end|>", "<|endoftext|>"):
             token_id = self.tokenizer.convert_tokens_to_ids(special)
             if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id:
@@ -120,17 +121,6 @@ class ChatTokenizer:
             return piece.replace(METASPACE, " ").encode()
         # other vocabularies: the token's text is whole characters
         return self.token_text(token_id).encode()
-
-
-def _generation_eos_ids(model_dir: Path) -> set[int]:
-    """``eos_token_id`` (an id or a list) of the directory's generation_config.json."""
-    try:
-        config = json.loads((Path(model_dir) / "generation_config.json").read_text())
-    except (OSError, ValueError):
-        return set()
-    value = config.get("eos_token_id") if isinstance(config, dict) else None
-    values = value if isinstance(value, list) else [value]
-    return {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
 
 
 def _model_type(model_dir: Path) -> str:

@@ -276,14 +276,14 @@ def _tokenizer_problems(model_dir: Path, config: dict[str, Any] | None, *, chat:
             )
         except Exception as exc:  # the template's own error (raise_exception, syntax)
             problems.append(f"the chat template does not render a user turn ({one_line(exc)})")
-    eos_ids = _ids(tokenizer.eos_token_id) | _config_ids(model_dir, config, "eos_token_id")
+    eos_ids = _ids(tokenizer.eos_token_id) | config_ids(model_dir, config, "eos_token_id")
     if tokenizer.eos_token_id is None:
         where = f" (config.json / generation_config.json have {sorted(eos_ids)})" if eos_ids else ""
         problems.append(
             "no eos token in the tokenizer (tokenizer_config.json eos_token): the gateway "
             f"stops generation and closes assistant turns on it{where}"
         )
-    pad_ids = _ids(tokenizer.pad_token_id) | _config_ids(model_dir, config, "pad_token_id")
+    pad_ids = _ids(tokenizer.pad_token_id) | config_ids(model_dir, config, "pad_token_id")
     if not pad_ids and not eos_ids:
         problems.append("no pad token id and no eos id to pad with")
     return problems
@@ -299,8 +299,9 @@ def _template_in_files(model_dir: Path) -> bool:
     return bool(isinstance(tokenizer_config, dict) and tokenizer_config.get("chat_template"))
 
 
-def _config_ids(model_dir: Path, config: dict[str, Any] | None, key: str) -> set[int]:
-    """``key`` (an id or a list of ids) from config.json and generation_config.json."""
+def config_ids(model_dir: Path, config: dict[str, Any] | None, key: str) -> set[int]:
+    """``key`` (an id or a list of ids) from ``config`` (config.json as parsed; None: only
+    generation_config.json is read) and generation_config.json."""
     found: set[int] = set()
     sources = [config or {}]
     try:
