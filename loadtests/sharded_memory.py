@@ -7,9 +7,10 @@ safetensors files of 1 GB with their index (cached under ``--cache``). Per
 configuration, two gloo ranks (one torch thread each) build the trainer's ``Learner``
 exactly as ``torchrun -m sf_trainer`` does, take two steps on a small batch (the
 second is the steady state: AdamW's state exists from the first step's end), publish a
-version as the trainer does (``Learner.encode_weights``: tensor by tensor into a bf16
-payload, rank 0's peak recorded after it) and then gather the whole state dict once (how
-versions were gathered before). Each rank reports its
+version three ways, rank 0's high-water mark reset before each: as the trainer does
+(``Learner.stream_weights``: bucket by bucket as it is gathered, in bf16), into one
+whole payload (``encode_weights``, kept for deltas) and by gathering the whole state dict
+first (how versions were published before). Each rank reports its
 peak resident memory (``VmHWM``), which the table sets beside the bound of the
 issue: 0.6x the full model in float32 plus its AdamW state (16 bytes a parameter).
 
@@ -24,12 +25,14 @@ swapping the two loading functions in the worker; ``sharded`` is the product's p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,38 @@ def peak_rss_bytes() -> int:
     """This process's resident high-water mark (``VmHWM``). Not ``ru_maxrss``: Linux
     carries a parent's peak across fork and exec into it."""
     return _status_kib("VmHWM") * 1024
+
+
+BUCKET_BYTES = 64 << 20
+"""The weights' default bucket (``SF_WEIGHTS_BUCKET_MB``)."""
+
+
+class CountingSink:
+    """A ``BucketSink`` that only counts what it is handed."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def begin(self, payload_bytes: int, bucket_bytes: int) -> None:
+        pass
+
+    def put(self, index: int, bucket: memoryview) -> None:
+        self.bytes += len(bucket)
+
+    def end(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def publish_peak(figures: dict[str, Any], way: str) -> Iterator[None]:
+    """``<way>_s`` and ``<way>_extra_gb``: how far rank 0's resident memory rose above
+    where it stood when the block began (its high-water mark reset: ``clear_refs`` 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    before = rss_bytes()
+    started = time.perf_counter()
+    yield
+    figures[f"{way}_s"] = time.perf_counter() - started
+    figures[f"{way}_extra_gb"] = (peak_rss_bytes() - before) / GB
 
 
 def rss_bytes() -> int:
@@ -91,20 +126,27 @@ def rank_main(job: dict[str, Any]) -> None:
             figures["to_first_step_s"] = time.perf_counter() - started
             learner.step(one_batch(job["samples"], job["tokens"]), version=1)
         figures["rss_after_step_gb"] = peak_rss_bytes() / GB
-        # a version as the trainer publishes it: tensor by tensor into a bf16 payload
-        publish_started = time.perf_counter()
-        encoder = WeightEncoder(bucket_bytes=64 << 20)
-        encoded = learner.encode_weights(encoder, 1, torch.bfloat16)
-        figures["publish_s"] = time.perf_counter() - publish_started
-        figures["payload_gb"] = len(encoded.payload) / GB
-        figures["peak_after_publish_gb"] = peak_rss_bytes() / GB
-        del encoded, encoder
-        # the whole state dict gathered first, as versions were published before
-        gather_started = time.perf_counter()
-        weights = learner.full_weights(torch.bfloat16)
-        figures["gather_s"] = time.perf_counter() - gather_started
-        figures["gathered_gb"] = sum(t.numel() * t.element_size() for t in weights.values()) / GB
-        del weights
+        # a version as the trainer publishes it: bucket by bucket as it is gathered (the
+        # sink counts; the stores and the wire are measured in weight_sync.py); rank 0's
+        # high-water mark is reset before each way, so each one's extra memory shows
+        with publish_peak(figures, "streamed"):
+            counted = CountingSink()
+            encoder = WeightEncoder(bucket_bytes=BUCKET_BYTES)
+            learner.stream_weights(encoder, 1, torch.bfloat16, counted)
+            figures["payload_gb"] = counted.bytes / GB
+            del encoder
+        # ... into one whole payload first (the path kept for deltas)
+        with publish_peak(figures, "whole_payload"):
+            whole = WeightEncoder(bucket_bytes=BUCKET_BYTES)
+            encoded = learner.encode_weights(whole, 1, torch.bfloat16)
+            del encoded, whole
+        # ... the whole state dict gathered first, as versions were published before
+        with publish_peak(figures, "gather"):
+            weights = learner.full_weights(torch.bfloat16)
+            figures["gathered_gb"] = (
+                sum(t.numel() * t.element_size() for t in weights.values()) / GB
+            )
+            del weights
         learner.stop()
     else:
         learner.follow()
@@ -244,10 +286,13 @@ def main() -> None:
                 f"{leader['rss_after_load_gb']:.2f} GB in {leader['load_s']:.1f} s; {step}; "
                 f"peak of rank 0 / 1 with the gather {ranks[0]['peak_rss_gb']:.2f} / "
                 f"{ranks[1]['peak_rss_gb']:.2f} GB ({peak / bound_gb * BOUND_RATIO:.2f}x the "
-                f"fp32 model + AdamW; bound {bound_gb:.2f} GB = {BOUND_RATIO}x); gather "
-                f"{leader['gathered_gb']:.2f} GB in {leader['gather_s']:.1f} s; published "
-                f"({leader['payload_gb']:.2f} GB payload) in {leader['publish_s']:.1f} s, rank 0's "
-                f"peak then {leader['peak_after_publish_gb']:.2f} GB",
+                f"fp32 model + AdamW; bound {bound_gb:.2f} GB = {BOUND_RATIO}x); a "
+                f"{leader['payload_gb']:.2f} GB version, time and rank 0's memory above where "
+                f"it stood: streamed {leader['streamed_s']:.1f} s +"
+                f"{leader['streamed_extra_gb']:.3f} GB, whole payload "
+                f"{leader['whole_payload_s']:.1f} s +{leader['whole_payload_extra_gb']:.3f} GB, "
+                f"state dict gathered {leader['gather_s']:.1f} s "
+                f"+{leader['gather_extra_gb']:.3f} GB",
                 flush=True,
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)

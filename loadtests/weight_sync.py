@@ -16,7 +16,10 @@ one engine do it, and timed in parts:
 directory; trainer and engine have their own connection); ``collective`` is
 ``collective.send`` / ``receive`` over a gloo group of two processes on loopback: rank 0
 encodes and broadcasts, rank 1 receives and applies (the broadcast is both put and fetch,
-shown as ``put``; the receiver hashes each bucket as it lands). Each figure is the best
+shown as ``put``; the receiver hashes each bucket as it lands); ``streamed`` is the same
+pair with the trainer's publish (``WeightPublisher.publish_streamed``: each bucket
+broadcast while the next is encoded, so ``put`` holds the encode; a store that keeps
+nothing, so the push alone is timed). Each figure is the best
 of ``--repeats`` trials. Every trial is a steady-state version, as from the third on:
 the engine already holds a version of the same size (applied untimed), the encoder
 reuses the buffer of two versions ago and the push receiver one of its two buffers, so
@@ -25,10 +28,10 @@ no trial pays for allocating (and faulting in) a buffer.
 Bounds, measured in the same run on the same number of bytes, best of ``--repeats``:
 ``memcpy`` (``torch.Tensor.copy_`` of a uint8 tensor, the bound of ``shm``) and
 ``loopback TCP`` (one socket on 127.0.0.1 with large buffers, a sender thread and a
-receiver, the bound of ``object`` and ``collective``); the payload digest (XXH3-128) and
-``sha256`` (``hashlib``, the digest before) are shown too because every sync hashes the
-payload twice. ``sync/bound`` is the whole sync's
-bandwidth over the bound's, ``move/bound`` that of put + fetch alone.
+receiver, the bound of ``object``, ``collective`` and ``streamed``); the payload digest
+(XXH3-128) and ``sha256`` (``hashlib``, the digest before) are shown too because every
+sync hashes the payload twice. ``sync/bound`` is the whole sync's bandwidth over the
+bound's, ``move/bound`` that of put + fetch alone.
 
 torch runs on one thread everywhere, as the trainer does by default
 (``SF_TRAINER_TORCH_THREADS``) and as one engine per core would.
@@ -64,7 +67,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -77,7 +80,7 @@ from transformers.utils import logging as transformers_logging
 
 from seamlessflow.bus import connect
 from seamlessflow.natsserver import EmbeddedNats
-from seamlessflow.protocol import SampleGroup, Subjects, TrainBatch, TrainSample
+from seamlessflow.protocol import SampleGroup, Subjects, TrainBatch, TrainSample, WeightManifest
 from seamlessflow.rewards import get_reward
 from seamlessflow.tasks import TaskItem, get_task_source
 from seamlessflow.weights import (
@@ -90,7 +93,8 @@ from seamlessflow.weights import (
     WeightReceiver,
     collective,
 )
-from seamlessflow.weights.layout import digest_of
+from seamlessflow.weights.codec import BucketSink
+from seamlessflow.weights.layout import digest_of, plan_layout
 from seamlessflow.weights.settings import WeightTransferSettings
 from sf_app.base_model import IM_END, TASK, ensure_base_model
 from sf_trainer.grpo import token_logprobs
@@ -101,7 +105,12 @@ MB = 1_000_000
 STATE_TENSORS = 4
 STATE_COLUMNS = 4096
 SOCKET_BUFFER_BYTES = 16 * 1024 * 1024
-TRANSPORT_BOUNDS = {"shm": "memcpy", "object": "loopback_tcp", "collective": "loopback_tcp"}
+TRANSPORT_BOUNDS = {
+    "shm": "memcpy",
+    "object": "loopback_tcp",
+    "collective": "loopback_tcp",
+    "streamed": "loopback_tcp",
+}
 PROMPTS_PER_STEP = 8
 SAMPLES_PER_PROMPT = 8
 MAX_NEW_TOKENS = 8
@@ -331,6 +340,58 @@ def send_trials(
     return trials
 
 
+class KeptNowhere:
+    """A ``PayloadStore`` whose payloads go nowhere: ``streamed`` times the push alone."""
+
+    name = "none"
+    ephemeral = True
+
+    async def writer(self, version: int, kind: str) -> KeptNowhere:
+        return self
+
+    async def write(self, index: int, bucket: memoryview) -> None:
+        pass
+
+    async def close(self, manifest: WeightManifest) -> WeightManifest:
+        return manifest
+
+    async def abort(self) -> None:
+        pass
+
+    async def delete(self, manifest: WeightManifest) -> None:
+        pass
+
+
+def streamed_send_trials(
+    group: collective.TorchCollective,
+    state: dict[str, torch.Tensor],
+    bucket_bytes: int,
+    repeats: int,
+) -> list[dict[str, float]]:
+    """The trainer's publish (``WeightPublisher.publish_streamed``): the state encoded
+    bucket by bucket in a worker thread while the bucket before is broadcast; the clock
+    of the receiver covers encode and broadcast together."""
+    import torch.distributed as dist
+
+    publisher = WeightPublisher(KeptNowhere(), WeightEncoder(bucket_bytes))
+    layout = plan_layout(state)
+
+    def encode(version: int) -> Callable[[BucketSink], Awaitable[WeightManifest]]:
+        return lambda sink: asyncio.to_thread(
+            publisher.encoder.encode_buckets, version, layout, iter(state.items()), sink
+        )
+
+    trials = []
+    for version in range(1, repeats + 1):
+        dist.barrier()
+        dist.barrier()
+        publisher.push = group
+        asyncio.run(publisher.publish_streamed(version, encode(version)))
+        assert publisher.push is group, "the push group broke"
+        trials.append({"encode": 0.0})
+    return trials
+
+
 def receive_trials(
     group: collective.TorchCollective, mirror: WeightMirror, repeats: int
 ) -> list[dict[str, float]]:
@@ -371,11 +432,13 @@ def collective_rank(
             state = synthetic_state(megabytes, seed=megabytes)
             if rank == 0:
                 seconds[megabytes] = send_trials(group, state, bucket_bytes, repeats)
+                seconds[-megabytes] = streamed_send_trials(group, state, bucket_bytes, repeats)
                 del state
             else:
                 mirror = engine_mirror(state, bucket_bytes)
                 del state
                 seconds[megabytes] = receive_trials(group, mirror, repeats)
+                seconds[-megabytes] = receive_trials(group, mirror, repeats)
                 del mirror
             gc.collect()  # nothing of this size outlives its trials
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(seconds))
@@ -383,7 +446,11 @@ def collective_rank(
         dist.destroy_process_group()
 
 
-def measure_collective(sizes: list[int], bucket_bytes: int, repeats: int) -> dict[int, list[Trial]]:
+def measure_collective(
+    sizes: list[int], bucket_bytes: int, repeats: int
+) -> dict[int, dict[str, list[Trial]]]:
+    """``collective`` (a whole payload encoded, then sent) and ``streamed`` (sent as it
+    is encoded) per size; a rank keys the streamed trials of a size by its negative."""
     with tempfile.TemporaryDirectory(prefix="sf-weight-bench-") as out_dir:
         mp.spawn(
             collective_rank,
@@ -394,11 +461,15 @@ def measure_collective(sizes: list[int], bucket_bytes: int, repeats: int) -> dic
         sender, receiver = (
             json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in (0, 1)
         )
-    return {
-        megabytes: [
+
+    def trials(key: int) -> list[Trial]:
+        return [
             Trial(encode=sent["encode"], put=got["put"], fetch=0.0, apply=got["apply"])
-            for sent, got in zip(sender[str(megabytes)], receiver[str(megabytes)], strict=True)
+            for sent, got in zip(sender[str(key)], receiver[str(key)], strict=True)
         ]
+
+    return {
+        megabytes: {"collective": trials(megabytes), "streamed": trials(-megabytes)}
         for megabytes in sizes
     }
 
@@ -695,7 +766,7 @@ def main() -> None:
             trials = asyncio.run(
                 measure_pull_stores(state, server.url, Path(shm_dir), bucket_bytes, args.repeats)
             )
-            trials["collective"] = collective_trials[megabytes]
+            trials.update(collective_trials[megabytes])
             del state
             gc.collect()
             size_reports.append(

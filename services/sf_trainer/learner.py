@@ -20,8 +20,8 @@ import torch
 
 from seamlessflow.assets.loading import check_tied, load_causal_lm
 from seamlessflow.assets.model_check import ModelNeeds, check_model
-from seamlessflow.protocol import TrainBatch
-from seamlessflow.weights.codec import EncodedWeights, WeightEncoder
+from seamlessflow.protocol import TrainBatch, WeightManifest
+from seamlessflow.weights.codec import BucketSink, EncodedWeights, WeightEncoder
 from seamlessflow.weights.layout import dtype_name, layout_of, torch_dtype
 from seamlessflow.weights.tied import tied_aliases, with_aliases, without_aliases
 from sf_trainer import checkpoint
@@ -63,7 +63,8 @@ class GatherWeights(msgspec.Struct, tag="gather_weights"):
 
 
 class StreamWeights(msgspec.Struct, tag="stream_weights"):
-    """Gather the full weights tensor by tensor on rank 0, into a weight payload."""
+    """Gather the full weights tensor by tensor on rank 0, into a weight payload or
+    bucket by bucket to the stores (``encode_weights``, ``stream_weights``)."""
 
     dtype: str = ""
     """The floating-point tensors' travel dtype (a torch dtype name; empty: as trained)."""
@@ -209,6 +210,26 @@ class Learner:
         layout = layout_of(self.group.host_layout(self.model, dtype, skip=self.tied))
         tensors = self.group.host_tensors(self.model, dtype, skip=self.tied)
         return encoder.encode_stream(version, layout, tensors)
+
+    def stream_weights(
+        self,
+        encoder: WeightEncoder,
+        version: int,
+        dtype: torch.dtype | None,
+        sink: BucketSink,
+    ) -> WeightManifest:
+        """``encode_weights``, handed to ``sink`` bucket by bucket as the tensors are
+        gathered (``WeightEncoder.encode_buckets``): rank 0 holds one tensor and two
+        buckets of the version at a time, never its payload."""
+        self._announce(StreamWeights(dtype=dtype_name(dtype) if dtype is not None else ""))
+        layout = layout_of(self.group.host_layout(self.model, dtype, skip=self.tied))
+        tensors = self.group.host_tensors(self.model, dtype, skip=self.tied)
+        try:
+            return encoder.encode_buckets(version, layout, tensors, sink)
+        except BaseException:
+            for _ in tensors:
+                pass  # the followers run every gather (a collective): finish them first
+            raise
 
     def save(self, out: Path, state: TrainerState) -> Path:
         self._announce(GatherCheckpoint())

@@ -330,13 +330,19 @@ class TrainerService:
         with tracer.start_as_current_span(
             "trainer.publish_weights", attributes={"version": self.version}
         ):
-            # gathered tensor by tensor into the payload, each cast to the travel dtype
-            # where it lives; the publisher then stores and pushes it
+            # gathered tensor by tensor, each cast to the travel dtype where it lives;
+            # bucket by bucket to the store and the push group as it is gathered, or,
+            # with deltas (which need the whole version), into one payload first
+            encoder, dtype = self.publisher.encoder, self.publisher.dtype
+            if encoder.streams:
+                return await self.publisher.publish_streamed(
+                    self.version,
+                    lambda sink: self._on_learner(
+                        self.learner.stream_weights, encoder, self.version, dtype, sink
+                    ),
+                )
             encoded = await self._on_learner(
-                self.learner.encode_weights,
-                self.publisher.encoder,
-                self.version,
-                self.publisher.dtype,
+                self.learner.encode_weights, encoder, self.version, dtype
             )
             return await self.publisher.publish_encoded(encoded)
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from seamlessflow.bus import Bus
-from seamlessflow.protocol import CurrentVersion, CurrentVersionQuery
+from seamlessflow.protocol import CurrentVersion, CurrentVersionQuery, TensorSpec, WeightManifest
 from seamlessflow.weights import (
     EncodedWeights,
     ObjectStorePayloads,
@@ -23,6 +25,8 @@ from seamlessflow.weights import (
     WeightMirror,
     WeightPublisher,
 )
+from seamlessflow.weights.codec import BucketSink
+from seamlessflow.weights.layout import plan_layout
 from sf_engine.service import EngineService
 from sf_engine.settings import EngineSettings
 from sf_tag_scheduler.service import TagSchedulerService
@@ -92,6 +96,61 @@ async def test_the_publisher_keeps_only_its_latest_chains(tmp_path: Path) -> Non
     assert len(await store.fetch(manifests[2])) == manifests[2].payload_bytes
     await publisher.close()  # shared memory is RAM: nothing outlives the publisher
     assert os.listdir(tmp_path) == []
+
+
+async def test_a_streamed_version_is_stored_bucket_by_bucket_or_not_at_all(
+    bus: Bus, tmp_path: Path
+) -> None:
+    """``publish_streamed`` (the trainer's publish): each store holds exactly what a whole
+    payload would have been; a version whose encoding fails half-way leaves nothing a
+    reader could take for it, and no partial objects or files."""
+    state = small_state(4)
+    layout = plan_layout(state)
+    whole = WeightEncoder(bucket_bytes=10_000).encode(1, state)
+    for store in (ObjectStorePayloads(bus), SharedMemoryPayloads("streamed", tmp_path)):
+        publisher = WeightPublisher(store, WeightEncoder(bucket_bytes=10_000))
+
+        stream = iter(state.items())
+        manifest = await publisher.publish_streamed(1, in_thread(publisher, 1, layout, stream))
+        assert manifest.transport == store.name
+        assert manifest.bucket_digests == whole.manifest.bucket_digests
+        assert bytes(await store.fetch(manifest)) == bytes(whole.payload)
+
+        with pytest.raises(RuntimeError, match="gather failed"):
+            stream = failing_after(iter(state.items()), 1)
+            await publisher.publish_streamed(2, in_thread(publisher, 2, layout, stream))
+        broken = msgspec.structs.replace(
+            manifest, version=2, location=manifest.location.replace("v00000001", "v00000002")
+        )
+        with pytest.raises(PayloadMissing):
+            await store.fetch(broken)
+        if isinstance(store, SharedMemoryPayloads):
+            assert os.listdir(tmp_path) == [manifest.location]
+        else:
+            objects = await (await bus.object_bucket(bus.subjects.object_store_weights())).names()
+            assert all(name.startswith(manifest.location) for name in objects), objects
+        await publisher.close()
+
+
+def in_thread(
+    publisher: WeightPublisher,
+    version: int,
+    layout: list[TensorSpec],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+) -> Callable[[BucketSink], Awaitable[WeightManifest]]:
+    """The encoding ``publish_streamed`` runs, in a worker thread as the trainer's."""
+    return lambda sink: asyncio.to_thread(
+        publisher.encoder.encode_buckets, version, layout, tensors, sink
+    )
+
+
+def failing_after(
+    tensors: Iterator[tuple[str, torch.Tensor]], count: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The first ``count`` tensors, then the error a lost rank gives."""
+    for _ in range(count):
+        yield next(tensors)
+    raise RuntimeError("gather failed")
 
 
 async def engine_weights(worker: EngineService) -> dict[str, torch.Tensor]:

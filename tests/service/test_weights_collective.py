@@ -6,6 +6,7 @@ Exactly the code the NCCL path runs (handshake, bucketing, receiver checks), ove
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -14,8 +15,16 @@ import torch
 import torch.multiprocessing as mp
 from support import free_port
 
-from seamlessflow.weights import WeightEncoder, WeightMirror, WeightsCorrupted, collective
+from seamlessflow.weights import (
+    SharedMemoryPayloads,
+    WeightEncoder,
+    WeightMirror,
+    WeightPublisher,
+    WeightsCorrupted,
+    collective,
+)
 from seamlessflow.weights.codec import EncodedWeights
+from seamlessflow.weights.layout import plan_layout
 
 # other processes (services, servers, ranks or tools started as commands): see conftest
 pytestmark = pytest.mark.integration
@@ -30,6 +39,27 @@ def state_at(version: int) -> dict[str, torch.Tensor]:
     big = torch.zeros(100, 200, dtype=torch.bfloat16)
     big.view(-1)[torch.randint(0, big.numel(), (50 * version,), generator=generator)] = 1.0
     return {"big": big, "small": torch.full((3,), float(version))}
+
+
+async def publish_streamed(group: collective.Collective, out: Path, version: int) -> None:
+    """``version`` as the trainer publishes it: bucket by bucket as it is encoded, to the
+    store and the push group at once; the store then holds what ``encode`` would have."""
+    store = SharedMemoryPayloads("streamed", out)
+    publisher = WeightPublisher(store, WeightEncoder(bucket_bytes=BUCKET))
+    publisher.push = group
+    state = state_at(version)
+    manifest = await publisher.publish_streamed(
+        version,
+        lambda sink: asyncio.to_thread(
+            publisher.encoder.encode_buckets, version, plan_layout(state), iter(state.items()), sink
+        ),
+    )
+    whole = WeightEncoder(bucket_bytes=BUCKET).encode(version, state)
+    assert bytes(await store.fetch(manifest)) == bytes(whole.payload)
+    assert publisher.push is group  # nothing broke on the way
+    (out / "streamed.log").write_text(f"{manifest.transport} {len(manifest.bucket_digests)}")
+    publisher.push = None  # the caller sends the stop, after this version
+    await publisher.close()
 
 
 def run_rank(rank: int, port: int, out: str) -> None:
@@ -48,6 +78,7 @@ def run_rank(rank: int, port: int, out: str) -> None:
             wrong = bytearray(damaged.payload)
             wrong[0] ^= 0xFF
             collective.send(group, EncodedWeights(damaged.manifest, memoryview(wrong)))
+            asyncio.run(publish_streamed(group, Path(out), version=5))
             collective.send_stop(group)
             return
         mirror = WeightMirror()
@@ -79,5 +110,8 @@ def test_three_gloo_ranks_receive_every_version_and_refuse_a_damaged_one(tmp_pat
             "delta 2 exact",
             "delta 3 exact",
             "refused 4",
-            "holding 3",
+            "full 5 exact",
+            "holding 5",
         ], rank
+    # 40 kB of bf16 and 12 bytes of float32, aligned, in 4 kB buckets
+    assert (tmp_path / "streamed.log").read_text() == "shm 10"

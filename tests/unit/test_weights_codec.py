@@ -329,3 +329,73 @@ def test_a_state_streamed_tensor_by_tensor_encodes_as_the_whole_dict() -> None:
     ):
         with pytest.raises(LayoutMismatch, match=problem):
             WeightEncoder(bucket_bytes=1000).encode_stream(4, layout, iter(stream))
+
+
+class KeepingSink:
+    """A ``BucketSink`` that copies each bucket and remembers which memory it came in."""
+
+    def __init__(self) -> None:
+        self.sizes: tuple[int, int] | None = None
+        self.buckets: list[bytes] = []
+        self.memory: set[int] = set()
+        self.ended = False
+
+    def begin(self, payload_bytes: int, bucket_bytes: int) -> None:
+        self.sizes = (payload_bytes, bucket_bytes)
+
+    def put(self, index: int, bucket: memoryview) -> None:
+        assert index == len(self.buckets)
+        self.buckets.append(bytes(bucket))
+        self.memory.add(torch.frombuffer(bucket, dtype=torch.uint8).data_ptr())
+
+    def end(self) -> None:
+        self.ended = True
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 1000, 4096, 38_848, 1 << 20])
+def test_a_version_streamed_bucket_by_bucket_has_the_buckets_of_the_whole_payload(
+    bucket_bytes: int,
+) -> None:
+    """``encode_buckets`` (a trainer handing a version to the stores as it is gathered)
+    gives the buckets and manifest of ``encode``, for buckets smaller than one tensor, of
+    exactly the payload (38,848 bytes: the last bucket is whole) and larger than all of
+    it, through two bucket buffers reused whatever the payload's size."""
+    from seamlessflow.weights.layout import layout_of
+
+    state = model_state()
+    layout = layout_of((name, t.dtype, list(t.shape)) for name, t in state.items())
+    whole = WeightEncoder(bucket_bytes=bucket_bytes).encode(3, state)
+    assert whole.manifest.payload_bytes == 38_848
+    encoder = WeightEncoder(bucket_bytes=bucket_bytes)
+    for version in (3, 4):  # the second version reuses the first one's buffers
+        sink = KeepingSink()
+        manifest = encoder.encode_buckets(version, layout, iter(state.items()), sink)
+        assert manifest == msgspec.structs.replace(whole.manifest, version=version)
+        assert sink.sizes == (38_848, bucket_bytes) and sink.ended
+        assert b"".join(sink.buckets) == bytes(whole.payload)
+        assert len(sink.buckets) == len(manifest.bucket_digests)
+        assert len(sink.memory) <= 2
+    mirror = WeightMirror()
+    mirror.apply(manifest, memoryview(b"".join(sink.buckets)))
+    assert all(torch.equal(mirror.tensors()[name], state[name]) for name in state)
+
+    items = list(state.items())
+    for stream, problem in (
+        (items[::-1], "where the layout has"),
+        (items[:-1], f"{len(items) - 1} tensors for a layout of {len(items)}"),
+        ([*items, items[0]], "beyond a layout"),
+    ):
+        with pytest.raises(LayoutMismatch, match=problem):
+            encoder.encode_buckets(5, layout, iter(stream), KeepingSink())
+
+
+def test_an_encoder_with_deltas_does_not_stream() -> None:
+    """A delta is computed against the whole previous version, which a streamed version
+    never holds: such an encoder refuses to stream instead of sending only full ones."""
+    from seamlessflow.weights.layout import plan_layout
+
+    state = model_state()
+    encoder = WeightEncoder(bucket_bytes=1000, deltas=True)
+    assert not encoder.streams and WeightEncoder(bucket_bytes=1000).streams
+    with pytest.raises(ValueError, match="deltas"):
+        encoder.encode_buckets(1, plan_layout(state), iter(state.items()), KeepingSink())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -27,10 +28,12 @@ from seamlessflow.weights.layout import (
     LayoutMismatch,
     as_bytes,
     bucket_digests,
+    digest_of,
     flatten_into,
     layout_bytes,
     plan_layout,
     state_digest,
+    stream_buckets,
     stream_into,
     tensor_views,
     word_bytes,
@@ -51,6 +54,28 @@ class EncodedWeights:
 
     manifest: WeightManifest
     payload: memoryview
+
+
+BUCKET_BUFFERS = 2
+"""Buckets ``encode_buckets`` fills in turn: one is being written while the sink still
+holds the one before."""
+
+
+class BucketSink(Protocol):
+    """Where ``WeightEncoder.encode_buckets`` hands a version, from a worker thread."""
+
+    def begin(self, payload_bytes: int, bucket_bytes: int) -> None:
+        """A version of ``payload_bytes`` in buckets of ``bucket_bytes`` starts."""
+        ...
+
+    def put(self, index: int, bucket: memoryview) -> None:
+        """Bucket ``index``. Its view is reused for a later bucket once the next ``put``
+        returns: the sink is done with it by then (copied, stored or sent)."""
+        ...
+
+    def end(self) -> None:
+        """Every bucket was put: return once the sink is done with all of them."""
+        ...
 
 
 class WeightEncoder:
@@ -75,6 +100,8 @@ class WeightEncoder:
         """The buffer of two versions ago, reused: allocating (and zeroing) a new one per
         version costs about half a second per GB."""
         self._spare_layout: list[TensorSpec] | None = None
+        self._bucket_buffers: list[torch.Tensor] = []
+        """``encode_buckets``'s two buckets, kept from version to version."""
 
     def encode(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> EncodedWeights:
         """Flatten ``state_dict`` and encode it; blocking (call it in a worker thread).
@@ -100,24 +127,65 @@ class WeightEncoder:
         stream_into(flat, tensors, layout)
         return self._encode_flat(version, flat, layout)
 
-    def _encode_flat(
-        self, version: int, flat: torch.Tensor, layout: list[TensorSpec]
-    ) -> EncodedWeights:
-        state_digests = bucket_digests(as_bytes(flat), self.bucket_bytes)
-        manifest = WeightManifest(
+    @property
+    def streams(self) -> bool:
+        """Versions can leave bucket by bucket (``encode_buckets``): a delta needs the
+        whole previous state, so an encoder with deltas keeps whole payloads."""
+        return not self.deltas
+
+    def encode_buckets(
+        self,
+        version: int,
+        layout: list[TensorSpec],
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        sink: BucketSink,
+    ) -> WeightManifest:
+        """A full version handed to ``sink`` one bucket at a time as ``tensors`` come (in
+        ``layout``'s order), each hashed as it fills; its manifest, once every bucket was
+        handed over. Only two buckets exist here, reused version after version: a payload
+        never does. The buckets and manifest are those of ``encode`` of the same tensors.
+        Blocking (a worker thread)."""
+        if not self.streams:
+            raise ValueError("an encoder that sends deltas needs whole versions: encode_stream")
+        payload_bytes = layout_bytes(layout)
+        if len(self._bucket_buffers) != BUCKET_BUFFERS:
+            self._bucket_buffers = [
+                torch.empty(self.bucket_bytes, dtype=torch.uint8) for _ in range(BUCKET_BUFFERS)
+            ]
+        sink.begin(payload_bytes, self.bucket_bytes)
+        digests: list[str] = []
+        for index, bucket in enumerate(stream_buckets(tensors, layout, self._bucket_buffers)):
+            digests.append(digest_of(bucket))
+            sink.put(index, bucket)
+        sink.end()
+        # no whole state is kept, so the next version is full too
+        self._previous = self._spare = None
+        self._previous_version, self._previous_layout = version, layout
+        return self._full_manifest(version, payload_bytes, layout, digests)
+
+    def _full_manifest(
+        self, version: int, payload_bytes: int, layout: list[TensorSpec], digests: list[str]
+    ) -> WeightManifest:
+        return WeightManifest(
             version=version,
             kind="full",
             transport="",
             location="",
-            payload_bytes=flat.numel(),
+            payload_bytes=payload_bytes,
             bucket_bytes=self.bucket_bytes,
             digest=DIGEST,
-            bucket_digests=state_digests,
-            state_bytes=flat.numel(),
-            state_digest=state_digest(state_digests),
+            bucket_digests=digests,
+            state_bytes=payload_bytes,
+            state_digest=state_digest(digests),
             layout=layout,
         )
+
+    def _encode_flat(
+        self, version: int, flat: torch.Tensor, layout: list[TensorSpec]
+    ) -> EncodedWeights:
         payload = as_bytes(flat)
+        digests = bucket_digests(payload, self.bucket_bytes)
+        manifest = self._full_manifest(version, flat.numel(), layout, digests)
         encoded = self._delta(manifest, flat) if self._delta_allowed(version, layout) else None
         if encoded is not None:
             manifest, payload = encoded

@@ -9,13 +9,16 @@ rank, a world size, an in-place ``broadcast``). Two thin implementations:
   NCCL unique id handed out by rank 0 (over NATS in the mesh).
 
 Protocol, in band, from ``src``:
-1. a header ``int64[2]``: manifest length, payload length (both 0 = "no more");
-2. the manifest (msgspec JSON, uint8);
-3. the payload in buckets of ``manifest.bucket_bytes``, ``IN_FLIGHT`` of them on the
-   wire at once. On the CPU (gloo) the buckets go straight from the sender's payload
-   into the receiver's buffer; a GPU collective stages them through ``IN_FLIGHT``
-   device buffers of a bucket each, so a payload of any size moves with a fixed transfer
-   budget.
+1. a header ``int64[3]``: ``MORE``, the payload's length, its bucket size (``STOP``:
+   no more payloads);
+2. the payload in buckets, ``IN_FLIGHT`` of them on the wire at once (one when the
+   sender streams a version as it is gathered: ``StreamSend``). On the CPU (gloo) the
+   buckets go straight from the sender's memory into the receiver's buffer; a GPU
+   collective stages them through device buffers of a bucket each, so a payload of any
+   size moves with a fixed transfer budget;
+3. a header whose first value is the manifest's length, then the manifest (msgspec
+   JSON, uint8). It comes last: a streamed version's digests exist only once its last
+   bucket has been hashed.
 
 Receivers do not trust the wire: the receiver hashes each bucket as it lands, while the
 next one is on the wire, and ``WeightMirror.apply`` compares those digests with the
@@ -48,6 +51,8 @@ if TYPE_CHECKING:
 IN_FLIGHT = 2
 """Buckets broadcast at once: while one is on the wire the sender prepares the next and
 the receiver hashes the one before."""
+MORE, STOP = 1, 0
+"""The first value of a payload's header: a payload follows, or the sender is done."""
 
 
 class Pending(Protocol):
@@ -161,42 +166,83 @@ class _StreamDone:  # pragma: no cover - needs a GPU
         self.event.synchronize()
 
 
-def send(collective: Collective, encoded: EncodedWeights, src: int = 0) -> None:
-    """Broadcast one payload from ``src`` (this rank) to every other rank."""
-    manifest = msgspec.json.encode(encoded.manifest)
-    payload = encoded.payload
-    _header(collective, src, len(manifest), len(payload))
-    collective.broadcast(
-        torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(collective.device), src
-    )
-    if not len(payload):
-        return
-    source = _read_only_bytes(payload)
-    staging = _staging(collective, encoded.manifest.bucket_bytes)
-    in_flight: deque[Pending] = deque()
-    for index, (start, end) in enumerate(
-        bucket_ranges(len(payload), encoded.manifest.bucket_bytes)
-    ):
-        if len(in_flight) == IN_FLIGHT:
-            in_flight.popleft().wait()  # its staging buffer is free again
-        if staging:
-            piece = staging[index % IN_FLIGHT][: end - start]
-            piece.copy_(source[start:end])
+class StreamSend:
+    """One payload broadcast from ``src`` (this rank) bucket by bucket, as the buckets
+    come; its manifest goes last, so the digests of a payload still being built can
+    travel with it. Up to ``in_flight`` buckets are on the wire at once; the memory of a
+    bucket on the wire must stay as it is until ``flush`` (or a later ``bucket`` call
+    waited for it)."""
+
+    def __init__(
+        self,
+        collective: Collective,
+        payload_bytes: int,
+        bucket_bytes: int,
+        src: int = 0,
+        in_flight: int = IN_FLIGHT,
+    ) -> None:
+        if bucket_bytes <= 0 or payload_bytes < 0:
+            raise ValueError("a payload needs a positive bucket size")
+        self.collective, self.src = collective, src
+        self.in_flight = in_flight
+        self._ranges = list(bucket_ranges(payload_bytes, bucket_bytes))
+        self._sent = 0
+        self._pending: deque[Pending] = deque()
+        self._staging = _staging(collective, bucket_bytes, in_flight)
+        _header(collective, src, (MORE, payload_bytes, bucket_bytes))
+
+    def bucket(self, data: memoryview) -> None:
+        """The next bucket: exactly the size its place in the payload has."""
+        if self._sent == len(self._ranges):
+            raise ValueError("every bucket of this payload was sent")
+        start, end = self._ranges[self._sent]
+        if len(data) != end - start:
+            raise ValueError(f"bucket {self._sent} is {end - start} bytes, not {len(data)}")
+        if len(self._pending) == self.in_flight:
+            self._pending.popleft().wait()  # its staging buffer, or its source, is free
+        source = _read_only_bytes(data)
+        if self._staging:
+            piece = self._staging[self._sent % self.in_flight][: len(data)]
+            piece.copy_(source)
         else:
-            piece = source[start:end]  # gloo only reads the source rank's tensor
-        in_flight.append(collective.start_broadcast(piece, src))
-    for pending in in_flight:
-        pending.wait()
+            piece = source  # gloo only reads the source rank's tensor
+        self._pending.append(self.collective.start_broadcast(piece, self.src))
+        self._sent += 1
+
+    def flush(self) -> None:
+        """Wait until every bucket sent so far is off the wire."""
+        while self._pending:
+            self._pending.popleft().wait()
+
+    def finish(self, manifest: WeightManifest) -> None:
+        """Every bucket sent: wait for them, then send the manifest."""
+        if self._sent != len(self._ranges):
+            raise ValueError(f"{self._sent} of {len(self._ranges)} buckets sent")
+        self.flush()
+        encoded = msgspec.json.encode(manifest)
+        _header(self.collective, self.src, (len(encoded), 0, 0))
+        self.collective.broadcast(
+            torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(self.collective.device),
+            self.src,
+        )
 
 
-def _staging(collective: Collective, bucket_bytes: int) -> list[torch.Tensor]:
+def send(collective: Collective, encoded: EncodedWeights, src: int = 0) -> None:
+    """Broadcast one whole payload from ``src`` (this rank) to every other rank."""
+    payload, bucket_bytes = encoded.payload, encoded.manifest.bucket_bytes
+    sending = StreamSend(collective, len(payload), bucket_bytes, src)
+    for start, end in bucket_ranges(len(payload), bucket_bytes):
+        sending.bucket(payload[start:end])
+    sending.finish(encoded.manifest)
+
+
+def _staging(collective: Collective, bucket_bytes: int, count: int) -> list[torch.Tensor]:
     """A bucket-sized buffer per broadcast in flight on a GPU collective; none on the
     CPU, where the payload itself is broadcast."""
     if collective.device.type == "cpu":
         return []
     return [
-        torch.empty(bucket_bytes, dtype=torch.uint8, device=collective.device)
-        for _ in range(IN_FLIGHT)
+        torch.empty(bucket_bytes, dtype=torch.uint8, device=collective.device) for _ in range(count)
     ]
 
 
@@ -211,7 +257,7 @@ def _read_only_bytes(payload: memoryview) -> torch.Tensor:
 
 def send_stop(collective: Collective, src: int = 0) -> None:
     """Tell every receiver's loop that no more payloads come."""
-    _header(collective, src, 0, 0)
+    _header(collective, src, (STOP, 0, 0))
 
 
 def new_buffer(nbytes: int) -> torch.Tensor:
@@ -224,21 +270,18 @@ def receive(
     """The next payload broadcast by ``src``, or None after ``send_stop``. It lands in
     ``buffer(n)``, a contiguous CPU uint8 tensor of ``n`` bytes that nobody else touches
     until the payload is applied."""
-    manifest_length, payload_length = _header(collective, src, 0, 0)
-    if manifest_length == 0:
+    more, payload_length, bucket_bytes = _header(collective, src, (STOP, 0, 0))
+    if more == STOP:
         return None
-    manifest_bytes = torch.empty(manifest_length, dtype=torch.uint8, device=collective.device)
-    collective.broadcast(manifest_bytes, src)
-    manifest = msgspec.json.decode(manifest_bytes.cpu().numpy().tobytes(), type=WeightManifest)
-    if manifest.payload_bytes != payload_length:
-        raise ValueError("header and manifest disagree on the payload size")
+    if more != MORE or payload_length < 0 or bucket_bytes <= 0:
+        raise ValueError(f"not a payload header: {more}, {payload_length}, {bucket_bytes}")
     payload = buffer(payload_length)
     if payload.numel() != payload_length or payload.dtype != torch.uint8:
         raise ValueError(
             f"a buffer of {payload.numel()} {payload.dtype} for {payload_length} bytes"
         )
     view = as_bytes(payload)
-    staging = _staging(collective, manifest.bucket_bytes)
+    staging = _staging(collective, bucket_bytes, IN_FLIGHT)
     digests: list[str] = []
     in_flight: deque[tuple[Pending, int, int, torch.Tensor]] = deque()
 
@@ -248,21 +291,24 @@ def receive(
             payload[start:end].copy_(piece)
         digests.append(digest_of(view[start:end]))
 
-    for index, (start, end) in enumerate(bucket_ranges(payload_length, manifest.bucket_bytes)):
+    for index, (start, end) in enumerate(bucket_ranges(payload_length, bucket_bytes)):
         if len(in_flight) == IN_FLIGHT:
             land(*in_flight.popleft())
         piece = staging[index % IN_FLIGHT][: end - start] if staging else payload[start:end]
         in_flight.append((collective.start_broadcast(piece, src), start, end, piece))
     while in_flight:
         land(*in_flight.popleft())
+    manifest_length = _header(collective, src, (0, 0, 0))[0]
+    manifest_bytes = torch.empty(manifest_length, dtype=torch.uint8, device=collective.device)
+    collective.broadcast(manifest_bytes, src)
+    manifest = msgspec.json.decode(manifest_bytes.cpu().numpy().tobytes(), type=WeightManifest)
+    if (manifest.payload_bytes, manifest.bucket_bytes) != (payload_length, bucket_bytes):
+        raise ValueError("the header and the manifest disagree on the payload's sizes")
     return Received(manifest, view, digests)
 
 
-def _header(
-    collective: Collective, src: int, manifest_length: int, payload_length: int
-) -> tuple[int, int]:
-    header = torch.tensor(
-        [manifest_length, payload_length], dtype=torch.int64, device=collective.device
-    )
+def _header(collective: Collective, src: int, values: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Three int64 from ``src`` (``values`` there; a placeholder elsewhere)."""
+    header = torch.tensor(values, dtype=torch.int64, device=collective.device)
     collective.broadcast(header, src)
-    return int(header[0]), int(header[1])
+    return int(header[0]), int(header[1]), int(header[2])

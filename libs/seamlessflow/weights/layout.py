@@ -9,7 +9,7 @@ dtype and every element size divides every offset (the delta codec relies on it)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -103,17 +103,72 @@ def stream_into(
         raise LayoutMismatch(f"{count} tensors for a layout of {len(layout)}")
 
 
+def stream_buckets(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    layout: list[TensorSpec],
+    buffers: Sequence[torch.Tensor],
+) -> Iterator[memoryview]:
+    """The flat state of ``layout`` bucket by bucket, as ``tensors`` come (exactly the
+    layout's, in its order, as ``stream_into`` checks): bucket ``i`` is written into
+    ``buffers[i % len(buffers)]`` (each a CPU uint8 tensor of one bucket) and yielded once
+    complete, the last one short. A yielded view is valid until the generator writes its
+    buffer again, ``len(buffers)`` buckets later, so only a tensor and the buffers exist
+    at a time; the buckets are those of the same tensors flattened whole (alignment gaps
+    are zero)."""
+    if not buffers or any(b.numel() != buffers[0].numel() for b in buffers):
+        raise ValueError("stream_buckets needs buffers of one bucket size")
+    bucket_bytes = buffers[0].numel()
+    index = filled = position = 0
+
+    def write(source: torch.Tensor | None, length: int) -> Iterator[memoryview]:
+        """``length`` bytes of ``source`` (zeros if None) at ``position``."""
+        nonlocal index, filled, position
+        done = 0
+        while done < length:
+            bucket = buffers[index % len(buffers)]
+            count = min(bucket_bytes - filled, length - done)
+            target = bucket[filled : filled + count]
+            if source is None:
+                target.zero_()
+            else:
+                target.copy_(source[done : done + count])
+            filled, done, position = filled + count, done + count, position + count
+            if filled == bucket_bytes:
+                yield as_bytes(bucket)
+                index, filled = index + 1, 0
+
+    count = 0
+    for count, (name, tensor) in enumerate(tensors, start=1):
+        if count > len(layout):
+            raise LayoutMismatch(f"{name!r} beyond a layout of {len(layout)} tensors")
+        spec = layout[count - 1]
+        if name != spec.name:
+            raise LayoutMismatch(f"{name!r} where the layout has {spec.name!r}")
+        raw = _raw_bytes(spec, tensor)
+        yield from write(None, spec.offset - position)
+        yield from write(raw, raw.numel())
+    if count != len(layout):
+        raise LayoutMismatch(f"{count} tensors for a layout of {len(layout)}")
+    yield from write(None, layout_bytes(layout) - position)
+    if filled:
+        yield as_bytes(buffers[index % len(buffers)][:filled])
+
+
 def place(flat: torch.Tensor, spec: TensorSpec, tensor: torch.Tensor) -> None:
     """Copy ``tensor`` to ``spec``'s place in ``flat``; its dtype and shape must be the
     spec's."""
+    raw = _raw_bytes(spec, tensor)
+    flat[spec.offset : spec.offset + raw.numel()].copy_(raw)
+
+
+def _raw_bytes(spec: TensorSpec, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes, flat; its dtype and shape must be the spec's."""
     if dtype_name(tensor.dtype) != spec.dtype or list(tensor.shape) != spec.shape:
         raise LayoutMismatch(
             f"{spec.name}: {dtype_name(tensor.dtype)}{list(tensor.shape)} "
             f"!= {spec.dtype}{spec.shape}"
         )
-    size = spec_bytes(spec)
-    raw = tensor.detach().reshape(-1).view(torch.uint8)
-    flat[spec.offset : spec.offset + size].copy_(raw)
+    return tensor.detach().reshape(-1).view(torch.uint8)
 
 
 def flatten(state_dict: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, list[TensorSpec]]:

@@ -20,6 +20,7 @@ anything, and refuses a mismatch (``WeightsCorrupted``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import mmap
 import os
@@ -27,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Protocol
 
-from seamlessflow.bus import Bus, NotFound, ObjectBucket
+from seamlessflow.bus import BROKER_ERRORS, Bus, NotFound, ObjectBucket
 from seamlessflow.protocol import WeightManifest
 from seamlessflow.weights.codec import EncodedWeights, WeightsCorrupted
 from seamlessflow.weights.layout import bucket_ranges
@@ -46,10 +47,30 @@ class PayloadMissing(Exception):
     """The payload a manifest names is gone (pruned, or another host's shared memory)."""
 
 
+class PayloadWriter(Protocol):
+    """A payload being stored bucket by bucket; readers see it only once ``close``d."""
+
+    async def write(self, index: int, bucket: memoryview) -> None:
+        """Bucket ``index`` (written in order); done with ``bucket`` on return."""
+        ...
+
+    async def close(self, manifest: WeightManifest) -> WeightManifest:
+        """Every bucket written: the payload is complete; ``manifest`` with its place."""
+        ...
+
+    async def abort(self) -> None:
+        """Give the partial payload up (removed as far as the store can be reached)."""
+        ...
+
+
 class PayloadStore(Protocol):
     name: str
     ephemeral: bool
     """Payloads live in RAM: the publisher deletes them all when it stops."""
+
+    async def writer(self, version: int, kind: str) -> PayloadWriter:
+        """Start storing the payload of ``version`` (a ``full`` or ``delta``)."""
+        ...
 
     async def put(self, encoded: EncodedWeights) -> WeightManifest:
         """Store the payload completely; returns the manifest with its location."""
@@ -67,8 +88,23 @@ class PayloadStore(Protocol):
         ...
 
 
-def payload_name(manifest: WeightManifest) -> str:
-    return f"weights-v{manifest.version:08d}-{manifest.kind}"
+def payload_name(version: int, kind: str) -> str:
+    return f"weights-v{version:08d}-{kind}"
+
+
+async def put_whole(store: PayloadStore, encoded: EncodedWeights) -> WeightManifest:
+    """``put`` through the store's writer: the payload's buckets in turn."""
+    manifest = encoded.manifest
+    writer = await store.writer(manifest.version, manifest.kind)
+    try:
+        for index, (start, end) in enumerate(
+            bucket_ranges(len(encoded.payload), manifest.bucket_bytes)
+        ):
+            await writer.write(index, encoded.payload[start:end])
+    except BaseException:
+        await writer.abort()
+        raise
+    return await writer.close(manifest)
 
 
 def _payload_version(name: str) -> int:
@@ -94,18 +130,11 @@ class ObjectStorePayloads:
             self._store = await self.bus.object_bucket(self._bucket)
         return self._store
 
+    async def writer(self, version: int, kind: str) -> PayloadWriter:
+        return _ObjectWriter(await self._objects(), payload_name(version, kind))
+
     async def put(self, encoded: EncodedWeights) -> WeightManifest:
-        store = await self._objects()
-        location = payload_name(encoded.manifest)
-        for index, (start, end) in enumerate(
-            bucket_ranges(len(encoded.payload), encoded.manifest.bucket_bytes)
-        ):
-            await store.put(
-                _bucket_object(location, index),
-                bytes(encoded.payload[start:end]),
-                chunk_bytes=OBJECT_CHUNK_BYTES,
-            )
-        return _located(encoded.manifest, self.name, location)
+        return await put_whole(self, encoded)
 
     async def fetch(self, manifest: WeightManifest) -> memoryview:
         store = await self._objects()
@@ -174,17 +203,13 @@ class SharedMemoryPayloads:
         self.directory = directory
         self.prefix = f"seamlessflow-{run_id}-"
 
-    async def put(self, encoded: EncodedWeights) -> WeightManifest:
-        location = self.prefix + payload_name(encoded.manifest)
-        await asyncio.to_thread(self._write, location, encoded.payload)
-        return _located(encoded.manifest, self.name, location)
+    async def writer(self, version: int, kind: str) -> PayloadWriter:
+        final = self.directory / (self.prefix + payload_name(version, kind))
+        out = await asyncio.to_thread(final.with_name(final.name + ".partial").open, "wb")
+        return _FileWriter(out, final)
 
-    def _write(self, location: str, payload: memoryview) -> None:
-        final = self.directory / location
-        partial = final.with_name(final.name + ".partial")
-        with partial.open("wb") as out:
-            out.write(payload)
-        os.replace(partial, final)  # atomic: readers see all of it or nothing
+    async def put(self, encoded: EncodedWeights) -> WeightManifest:
+        return await put_whole(self, encoded)
 
     async def fetch(self, manifest: WeightManifest) -> memoryview:
         if not manifest.location.startswith(self.prefix):
@@ -213,6 +238,58 @@ class SharedMemoryPayloads:
         for path in self.directory.glob(self.prefix + "weights-v*"):
             if _payload_version(path.name.removeprefix(self.prefix)) < version:
                 path.unlink(missing_ok=True)
+
+
+class _ObjectWriter:
+    """A payload as one object per bucket: ``.b00000``, ``.b00001``, ..."""
+
+    def __init__(self, store: ObjectBucket, location: str) -> None:
+        self.store, self.location = store, location
+        self.written = 0
+
+    async def write(self, index: int, bucket: memoryview) -> None:
+        await self.store.put(
+            _bucket_object(self.location, index), bytes(bucket), chunk_bytes=OBJECT_CHUNK_BYTES
+        )
+        self.written = index + 1
+
+    async def close(self, manifest: WeightManifest) -> WeightManifest:
+        if self.written != len(manifest.bucket_digests):
+            raise ValueError(f"{self.written} of {len(manifest.bucket_digests)} buckets stored")
+        return _located(manifest, ObjectStorePayloads.name, self.location)
+
+    async def abort(self) -> None:
+        with contextlib.suppress(*BROKER_ERRORS):
+            for index in range(self.written):
+                await self.store.remove(_bucket_object(self.location, index))
+
+
+class _FileWriter:
+    """A payload written to ``<final>.partial`` and renamed: readers see all or nothing."""
+
+    def __init__(self, out: io.BufferedWriter, final: Path) -> None:
+        self.out, self.final = out, final
+        self.written = 0
+
+    async def write(self, index: int, bucket: memoryview) -> None:
+        if index != self.written:
+            raise ValueError(f"bucket {index} written after {self.written} buckets")
+        await asyncio.to_thread(self.out.write, bucket)
+        self.written += 1
+
+    async def close(self, manifest: WeightManifest) -> WeightManifest:
+        if self.written != len(manifest.bucket_digests):
+            raise ValueError(f"{self.written} of {len(manifest.bucket_digests)} buckets written")
+        await asyncio.to_thread(self.out.close)
+        os.replace(self.out.name, self.final)  # atomic: readers see all of it or nothing
+        return _located(manifest, SharedMemoryPayloads.name, self.final.name)
+
+    async def abort(self) -> None:
+        await asyncio.to_thread(self._remove)
+
+    def _remove(self) -> None:
+        self.out.close()
+        Path(self.out.name).unlink(missing_ok=True)
 
 
 class _SliceWriter(io.BufferedIOBase):

@@ -1,7 +1,8 @@
 """The version handshake, written once for every store and engine.
 
 - ``WeightPublisher`` (trainer): encode -> store completely -> (push to the group, if
-  any) -> return the manifest that the trainer then announces; keeps the latest
+  any) -> return the manifest that the trainer then announces, or the same bucket by
+  bucket as the version is encoded (``publish_streamed``); keeps the latest
   ``keep_chains`` chains (a full payload and the deltas after it), deletes older ones,
   and, once, every older payload in the store (those of an earlier trainer process).
 - ``VersionChain`` (weight-sync, in ``chain``: no torch): the manifests that build the
@@ -14,18 +15,19 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import torch
 
 from seamlessflow.bus import BROKER_ERRORS
 from seamlessflow.protocol import WeightManifest
 from seamlessflow.weights import collective
-from seamlessflow.weights.codec import EncodedWeights, WeightEncoder, WeightMirror
+from seamlessflow.weights.codec import BucketSink, EncodedWeights, WeightEncoder, WeightMirror
 from seamlessflow.weights.collective import Collective, Received
-from seamlessflow.weights.stores import PayloadMissing, PayloadStore
+from seamlessflow.weights.stores import PayloadMissing, PayloadStore, PayloadWriter
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,45 @@ class WeightPublisher:
         manifest = await self.store.put(encoded)
         if self.push is not None:
             await self._broadcast(self.push, EncodedWeights(manifest, encoded.payload))
+        return await self._keep(manifest)
+
+    async def publish_streamed(
+        self, version: int, encode: Callable[[BucketSink], Awaitable[WeightManifest]]
+    ) -> WeightManifest:
+        """``publish`` of a version that leaves as it is encoded: ``encode(sink)`` runs
+        ``encoder.encode_buckets`` with ``sink`` in a worker thread (a trainer gathers
+        it tensor by tensor: ``Learner.stream_weights``), and each bucket is stored, and
+        broadcast to the push group, while the next one is gathered. No whole payload
+        exists; the manifest is announced only after the last bucket was stored."""
+        writer = await self.store.writer(version, "full")
+        streaming = _StreamedVersion(self, writer, asyncio.get_running_loop())
+        try:
+            manifest = await encode(streaming)
+        except BaseException:
+            await streaming.settle()
+            await writer.abort()
+            if streaming.sending is not None:  # the receivers are mid-payload
+                self._push_broken(RuntimeError(f"version {version} was not finished"))
+            raise
+        try:
+            stored = await writer.close(manifest)
+        except BaseException:
+            if streaming.sending is not None:  # the receivers wait for a manifest
+                self._push_broken(RuntimeError(f"version {version} was not stored"))
+            raise
+        if streaming.sending is not None:
+            try:
+                await asyncio.to_thread(streaming.sending.finish, stored)
+            except Exception as exc:
+                self._push_broken(exc)
+        return await self._keep(stored)
+
+    def _push_broken(self, exc: BaseException) -> None:
+        log.warning("push group broken (%r); engines pull from the store", exc)
+        self.push = None
+
+    async def _keep(self, manifest: WeightManifest) -> WeightManifest:
+        """Add a stored version to the kept chains; delete what drops out of them."""
         if manifest.kind == "full" or not self._chains:
             self._chains.append([])
         self._chains[-1].append(manifest)
@@ -98,8 +139,7 @@ class WeightPublisher:
         try:
             await asyncio.to_thread(collective.send, group, encoded)
         except Exception as exc:  # a member died: the store still has every payload
-            log.warning("push group broken (%r); engines pull from the store", exc)
-            self.push = None
+            self._push_broken(exc)
 
     async def close(self) -> None:
         """Stop the push group's listeners; delete the payloads of an ephemeral store
@@ -122,6 +162,70 @@ class WeightPublisher:
                 for name, t in state_dict.items()
             }
         return self.encoder.encode(version, state_dict)
+
+
+class _StreamedVersion:
+    """The ``BucketSink`` of ``publish_streamed``: called on the encoding thread, it
+    stores (and pushes) each bucket on the event loop, one bucket at a time, so the
+    encoder fills the next bucket while this one travels."""
+
+    def __init__(
+        self, publisher: WeightPublisher, writer: PayloadWriter, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.publisher, self.writer, self.loop = publisher, writer, loop
+        self.sending: collective.StreamSend | None = None
+        self._pending: concurrent.futures.Future[None] | None = None
+
+    def begin(self, payload_bytes: int, bucket_bytes: int) -> None:
+        group = self.publisher.push
+        if group is None:
+            return
+        try:
+            self.sending = collective.StreamSend(group, payload_bytes, bucket_bytes, in_flight=1)
+        except Exception as exc:  # a member died: the store still has every payload
+            self.loop.call_soon_threadsafe(self.publisher._push_broken, exc)
+
+    def put(self, index: int, bucket: memoryview) -> None:
+        self._wait()
+        self._pending = asyncio.run_coroutine_threadsafe(self._travel(index, bucket), self.loop)
+
+    def end(self) -> None:
+        self._wait()
+
+    async def settle(self) -> None:
+        """After a failed encoding: wait for the bucket still travelling, if any, so
+        that nothing is written after the partial payload is removed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(pending)
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    async def _travel(self, index: int, bucket: memoryview) -> None:
+        if self.sending is None:
+            await self.writer.write(index, bucket)
+            return
+        sending = self.sending
+        stored, sent = await asyncio.gather(
+            self.writer.write(index, bucket),
+            asyncio.to_thread(_broadcast_now, sending, bucket),
+            return_exceptions=True,
+        )
+        if isinstance(sent, BaseException):
+            self.sending = None
+            self.publisher._push_broken(sent)
+        if isinstance(stored, BaseException):
+            raise stored
+
+
+def _broadcast_now(sending: collective.StreamSend, bucket: memoryview) -> None:
+    """``bucket`` off the wire before it returns: the encoder reuses its memory."""
+    sending.bucket(bucket)
+    sending.flush()
 
 
 class WeightReceiver:
