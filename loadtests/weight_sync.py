@@ -361,6 +361,9 @@ class KeptNowhere:
     async def delete(self, manifest: WeightManifest) -> None:
         pass
 
+    async def delete_before(self, version: int) -> None:
+        pass
+
 
 def streamed_send_trials(
     group: collective.TorchCollective,

@@ -22,7 +22,7 @@ from seamlessflow.assets.loading import check_tied, load_causal_lm
 from seamlessflow.assets.model_check import ModelNeeds, check_model
 from seamlessflow.protocol import TrainBatch, WeightManifest
 from seamlessflow.weights.codec import BucketSink, EncodedWeights, WeightEncoder
-from seamlessflow.weights.layout import dtype_name, layout_of, torch_dtype
+from seamlessflow.weights.layout import dtype_name, layout_bytes, layout_of, torch_dtype
 from seamlessflow.weights.tied import tied_aliases, with_aliases, without_aliases
 from sf_trainer import checkpoint
 from sf_trainer.advantages import chosen_estimator
@@ -210,6 +210,11 @@ class Learner:
         layout = layout_of(self.group.host_layout(self.model, dtype, skip=self.tied))
         tensors = self.group.host_tensors(self.model, dtype, skip=self.tied)
         return encoder.encode_stream(version, layout, tensors)
+
+    def version_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """The size of a published version's payload (floating-point tensors in
+        ``dtype``), from the weights' metadata: nothing is gathered."""
+        return layout_bytes(layout_of(self.group.host_layout(self.model, dtype, skip=self.tied)))
 
     def stream_weights(
         self,

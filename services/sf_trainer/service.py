@@ -158,7 +158,13 @@ class TrainerService:
                 msg_id=MessageIds.train_plan(self.policy, self.trainer_id),
             )
             transfer = weight_transfer(self.settings)
-            self.publisher = publisher(ctx.bus, transfer)
+            version_bytes = self.learner.version_bytes(transfer.travel_dtype)
+            self.publisher = publisher(ctx.bus, transfer, version_bytes)
+            log.info("a version is %.3f GB: %s", version_bytes / 1e9,
+                     "sent as deltas where smaller" if self.publisher.encoder.deltas else
+                     "streamed bucket by bucket as it is gathered, in full"
+                     + (f" (over SF_WEIGHTS_DELTA_MAX_MB={transfer.delta_max_mb:g})"
+                        if transfer.deltas else ""))  # fmt: skip
             if transfer.group_backend:
                 # blocks until every engine of the group joined (SF_WEIGHTS_GROUP_TIMEOUT_S)
                 self.publisher.push = await form_as_trainer(ctx.bus, transfer)

@@ -32,6 +32,7 @@ from seamlessflow.protocol import (
     WeightsPublished,
     decode,
 )
+from seamlessflow.weights import ObjectStorePayloads, WeightMirror
 from sf_trainer.checkpoint import (
     load_model_state,
     load_optimizer_state,
@@ -478,6 +479,10 @@ async def start_torchrun(
         "SF_TRAINER_STEPS": str(steps),
         "SF_TRAINER_LR": str(SETTINGS["lr"]),
         "SF_TRAINER_MICRO_BATCH_TOKENS": str(SETTINGS["micro_batch_tokens"]),
+        # every version streams bucket by bucket as the ranks gather it, in buckets
+        # smaller than most tensors
+        "SF_WEIGHTS_DELTA_MAX_MB": "0",
+        "SF_WEIGHTS_BUCKET_MB": "0.05",
         "OMP_NUM_THREADS": "1",
     }
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -528,6 +533,16 @@ async def test_the_trainer_service_on_two_ranks_trains_and_publishes_versions(
 
     final = run_dir / "checkpoints" / "final"
     assert read_state(final).data_position == 1
+    # each version left rank 0 bucket by bucket, in full; the last one, read back from
+    # the store, is the final checkpoint's weights in the travel dtype
+    last = published[-1].manifest
+    assert [p.manifest.kind for p in published] == ["full", "full"]
+    assert len(last.bucket_digests) > 10
+    mirror = WeightMirror()
+    mirror.apply(last, await ObjectStorePayloads(bus).fetch(last))
+    saved = load_model_state(final)
+    for name, tensor in mirror.tensors().items():
+        assert torch.equal(tensor, saved[name].to(tensor.dtype)), name
     alone = run_one_process(spec(base_model_dir, BATCHES, tmp_path / "alone"))
     expected_losses = [r["loss"] for r in alone]
     assert [m.loss for m in metrics] == pytest.approx(expected_losses, rel=0, abs=GRADIENT_NOISE)

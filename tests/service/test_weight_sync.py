@@ -27,6 +27,7 @@ from seamlessflow.weights import (
 )
 from seamlessflow.weights.codec import BucketSink
 from seamlessflow.weights.layout import plan_layout
+from seamlessflow.weights.settings import WeightTransferSettings, publisher
 from sf_engine.service import EngineService
 from sf_engine.settings import EngineSettings
 from sf_tag_scheduler.service import TagSchedulerService
@@ -130,6 +131,16 @@ async def test_a_streamed_version_is_stored_bucket_by_bucket_or_not_at_all(
             objects = await (await bus.object_bucket(bus.subjects.object_store_weights())).names()
             assert all(name.startswith(manifest.location) for name in objects), objects
         await publisher.close()
+
+
+async def test_versions_over_the_delta_bound_stream_in_full(bus: Bus) -> None:
+    """Deltas keep two whole versions on rank 0: only a version up to
+    ``SF_WEIGHTS_DELTA_MAX_MB`` gets them; a larger one streams."""
+    bound = WeightTransferSettings(delta_max_mb=2)
+    assert publisher(bus, bound, 2 << 20).encoder.deltas
+    assert publisher(bus, bound, (2 << 20) + 1).encoder.streams
+    assert publisher(bus, WeightTransferSettings(delta_max_mb=0), 64).encoder.streams
+    assert publisher(bus, WeightTransferSettings(deltas=False), 64).encoder.streams
 
 
 def in_thread(

@@ -4,7 +4,7 @@ and by the engines, which fetch."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic_settings import SettingsConfigDict
 
@@ -14,6 +14,9 @@ from seamlessflow.weights.codec import WeightEncoder
 from seamlessflow.weights.layout import torch_dtype
 from seamlessflow.weights.stores import ObjectStorePayloads, PayloadStore, SharedMemoryPayloads
 from seamlessflow.weights.sync import WeightPublisher
+
+if TYPE_CHECKING:
+    import torch
 
 
 class WeightTransferSettings(RunFileSettings):
@@ -35,7 +38,15 @@ class WeightTransferSettings(RunFileSettings):
     Low-precision transfer is where deltas pay: most bf16 words survive a step."""
 
     deltas: bool = True
-    """Send sparse deltas between consecutive versions when they are smaller."""
+    """Send sparse deltas between consecutive versions when they are smaller (for
+    versions up to ``delta_max_mb``)."""
+
+    delta_max_mb: float = 1024.0
+    """Largest version (MiB, in the travel dtype) sent with deltas. A delta is computed
+    against the whole previous version, so the trainer's rank 0 then keeps two whole
+    versions; a larger version streams bucket by bucket as it is gathered and goes in
+    full, rank 0 holding two buckets of it (docs/design.md, "Published bucket by
+    bucket"). 0: every version streams."""
 
     full_every: int = 10
     """A full payload at least every N versions (chains stay short for late joiners)."""
@@ -75,6 +86,11 @@ class WeightTransferSettings(RunFileSettings):
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_mb * 1024 * 1024))
 
+    @property
+    def travel_dtype(self) -> torch.dtype | None:
+        """``dtype`` as a torch dtype; None: the trainer's weights as they are."""
+        return torch_dtype(self.dtype) if self.dtype else None
+
 
 def payload_stores(bus: Bus, settings: WeightTransferSettings) -> dict[str, PayloadStore]:
     """Every store an engine can fetch from; the manifest names the one to use."""
@@ -84,13 +100,15 @@ def payload_stores(bus: Bus, settings: WeightTransferSettings) -> dict[str, Payl
     }
 
 
-def publisher(bus: Bus, settings: WeightTransferSettings) -> WeightPublisher:
+def publisher(bus: Bus, settings: WeightTransferSettings, version_bytes: int) -> WeightPublisher:
+    """The trainer's publisher for versions of ``version_bytes`` (their travel size)."""
     encoder = WeightEncoder(
         bucket_bytes=settings.bucket_bytes,
-        deltas=settings.deltas,
+        deltas=settings.deltas and version_bytes <= settings.delta_max_mb * 1024 * 1024,
         full_every=settings.full_every,
         max_delta_ratio=settings.max_delta_ratio,
     )
     store = payload_stores(bus, settings)[settings.transport]
-    dtype = torch_dtype(settings.dtype) if settings.dtype else None
-    return WeightPublisher(store, encoder, keep_chains=settings.keep_chains, dtype=dtype)
+    return WeightPublisher(
+        store, encoder, keep_chains=settings.keep_chains, dtype=settings.travel_dtype
+    )
