@@ -8,7 +8,8 @@ Checks (each in a process of its own, so a crash or a CUDA error fails that chec
   them (``named_parameters()``: a tied model's output matrix is its embedding, sent
   once, in bf16, through the weight codec), then greedy completions' logprobs are
   compared with a float64 forward pass over the same (bf16-rounded) weights. See
-  "Bounds" below.
+  "Bounds" below. ``reload/qwen2.5-0.5b`` and ``reload/qwen2.5-1.5b`` do the same at the
+  sizes users train (random weights at those shapes), only when ``--only`` names them.
 - ``sleep-wake``: a vLLM engine in sleep mode gives device memory back while asleep and,
   awake, serves the weights it held before (the reloaded ones, not the checkpoint's):
   the same greedy tokens, within the reload bound.
@@ -64,6 +65,10 @@ not keep the direction."""
 DISCRIMINATION = 4.0
 """A stale head's gap must exceed this many bounds for a pass to mean anything."""
 CHECK_TIMEOUT_S = 900.0
+RELOAD_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b")
+"""Shapes users train (``seamlessflow.assets.shapes``) the reload check also runs at,
+when named. Its float64 reference holds the weights twice in float64 on the host (8 GB
+at 0.5B, 25 GB at 1.5B), which is what bounds the size."""
 PROMPTS = ([5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20, 21], [30, 31, 32, 33, 34, 35, 36, 37])
 COMPLETION_TOKENS = 16
 
@@ -86,12 +91,17 @@ class Context:
     gpus: int = 0
 
     def model(self, family: str) -> Path:
-        """A tiny random model of ``family``, built once per workdir."""
+        """A tiny random model of ``family``, or a model of a shape users train (``SHAPES``:
+        random bf16 weights at that size), built once per workdir."""
         from seamlessflow.assets.families import build_family_model
+        from seamlessflow.assets.shapes import write_random_model
 
         out = self.workdir / "models" / family
         if not (out / "config.json").exists():
-            build_family_model(family, out, seed=0)
+            if family in RELOAD_SHAPES:
+                write_random_model(family, out)
+            else:
+                build_family_model(family, out, seed=0)
         return out
 
 
@@ -103,6 +113,8 @@ class Check:
     cpu_form: bool = False
     """Runs with ``--device cpu`` too (CI); else skipped there."""
     min_gpus: int = 1
+    named_only: bool = False
+    """Runs only when ``--only`` names it (a model of a size users train: minutes)."""
 
 
 @dataclass
@@ -190,14 +202,34 @@ def reference_logprobs(
     return out
 
 
-def through_codec(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` after the trip every weight payload makes (``WeightEncoder`` ->
-    bytes -> ``WeightMirror``, as pulled from the store or pushed over the group)."""
-    from seamlessflow.weights import WeightEncoder, WeightMirror
+class _Collected:
+    """A ``BucketSink`` that keeps every bucket: the payload a store would hold."""
 
-    encoded = WeightEncoder(bucket_bytes=1 << 20).encode(1, state)
+    def __init__(self) -> None:
+        self.payload = bytearray()
+
+    def begin(self, payload_bytes: int, bucket_bytes: int) -> None:
+        self.payload = bytearray()
+
+    def put(self, index: int, bucket: memoryview) -> None:
+        self.payload += bucket
+
+    def end(self) -> None:
+        pass
+
+
+def through_codec(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` after the trip every weight payload makes: encoded bucket by bucket as
+    the trainer streams a version (``WeightEncoder.encode_buckets``), bytes, then
+    ``WeightMirror``, as pulled from the store or pushed over the group."""
+    from seamlessflow.weights import WeightEncoder, WeightMirror
+    from seamlessflow.weights.layout import plan_layout
+
+    collected = _Collected()
+    encoder = WeightEncoder(bucket_bytes=1 << 20)
+    manifest = encoder.encode_buckets(1, plan_layout(state), iter(state.items()), collected)
     mirror = WeightMirror()
-    mirror.apply(encoded.manifest, bytes(encoded.payload))
+    mirror.apply(manifest, memoryview(collected.payload))
     return {name: tensor.clone() for name, tensor in mirror.tensors().items()}
 
 
@@ -277,6 +309,17 @@ def compare_to_reference(
 # ---------------------------------------------------------------- the checks
 
 
+async def reload_and_generate(
+    engine: Any, sent: dict[str, Any]
+) -> list[tuple[list[int], list[int], list[float]]]:
+    await engine.start()
+    try:
+        await engine.load_weights(sent, version=1)
+        return await generate_greedy(engine, "reload")
+    finally:
+        await engine.close()
+
+
 def check_reload(family: str) -> Callable[[Context], dict[str, Any]]:
     def run(ctx: Context) -> dict[str, Any]:
         import torch
@@ -287,17 +330,14 @@ def check_reload(family: str) -> Callable[[Context], dict[str, Any]]:
         # the trainer's form: named_parameters (a tied head once), in the engine's dtype,
         # through the weight codec
         sent = through_codec({name: tensor.to(dtype) for name, tensor in new.items()})
+        head_name = output_matrix_name(model_dir, old)
+        old = {head_name: old[head_name]}  # all a stale engine's reference needs
+        del new  # at the sizes users train, each copy of the weights is gigabytes
 
-        async def drive() -> list[tuple[list[int], list[int], list[float]]]:
-            await engine.start()
-            try:
-                await engine.load_weights(sent, version=1)
-                return await generate_greedy(engine, "reload")
-            finally:
-                await engine.close()
-
-        generated = asyncio.run(drive())
+        generated = asyncio.run(reload_and_generate(engine, sent))
+        del engine
         sent64 = {name: tensor.to(torch.float64) for name, tensor in sent.items()}
+        del sent
         figures = compare_to_reference(ctx, model_dir, old, sent64, dtype, generated)
         ok, why = reload_verdict(figures)
         if not ok:
@@ -522,6 +562,10 @@ def registry() -> dict[str, Check]:
 
     checks = [Check(f"reload/{f}", check_reload(f), cpu_form=True) for f in FAMILIES]
     checks += [
+        Check(f"reload/{shape}", check_reload(shape), cpu_form=True, named_only=True)
+        for shape in RELOAD_SHAPES
+    ]
+    checks += [
         Check("sleep-wake", check_sleep_wake),
         Check("cupy-nccl", check_cupy_nccl),
         Check("cupy-nccl-2gpu", check_cupy_nccl_two_gpus, min_gpus=2),
@@ -615,7 +659,9 @@ def main(argv: list[str] | None = None, checks: dict[str, Check] | None = None) 
     parser.add_argument("--run-one", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     checks = checks if checks is not None else registry()
-    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(checks)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or [
+        name for name, check in checks.items() if not check.named_only
+    ]
     unknown = [n for n in names if n not in checks]
     if unknown:
         parser.error(f"unknown checks {unknown}; known: {', '.join(checks)}")
