@@ -16,9 +16,10 @@ Parts (``--only``; each records its figures, or its error, and the next one runs
   tokens/s with 1, 16 and 64 requests in flight (no stop token, so every request runs
   to ``max_tokens``).
 - ``handoff``: the trainer's fp32 weights into a bf16 engine on the same GPU, both
-  models' sizes. Through the product (``full_model_state`` -> ``WeightEncoder`` ->
-  ``SharedMemoryPayloads``/``ObjectStorePayloads`` -> ``WeightMirror`` ->
-  ``engine.load_weights``) and device to device over CUDA IPC (the engine in another
+  models' sizes. Through the product, a version streamed bucket by bucket as the trainer
+  does (``host_tensors`` -> ``WeightEncoder.encode_buckets`` ->
+  ``WeightPublisher.publish_streamed`` into ``SharedMemoryPayloads`` -> ``WeightMirror``
+  -> ``engine.load_weights``), and device to device over CUDA IPC (the engine in another
   process maps the trainer's bf16 copy and copies it in: no host copy). Seconds per GB
   of bf16 weights against the copy engine's bound (D2H + H2D for host paths, one
   device copy for IPC).
@@ -53,7 +54,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -576,7 +577,15 @@ def handoff_case(ctx: Context, name: str, trainer_model: Any) -> dict[str, Any]:
     import torch
     import torch.multiprocessing as mp
 
-    from seamlessflow.weights import SharedMemoryPayloads, WeightEncoder, WeightMirror
+    from seamlessflow.protocol import WeightManifest
+    from seamlessflow.weights import (
+        SharedMemoryPayloads,
+        WeightEncoder,
+        WeightMirror,
+        WeightPublisher,
+    )
+    from seamlessflow.weights.codec import BucketSink
+    from seamlessflow.weights.layout import layout_of
     from seamlessflow.weights.settings import WeightTransferSettings
     from seamlessflow.weights.tied import tied_aliases, without_aliases
     from sf_engine.backends import TransformersEngine
@@ -595,19 +604,26 @@ def handoff_case(ctx: Context, name: str, trainer_model: Any) -> dict[str, Any]:
     shm_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else ctx.workdir
     store = SharedMemoryPayloads(f"gpurun{os.getpid()}", shm_dir)
 
+    layout = layout_of(group.host_layout(trainer_model, dtype, skip=tied))
+    publisher = WeightPublisher(
+        store, WeightEncoder(WeightTransferSettings().bucket_bytes), keep_chains=1
+    )
+
+    def stream(version: int) -> Callable[[BucketSink], Awaitable[WeightManifest]]:
+        """As the trainer publishes (``Learner.stream_weights``): each tensor cast where it
+        lives, brought to the host and encoded bucket by bucket into the store."""
+        tensors = group.host_tensors(trainer_model, dtype, skip=tied)
+        return lambda sink: asyncio.to_thread(
+            publisher.encoder.encode_buckets, version, layout, tensors, sink
+        )
+
     async def through_store() -> list[dict[str, float]]:
         await engine.start()
         trials = []
         try:
             for version in range(1, ctx.sizes.handoff_repeats + 1):
                 marks = [time.perf_counter()]
-                # as the trainer publishes: cast where the weights live, then to the host
-                state = without_aliases(group.full_model_state(trainer_model, dtype), tied)
-                marks.append(time.perf_counter())
-                encoder = WeightEncoder(WeightTransferSettings().bucket_bytes)
-                encoded = await asyncio.to_thread(encoder.encode, version, state)
-                manifest = await store.put(encoded)
-                del encoded
+                manifest = await publisher.publish_streamed(version, stream(version))
                 marks.append(time.perf_counter())
                 mirror = WeightMirror()
                 payload = await store.fetch(manifest)
@@ -616,13 +632,13 @@ def handoff_case(ctx: Context, name: str, trainer_model: Any) -> dict[str, Any]:
                 await engine.load_weights(mirror.tensors(), version)
                 synchronize(device)
                 marks.append(time.perf_counter())
-                await store.delete(manifest)
-                del payload, mirror, state
-                phases = ("gather", "encode+put", "fetch+apply", "load")
+                del payload, mirror
+                phases = ("gather+encode+put", "fetch+apply", "load")
                 trial = {p: b - a for p, a, b in zip(phases, marks[:-1], marks[1:], strict=True)}
                 trials.append(trial | {"total": marks[-1] - marks[0]})
         finally:
             await engine.close()
+            await publisher.close()  # shared memory is RAM
         return trials
 
     trials = asyncio.run(through_store())
