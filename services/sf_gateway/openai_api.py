@@ -200,6 +200,12 @@ VLLM_EXTRAS: dict[str, Param] = {
     "include_stop_str_in_output": _refused(
         "the text an agent gets ends before a stop string", _is(False)
     ),
+    "return_token_ids": _honoured(
+        "the ids the engine was given (prompt_token_ids, a forced tool-call opening "
+        "included) and each choice's generated ids (token_ids), exactly as the turn is "
+        "recorded for training; streamed, the prompt's come in the first chunk and each "
+        "chunk carries its new ids"
+    ),
     "guided_json": _refused("no constrained decoding: use tools or prompt for JSON"),
     "guided_regex": _refused("no constrained decoding"),
     "guided_choice": _refused("no constrained decoding"),
@@ -268,7 +274,10 @@ CHAT_PARAMS: dict[str, Param] = {
 COMPLETION_PARAMS: dict[str, Param] = {
     **_COMMON,
     **VLLM_EXTRAS,
-    "prompt": _honoured("text (tokenized) or token ids, used as given"),
+    "prompt": _honoured(
+        "text (tokenized) or token ids, used as given; a batch of one prompt (['text'], "
+        "[[ids]]) is that prompt, a larger batch is a 400"
+    ),
     "logprobs": _honoured("k top logprobs per token, from the engines"),
     "echo": _refused("the prompt is not echoed back in the text", _is(False)),
     "suffix": _refused("no insertion (fill-in-the-middle) template", _empty),
@@ -324,6 +333,8 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    return_token_ids: bool = False
+    """vLLM's extra: the prompt's and each choice's token ids in the response."""
 
     @field_validator("temperature")
     @classmethod
@@ -546,6 +557,22 @@ class CompletionRequest(_Request):
     PARAMS: ClassVar[Mapping[str, Param]] = COMPLETION_PARAMS
     prompt: str | list[int]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        """OpenAI's and vLLM's batch forms (a list of strings, a list of id lists) with
+        one prompt in them are that prompt; several are refused: one turn per request,
+        and ``n`` asks for several samples of one prompt."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise ValueError(
+                    f"one prompt per request, got {len(prompt)} (n samples one prompt n times)"
+                )
+            return prompt[0]
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt
 
     def token_budget(self, default: int) -> int:
         # OpenAI's legacy completions default to 16 tokens

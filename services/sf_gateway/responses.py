@@ -49,8 +49,20 @@ class _Format:
     include_usage: bool = False
     token_bytes: TokenBytes | None = None
     """A token's raw bytes (None: the UTF-8 of its decoded text)."""
+    prompt_ids: list[int] | None = None
+    """vLLM's ``return_token_ids``: the ids the engine was given, returned as
+    ``prompt_token_ids`` with each choice's ``token_ids`` (None: not asked for)."""
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def returns_ids(self) -> bool:
+        return self.prompt_ids is not None
+
+    def _token_ids(self, chunk: dict[str, Any], choice: Choice, end: int) -> None:
+        """The ids ``choice`` generated since its last chunk, into ``chunk`` (asked for)."""
+        if self.returns_ids:
+            chunk["choices"][0]["token_ids"] = choice.token_ids[choice.sent_tokens : end]
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -159,16 +171,27 @@ class ChatFormat(_Format):
                     "message": self.message(c),
                     "finish_reason": self.finish_reason(c),
                     "logprobs": self._logprobs(c, 0) if self.logprobs else None,
+                    **({"token_ids": list(c.token_ids)} if self.returns_ids else {}),
                 }
                 for c in choices
             ],
         )
+        if self.returns_ids:
+            body["prompt_token_ids"] = self.prompt_ids
         body["usage"] = usage(prompt_tokens, choices)
         return body
 
     # -- stream ------------------------------------------------------------------------
     def opening(self, choices: Sequence[Choice]) -> list[dict[str, Any]]:
-        return [self._delta(c, {"role": "assistant", "content": ""}) for c in choices]
+        chunks = [self._delta(c, {"role": "assistant", "content": ""}) for c in choices]
+        if chunks and self.returns_ids:  # in the first chunk only, as vLLM sends them
+            chunks[0]["prompt_token_ids"] = self.prompt_ids
+        return chunks
+
+    def _pending_tokens(self, choice: Choice) -> bool:
+        """Ids generated since the last chunk that the client asked to see."""
+        tracked = self.logprobs or self.returns_ids
+        return tracked and choice.sent_tokens < len(choice.token_ids)
 
     def streamable(self, choice: Choice) -> tuple[str, str]:
         """The prefixes of the choice's reasoning and content that are final now."""
@@ -191,8 +214,7 @@ class ChatFormat(_Format):
         reasoning, content = self.streamable(choice)
         new_reasoning = reasoning[self._sent_reasoning.get(choice.index, 0) :]
         new_content = content[choice.sent_chars :]
-        pending_logprobs = self.logprobs and choice.sent_tokens < len(choice.token_ids)
-        if not new_reasoning and not new_content and not pending_logprobs:
+        if not new_reasoning and not new_content and not self._pending_tokens(choice):
             return None
         return self._advance(choice, new_reasoning, new_content, len(choice.token_ids))
 
@@ -201,7 +223,7 @@ class ChatFormat(_Format):
         chunks = []
         reasoning = (parsed.reasoning or "")[self._sent_reasoning.get(choice.index, 0) :]
         rest = (parsed.content or "")[choice.sent_chars :]
-        if reasoning or rest or (self.logprobs and choice.sent_tokens < len(choice.token_ids)):
+        if reasoning or rest or self._pending_tokens(choice):
             chunks.append(self._advance(choice, reasoning, rest, len(choice.token_ids)))
         for index, call in enumerate(self.message(choice).get("tool_calls", [])):
             function = call["function"]
@@ -221,6 +243,7 @@ class ChatFormat(_Format):
         chunk = self._delta(choice, delta)
         if self.logprobs:
             chunk["choices"][0]["logprobs"] = self._logprobs(choice, choice.sent_tokens, tokens_to)
+        self._token_ids(chunk, choice, tokens_to)
         self._sent_reasoning[choice.index] = self._sent_reasoning.get(choice.index, 0) + len(
             reasoning
         )
@@ -238,6 +261,7 @@ class ChatFormat(_Format):
                 "delta": delta,
                 "logprobs": None,
                 "finish_reason": finish_reason,
+                **({"token_ids": []} if self.returns_ids else {}),
             },
         )
 
@@ -265,6 +289,8 @@ class ChatFormat(_Format):
 class CompletionFormat(_Format):
     logprobs: int | None = None
     """None: no logprobs; k >= 0: each token's logprob and its k most likely tokens."""
+    _opened: set[int] = field(default_factory=set)
+    """Choices that sent a chunk (the first one carries the prompt's ids)."""
 
     def __post_init__(self) -> None:
         self.id = self.id or "cmpl-" + uuid.uuid4().hex
@@ -278,6 +304,11 @@ class CompletionFormat(_Format):
                     "text": c.text,
                     "finish_reason": _finish(c),
                     "logprobs": self._logprobs(c, 0, None),
+                    **(
+                        {"prompt_token_ids": self.prompt_ids, "token_ids": list(c.token_ids)}
+                        if self.returns_ids
+                        else {}
+                    ),
                 }
                 for c in choices
             ],
@@ -290,9 +321,8 @@ class CompletionFormat(_Format):
 
     def progress(self, choice: Choice) -> dict[str, Any] | None:
         text = choice.safe_text()[choice.sent_chars :]
-        if not text and not (
-            self.logprobs is not None and choice.sent_tokens < len(choice.token_ids)
-        ):
+        tracked = self.logprobs is not None or self.returns_ids
+        if not text and not (tracked and choice.sent_tokens < len(choice.token_ids)):
             return None
         return self._advance(choice, text, None)
 
@@ -311,6 +341,11 @@ class CompletionFormat(_Format):
                 "finish_reason": finish_reason,
             },
         )
+        self._token_ids(chunk, choice, end)
+        if self.returns_ids and choice.index not in self._opened:
+            # a choice's prompt ids come with its first chunk, as vLLM sends them
+            chunk["choices"][0]["prompt_token_ids"] = self.prompt_ids
+            self._opened.add(choice.index)
         choice.sent_chars += len(text)
         choice.sent_tokens = end
         return chunk

@@ -139,6 +139,7 @@ class TurnPlanner:
             logprobs=body.logprobs,
             forced=bool(opening),
             forced_name=body.forced_tool_name if opening else None,
+            prompt_ids=list(plan.prompt_ids) if body.return_token_ids else None,
         )
 
         def node_of(choice: Choice) -> NodeKey:
@@ -171,6 +172,7 @@ class TurnPlanner:
             token_text=self.tokenizer.token_text,
             include_usage=body.include_usage,
             logprobs=body.logprobs,
+            prompt_ids=list(plan.prompt_ids) if body.return_token_ids else None,
         )
         turn = Turn(session, plan, self._choices(plan), lambda _: None, "gateway.completion")
         return turn, view
