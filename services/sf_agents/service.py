@@ -90,6 +90,15 @@ class GatewayRefused(Exception):
     """The gateway answered one of the runner's calls with an error status."""
 
 
+AGENT_ERRORS_IN_A_ROW = 32
+"""An agent that raised on this many samples in a row (at least twice the runner's
+concurrency), none completing in between, stops the run with one line: a bug that
+fails every sample would otherwise loop for as long as the run lasts, claiming and
+losing samples (an agent that could not parse its answers failed 81,195 samples in ten
+minutes of a run that never trained a step). Failures of the environment or of the
+gateway are not the agent's bug and do not count."""
+
+
 class AgentRunner:
     name = "agents"
 
@@ -99,6 +108,8 @@ class AgentRunner:
         self.agent = get_agent(self.settings.agent)
         self.completed = 0
         self.failed = 0
+        self.errors_in_a_row = 0
+        """The agent's own errors since the last sample it completed."""
 
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
@@ -244,6 +255,7 @@ class AgentRunner:
                 if status != 200:
                     raise GatewayRefused(f"reward: HTTP {status} {answer[:200]!r}")
             self.completed += 1
+            self.errors_in_a_row = 0
             outcome = "completed"
         except asyncio.CancelledError:
             raise
@@ -263,16 +275,30 @@ class AgentRunner:
             outcome = "gateway_lost"
             log.error("agent on %s (session %s): the gateway did not answer its call (%s)",
                       assignment.task_id, session_id, exc)  # fmt: skip
-        except Exception:
+        except Exception as exc:
             self.failed += 1
             outcome = "agent_error"
             log.exception("agent failed on %s (session %s)", assignment.task_id, session_id)
+            self._count_agent_error(exc)
         finally:
             path = f"/sessions/{session_id}/finish"
             status, answer = await self._post(path, finish_body, session_auth)
             if status not in (200, 409):
                 log.warning("finishing %s: HTTP %d %s", session_id, status, answer[:200])
         return outcome
+
+    def _count_agent_error(self, exc: Exception) -> None:
+        """Stop the run once the agent failed ``AGENT_ERRORS_IN_A_ROW`` samples in a row
+        (raised after this sample's session is finished)."""
+        self.errors_in_a_row += 1
+        limit = max(AGENT_ERRORS_IN_A_ROW, 2 * self.settings.concurrency)
+        if self.errors_in_a_row >= limit:
+            first_line = (str(exc).splitlines() or [""])[0][:300]
+            raise Unrecoverable(
+                f"the agent {self.settings.agent!r} raised on {self.errors_in_a_row} samples "
+                f"in a row, none completed ({type(exc).__name__}: {first_line}): fix the "
+                "agent (the agents' log has each traceback)"
+            ) from exc
 
     async def _post(
         self, path: str, body: dict[str, object] | None, headers: Mapping[str, str] | None = None

@@ -17,6 +17,7 @@ from aiohttp import web
 from support import InProcessMesh, announce_plan, free_port
 
 from seamlessflow.bus import Bus
+from seamlessflow.service import unrecoverable_cause
 from sf_agents import service as agent_runner
 from sf_agents.service import AgentRunner
 from sf_agents.settings import AgentRunnerSettings
@@ -61,6 +62,46 @@ async def test_a_lost_gateway_costs_one_line_per_sample_not_a_traceback(
     assert len(lost) >= 2
     assert all(r.levelno == logging.ERROR and r.exc_info is None for r in lost)
     assert not [r for r in caplog.records if r.exc_info], "no traceback"
+
+
+async def test_an_agent_that_raises_on_every_sample_stops_the_run_with_one_line(
+    nats_url: str,
+    run_id: str,
+    base_model_dir: Path,
+    bus: Bus,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An agent with a bug that fails every sample: the runner stops after
+    ``AGENT_ERRORS_IN_A_ROW`` of them with one line naming the agent and the error,
+    instead of claiming and losing samples for as long as the run lasts."""
+    monkeypatch.setattr(agent_runner, "AGENT_ERRORS_IN_A_ROW", 4)
+
+    async def misreads_its_answers(client: object, task: object) -> float:
+        raise TypeError("the answer is not a float")
+
+    await announce_plan(bus, steps=1)
+    mesh = InProcessMesh(nats_url, run_id, base_model_dir)
+    try:
+        await mesh.start(TrajectoryService(TrajectorySettings(group_size=2, groups_per_batch=1)))
+        gateway = await mesh.start(GatewayService(GatewaySettings(port=0)))
+        async with asyncio.timeout(60):
+            await gateway.ready.wait()
+        url = f"http://127.0.0.1:{gateway.bound_port}"
+        runner = AgentRunner(AgentRunnerSettings(gateway_url=url, concurrency=2, max_tokens=4))
+        runner.agent = misreads_its_answers
+        await mesh.start(runner)
+        (_, _, running) = mesh.running.pop()  # it ends by itself: nothing to stop
+        async with asyncio.timeout(120):
+            ended = (await asyncio.gather(running, return_exceptions=True))[0]
+    finally:
+        await mesh.stop()
+    # what the service skeleton finds and exits with (EXIT_UNRECOVERABLE, one line)
+    stopped = unrecoverable_cause(ended)
+    assert stopped is not None, ended
+    message = str(stopped)
+    assert "raised on 4 samples in a row" in message
+    assert "TypeError: the answer is not a float" in message and "'single_turn'" in message
+    assert runner.completed == 0 and runner.failed == 4
 
 
 async def test_the_runner_waits_out_a_gateway_whose_broker_is_electing_a_leader(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, BaseModel
 
 from seamlessflow.agents import AgentTask, register_agent
 from seamlessflow.rewards import first_integer, get_reward
@@ -20,6 +20,44 @@ async def single_turn(client: AsyncOpenAI, task: AgentTask) -> float | None:
         temperature=task.temperature,
     )
     return None
+
+
+@register_agent("token_ids")
+async def token_ids(client: AsyncOpenAI, task: AgentTask) -> float | None:
+    """Ask once as a client written against vLLM's token API does: the task's messages
+    tokenized once (the session's ``/tokenize``, the chat prompt), then a completion
+    whose prompt is those ids, with ``return_token_ids``. What it gets back are the ids
+    the engine saw and produced (``prompt_token_ids``, ``token_ids``): a client that
+    continues a conversation appends to them, never retokenizing its history. The
+    task's verifier scores the answer."""
+    tokenized = await client.post(
+        session_url(client, "tokenize"),
+        body={"messages": task.messages},
+        cast_to=TokenizeAnswer,
+    )
+    answer = await client.completions.create(
+        model=task.model,
+        prompt=tokenized.tokens,
+        max_tokens=task.max_tokens,
+        temperature=task.temperature,
+        extra_body={"return_token_ids": True},
+    )
+    (choice,) = answer.choices
+    extra = choice.model_extra or {}
+    if extra.get("prompt_token_ids") != tokenized.tokens or not extra.get("token_ids"):
+        raise ValueError(f"the answer lacks the ids it was asked for: {sorted(extra)}")
+    return None
+
+
+class TokenizeAnswer(BaseModel):
+    """The part of vLLM's ``/tokenize`` answer the agent reads."""
+
+    tokens: list[int]
+
+
+def session_url(client: AsyncOpenAI, path: str) -> str:
+    """``path`` beside the session's ``/v1`` (where vLLM serves ``/tokenize``)."""
+    return str(client.base_url).rstrip("/").removesuffix("/v1") + "/" + path
 
 
 VERDICT_YES, VERDICT_NO = 1, 0
