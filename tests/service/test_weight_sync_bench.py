@@ -26,7 +26,7 @@ def test_the_weight_sync_benchmark_runs_and_writes_its_figures(
     assert size["megabytes"] == 10 and 9_000_000 < size["state_bytes"] <= 10_000_000
     for bound in ("memcpy", "loopback_tcp", "xxh3_128", "sha256"):
         assert size["bounds"][bound]["MBps"] > 0, bound
-    assert set(size["transports"]) == {"shm", "object", "collective"}
+    assert set(size["transports"]) == {"shm", "object", "collective", "streamed"}
     for name, figures in size["transports"].items():
         assert figures["seconds"] > 0 and figures["MBps"] > 0, name
         assert figures["sync_to_bound"] > 0, name

@@ -89,6 +89,7 @@ class WeightPublisher:
         try:
             stored = await writer.close(manifest)
         except BaseException:
+            await writer.abort()
             if streaming.sending is not None:  # the receivers wait for a manifest
                 self._push_broken(RuntimeError(f"version {version} was not stored"))
             raise
