@@ -91,6 +91,15 @@ def stream_into(
     """Copy each ``(name, tensor)`` as it comes to its place in ``flat``: exactly the
     layout's tensors, in its order. Only one of them needs to exist at a time (a trainer
     gathers its shards tensor by tensor into the payload)."""
+    for spec, tensor in in_layout(tensors, layout):
+        place(flat, spec, tensor)
+
+
+def in_layout(
+    tensors: Iterable[tuple[str, torch.Tensor]], layout: list[TensorSpec]
+) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+    """Each ``(name, tensor)`` as it comes, with its spec: exactly the layout's tensors,
+    in its order (``LayoutMismatch`` otherwise, at the first one out of place)."""
     count = 0
     for count, (name, tensor) in enumerate(tensors, start=1):
         if count > len(layout):
@@ -98,7 +107,7 @@ def stream_into(
         spec = layout[count - 1]
         if name != spec.name:
             raise LayoutMismatch(f"{name!r} where the layout has {spec.name!r}")
-        place(flat, spec, tensor)
+        yield spec, tensor
     if count != len(layout):
         raise LayoutMismatch(f"{count} tensors for a layout of {len(layout)}")
 
@@ -109,7 +118,7 @@ def stream_buckets(
     buffers: Sequence[torch.Tensor],
 ) -> Iterator[memoryview]:
     """The flat state of ``layout`` bucket by bucket, as ``tensors`` come (exactly the
-    layout's, in its order, as ``stream_into`` checks): bucket ``i`` is written into
+    layout's, in its order: ``in_layout``): bucket ``i`` is written into
     ``buffers[i % len(buffers)]`` (each a CPU uint8 tensor of one bucket) and yielded once
     complete, the last one short. A yielded view is valid until the generator writes its
     buffer again, ``len(buffers)`` buckets later, so only a tensor and the buffers exist
@@ -137,18 +146,10 @@ def stream_buckets(
                 yield as_bytes(bucket)
                 index, filled = index + 1, 0
 
-    count = 0
-    for count, (name, tensor) in enumerate(tensors, start=1):
-        if count > len(layout):
-            raise LayoutMismatch(f"{name!r} beyond a layout of {len(layout)} tensors")
-        spec = layout[count - 1]
-        if name != spec.name:
-            raise LayoutMismatch(f"{name!r} where the layout has {spec.name!r}")
+    for spec, tensor in in_layout(tensors, layout):
         raw = _raw_bytes(spec, tensor)
         yield from write(None, spec.offset - position)
         yield from write(raw, raw.numel())
-    if count != len(layout):
-        raise LayoutMismatch(f"{count} tensors for a layout of {len(layout)}")
     yield from write(None, layout_bytes(layout) - position)
     if filled:
         yield as_bytes(buffers[index % len(buffers)][:filled])
