@@ -11,13 +11,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from seamlessflow.protocol import TopLogprob
 from sf_gateway.choice import Choice
 from sf_gateway.reasoning import ReasoningParser
-from sf_gateway.tool_parsers import ParsedCompletion, ToolParser
+from sf_gateway.tool_parsers import ParsedCompletion, ToolCallError, ToolParser
 
 TokenText = Callable[[int], str]
 TokenBytes = Callable[[int], bytes]
@@ -102,14 +102,10 @@ class ChatFormat(_Format):
     """The prompt opened the reasoning block (it ends with the parser's ``start``): the
     answer is read as if it began with it."""
     logprobs: bool = False
-    forced: bool = False
-    """A forced ``tool_choice`` ('required' or a named function): the answer is a tool
-    call even when the model did not finish it (``ForcesCalls.unfinished_call``)."""
-    forced_name: str | None = None
-    """The function a named ``tool_choice`` forced (None: 'required' or not forced)."""
+    tool_names: frozenset[str] | None = None
+    """The functions the request offered (None: calls are not checked against them); a
+    call of another is returned as written, with an ``unknown_tool`` error."""
     _parsed: dict[int, ParsedCompletion] = field(default_factory=dict)
-    _unfinished: set[int] = field(default_factory=set)
-    """Choices whose call the model did not finish (the finish reason stays theirs)."""
     _sent_reasoning: dict[int, int] = field(default_factory=dict)
     """Characters of each choice's reasoning streamed so far (its content's are
     ``Choice.sent_chars``)."""
@@ -127,17 +123,23 @@ class ChatFormat(_Format):
                 reasoning, rest = self.reasoning.split(self._opened(choice.text))
             if self.parser is not None:
                 parsed = self.parser.parse(rest)
-                content, calls = parsed.content, parsed.tool_calls
-                unfinished = getattr(self.parser, "unfinished_call", None)
-                if self.forced and not calls and unfinished is not None:
-                    call = unfinished(rest, self.forced_name)
-                    if call is not None:
-                        content, calls = None, [call]
-                        self._unfinished.add(choice.index)
+                errors = parsed.errors + tuple(
+                    ToolCallError("unknown_tool", f"no function {call.name!r} was offered", call.id)
+                    for call in parsed.tool_calls
+                    if self.tool_names is not None and call.name not in self.tool_names
+                )
+                parsed = replace(parsed, reasoning=reasoning, errors=errors)
             else:
-                content, calls = (None if reasoning is not None and not rest else rest), []
-            self._parsed[choice.index] = ParsedCompletion(content, calls, reasoning)
+                content = None if reasoning is not None and not rest else rest
+                parsed = ParsedCompletion(content, [], reasoning)
+            self._parsed[choice.index] = parsed
         return self._parsed[choice.index]
+
+    def tool_call_errors(self, choice: Choice) -> dict[str, Any]:
+        """The choice's ``tool_call_errors`` field: the malformed calls of its answer
+        (empty: none, and no field)."""
+        errors = self.parsed(choice).errors
+        return {"tool_call_errors": [e.body() for e in errors]} if errors else {}
 
     def message(self, choice: Choice) -> dict[str, Any]:
         parsed = self.parsed(choice)
@@ -156,8 +158,9 @@ class ChatFormat(_Format):
         return message
 
     def finish_reason(self, choice: Choice) -> str:
-        if self.parsed(choice).tool_calls:
-            if choice.index in self._unfinished and choice.finish_reason == "length":
+        parsed = self.parsed(choice)
+        if parsed.tool_calls:
+            if parsed.unfinished and choice.finish_reason == "length":
                 return "length"  # as OpenAI says of a call cut by max_tokens
             return "tool_calls"
         return "stop" if choice.finish_reason == "stop" else "length"
@@ -172,6 +175,7 @@ class ChatFormat(_Format):
                     "finish_reason": self.finish_reason(c),
                     "logprobs": self._logprobs(c, 0) if self.logprobs else None,
                     **({"token_ids": list(c.token_ids)} if self.returns_ids else {}),
+                    **self.tool_call_errors(c),
                 }
                 for c in choices
             ],
@@ -231,7 +235,9 @@ class ChatFormat(_Format):
             arguments = {"index": index, "function": {"arguments": function["arguments"]}}
             chunks.append(self._delta(choice, {"tool_calls": [{"index": index, **opening}]}))
             chunks.append(self._delta(choice, {"tool_calls": [arguments]}))
-        chunks.append(self._delta(choice, {}, finish_reason=self.finish_reason(choice)))
+        closing = self._delta(choice, {}, finish_reason=self.finish_reason(choice))
+        closing["choices"][0].update(self.tool_call_errors(choice))
+        chunks.append(closing)
         return chunks
 
     def _advance(self, choice: Choice, reasoning: str, text: str, tokens_to: int) -> dict[str, Any]:

@@ -14,9 +14,22 @@ adds its own with ``@register_tool_parser("name")``.
   so a parsed call sent back renders as the model wrote it.
 
 Contract of ``parse(text)``: every well-formed call becomes a ``ToolCall`` (arguments as
-a JSON string); a malformed block (bad JSON, no name, unclosed) stays in the content
-untouched; the content is the text outside the well-formed blocks, ``None`` if that is
-empty or only whitespace.
+a JSON string), and the content is the text outside the calls, ``None`` if that is empty
+or only whitespace. A call the model wrote malformed is never silently dropped: the
+parser also returns a ``ToolCallError`` for it (``ParsedCompletion.errors``), and what
+the agent gets is what OpenAI documents for function calling without strict mode:
+
+- ``invalid_json`` (the block is not JSON: broken, or cut by the token budget) and
+  ``invalid_arguments`` (JSON, but its arguments are no object): when the function's
+  name can be read, the call is returned with that name and its arguments exactly as
+  the model wrote them (text that may not parse, which the agent checks, as OpenAI
+  asks of every client, and answers with a ``tool`` message);
+- ``no_name`` (no function name to read): the block stays in the content.
+
+The gateway adds ``unknown_tool`` for a call of a function the request did not offer
+(returned as written, like OpenAI's). The errors are returned with the choice
+(``tool_call_errors``), recorded with the turn and counted in the batch reports
+(docs/environments.md, "Malformed tool calls").
 
 Contract of ``streamable(text)`` (``text``: a prefix of the answer): the prefix of
 ``text`` that may be streamed as content now, i.e. that is a prefix of the content of
@@ -44,6 +57,25 @@ class ToolCall:
     id: str
 
 
+TOOL_CALL_ERROR_KINDS = ("invalid_json", "invalid_arguments", "no_name", "unknown_tool")
+"""What ``ToolCallError.kind`` may say (see the module's doc)."""
+
+
+@dataclass(frozen=True)
+class ToolCallError:
+    """A tool call the model wrote malformed (or of a function not offered)."""
+
+    kind: str
+    """One of ``TOOL_CALL_ERROR_KINDS``."""
+    message: str
+    tool_call_id: str | None = None
+    """The returned call it concerns; None: the block stayed in the content."""
+
+    def body(self) -> dict[str, Any]:
+        """As the choice's ``tool_call_errors`` lists it."""
+        return {"type": self.kind, "message": self.message, "tool_call_id": self.tool_call_id}
+
+
 @dataclass(frozen=True)
 class ParsedCompletion:
     content: str | None
@@ -51,6 +83,11 @@ class ParsedCompletion:
     reasoning: str | None = None
     """A thinking model's reasoning (``reasoning_content``), split off by a reasoning
     parser (``sf_gateway.reasoning``); None: none."""
+    errors: tuple[ToolCallError, ...] = ()
+    """The calls the model wrote malformed, in order."""
+    unfinished: bool = False
+    """The last call was opened and never closed (cut by the token budget, or the model
+    stopped): with ``finish_reason`` "length" the answer says "length", as OpenAI does."""
 
 
 class ToolParser(Protocol):
@@ -60,16 +97,12 @@ class ToolParser(Protocol):
 
 
 class ForcesCalls(Protocol):
-    """A parser that can also write the opening of a call, for a forced ``tool_choice``,
-    and read back a call the answer opened and did not finish."""
+    """A parser that can also write the opening of a call, for a forced ``tool_choice``
+    (its ``parse`` reads the answer as opening + what the model wrote, finished or not)."""
 
     def call_opening(self, name: str | None) -> str:
         """The text that opens a call of ``name`` up to its arguments (None: up to the
         function's name, which the model writes)."""
-        ...
-
-    def unfinished_call(self, text: str, name: str | None) -> ToolCall | None:
-        """The call ``text`` opened and did not finish, its arguments as generated."""
         ...
 
 
@@ -117,7 +150,7 @@ class QwenToolParser:
 
     start_marker: ClassVar[str] = "<tool_call>"
     end_marker: ClassVar[str] = "</tool_call>"
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>|<tool_call>\s*(.*?)\s*\Z", re.S)
     _NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
     _ARGUMENTS = re.compile(r'"arguments"\s*:\s*')
 
@@ -128,52 +161,79 @@ class QwenToolParser:
             return '<tool_call>\n{"name": "'
         return '<tool_call>\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments":'
 
-    def unfinished_call(self, text: str, name: str | None) -> ToolCall | None:
-        """The last call ``text`` opened and did not finish as a well-formed block (cut by
-        the token budget, or its JSON broken), with its arguments as generated: the JSON
-        object if one was completed, else the text after ``"arguments":`` as it stands.
-        What OpenAI returns for a forced ``tool_choice``, leaving the arguments' checking
-        to the agent. ``name``: the function a named ``tool_choice`` forced (its opening
-        holds it); None (``required``): the name the model wrote, and no call while that
-        name is unfinished."""
-        start = text.rfind(self.start_marker)
-        if start < 0:
-            return None
-        body = text[start + len(self.start_marker) :].split(self.end_marker, 1)[0].strip()
-        written = self._NAME.search(body)
-        if written is not None:
-            try:
-                name = json.loads(written.group(1))
-            except json.JSONDecodeError:  # an escape JSON does not know: no name to give
-                pass
-        if not name:
-            return None
-        arguments = ""
-        opened = self._ARGUMENTS.search(body)
-        if opened is not None:
-            raw = body[opened.end() :]
-            try:
-                value, end = json.JSONDecoder().raw_decode(raw)
-            except json.JSONDecodeError:
-                arguments = raw.rstrip()
-            else:
-                arguments = raw[:end] if isinstance(value, dict) else raw.rstrip()
-        return ToolCall(name, arguments, new_call_id())
-
     def parse(self, text: str) -> ParsedCompletion:
+        """Every ``<tool_call>`` block, closed or (the last one) not, as vLLM's hermes
+        parser reads them; a malformed one as the module's doc says."""
         calls: list[ToolCall] = []
+        errors: list[ToolCallError] = []
         outside: list[str] = []
         position = 0
+        unfinished = False
         for match in self._BLOCK.finditer(text):
-            call = _call_from_json(match.group(1))
+            body = match.group(1) if match.group(1) is not None else match.group(2)
+            call, error = self._call(body)
+            if error is not None:
+                errors.append(error)
             if call is None:
-                continue  # malformed: stays part of the content
+                continue  # no name: the block stays part of the content
             outside.append(text[position : match.start()])
             position = match.end()
             calls.append(call)
+            unfinished = match.group(1) is None
         outside.append(text[position:])
         content = "".join(outside)
-        return ParsedCompletion(content if content.strip() else None, calls)
+        return ParsedCompletion(
+            content if content.strip() else None, calls, errors=tuple(errors),
+            unfinished=unfinished,
+        )  # fmt: skip
+
+    def _call(self, body: str) -> tuple[ToolCall | None, ToolCallError | None]:
+        """The call one block holds, and what is wrong with it (None: nothing)."""
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError as exc:
+            name = self._written_name(body)
+            if name is None:
+                return None, ToolCallError("no_name", f"the tool call is not JSON ({exc})")
+            loose = ToolCall(name, self._written_arguments(body), new_call_id())
+            return loose, ToolCallError(
+                "invalid_json", f"the call of {name!r} is not JSON ({exc})", loose.id
+            )
+        well_formed = _call_from_obj(value)
+        if well_formed is not None:
+            return well_formed, None
+        name = value.get("name") if isinstance(value, dict) else None
+        if not isinstance(name, str) or not name:
+            return None, ToolCallError("no_name", "the tool call names no function")
+        arguments = value.get("arguments")
+        written = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        call = ToolCall(name, written, new_call_id())
+        return call, ToolCallError(
+            "invalid_arguments", f"the arguments of {name!r} are not a JSON object", call.id
+        )
+
+    def _written_name(self, body: str) -> str | None:
+        written = self._NAME.search(body)
+        if written is None:
+            return None
+        try:
+            name = json.loads(written.group(1))
+        except json.JSONDecodeError:  # an escape JSON does not know: no name to give
+            return None
+        return name if isinstance(name, str) and name else None
+
+    def _written_arguments(self, body: str) -> str:
+        """The arguments as the model wrote them: the JSON value after ``"arguments":``
+        if one is complete, else the text after it as it stands ("" if none)."""
+        opened = self._ARGUMENTS.search(body)
+        if opened is None:
+            return ""
+        raw = body[opened.end() :]
+        try:
+            _, end = json.JSONDecoder().raw_decode(raw)
+        except json.JSONDecodeError:
+            return raw.rstrip()
+        return raw[:end]
 
     def streamable(self, text: str) -> str:
         marker = text.find(self.start_marker)
@@ -191,15 +251,22 @@ class Llama3JsonToolParser:
     ``<|python_tag|>``. Anything else, or any malformed part, is content as a whole."""
 
     python_tag: ClassVar[str] = "<|python_tag|>"
+    _CALL_START = re.compile(r'\{\s*"name"\s*:')
 
     def parse(self, text: str) -> ParsedCompletion:
         body = text.strip()
         if body.startswith(self.python_tag):
             body = body[len(self.python_tag) :].lstrip()
         calls = self._calls(body) if body.startswith("{") else None
-        if not calls:
-            return ParsedCompletion(text if text.strip() else None, [])
-        return ParsedCompletion(None, calls)
+        if calls:
+            return ParsedCompletion(None, calls)
+        errors: tuple[ToolCallError, ...] = ()
+        if text.lstrip().startswith(self.python_tag) or self._CALL_START.match(body):
+            # meant as a call (the tag, or a JSON object naming a function) and not one:
+            # the answer stays content, since this format has no block to cut a call from
+            errors = (ToolCallError("invalid_json", "the answer opens a tool call that does "
+                                    "not parse as this family's JSON calls"),)  # fmt: skip
+        return ParsedCompletion(text if text.strip() else None, [], errors=errors)
 
     def streamable(self, text: str) -> str:
         body = text.lstrip()

@@ -75,7 +75,10 @@ class TurnRunner:
                     raise
                 for choice in turn.choices:
                     node = turn.node_of(choice)
-                    await self._record(session, plan, choice, node, turn.parent_digest)
+                    await self._record(
+                        session, plan, choice, node, turn.parent_digest,
+                        turn.tool_call_errors(choice),
+                    )  # fmt: skip
                     if node is not None:  # stored first: a restart rebuilds the same tree
                         add_node(session, self.tokenizer, node, plan.prompt_ids, choice.token_ids)
 
@@ -112,6 +115,7 @@ class TurnRunner:
         choice: Choice,
         node: NodeKey | None,
         parent_digest: str = "",
+        tool_call_errors: list[str] | None = None,
     ) -> None:
         turn = TurnRecorded(
             session_id=session.opened.session_id,
@@ -134,6 +138,7 @@ class TurnRunner:
             parent_digest=parent_digest,
             top_k=plan.top_k,
             constrained=bool(plan.structured_output),
+            tool_call_errors=tool_call_errors or [],
         )
         with self.session_table.recording(turn.request_id):
             await self.bus.js_publish(self.bus.subjects.trajectory_event(turn.session_id), turn)

@@ -73,6 +73,8 @@ class Turn:
     on_update: Callable[[], None] = lambda: None
     parent_digest: str = ""
     """The tree node whose messages this request continues (``Prompt.parent``)."""
+    tool_call_errors: Callable[[Choice], list[str]] = lambda _: []
+    """The kinds of the malformed tool calls in a choice's answer (recorded with it)."""
 
 
 class TurnPlanner:
@@ -137,8 +139,7 @@ class TurnPlanner:
             reasoning=self.reasoning_parser,
             reasoning_opened=self._opens_reasoning(prompt_ids),
             logprobs=body.logprobs,
-            forced=bool(opening),
-            forced_name=body.forced_tool_name if opening else None,
+            tool_names=frozenset(t.function.name for t in body.tools or []) if parser else None,
             prompt_ids=list(plan.prompt_ids) if body.return_token_ids else None,
         )
 
@@ -147,6 +148,7 @@ class TurnPlanner:
             return Conversation.node_key(messages, tools, view.message(choice))
 
         turn = Turn(session, plan, self._choices(plan), node_of, span)
+        turn.tool_call_errors = lambda choice: [e.kind for e in view.parsed(choice).errors]
         turn.parent_digest = prompt.parent.digest if prompt.parent is not None else ""
         return turn, view
 

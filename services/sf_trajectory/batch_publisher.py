@@ -68,6 +68,7 @@ class BatchPublisher:
                 **prefixed("batch.groups_dropped", report.groups_dropped),
                 **prefixed("batch.samples_dropped", report.samples_dropped),
                 **prefixed("batch.groups_waived", report.groups_waived),
+                **prefixed("batch.tool_call_errors", report.tool_call_errors),
             },
         ):
             await publish_batch(self.bus, batch)
@@ -77,12 +78,16 @@ class BatchPublisher:
                 report,
                 msg_id=MessageIds.data_batch_report(line.policy, batch.batch_index),
             )
-        if report.groups_dropped or report.groups_waived or report.samples_dropped:
+        if (
+            report.groups_dropped or report.groups_waived or report.samples_dropped
+            or report.tool_call_errors
+        ):  # fmt: skip
             log.info(
-                "%s batch %d (%s): %d groups; groups dropped %s, waived %s; samples dropped %s",
+                "%s batch %d (%s): %d groups; groups dropped %s, waived %s; samples dropped "
+                "%s; malformed tool calls %s",
                 line.policy, batch.batch_index, report.stage, report.groups_kept,
                 report.groups_dropped or "-", report.groups_waived or "-",
-                report.samples_dropped or "-",
+                report.samples_dropped or "-", report.tool_call_errors or "-",
             )  # fmt: skip
 
     def _report(self, line: PolicyLine, batch: TrainBatch) -> BatchFilterReport:
@@ -99,6 +104,7 @@ class BatchPublisher:
             groups_waived=dict(tally.groups_waived),
             dropped_samples=dict(tally.dropped_samples),
             dropped_groups=dict(tally.dropped_groups),
+            tool_call_errors=dict(tally.tool_call_errors),
         )
 
 

@@ -211,6 +211,9 @@ def export_session(events: list[TrajectoryEvent], reward_lookup: RewardLookup) -
     finish = next((e for e in events if isinstance(e, SessionFinished)), None)
     finished = finish is not None
     failure = finish.failure if finish is not None else ""
+    tool_call_errors = Counter(
+        kind for e in events if isinstance(e, TurnRecorded) for kind in e.tool_call_errors
+    )
     step_rewards: list[float] = next(
         (e.step_rewards for e in reversed(events) if isinstance(e, RewardReported)), []
     )
@@ -260,6 +263,7 @@ def export_session(events: list[TrajectoryEvent], reward_lookup: RewardLookup) -
         samples=samples,
         step_rewards=list(step_rewards),
         failure=failure,
+        tool_call_errors=dict(tool_call_errors),
     )
 
 
@@ -275,6 +279,8 @@ class Group:
     failed: int = 0
     opened: set[int] = field(default_factory=set)
     """Sample indexes whose session opened."""
+    tool_call_errors: Counter[str] = field(default_factory=Counter)
+    """The malformed tool calls of the sessions that gave its samples, by kind."""
 
     @property
     def complete(self) -> bool:
@@ -293,6 +299,8 @@ class BatchTally:
     """The samples behind ``samples_dropped``: session ids, or ``sample_id``."""
     dropped_groups: dict[str, list[str]] = field(default_factory=dict)
     """The groups behind ``groups_dropped``."""
+    tool_call_errors: Counter[str] = field(default_factory=Counter)
+    """Malformed tool calls of the sessions in the batch and of those dropped."""
 
 
 class Grouper:
@@ -342,6 +350,9 @@ class Grouper:
         self.tally = BatchTally()
         """Drops while the next batch forms; ``last_tally`` is the batch just taken's."""
         self.last_tally = BatchTally()
+        self.group_tool_call_errors: dict[str, Counter[str]] = {}
+        """The malformed tool calls of each complete group's sessions, until the group is
+        batched or lost (counted then, in that batch's tally)."""
 
     def apply(self, event: TrajectoryEvent) -> None:
         if isinstance(event, GroupClosed):
@@ -411,13 +422,17 @@ class Grouper:
         # its turns and reward, and the reason is the one its agent runner reported
         reward = None if session.failure else self._reward(session)
         samples = build_samples(session, reward) if reward is not None else []
+        errors = Counter(kind for turn in session.turns for kind in turn.tool_call_errors)
         if not samples:
             group.failed += 1
             reason = session.failure or ("no_turns" if not session.turns else "no_reward")
+            if opened.session_id not in self.reported:
+                self.tally.tool_call_errors.update(errors)
             self._count_dropped_samples(reason, [opened.session_id])
         else:
             group.samples.extend(samples)
             group.done += 1
+            group.tool_call_errors.update(errors)
         if group.complete:
             self._complete(group)
 
@@ -458,6 +473,7 @@ class Grouper:
             del self.sessions[session.opened.session_id]
         if extra:
             self._count_dropped_samples("surplus", [s.opened.session_id for s in extra])
+        self.group_tool_call_errors[group.group_id] = group.tool_call_errors
         if not group.samples:
             self._lose_group("no_samples", group.group_id)
         else:
@@ -493,6 +509,8 @@ class Grouper:
             return None
         batch, self.ready = self.ready[:groups_per_batch], self.ready[groups_per_batch:]
         self.judged = 0
+        for group in batch:
+            self.tally.tool_call_errors.update(self.group_tool_call_errors.pop(group.group_id, {}))
         self.last_tally, self.tally = self.tally, BatchTally()
         return batch
 
@@ -519,7 +537,9 @@ class Grouper:
 
     def _lose_group(self, reason: str, group_id: str) -> None:
         self.groups_lost += 1
+        errors = self.group_tool_call_errors.pop(group_id, Counter())
         if group_id not in self.reported:
+            self.tally.tool_call_errors.update(errors)
             self.tally.groups_dropped[reason] += 1
             self.tally.dropped_groups.setdefault(reason, []).append(group_id)
 

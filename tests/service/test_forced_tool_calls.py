@@ -76,35 +76,30 @@ def test_a_forced_call_the_model_did_not_finish_is_still_a_call(
 ) -> None:
     """OpenAI's promise for tool_choice 'required' or a named function: the answer is a
     tool call, its arguments as generated (the agent checks them). The sampling stays
-    unconstrained: the recorded logprobs are the model's own."""
+    unconstrained: the recorded logprobs are the model's own. The parse that reads any
+    malformed call reads these too; the error says what is wrong with it."""
     parser = QwenToolParser()
     text = parser.call_opening(name) + generated
-    assert parser.parse(text).tool_calls == []  # not a well-formed block
-    call = parser.unfinished_call(text, name)
-    assert (call and (call.name, call.arguments)) == (expected or None)
     choice = Choice(0, lambda ids: text)
     choice.extend([1], [0.0], [0], [])
     choice.finish_reason = "length"
-    message = chat_view(parser, forced=True, name=name).message(choice)
+    view = chat_view(parser)
+    message = view.message(choice)
     if expected is None:
         assert "tool_calls" not in message and message["content"] == text
+        assert [e.kind for e in view.parsed(choice).errors] == ["no_name"]
         return
     [sent] = message["tool_calls"]
     assert (sent["function"]["name"], sent["function"]["arguments"]) == expected
     assert message["content"] is None
     # cut by the budget: "length", as OpenAI says; ended by the model: "tool_calls"
-    assert chat_view(parser, forced=True, name=name).finish_reason(choice) == "length"
+    assert view.finish_reason(choice) == "length"
     choice.finish_reason = "stop"
-    assert chat_view(parser, forced=True, name=name).finish_reason(choice) == "tool_calls"
-    # not forced: the same text stays content, as before
-    plain = chat_view(parser, forced=False, name=None).message(choice)
-    assert "tool_calls" not in plain and plain["content"] == text
+    assert chat_view(parser).finish_reason(choice) == "tool_calls"
 
 
-def chat_view(parser: QwenToolParser, forced: bool, name: str | None) -> ChatFormat:
-    return ChatFormat(
-        model="policy", token_text=str, parser=parser, forced=forced, forced_name=name
-    )
+def chat_view(parser: QwenToolParser) -> ChatFormat:
+    return ChatFormat(model="policy", token_text=str, parser=parser)
 
 
 @pytest.fixture
@@ -200,16 +195,15 @@ async def test_forced_tool_calls_are_opened_in_the_prompt_and_trained_exactly(
                 [call.function.name for call in got.message.tool_calls or []],
             )
             assert [t.logprob for t in got.logprobs.content] == pytest.approx(turn.logprobs)
-        # the answer is the parse of opening + samples: a call when the model closed it,
-        # else the call it opened, unfinished (forced: the answer is a call)
-        unfinished = parser.unfinished_call(turn.completion_text, name)
-        if parsed.tool_calls:
-            assert calls == [c.name for c in parsed.tool_calls]
-            assert content == (parsed.content or "")
-        elif unfinished is not None:
-            assert calls == [unfinished.name] and content == ""
-        else:  # 'required' with the function's name itself cut off
-            assert name is None and calls == [] and content == (parsed.content or "")
+        # the answer is the parse of opening + samples: the call, finished or not (forced:
+        # the answer is a call), unless 'required' had the function's name itself cut off
+        assert calls == [c.name for c in parsed.tool_calls]
+        assert content == (parsed.content or "")
+        offered = {tool["function"]["name"] for tool in TOOLS}
+        unknown = ["unknown_tool" for c in parsed.tool_calls if c.name not in offered]
+        assert turn.tool_call_errors == [e.kind for e in parsed.errors] + unknown
+        if not parsed.tool_calls:
+            assert name is None
         if name is not None:
             assert calls and calls == [name] * len(calls)
     [follow_up] = [t for t in await recorded_turns(bus) if t not in recorded]

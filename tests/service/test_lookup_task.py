@@ -55,6 +55,7 @@ from sf_engine.service import EngineService
 from sf_engine.settings import EngineSettings
 from sf_gateway.service import GatewayService
 from sf_gateway.settings import GatewaySettings
+from sf_gateway.tool_parsers import QwenToolParser
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_weight_sync.service import WeightSyncService
 
@@ -357,7 +358,11 @@ async def test_tool_user_against_the_real_gateway(
     for session_turns in turns.values():
         assert len(session_turns) <= 3  # MAX_ROUNDS
         for first, second in itertools.pairwise(session_turns):
-            # each later turn called the tool, and continues the exact stored ids
-            assert parse_tool_calls(first.completion_text) is not None
+            # each later turn followed a call the gateway returned (well-formed, or
+            # malformed with a name: the model sometimes opens its block twice), and
+            # continues the exact stored ids
+            parsed = QwenToolParser().parse(first.completion_text)
+            assert parsed.tool_calls
+            assert first.tool_call_errors == [e.kind for e in parsed.errors]
             stored = first.prompt_ids + first.completion_ids
             assert second.prompt_ids[: len(stored)] == stored

@@ -46,8 +46,13 @@ def test_llama3_json_calls() -> None:
     parsed = parser.parse('<|python_tag|>{"name": "f", "arguments": {}}; {"name": "g", '
                           '"parameters": {"x": [1]}}')  # fmt: skip
     assert [c.name for c in parsed.tool_calls] == ["f", "g"] and parsed.content is None
-    for text in ['{"name": "f", "parameters": {}} and more', '{"nam": "f"}', "{oops", "Hi {"]:
+    for text in ['{"nam": "f"}', "{oops", "Hi {"]:
         assert parser.parse(text) == type(parsed)(text, [])
+    # meant as a call and not one: content as a whole, and the error says so
+    for text in ['{"name": "f", "parameters": {}} and more', '<|python_tag|>{"name": "f", "p']:
+        broken = parser.parse(text)
+        assert (broken.content, broken.tool_calls) == (text, [])
+        assert [e.kind for e in broken.errors] == ["invalid_json"]
 
 
 def test_reasoning_split() -> None:
@@ -456,3 +461,111 @@ async def test_qwen3_turns_whose_think_block_the_template_drops_are_all_trained(
         for x in trained_tokens(s.token_ids, s.loss_mask, s.behaviour_logprobs)
     ]
     assert sorted(in_batch) == expected
+
+
+async def test_malformed_tool_calls_come_back_as_openai_shapes_and_are_counted(
+    start_run: Any, bus: Bus
+) -> None:
+    """An SDK agent's tool loop meets a call with broken JSON (answered whole) and a call
+    of a function it never offered (streamed). Each comes back as OpenAI documents calls
+    without strict mode: a call, its arguments as written, the agent's to check; the
+    choice's ``tool_call_errors`` say what is wrong. The agent answers each with a
+    ``tool`` error message and the model corrects itself. Nothing crashes, every turn is
+    recorded and trained, and the errors are counted with the session and the batch."""
+    from sf_trajectory.grouping import Grouper
+
+    def block(name: str, arguments: str) -> str:
+        return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+    answers = [
+        block("add", '{"a": 7, "b": }'),
+        block("multiply", '{"a": 7, "b": 12}'),
+        block("add", '{"a": 7, "b": 12}'),
+        "It is 19.",
+    ]
+    run = await start_run("qwen2", answers)
+    offered = {tool["function"]["name"] for tool in TOOLS}
+
+    def run_tool(name: str, arguments: str) -> str:  # as an agent checks any call
+        if name not in offered:
+            return f"error: no tool {name!r}"
+        try:
+            values = json.loads(arguments)
+        except json.JSONDecodeError:
+            return "error: the arguments are not JSON"
+        return str(values["a"] + values["b"])
+
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 7 + 12?"}]
+    errors_seen: list[list[dict[str, Any]]] = []
+    async with httpx.AsyncClient(base_url=run.url) as http:
+        session, client = await open_session(http)
+        async with client:
+            for round_ in range(4):
+                request: dict[str, Any] = dict(
+                    model="policy", messages=messages, tools=TOOLS, max_tokens=64
+                )
+                if round_ == 1:  # streamed: the errors come with the closing chunk
+                    async with client.chat.completions.stream(**request) as stream:
+                        chunks = [event.chunk async for event in stream if event.type == "chunk"]
+                        completion = await stream.get_final_completion()
+                    [closing] = [c.choices[0] for c in chunks if c.choices[0].finish_reason]
+                    errors_seen.append((closing.model_extra or {}).get("tool_call_errors", []))
+                else:
+                    completion = await client.chat.completions.create(**request)
+                    extra = completion.choices[0].model_extra or {}
+                    errors_seen.append(extra.get("tool_call_errors", []))
+                choice = completion.choices[0]
+                if round_ < 3:
+                    assert choice.finish_reason == "tool_calls"
+                    [call] = choice.message.tool_calls or []
+                    assert call.id and call.type == "function"
+                messages.append(choice.message.model_dump(exclude_none=True))
+                for call in choice.message.tool_calls or []:
+                    result = run_tool(call.function.name, call.function.arguments)
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            assert choice.message.content == "It is 19." and choice.finish_reason == "stop"
+        sid = session["session_id"]
+        auth = session_auth(session)
+        assert (await http.post(f"/sessions/{sid}/reward", json={"reward": 1.0},
+                                headers=auth)).status_code == 200  # fmt: skip
+        assert (await http.post(f"/sessions/{sid}/finish", headers=auth)).status_code == 200
+        exported = (await http.get(f"/sessions/{sid}/export", headers=auth)).json()
+
+    # what the agent got: the broken call as written, the unknown one as named
+    first_call = messages[1]["tool_calls"][0]
+    assert first_call["function"] == {"name": "add", "arguments": '{"a": 7, "b": }}'}
+    assert messages[2]["content"] == "error: the arguments are not JSON"
+    assert messages[3]["tool_calls"][0]["function"]["name"] == "multiply"
+    assert messages[4]["content"] == "error: no tool 'multiply'"
+    assert messages[6]["content"] == "19"
+    assert [[e["type"] for e in errors] for errors in errors_seen] == [
+        ["invalid_json"],
+        ["unknown_tool"],
+        [],
+        [],
+    ]
+    assert errors_seen[0][0]["tool_call_id"] == first_call["id"]
+    assert errors_seen[1][0]["tool_call_id"] == messages[3]["tool_calls"][0]["id"]
+    assert all(e["message"] for errors in errors_seen for e in errors)
+
+    # recorded with each turn; every turn continues the last one's exact ids
+    turns = await session_turns(bus, sid)
+    assert [t.completion_ids for t in turns] == run.replies
+    assert [t.tool_call_errors for t in turns] == [["invalid_json"], ["unknown_tool"], [], []]
+    for before, after in itertools.pairwise(turns):
+        on_path = [*before.prompt_ids, *before.completion_ids]
+        assert after.prompt_ids[: len(on_path)] == on_path
+    assert exported["tool_call_errors"] == {"invalid_json": 1, "unknown_tool": 1}
+
+    # the batch path trains all four turns and counts the errors in the batch's tally
+    grouper = Grouper(lambda name: lambda text, ref: 0.0)
+    for event in await trajectory_events(bus):
+        grouper.apply(event)
+    [group] = grouper.take_batch(1) or []
+    [sample] = group.samples
+    expected = sorted(
+        (t, lp) for turn in turns for t, lp in zip(turn.completion_ids, turn.logprobs, strict=True)
+    )
+    trained = trained_tokens(sample.token_ids, sample.loss_mask, sample.behaviour_logprobs)
+    assert sorted(trained) == expected and sample.reward == 1.0
+    assert grouper.last_tally.tool_call_errors == {"invalid_json": 1, "unknown_tool": 1}

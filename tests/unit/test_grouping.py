@@ -1,9 +1,11 @@
 import msgspec
+import pytest
 
 from seamlessflow.protocol import (
     GroupClosed,
     NoTask,
     RewardReported,
+    SampleGroup,
     SessionFinished,
     SessionOpened,
     TaskAssignment,
@@ -266,6 +268,62 @@ def test_a_failed_episode_is_dropped_with_its_reason_whatever_its_reward() -> No
     exported = export_session(events, lookup)
     assert exported.failure == "env_lost" and exported.step_rewards == [0.1, 0.6]
     assert [s.reward for s in exported.samples] == [None]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_a_failed_sample_stays_out_of_its_group_s_advantages(estimator: str) -> None:
+    """One sample of a group of four loses its environment after turns and a reported
+    reward. The group trains the other three, with exactly the advantages a group of
+    those three alone gets: the failure is no zero reward, and whatever the failed
+    episode reported does not move the baseline. The batch report names it."""
+    from sf_trainer.advantages import batch_advantages
+    from sf_trainer.settings import TrainerSettings
+
+    def batch(lost_reward: float | None, size: int) -> tuple[list[SampleGroup], Grouper]:
+        grouper = Grouper(lookup)
+        rewards = [1.0, 0.0, 0.5, lost_reward]
+        for i, reward in enumerate(rewards[:size]):
+            grouper.apply(opened(f"s{i}", "g", i, size))
+            grouper.apply(turn(f"s{i}", 0, [1], [2 + i], "4"))
+            if reward is not None:
+                grouper.apply(RewardReported(session_id=f"s{i}", reward=reward))
+        for i in range(size):
+            failure = "env_lost" if i == 3 else ""
+            grouper.apply(SessionFinished(session_id=f"s{i}", failure=failure))
+        return grouper.take_batch(1) or [], grouper
+
+    settings = TrainerSettings(advantage=estimator)
+    survivors, _ = batch(None, 3)
+    expected = batch_advantages(survivors, settings)
+    assert any(a != 0 for a in expected)
+    for lost_reward in (None, 0.0, 1.0):
+        groups, grouper = batch(lost_reward, 4)
+        [group] = groups
+        assert [s.session_id for s in group.samples] == ["s0", "s1", "s2"]
+        assert batch_advantages(groups, settings) == pytest.approx(expected)
+        assert grouper.last_tally.samples_dropped == {"env_lost": 1}
+        assert grouper.last_tally.dropped_samples == {"env_lost": ["s3"]}
+
+
+def test_malformed_tool_calls_are_counted_in_the_batch_that_trains_them_or_drops_them() -> None:
+    grouper = Grouper(lookup)
+    for i, errors in enumerate((["invalid_json"], ["unknown_tool", "invalid_json"], [])):
+        grouper.apply(opened(f"s{i}", "g", i, 3))
+        grouper.apply(msgspec.structs.replace(turn(f"s{i}", 0, [1], [2], "4"),
+                                              tool_call_errors=errors))  # fmt: skip
+    grouper.apply(SessionFinished(session_id="s0"))
+    grouper.apply(SessionFinished(session_id="s1", failure="env_lost"))
+    assert grouper.tally.tool_call_errors == {"unknown_tool": 1, "invalid_json": 1}  # dropped
+    grouper.apply(SessionFinished(session_id="s2"))
+    assert grouper.take_batch(1) is not None
+    assert grouper.last_tally.tool_call_errors == {"unknown_tool": 1, "invalid_json": 2}
+    assert grouper.group_tool_call_errors == {} and grouper.tally.tool_call_errors == {}
+    # a group every sample of which failed is lost, its errors counted then
+    grouper.apply(opened("x", "h", 0, 1))
+    broken = msgspec.structs.replace(turn("x", 0, [1], [2], "4"), tool_call_errors=["no_name"])
+    grouper.apply(broken)
+    grouper.apply(SessionFinished(session_id="x", failure="env_timeout"))
+    assert grouper.tally.tool_call_errors == {"no_name": 1}
 
 
 def test_a_failed_episode_skips_the_verifier() -> None:

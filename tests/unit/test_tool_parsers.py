@@ -48,22 +48,62 @@ def test_missing_arguments_are_an_empty_object() -> None:
         '<tool_call>{"arguments": {}}</tool_call>',
         '<tool_call>{"name": "", "arguments": {}}</tool_call>',
         '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
-        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
-        '<tool_call>{"name": "f", "arguments": "not json"}</tool_call>',
         '<tool_call>["f"]</tool_call>',
-        '<tool_call>{"name": "f", "arguments": {}}',  # cut by max_tokens: unclosed
-        "no calls at all",
+        "<tool_call>",  # opened, nothing after it
     ],
 )
-def test_malformed_blocks_stay_content(text: str) -> None:
+def test_a_block_naming_no_function_stays_content_with_an_error(text: str) -> None:
     parsed = parse(text)
     assert parsed.tool_calls == [] and parsed.content == text
+    [error] = parsed.errors
+    assert error.kind == "no_name" and error.tool_call_id is None
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "arguments"),
+    [
+        # broken JSON: the arguments as the model wrote them
+        ('<tool_call>{"name": "add", "arguments": {"a": 7, "b": }}</tool_call>', "invalid_json",
+         '{"a": 7, "b": }}'),
+        # the block's JSON broken after complete arguments: those arguments
+        ('<tool_call>{"name": "add", "arguments": {"a": 7}</tool_call>', "invalid_json",
+         '{"a": 7}'),
+        ('<tool_call>{"name": "add", "argu</tool_call>', "invalid_json", ""),
+        # JSON, but the arguments are no object
+        ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "invalid_arguments", "[1]"),
+        ('<tool_call>{"name": "f", "arguments": "not json"}</tool_call>', "invalid_arguments",
+         "not json"),
+    ],
+)  # fmt: skip
+def test_a_malformed_call_with_a_name_is_returned_as_written(
+    text: str, kind: str, arguments: str
+) -> None:
+    """What OpenAI documents without strict mode: the call, its arguments as generated,
+    left to the agent to check; and the error that says what is wrong."""
+    parsed = parse("Let me see. " + text)
+    [call] = parsed.tool_calls
+    assert (call.arguments, parsed.content) == (arguments, "Let me see. ")
+    [error] = parsed.errors
+    assert error.kind == kind and error.tool_call_id == call.id
+    assert error.body() == {"type": kind, "message": error.message, "tool_call_id": call.id}
+    assert not parsed.unfinished
+
+
+def test_an_unclosed_last_block_is_a_call_as_vllm_reads_it() -> None:
+    parsed = parse('<tool_call>{"name": "f", "arguments": {"x": 1}}')
+    [call] = parsed.tool_calls
+    assert json.loads(call.arguments) == {"x": 1} and parsed.errors == ()
+    assert parsed.unfinished and parsed.content is None
+    cut = parse('<tool_call>{"name": "f", "arguments": {"x": 1')  # cut by max_tokens
+    assert [(c.name, c.arguments) for c in cut.tool_calls] == [("f", '{"x": 1')]
+    assert cut.unfinished and [e.kind for e in cut.errors] == ["invalid_json"]
 
 
 def test_a_malformed_block_next_to_a_good_one() -> None:
     bad = "<tool_call>{oops}</tool_call>"
     parsed = parse(bad + '<tool_call>{"name": "f", "arguments": {}}</tool_call>')
     assert [c.name for c in parsed.tool_calls] == ["f"] and parsed.content == bad
+    assert [e.kind for e in parsed.errors] == ["no_name"] and not parsed.unfinished
 
 
 def test_whitespace_only_content_is_none() -> None:

@@ -136,6 +136,10 @@ class BatchFilterReport(Message, tag="data.batch"):
     sample is reported once, also across restarts of the trajectory service."""
     dropped_groups: dict[str, list[str]] = msgspec.field(default_factory=dict)
     """The groups counted in ``groups_dropped``, by reason (reported once, likewise)."""
+    tool_call_errors: dict[str, int] = msgspec.field(default_factory=dict)
+    """Tool calls the model wrote malformed, by kind (``TurnRecorded.tool_call_errors``):
+    those of the sessions trained in this batch, and of the sessions and groups this
+    report counts as dropped."""
 
 
 class EpochFilterReport(Message, tag="data.epoch"):

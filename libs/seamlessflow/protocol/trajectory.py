@@ -80,6 +80,11 @@ class TurnRecorded(Message, tag="traj.turn"):
     """Sampled under constrained decoding (``response_format``): its ``logprobs`` are of
     the constrained distribution, which the trainer cannot recompute from the weights,
     so its tokens are context for later turns but never trained (loss mask 0)."""
+    tool_call_errors: list[str] = msgspec.field(default_factory=list)
+    """One kind per tool call the answer wrote malformed (``invalid_json``,
+    ``invalid_arguments``, ``no_name``, ``unknown_tool``; the gateway's tool parsers say
+    which). The turn is recorded and trained as any other: the model wrote it, and the
+    reward says what it was worth; these count it in the batch reports."""
 
     def __post_init__(self) -> None:
         # One logprob and one version per generated token, and real token ids: a turn
@@ -180,3 +185,5 @@ class SessionExport(Message, tag="traj.export"):
     """The environment's per-step rewards the agent reported (the last report's)."""
     failure: str = ""
     """Why the episode failed (``SessionFinished.failure``); empty if it did not."""
+    tool_call_errors: dict[str, int] = msgspec.field(default_factory=dict)
+    """The malformed tool calls of its turns, by kind (``TurnRecorded.tool_call_errors``)."""
