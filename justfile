@@ -69,6 +69,36 @@ trace-store:
     python3 -m venv .venv-traces
     .venv-traces/bin/pip install -q -c constraints-trace-store.txt "arize-phoenix=={{trace_store_version}}"
 
+# a third-party environment's server in a venv of its own, .venv-env-NAME: the packages of
+# environments/NAME/requirements.txt at the versions of its constraints.txt (their pins
+# conflict with the project's: openenv 0.10 needs gradio and mcp 1.x); a no-op once
+# installed (a stamp of both files). One install at a time (flock). docs/environments.md,
+# "Third-party environments"
+env-venv NAME:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cd "{{justfile_directory()}}"
+    dir="environments/{{NAME}}" venv=".venv-env-{{NAME}}"
+    if [ ! -f "$dir/requirements.txt" ]; then echo "no environment $dir (there are: $(ls environments))" >&2; exit 2; fi
+    if command -v flock >/dev/null; then exec 9>"$venv.lock" && flock 9; fi
+    stamp=$(cat "$dir/requirements.txt" "$dir/constraints.txt" | sha256sum | cut -c1-16)
+    if [ -f "$venv/.stamp" ] && [ "$(cat "$venv/.stamp")" = "$stamp" ]; then exit 0; fi
+    echo "installing the {{NAME}} environment into $venv"
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q --no-compile -r "$dir/requirements.txt" -c "$dir/constraints.txt"
+    echo "$stamp" > "$venv/.stamp"
+
+# serve a third-party environment from its own venv; ARGS: its server's options (e.g.
+# `just env-serve textarena --game GuessTheNumber-v0 --port 8012`)
+env-serve NAME *ARGS: (env-venv NAME)
+    .venv-env-{{NAME}}/bin/python environments/{{NAME}}/server.py {{ARGS}}
+
+# train SmolLM2 in a third-party environment and score it on held-out games before and
+# after (loadtests/env_train.py; docs/benchmarks.md, "Third-party environments")
+env-train NAME="textarena" GAME="GuessTheNumber-v0" STEPS="20": (env-venv NAME)
+    cd loadtests && ../.venv/bin/python env_train.py --env {{NAME}} --game {{GAME}} --steps {{STEPS}} --out ../runs/load/env_train_{{NAME}}.json
+
 # the trace store as a server on this machine's loopback: OTLP/HTTP at
 # http://127.0.0.1:PORT/v1/traces, its UI and REST API at http://127.0.0.1:PORT; data in
 # DIR; nothing fetched from outside. Send a run there with

@@ -278,6 +278,44 @@ async def test_a_server_gone_mid_step_is_env_lost(stop_signal: signal.Signals) -
         env_server.stop(signal.SIGKILL)
 
 
+KEEPALIVE_SERVER = """
+import asyncio, sys, uvicorn
+from sf_envs.server import guess_number_app, listen
+from sf_envs.settings import EnvServerSettings
+
+# uvicorn's keepalive, 100x faster: a ping every 0.2 s, closed if unanswered in 0.2 s
+config = uvicorn.Config(guess_number_app(EnvServerSettings()), log_level="warning",
+                        lifespan="off", ws_ping_interval=0.2, ws_ping_timeout=0.2)
+server, sock = uvicorn.Server(config), listen("127.0.0.1", 0)
+
+async def main():
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.02)
+    print(f"listening on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    await serving
+
+asyncio.run(main())
+"""
+
+
+async def test_a_session_idle_between_steps_answers_the_server_s_pings() -> None:
+    """An agent thinks between steps (a slow model's turn takes tens of seconds on a
+    CPU); a server with keepalive pings the idle session meanwhile, and closes it if
+    nothing answers (uvicorn: 20 s + 20 s). The session answers while idle, so the
+    next step is played, not lost. Here the keepalive is 0.2 s and the idle 1.5 s."""
+    env_server = EnvServer(command=(sys.executable, "-c", KEEPALIVE_SERVER))
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with OpenEnvSession(env_server.url, http=http) as env:
+                await env.reset(seed=0)
+                await asyncio.sleep(1.5)
+                step = await env.step({"message": "500"})
+                assert step.reward is not None and not step.done
+    finally:
+        env_server.stop()
+
+
 async def test_a_session_over_the_server_s_limit_is_refused_with_env_error() -> None:
     env_server = EnvServer("--max-sessions", "1")
     try:

@@ -21,6 +21,7 @@ and goes on. Built on aiohttp; openenv-core is not needed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass
 from types import TracebackType
@@ -122,6 +123,8 @@ class OpenEnvSession:
         self._broken: EnvFailed | None = None
         # one request in flight per session: replies carry no id, only their order
         self._in_flight = asyncio.Lock()
+        self._frames: asyncio.Queue[aiohttp.WSMessage] = asyncio.Queue()
+        self._reader: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Self:
         try:
@@ -138,7 +141,26 @@ class OpenEnvSession:
             ) from None
         except (aiohttp.ClientError, OSError) as exc:
             raise EnvUnreachable(f"{self.url}: {exc}") from exc
+        self._reader = asyncio.create_task(self._read(self._ws), name="openenv.reader")
         return self
+
+    async def _read(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        """Receive every frame while the session is open, queued for the request that
+        waits on it; the frame that ends the connection is queued too.
+
+        aiohttp answers the server's pings only inside ``receive``: a session that reads
+        only while a request is in flight misses every ping sent while its agent thinks,
+        and a server with keepalive (uvicorn: a ping every 20 s, 20 s to answer) closes
+        it. A slow model's turn on a CPU takes that long, and every episode then ends
+        ``env_lost`` (seen with openenv 0.10's server)."""
+        while True:
+            frame = await ws.receive()
+            self._frames.put_nowait(frame)
+            if (
+                frame.type is not aiohttp.WSMsgType.TEXT
+                and frame.type is not aiohttp.WSMsgType.BINARY
+            ):
+                return
 
     async def __aexit__(
         self,
@@ -151,6 +173,11 @@ class OpenEnvSession:
     async def close(self) -> None:
         """Ends the session on the server and closes the socket; safe to call twice."""
         ws, self._ws = self._ws, None
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
         if ws is None or ws.closed:
             return
         try:
@@ -191,7 +218,7 @@ class OpenEnvSession:
         try:
             await ws.send_str(json.dumps(message))
             async with asyncio.timeout(self._step_timeout_s):
-                frame = await ws.receive()
+                frame = await self._frames.get()
         except TimeoutError:
             raise EnvFailed(
                 "env_timeout", f"no reply to {message['type']} within {self._step_timeout_s:g} s"
