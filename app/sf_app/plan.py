@@ -34,6 +34,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from sf_trainer.memory import LayerShape, activation_bytes_per_token
+
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -128,14 +130,10 @@ def plan_memory(sizes: ModelSizes, settings: PlanSettings) -> MemoryPlan:
         largest_unit = max(sizes.root_parameters, sizes.layer_parameters)
         gathered = gathered_params + largest_unit * (compute + 4)
     tokens = settings.micro_batch_tokens
-    per_token_layer = (
-        compute * (6 * sizes.hidden + 2 * sizes.kv_width + 4 * sizes.intermediate)
-        + 4 * 4 * sizes.hidden
+    shape = LayerShape(sizes.layers, sizes.hidden, sizes.intermediate, sizes.kv_width)
+    activations = tokens * activation_bytes_per_token(
+        shape, compute, settings.gradient_checkpointing
     )
-    if settings.gradient_checkpointing:
-        activations = tokens * (sizes.layers * compute * sizes.hidden + per_token_layer)
-    else:
-        activations = tokens * sizes.layers * per_token_layer
     chunk = min(settings.logprob_chunk_tokens or tokens, tokens)
     logits = 3 * chunk * sizes.vocab * 4
     offloaded = settings.cpu_offload and settings.ranks > 1

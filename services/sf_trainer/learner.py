@@ -12,6 +12,7 @@ Commands cross only the trainer's own process group (torch.distributed), never N
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,12 @@ from sf_trainer.distributed import TrainGroup
 from sf_trainer.evaluation import EvalResult, EvalSet, evaluate
 from sf_trainer.logprobs import chunked_head_refusal
 from sf_trainer.losses import chosen_loss
+from sf_trainer.memory import (
+    LayerShape,
+    activation_bytes_per_token,
+    auto_micro_batch_tokens,
+    free_memory_bytes,
+)
 from sf_trainer.schedule import lr_at
 from sf_trainer.settings import TrainerSettings
 from sf_trainer.sharded_loading import materialize_own_shards, model_on_meta
@@ -144,6 +151,10 @@ class Learner:
             self.threads = ThreadBudget(settings.torch_threads)
             self.threads.install(self.model)
         self.reference = self._reference() if settings.kl_coef > 0 else None
+        if not settings.micro_batch_tokens:
+            self.settings = settings.model_copy(
+                update={"micro_batch_tokens": self._micro_batch_tokens(model.config)}
+            )
         self.eval_set = EvalSet.from_settings(settings, seed) if settings.eval_every else None
         self.next_step = 0
         """Index in the run of the next step when the caller does not name it: counts
@@ -154,6 +165,24 @@ class Learner:
             betas=settings.betas,
             weight_decay=settings.weight_decay,
         )
+
+    def _micro_batch_tokens(self, config: Any) -> int:
+        """The automatic micro-batch budget (``sf_trainer.memory``), decided by rank 0
+        from its memory free now: every rank must plan the same passes."""
+        chosen = b""
+        if self.group.is_leader:
+            compute_bytes = 2 if self.bf16_mixed or self.master_dtype == torch.bfloat16 else 4
+            per_token = activation_bytes_per_token(
+                LayerShape.of(config), compute_bytes, self.settings.gradient_checkpointing
+            )
+            ranks_on_the_host = int(os.environ.get("LOCAL_WORLD_SIZE", self.group.world_size))
+            free = free_memory_bytes(self.group.device, ranks_on_the_host)
+            tokens = auto_micro_batch_tokens(per_token, free)
+            log.info("micro-batches of %d tokens (auto: %.2f MB of activations a token, "
+                     "%.1f GB free to this rank; SF_TRAINER_MICRO_BATCH_TOKENS sets it)",
+                     tokens, per_token / 1e6, free / 1e9)  # fmt: skip
+            chosen = str(tokens).encode()
+        return int(self.group.broadcast_bytes(chosen))
 
     def _placed(self, model: PreTrainedModel) -> PreTrainedModel:
         """``model`` on this rank's device, sharded with several ranks; a model built
