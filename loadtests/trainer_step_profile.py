@@ -166,6 +166,7 @@ def phased_train_step(
     from sf_trainer.advantages import batch_advantages
     from sf_trainer.distributed import TrainGroup
     from sf_trainer.losses import BatchTotals, LossInputs, chosen_loss
+    from sf_trainer.memory import AUTO_BOUNDS
     from sf_trainer.step import _logprobs, pack, plan_micro_batches
 
     clock = _Clock(timings)
@@ -175,7 +176,7 @@ def phased_train_step(
     totals = BatchTotals.of(s.loss_mask for s in samples)
     optimizer.zero_grad(set_to_none=True)
     loss_fn, loss_settings = chosen_loss(settings.loss)
-    plan = plan_micro_batches(samples, 1, settings.micro_batch_tokens)
+    plan = plan_micro_batches(samples, 1, settings.micro_batch_tokens or AUTO_BOUNDS[1])
     clock.lap("advantages+plan")
     for micro in plan[0]:
         packed = pack(

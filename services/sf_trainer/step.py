@@ -36,6 +36,7 @@ from sf_trainer.advantages import batch_advantages
 from sf_trainer.distributed import TrainGroup, as_float, forward_precision, partition_by_tokens
 from sf_trainer.logprobs import target_logprobs
 from sf_trainer.losses import BatchTotals, LossInputs, LossOutput, chosen_loss
+from sf_trainer.memory import AUTO_BOUNDS
 from sf_trainer.settings import TrainerSettings
 
 
@@ -274,7 +275,10 @@ def train_step(
 
     optimizer.zero_grad(set_to_none=True)
     sums = PassSums()
-    plan = plan_micro_batches(samples, group.world_size, settings.micro_batch_tokens)
+    # 0 (automatic) is resolved by the Learner from the memory it finds; a step run
+    # without one (tools, tests) takes the largest automatic budget, the old default
+    budget = settings.micro_batch_tokens or AUTO_BOUNDS[1]
+    plan = plan_micro_batches(samples, group.world_size, budget)
     for micro in plan[group.rank]:
         packed = pack(
             [samples[i] for i in micro.indices],
