@@ -243,8 +243,8 @@ class TrainerSettings(RunFileSettings):
     micro_batch_tokens: int = Field(default=0, ge=0)
     """Gradient accumulation: each rank's sequences are packed into micro-batches of at
     most this many (padded) tokens: rows x the longest row. 0 (default): sized from the
-    model and the memory found at start, so that one micro-batch's activations take at
-    most half of the memory free once the model is placed (``sf_trainer.memory``;
+    model and the memory found at start, so that one micro-batch's activations take
+    about half of the memory free once the model is placed (``sf_trainer.memory``;
     256 to 16384 tokens; the trainer logs what it chose)."""
 
     logprob_chunk_tokens: int = Field(default=1024, ge=0)
