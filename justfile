@@ -96,7 +96,7 @@ env-serve NAME *ARGS: (env-venv NAME)
 
 # train SmolLM2 in a third-party environment and score it on held-out games before and
 # after (loadtests/env_train.py; docs/benchmarks.md, "Third-party environments")
-env-train NAME="textarena" GAME="GuessTheNumber-v0" STEPS="20": (env-venv NAME)
+env-train NAME="textarena" GAME="GuessTheNumber-v0" STEPS="10": (env-venv NAME)
     cd loadtests && ../.venv/bin/python env_train.py --env {{NAME}} --game {{GAME}} --steps {{STEPS}} --out ../runs/load/env_train_{{NAME}}.json
 
 # the trace store as a server on this machine's loopback: OTLP/HTTP at

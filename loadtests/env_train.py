@@ -11,7 +11,7 @@ trains on), played greedily turn by turn with the model's own chat template
 run's final checkpoint.
 
     .venv/bin/python loadtests/env_train.py --env textarena --game GuessTheNumber-v0 \\
-        --model smollm2-135m-instruct --steps 20
+        --model smollm2-135m-instruct --steps 10
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--game", default="GuessTheNumber-v0", help="the environment's game id")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a packaged model")
     parser.add_argument("--model-dir", type=Path, default=None, help="a model directory as is")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps")
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--groups-per-batch", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=24, help="budget of one turn")
+    parser.add_argument("--groups-per-batch", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=16, help="budget of one turn")
     parser.add_argument("--max-turns", type=int, default=12, help="steps before a cut")
     parser.add_argument("--lr", type=float, default=1e-4, help="the run default")
     parser.add_argument("--seed", type=int, default=0)
