@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -27,7 +26,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import peer_compare
 import peer_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,23 +113,8 @@ def heldout_score(
 
 
 def train(args: argparse.Namespace, model_dir: Path, env_url: str) -> dict[str, Any]:
-    from sf_app.run.config import RunConfig
-
-    os.environ["SF_AGENTS_ENV_MAX_STEPS"] = str(args.max_turns)
-    config = RunConfig(
-        run_id=f"env-{args.env}-{time.strftime('%Y%m%d-%H%M%S')}",
-        runs_dir=args.runs_dir,
-        model_dir=model_dir,
-        env=env_url,
-        steps=args.steps,
-        group_size=args.group_size,
-        groups_per_batch=args.groups_per_batch,
-        max_tokens=args.max_tokens,
-        lr=args.lr,
-        seed=args.seed,
-        live=False,
-    )
-    run, summary, started, finished = peer_compare.run_to_the_end(config)
+    run_id = f"env-{args.env}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run, summary, started, finished = peer_env.env_run(args, model_dir, env_url, run_id)
     rewards = [m.mean_reward for m in run.state.metrics]
     return {
         "run_dir": str(run.run_dir),

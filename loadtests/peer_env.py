@@ -504,21 +504,19 @@ def base_return(
 # --------------------------------------------------------------------------- the sides
 
 
-def run_seamlessflow(
-    args: argparse.Namespace, model_dir: Path, env_url: str, latency_ms: float
-) -> tuple[list[Step], float, float, dict[str, Any]]:
-    """SeamlessFlow's side: ``seamlessflow up --env URL`` on the server this comparison
-    started for the side (the same latency sequence as TRL's), so the agent is
-    ``openenv`` and the task ``episodes`` with ``seed=args.seed``: the games and their
-    order are ``episode_seeds``'. Each turn's budget is ``--max-tokens``; an episode the
-    server has not ended after ``--max-turns`` steps is cut there (the server ends it
-    first). A step's tokens count model tokens only (what the trainer trains)."""
+def env_run(
+    args: argparse.Namespace, model_dir: Path, env_url: str, run_id: str
+) -> tuple[Any, Any, float, float]:
+    """``seamlessflow up --env URL`` (the ``openenv`` agent, the ``episodes`` task) as
+    ``args`` say (``steps``, ``group_size``, ``groups_per_batch``, ``max_tokens``,
+    ``max_turns``, ``lr``, ``seed``, ``runs_dir``), run to its end: the run, its
+    summary, and when it started and ended (``peer_compare.run_to_the_end``)."""
     from sf_app.run.config import RunConfig
 
     # the agent runner reads its step cap from the environment it inherits
     os.environ["SF_AGENTS_ENV_MAX_STEPS"] = str(args.max_turns)
     config = RunConfig(
-        run_id=f"peer-env-sf-{latency_ms:g}ms-{time.strftime('%Y%m%d-%H%M%S')}",
+        run_id=run_id,
         runs_dir=args.runs_dir,
         model_dir=model_dir,
         env=env_url,
@@ -530,7 +528,20 @@ def run_seamlessflow(
         seed=args.seed,
         live=False,
     )
-    run, summary, started, finished = peer_compare.run_to_the_end(config)
+    return peer_compare.run_to_the_end(config)
+
+
+def run_seamlessflow(
+    args: argparse.Namespace, model_dir: Path, env_url: str, latency_ms: float
+) -> tuple[list[Step], float, float, dict[str, Any]]:
+    """SeamlessFlow's side: ``seamlessflow up --env URL`` on the server this comparison
+    started for the side (the same latency sequence as TRL's), so the agent is
+    ``openenv`` and the task ``episodes`` with ``seed=args.seed``: the games and their
+    order are ``episode_seeds``'. Each turn's budget is ``--max-tokens``; an episode the
+    server has not ended after ``--max-turns`` steps is cut there (the server ends it
+    first). A step's tokens count model tokens only (what the trainer trains)."""
+    run_id = f"peer-env-sf-{latency_ms:g}ms-{time.strftime('%Y%m%d-%H%M%S')}"
+    run, summary, started, finished = env_run(args, model_dir, env_url, run_id)
     metrics = run.state.metrics
     steps = [
         Step(m.mean_reward, m.samples, m.tokens_generated, m.tokens_trained, m.timestamp)
@@ -548,8 +559,8 @@ def run_seamlessflow(
         "mean_step_s": summary.mean_step_s,
         "mean_wait_s": summary.mean_wait_s,
         "bubble_ratio": summary.bubble_ratio,
-        "max_batches_ahead": config.max_batches_ahead,
-        "agent_concurrency": config.agent_concurrency,
+        "max_batches_ahead": run.config.max_batches_ahead,
+        "agent_concurrency": run.config.agent_concurrency,
     }
     return steps, started, finished, extra
 
