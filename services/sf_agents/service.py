@@ -10,7 +10,9 @@ Produces:
   span (the gateway's spans are its children)
 
 Every claimed sample ends with ``/finish`` (also when the agent raised), so the
-trajectory service can always close the group.
+trajectory service can always close the group. A sample that did not complete names
+why in the finish (``failure``: the environment's reason from ``EpisodeFailed``,
+``agent_error``, ``gateway_lost``), and its drop is counted under that reason.
 
 A gateway that restarts rebuilds its open sessions from the trajectory stream, so a
 call that could not reach it is tried again once it answers: the runner's own calls
@@ -273,11 +275,13 @@ class AgentRunner:
             # finished below once the gateway answers again)
             self.failed += 1
             outcome = "gateway_lost"
+            finish_body = {"failure": outcome}
             log.error("agent on %s (session %s): the gateway did not answer its call (%s)",
                       assignment.task_id, session_id, exc)  # fmt: skip
         except Exception as exc:
             self.failed += 1
             outcome = "agent_error"
+            finish_body = {"failure": outcome}
             log.exception("agent failed on %s (session %s)", assignment.task_id, session_id)
             self._count_agent_error(exc)
         finally:

@@ -86,11 +86,13 @@ async def test_a_service_started_alone_serves_and_drains_on_sigterm(
 
         # SIGTERM again and again until it exits, as an impatient supervisor would: a
         # signal in any phase of the shutdown (draining, closing the connection, flushing
-        # the spans) is harmless, and the exit code stays 0
+        # the spans) is harmless, and the exit code stays 0. os.kill, not send_signal:
+        # Popen.send_signal polls the child first (waitpid), and a poll that reaps it
+        # before asyncio's watcher does leaves the watcher an "unknown child" (code 255)
         async def keep_signalling() -> None:
             while process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
-                    process.send_signal(signal.SIGTERM)
+                    os.kill(process.pid, signal.SIGTERM)
                 await asyncio.sleep(0.002)
 
         signals = asyncio.create_task(keep_signalling())

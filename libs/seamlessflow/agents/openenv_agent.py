@@ -9,8 +9,11 @@ OpenEnv's WebSocket protocol (``seamlessflow.envs.openenv_client``). One episode
    a user message; the model answers through the session's OpenAI client, as any agent
    asks, so every turn is recorded with the exact tokens;
 3. ``step`` with the answer as the action (``{"message": text}``); the next observation
-   is the next user message; until the environment says ``done`` (or
-   ``task.env_max_steps`` steps: the episode is cut there and keeps its rewards).
+   is the next user message; until the environment says ``done``, or the episode is
+   cut and keeps the rewards it got: after ``task.env_max_steps`` steps, or when the
+   next turn's prompt no longer fits the model's context (the gateway's 400 with code
+   ``context_length_exceeded``; a first turn that does not fit fails the episode,
+   ``context_exceeded``: there is nothing to score).
 
 Returns an :class:`EpisodeReturn`: the sum of the step rewards and each of them. An
 environment that times out, answers an error or goes away mid-episode (or cannot be
@@ -27,7 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, BadRequestError
 
 from seamlessflow.agents import AgentTask, EpisodeFailed, EpisodeReturn, register_agent
 from seamlessflow.envs.openenv_client import (
@@ -98,12 +101,19 @@ async def play(client: AsyncOpenAI, task: AgentTask, env: OpenEnvSession) -> Epi
     state = await env.reset(**reset_arguments(task))
     while not state.done and len(step_rewards) < task.env_max_steps:
         messages.append({"role": "user", "content": observation_text(state.observation)})
-        response = await client.chat.completions.create(
-            model=task.model,
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=task.max_tokens,
-            temperature=task.temperature,
-        )
+        try:
+            response = await client.chat.completions.create(
+                model=task.model,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=task.max_tokens,
+                temperature=task.temperature,
+            )
+        except BadRequestError as exc:
+            if exc.code != "context_length_exceeded":
+                raise
+            if not step_rewards:
+                raise EpisodeFailed("context_exceeded", str(exc.message)) from None
+            break  # the conversation outgrew the context: cut, as at env_max_steps
         answer = response.choices[0].message.content or ""
         messages.append({"role": "assistant", "content": answer})
         state = await env.step({"message": answer})
