@@ -96,8 +96,8 @@ env-serve NAME *ARGS: (env-venv NAME)
 
 # train SmolLM2 in a third-party environment and score it on held-out games before and
 # after (loadtests/env_train.py; docs/benchmarks.md, "Third-party environments")
-env-train NAME="textarena" GAME="GuessTheNumber-v0" STEPS="10": (env-venv NAME)
-    cd loadtests && ../.venv/bin/python env_train.py --env {{NAME}} --game {{GAME}} --steps {{STEPS}} --out ../runs/load/env_train_{{NAME}}.json
+env-train NAME="textarena" GAME="" STEPS="10": (env-venv NAME)
+    cd loadtests && ../.venv/bin/python env_train.py --env {{NAME}} --game "{{GAME}}" --steps {{STEPS}} --out ../runs/load/env_train_{{NAME}}.json
 
 # the trace store as a server on this machine's loopback: OTLP/HTTP at
 # http://127.0.0.1:PORT/v1/traces, its UI and REST API at http://127.0.0.1:PORT; data in

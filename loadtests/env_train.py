@@ -12,6 +12,7 @@ run's final checkpoint.
 
     .venv/bin/python loadtests/env_train.py --env textarena --game GuessTheNumber-v0 \\
         --model smollm2-135m-instruct --steps 10
+    .venv/bin/python loadtests/env_train.py --env skyrl_gym --steps 10
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,14 +31,15 @@ from typing import Any
 import peer_env
 
 ROOT = Path(__file__).resolve().parent.parent
-ENVIRONMENTS = ("textarena",)
-"""Third-party environments under ``environments/``, each served from its own venv."""
+ENVIRONMENTS = {"textarena": "GuessTheNumber-v0", "skyrl_gym": "gsm8k_multi_turn"}
+"""Third-party environments under ``environments/``, each served from its own venv, and
+the game (the environment's own id) each plays unless ``--game`` names another."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", choices=ENVIRONMENTS, default="textarena")
-    parser.add_argument("--game", default="GuessTheNumber-v0", help="the environment's game id")
+    parser.add_argument("--game", default="", help="the environment's game id (ENVIRONMENTS)")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a packaged model")
     parser.add_argument("--model-dir", type=Path, default=None, help="a model directory as is")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps")
@@ -49,19 +52,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heldout", type=int, default=64, help="held-out games")
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs")
     parser.add_argument("--out", type=Path, default=ROOT / "runs/load/env_train.json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.game = args.game or ENVIRONMENTS[args.env]
+    return args
 
 
 @contextlib.contextmanager
-def env_server(name: str, game: str) -> Iterator[str]:
+def env_server(name: str, game: str, *options: str) -> Iterator[str]:
     """``environments/NAME/server.py`` from its venv (installed first if it is not), on a
-    free port; its URL."""
+    free port; its URL. The server gets none of this interpreter's ``PYTHON*`` variables:
+    its venv is another Python's."""
     just = ROOT / ".venv" / "bin" / "just"
     subprocess.run([str(just) if just.exists() else "just", "env-venv", name], cwd=ROOT, check=True)
     python = ROOT / f".venv-env-{name}" / "bin" / "python"
     command = [str(python), str(ROOT / "environments" / name / "server.py"),
-               "--game", game, "--port", "0"]  # fmt: skip
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
+               "--game", game, "--port", "0", *options]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) as process:
         try:
             assert process.stdout is not None
             line = process.stdout.readline().strip()

@@ -357,14 +357,19 @@ def small_embedded_run(  # type: ignore[no-untyped-def]
 
 def load_loadtest(name: str):  # type: ignore[no-untyped-def]
     """``loadtests/<name>.py`` as a module (the loadtests are scripts, not a package),
-    registered under ``loadtests_<name>``: dataclasses look their module up by name."""
+    registered under ``loadtests_<name>``: dataclasses look their module up by name. Its
+    own imports of the other scripts find them, as when it runs from ``loadtests/``."""
     import importlib.util
     import sys
 
-    path = REPO_ROOT / "loadtests" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"loadtests_{name}", path)
+    folder = str(REPO_ROOT / "loadtests")
+    spec = importlib.util.spec_from_file_location(f"loadtests_{name}", f"{folder}/{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
     return module

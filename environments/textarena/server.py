@@ -34,19 +34,20 @@ TextArena's own):
 from __future__ import annotations
 
 import argparse
-import asyncio
-import socket
 import sys
+from pathlib import Path
 from typing import Any
 from uuid import uuid4
 
 import textarena
-import uvicorn
 from fastmcp import FastMCP
 from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.mcp_environment import MCPEnvironment
 from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from serving import serve_main  # environments/serving.py, beside this folder
 
 PLAYER = 0
 """The one player of a single-player game."""
@@ -143,21 +144,6 @@ def app_for(game: str, max_sessions: int) -> Any:
     )
 
 
-async def serve(app: Any, sock: socket.socket) -> None:
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
-    )
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:  # uvicorn offers no started event
-        if serving.done():
-            break
-        await asyncio.sleep(0.02)
-    else:
-        host, port = sock.getsockname()[:2]
-        print(f"listening on http://{host}:{port}", flush=True)  # the line supervisors read
-    await serving
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--game", default="GuessTheNumber-v0", help="a TextArena env id")
@@ -165,21 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8012, help="0: any free port")
     parser.add_argument("--max-sessions", type=int, default=256)
     args = parser.parse_args(argv)
-    try:
-        app = app_for(args.game, args.max_sessions)
-    except Exception as exc:  # textarena's own error for an id it does not know
-        print(f"textarena: cannot make {args.game!r}: {exc}", file=sys.stderr)
-        return 78
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as exc:
-        print(f"textarena: cannot listen on {args.host}:{args.port} ({exc.strerror})",
-              file=sys.stderr)  # fmt: skip
-        return 78
-    asyncio.run(serve(app, sock))
-    return 0
+    return serve_main("textarena", lambda: app_for(args.game, args.max_sessions),
+                      args.host, args.port)  # fmt: skip
 
 
 if __name__ == "__main__":

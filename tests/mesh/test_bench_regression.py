@@ -13,7 +13,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from test_peer_compare import LOADTESTS, load_script
+from support import load_loadtest
+from test_peer_compare import LOADTESTS
 
 MODES = ["colocated", "disaggregated"]
 STEPS = 2
@@ -23,7 +24,7 @@ MACHINE_KEYS = {"cpu_count", "cpu_affinity", "platform", "python", "torch", "tra
 
 @pytest.fixture(scope="module")
 def regression() -> ModuleType:
-    return load_script("regression")
+    return load_loadtest("regression")
 
 
 def modes_result(**ratios: float) -> dict[str, Any]:

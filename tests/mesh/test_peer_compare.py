@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from support import REPO_ROOT
+from support import REPO_ROOT, load_loadtest
 
 # Tests that start other processes (services, servers, tools started as commands) are
 # marked `integration` by hand or from their fixtures (see conftest); the rest are units.
@@ -28,27 +28,14 @@ SWEEP = (1,)
 EVAL_EVERY, EVAL_ITEMS = 2, 4
 
 
-def load_script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"loadtests_{name}", LOADTESTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module
-    sys.path.insert(0, str(LOADTESTS))  # its own imports of the other scripts, as when run
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(LOADTESTS))
-    return module
-
-
 @pytest.fixture(scope="module")
 def regression() -> ModuleType:
-    return load_script("regression")
+    return load_loadtest("regression")
 
 
 @pytest.fixture(scope="module")
 def peer() -> ModuleType:
-    return load_script("peer_compare")
+    return load_loadtest("peer_compare")
 
 
 @pytest.fixture(scope="module")

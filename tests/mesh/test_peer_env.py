@@ -13,7 +13,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from test_peer_compare import LOADTESTS, load_script
+from support import load_loadtest
+from test_peer_compare import LOADTESTS
 
 if importlib.util.find_spec("sf_envs") is None:
     pytest.skip(
@@ -27,7 +28,7 @@ SAMPLES = STEPS * GROUP_SIZE * GROUPS_PER_BATCH
 
 @pytest.fixture(scope="module")
 def peer_env() -> ModuleType:
-    return load_script("peer_env")
+    return load_loadtest("peer_env")
 
 
 @pytest.fixture(scope="module")

@@ -1,24 +1,23 @@
 """Third-party environments as their packages ship them, each served from its own
-virtual environment (``just env-venv NAME``): TextArena's games on OpenEnv's current
-server (openenv 0.10), played over OpenEnv's WebSocket protocol by the project's own
-client, over MCP by a JSON-RPC client, and trained in by ``seamlessflow up --env URL``.
+virtual environment (``just env-venv NAME``) by OpenEnv's current server (openenv 0.10):
+TextArena's games, played over OpenEnv's WebSocket protocol by the project's own client
+and over MCP by a JSON-RPC client; SkyRL-Gym's multi-turn math environment, scored
+against answers computed here. Each is trained in by ``seamlessflow up --env URL``.
 
-The venv is installed by the fixture when it is missing (about 50 s with a warm pip
+A venv is installed by its fixture when it is missing (about 50 s with a warm pip
 cache); what is measured with SmolLM2 is docs/benchmarks.md, "Third-party environments".
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from support import REPO_ROOT, small_embedded_run
+from support import load_loadtest, small_embedded_run
 from test_env_episodes import stored
 from transformers import AutoTokenizer
 
@@ -32,23 +31,14 @@ GAME = "GuessTheNumber-v0"  # a secret from 1 to 20, ten guesses, moves as "[n]"
 
 @pytest.fixture(scope="module")
 def textarena_url() -> Iterator[str]:
-    just = REPO_ROOT / ".venv" / "bin" / "just"
-    subprocess.run([str(just) if just.exists() else "just", "env-venv", "textarena"],
-                   cwd=REPO_ROOT, check=True)  # fmt: skip
-    python = REPO_ROOT / ".venv-env-textarena" / "bin" / "python"
-    server = REPO_ROOT / "environments" / "textarena" / "server.py"
-    with subprocess.Popen(
-        [str(python), str(server), "--game", GAME, "--port", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("PYTHON")},
-    ) as process:
-        assert process.stdout is not None
-        line = process.stdout.readline().strip()
-        assert line.startswith("listening on http://"), line
-        yield line.removeprefix("listening on ")
-        process.terminate()
-        process.wait(timeout=30)
+    with load_loadtest("env_train").env_server("textarena", GAME) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def skyrl_gym_url() -> Iterator[str]:
+    with load_loadtest("env_train").env_server("skyrl_gym", "gsm8k_multi_turn") as url:
+        yield url
 
 
 async def play_by_bisection(move: Any, first: str) -> tuple[list[int], float, str]:
@@ -140,3 +130,70 @@ async def test_a_run_trains_in_a_textarena_game(
     tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
     first_prompt = tokenizer.decode(turns[0].prompt_ids)
     assert "You are playing Guess The Number" in first_prompt  # the game's own rules
+
+
+def sum_of(problem: str) -> int:
+    """The answer to reasoning-gym's "Calculate a op b." computed here, not read from the
+    environment (the yardstick its scoring is checked against)."""
+    left, operator, right = problem.split("\n")[0].removeprefix("Calculate ").rstrip(".").split()
+    assert operator in "+-*", problem  # the server's default options: no division
+    a, b = int(left), int(right)
+    return a + b if operator == "+" else a - b if operator == "-" else a * b
+
+
+async def test_a_skyrl_gym_environment_scores_turn_by_turn_over_openenv(
+    skyrl_gym_url: str,
+) -> None:
+    """SkyRL-Gym's ``gsm8k_multi_turn`` as its package ships it, on problems reasoning-gym
+    generates from the reset's seed: every well-formed answer earns a share of 0.2, the
+    right number earns 1 and ends the episode, and three turns end it either way."""
+    async with aiohttp.ClientSession() as http:
+        for seed in (3, 4, 5):
+            problems = []
+            for _ in range(2):  # the same seed: the same problem
+                async with OpenEnvSession(skyrl_gym_url, http=http) as env:
+                    problems.append(observation_text((await env.reset(seed=seed)).observation))
+            assert problems[0] == problems[1] and "####" in problems[0]
+            answer = sum_of(problems[0])
+            async with OpenEnvSession(skyrl_gym_url, http=http) as env:
+                await env.reset(seed=seed)
+                unformed = await env.step({"message": f"it is {answer}"})
+                assert (unformed.reward, unformed.done) == (0.0, False)
+                assert "####" in observation_text(unformed.observation)  # the env's reminder
+                wrong = await env.step({"message": f"#### {answer + 1}"})
+                assert wrong.reward == pytest.approx(0.2 / 3) and not wrong.done
+                right = await env.step({"message": f"so #### {answer}"})
+                assert (right.reward, right.done) == (1.0, True)
+                with pytest.raises(EnvFailed) as after_the_end:
+                    await env.step({"message": f"#### {answer}"})
+                assert after_the_end.value.reason == "env_error"
+            async with OpenEnvSession(skyrl_gym_url, http=http) as env:
+                await env.reset(seed=seed)
+                for turn in range(3):
+                    step = await env.step({"message": "no idea"})
+                    assert step.reward == 0.0 and step.done == (turn == 2)
+
+
+@pytest.mark.slow
+async def test_a_run_trains_in_a_skyrl_gym_environment(
+    skyrl_gym_url: str, base_model_dir: Path, tmp_path: Path, run_id: str
+) -> None:
+    """``seamlessflow up --env URL`` against SkyRL-Gym's server: each group answers one
+    problem over up to three turns, the trainer trains on the episodes' returns."""
+    run = small_embedded_run(run_id, tmp_path, base_model_dir, steps=2, env=skyrl_gym_url,
+                             max_tokens=8)  # fmt: skip
+    summary = await run.run()
+    assert summary.status == "finished", summary.status
+    metrics = run.state.metrics
+    assert [m.step for m in metrics] == [1, 2]
+    # a return: at most two well-formed wrong answers (0.2 / 3 each) and a right one (1)
+    assert all(0 < m.samples <= 8 and 0.0 <= m.mean_reward <= 1.0 + 0.4 / 3 for m in metrics)
+    events, dropped = await stored(tmp_path / run_id, run_id)
+    assert set(dropped.values()) <= {"stale"}, dropped
+    turns = [e for e in events if isinstance(e, TurnRecorded)]
+    tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
+    assert "Calculate " in tokenizer.decode(turns[0].prompt_ids)  # reasoning-gym's problem
+    by_session: dict[str, int] = {}
+    for turn in turns:
+        by_session[turn.session_id] = by_session.get(turn.session_id, 0) + 1
+    assert max(by_session.values()) <= 3  # the environment's max_turns

@@ -13,7 +13,8 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from test_peer_compare import LOADTESTS, load_script
+from support import load_loadtest
+from test_peer_compare import LOADTESTS
 
 from seamlessflow.rewards import integer_match
 
@@ -33,7 +34,7 @@ CASES = [("The answer is 12", "12"), ("13", "12"), ("no number", "7"), ("-4\n", 
 
 
 def test_both_clients_get_the_tasks_reward_after_the_same_latencies(judge: str) -> None:
-    peer_judge = load_script("peer_judge")
+    peer_judge = load_loadtest("peer_judge")
     expected = [float(integer_match(c, r)) for c, r in CASES]
     assert sorted(set(expected)) == [0.0, 1.0]  # the cases tell right from wrong
 
@@ -56,5 +57,5 @@ def test_a_bad_judge_request_gets_a_400(judge: str) -> None:
         urllib.request.urlopen(request, timeout=10)
     assert refused.value.code == 400
     assert "bad judge request" in json.loads(refused.value.read())["error"]
-    peer_judge = load_script("peer_judge")
+    peer_judge = load_loadtest("peer_judge")
     assert peer_judge.stats(judge) == {"requests": 0}  # nothing drawn for it
