@@ -120,7 +120,7 @@ def heldout_score(
 
 
 def train(args: argparse.Namespace, model_dir: Path, env_url: str) -> dict[str, Any]:
-    run_id = f"env-{args.env}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_id = f"env-{args.env.replace('_', '-')}-{time.strftime('%Y%m%d-%H%M%S')}"
     run, summary, started, finished = peer_env.env_run(args, model_dir, env_url, run_id)
     rewards = [m.mean_reward for m in run.state.metrics]
     return {
