@@ -79,7 +79,7 @@ env-venv NAME:
     set -euo pipefail
     cd "{{justfile_directory()}}"
     dir="environments/{{NAME}}" venv=".venv-env-{{NAME}}"
-    if [ ! -f "$dir/requirements.txt" ]; then echo "no environment $dir (there are: $(ls environments))" >&2; exit 2; fi
+    if [ ! -f "$dir/requirements.txt" ]; then echo "no environment $dir (there are: $(ls environments/*/requirements.txt | cut -d/ -f2 | xargs))" >&2; exit 2; fi
     if command -v flock >/dev/null; then exec 9>"$venv.lock" && flock 9; fi
     stamp=$(cat "$dir/requirements.txt" "$dir/constraints.txt" | sha256sum | cut -c1-16)
     if [ -f "$venv/.stamp" ] && [ "$(cat "$venv/.stamp")" = "$stamp" ]; then exit 0; fi

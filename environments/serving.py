@@ -17,9 +17,16 @@ EXIT_CONFIG = 78
 """The exit code of a server that cannot start as asked (sysexits' EX_CONFIG)."""
 
 
-def serve_main(name: str, build_app: Callable[[], Any], host: str, port: int) -> int:
+def serve_main(
+    name: str,
+    build_app: Callable[[], Any],
+    host: str,
+    port: int,
+    on_listening: Callable[[str, int], None] | None = None,
+) -> int:
     """Build the app (an error there is the environment's: one line, ``EXIT_CONFIG``),
-    bind ``host:port`` (0: any free port), then serve until stopped."""
+    bind ``host:port`` (0: any free port), tell ``on_listening`` the address bound, then
+    serve until stopped."""
     try:
         app = build_app()
     except Exception as exc:
@@ -32,6 +39,8 @@ def serve_main(name: str, build_app: Callable[[], Any], host: str, port: int) ->
     except OSError as exc:
         print(f"{name}: cannot listen on {host}:{port} ({exc.strerror})", file=sys.stderr)
         return EXIT_CONFIG
+    if on_listening is not None:
+        on_listening(*sock.getsockname()[:2])
     asyncio.run(serve(app, sock))
     return 0
 

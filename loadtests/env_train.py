@@ -6,13 +6,15 @@ The environment runs as its own process from its own virtual environment
 ``seamlessflow up --env URL`` (the ``openenv`` agent, the ``episodes`` task: each group
 plays one game, seeded); the held-out score is the mean return of the model on the
 first ``--heldout`` games of the ``episodes`` task's eval split (seeds the run never
-trains on), played greedily turn by turn with the model's own chat template
-(``peer_env.EpisodePlayer``), before the run on the base model and after it on the
-run's final checkpoint.
+trains on; an environment that plays the rows of a dataset plays them from a second
+server, on rows the run never sees: ``EnvSpec.heldout_options``), played greedily
+turn by turn with the model's own chat template (``peer_env.EpisodePlayer``), before
+the run on the base model and after it on the run's final checkpoint.
 
     .venv/bin/python loadtests/env_train.py --env textarena --game GuessTheNumber-v0 \\
         --model smollm2-135m-instruct --steps 10
-    .venv/bin/python loadtests/env_train.py --env skyrl_gym --steps 10
+    .venv/bin/python loadtests/env_train.py --env skyrl_gym --steps 20
+    .venv/bin/python loadtests/env_train.py --env verifiers --steps 10
 """
 
 from __future__ import annotations
@@ -25,20 +27,42 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import peer_env
 
 ROOT = Path(__file__).resolve().parent.parent
-ENVIRONMENTS = {"textarena": "GuessTheNumber-v0", "skyrl_gym": "gsm8k_multi_turn"}
-"""Third-party environments under ``environments/``, each served from its own venv, and
-the game (the environment's own id) each plays unless ``--game`` names another."""
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """A third-party environment under ``environments/``, served from its own venv."""
+
+    game: str
+    """The game (the environment's own id) played unless ``--game`` names another."""
+    train_options: tuple[str, ...] = ()
+    """Its server's options for the run."""
+    heldout_options: tuple[str, ...] | None = None
+    """Its server's options for the held-out score; None: the same server. (An
+    environment whose seeds generate its problems holds out the ``episodes`` task's eval
+    seeds by itself; one that plays rows of a dataset needs rows the run never sees.)"""
+
+
+ENVIRONMENTS = {
+    "textarena": EnvSpec("GuessTheNumber-v0"),
+    "skyrl_gym": EnvSpec("gsm8k_multi_turn"),
+    # falsepass's toy draws its 200 sums from its seed: another seed, other sums
+    "verifiers": EnvSpec(
+        "falsepass._demo.falsepass_toy_env", ("--env-arg", "seed=0"), ("--env-arg", "seed=1")
+    ),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--env", choices=ENVIRONMENTS, default="textarena")
+    parser.add_argument("--env", choices=sorted(ENVIRONMENTS), default="textarena")
     parser.add_argument("--game", default="", help="the environment's game id (ENVIRONMENTS)")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a packaged model")
     parser.add_argument("--model-dir", type=Path, default=None, help="a model directory as is")
@@ -53,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs-dir", type=Path, default=ROOT / "runs")
     parser.add_argument("--out", type=Path, default=ROOT / "runs/load/env_train.json")
     args = parser.parse_args(argv)
-    args.game = args.game or ENVIRONMENTS[args.env]
+    args.game = args.game or ENVIRONMENTS[args.env].game
     return args
 
 
@@ -143,13 +167,20 @@ def main(argv: list[str] | None = None) -> int:
     seeds, system = heldout_games(args.heldout, args.seed)
     report: dict[str, Any] = {"env": args.env, "game": args.game, "model": str(model_dir),
                               "steps": args.steps, "heldout_games": len(seeds)}  # fmt: skip
-    with env_server(args.env, args.game) as url:
-        report["before"] = heldout_score(model_dir, url, seeds, system, args)
+    spec = ENVIRONMENTS[args.env]
+    with contextlib.ExitStack() as servers:
+        url = servers.enter_context(env_server(args.env, args.game, *spec.train_options))
+        heldout_url = url
+        if spec.heldout_options is not None:
+            heldout_url = servers.enter_context(
+                env_server(args.env, args.game, *spec.heldout_options)
+            )
+        report["before"] = heldout_score(model_dir, heldout_url, seeds, system, args)
         print("held-out before:", json.dumps(report["before"]), flush=True)
         report["run"] = train(args, model_dir, url)
         print("run:", json.dumps(report["run"]), flush=True)
         trained = Path(report["run"]["final_checkpoint"])
-        report["after"] = heldout_score(trained, url, seeds, system, args)
+        report["after"] = heldout_score(trained, heldout_url, seeds, system, args)
         print("held-out after:", json.dumps(report["after"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

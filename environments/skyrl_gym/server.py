@@ -49,8 +49,10 @@ from pydantic import Field
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from serving import serve_main  # environments/serving.py, beside this folder
 
-ANSWER_FORM = 'Answer with the number after "####", for example "#### 12".'
-"""The one line the adapter adds to a problem: how the environment reads an answer."""
+ANSWER_FORM = 'Write your final answer as "####" followed by the number.'
+"""The one line the adapter adds to a problem: how the environment reads an answer. No
+example number: with '"#### 12"' as one, SmolLM2 learnt in 10 steps to answer 12 to
+everything (each well-formed answer earns a share of the reward)."""
 
 
 class Answer(Action):

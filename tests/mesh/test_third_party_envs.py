@@ -1,8 +1,9 @@
 """Third-party environments as their packages ship them, each served from its own
 virtual environment (``just env-venv NAME``) by OpenEnv's current server (openenv 0.10):
 TextArena's games, played over OpenEnv's WebSocket protocol by the project's own client
-and over MCP by a JSON-RPC client; SkyRL-Gym's multi-turn math environment, scored
-against answers computed here. Each is trained in by ``seamlessflow up --env URL``.
+and over MCP by a JSON-RPC client; SkyRL-Gym's multi-turn math environment and a
+verifiers environment run by its own rollout loop, each scored against answers computed
+here. Each is trained in by ``seamlessflow up --env URL``.
 
 A venv is installed by its fixture when it is missing (about 50 s with a warm pip
 cache); what is measured with SmolLM2 is docs/benchmarks.md, "Third-party environments".
@@ -32,6 +33,14 @@ GAME = "GuessTheNumber-v0"  # a secret from 1 to 20, ten guesses, moves as "[n]"
 @pytest.fixture(scope="module")
 def textarena_url() -> Iterator[str]:
     with load_loadtest("env_train").env_server("textarena", GAME) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def verifiers_url() -> Iterator[str]:
+    env_train = load_loadtest("env_train")
+    spec = env_train.ENVIRONMENTS["verifiers"]
+    with env_train.env_server("verifiers", spec.game, *spec.train_options) as url:
         yield url
 
 
@@ -197,3 +206,49 @@ async def test_a_run_trains_in_a_skyrl_gym_environment(
     for turn in turns:
         by_session[turn.session_id] = by_session.get(turn.session_id, 0) + 1
     assert max(by_session.values()) <= 3  # the environment's max_turns
+
+
+async def test_a_verifiers_environment_runs_its_own_rollout_turn_by_turn(
+    verifiers_url: str,
+) -> None:
+    """falsepass's toy, loaded with ``load_environment`` and run by verifiers' own rollout
+    loop: its model call is the episode's turn, its rubric's score the reward (1 for the
+    sum, computed here, in ``<answer>`` tags; 0 otherwise); the seed picks the row."""
+    async with aiohttp.ClientSession() as http:
+        async with OpenEnvSession(verifiers_url, http=http) as env:
+            prompts = {}
+            for seed, off_by in ((0, 0), (0, 1), (7, 0), (207, 0)):
+                reset = await env.reset(seed=seed)
+                prompt = observation_text(reset.observation)
+                assert prompts.setdefault(seed % 200, prompt) == prompt  # 200 rows
+                assert "<answer></answer>" in prompt  # the environment's own system prompt
+                left, right = prompt.rsplit("\n", 1)[-1].split(" + ")
+                step = await env.step(
+                    {"message": f"<answer>{int(left) + int(right) + off_by}</answer>"}
+                )
+                assert step.done and step.reward == (1.0 if off_by == 0 else 0.0)
+            assert prompts[0] != prompts[7]
+            with pytest.raises(EnvFailed) as after_the_end:
+                await env.step({"message": "<answer>1</answer>"})
+            assert after_the_end.value.reason == "env_error"
+
+
+@pytest.mark.slow
+async def test_a_run_trains_in_a_verifiers_environment(
+    verifiers_url: str, base_model_dir: Path, tmp_path: Path, run_id: str
+) -> None:
+    """``seamlessflow up --env URL`` against the verifiers server: each group answers one
+    row, scored by the environment's rubric."""
+    run = small_embedded_run(run_id, tmp_path, base_model_dir, steps=2, env=verifiers_url,
+                             max_tokens=8)  # fmt: skip
+    summary = await run.run()
+    assert summary.status == "finished", summary.status
+    metrics = run.state.metrics
+    assert [m.step for m in metrics] == [1, 2]
+    assert all(0 < m.samples <= 8 and 0.0 <= m.mean_reward <= 1.0 for m in metrics)
+    events, dropped = await stored(tmp_path / run_id, run_id)
+    assert set(dropped.values()) <= {"stale"}, dropped
+    turns = [e for e in events if isinstance(e, TurnRecorded)]
+    tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
+    assert "Add the two numbers" in tokenizer.decode(turns[0].prompt_ids)
+    assert len({t.session_id for t in turns}) == len(turns)  # one turn an episode
