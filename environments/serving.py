@@ -5,9 +5,13 @@ own virtual environment, so it needs nothing but uvicorn."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import math
+import random
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +19,50 @@ import uvicorn
 
 EXIT_CONFIG = 78
 """The exit code of a server that cannot start as asked (sysexits' EX_CONFIG)."""
+
+
+class StepLatency:
+    """How long each step of an environment waits before it answers, as a slow real
+    environment would (a sandbox, a simulator, a remote service): a log-normal draw with
+    median ``median_ms`` and spread ``sigma``, from one seeded generator shared by every
+    session of the server. ``--step-latency-ms`` and ``--step-latency-sigma`` of every
+    server here; what ``loadtests/peer_env.py`` races at 0, 100 and 1000 ms."""
+
+    def __init__(self, median_ms: float = 0.0, sigma: float = 0.5, seed: int = 0) -> None:
+        if median_ms < 0 or sigma < 0:
+            raise ValueError(f"step latency needs median >= 0 and sigma >= 0: {median_ms}, {sigma}")
+        self.median_ms, self.sigma = median_ms, sigma
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()  # sessions step on threads of their own
+
+    def draw_s(self) -> float:
+        if self.median_ms == 0:
+            return 0.0
+        with self._lock:
+            return self._rng.lognormvariate(math.log(self.median_ms / 1000), self.sigma)
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--step-latency-ms", type=non_negative, default=0.0,
+            help="median wait of a step before it answers (0: none)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--step-latency-sigma", type=non_negative, default=0.5,
+            help="log-normal spread of that wait (0: always the median)",
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> StepLatency:
+        return cls(args.step_latency_ms, args.step_latency_sigma)
+
+
+def non_negative(text: str) -> float:
+    """An option's number, 0 or more (argparse's one-line error otherwise)."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
 
 
 def serve_main(

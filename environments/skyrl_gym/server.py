@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -47,7 +48,7 @@ from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serving import serve_main  # environments/serving.py, beside this folder
+from serving import StepLatency, serve_main  # environments/serving.py, beside this folder
 
 ANSWER_FORM = 'Write your final answer as "####" followed by the number.'
 """The one line the adapter adds to a problem: how the environment reads an answer. No
@@ -72,8 +73,16 @@ class SkyRLGymEpisode(Environment):
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
-    def __init__(self, env_id: str, task: str, task_config: dict[str, Any], max_turns: int):
+    def __init__(
+        self,
+        env_id: str,
+        task: str,
+        task_config: dict[str, Any],
+        max_turns: int,
+        latency: StepLatency | None = None,
+    ) -> None:
         super().__init__()
+        self.latency = latency or StepLatency()
         self.env_id, self.task, self.task_config = env_id, task, task_config
         self.max_turns = max_turns
         self.env: Any = None
@@ -97,6 +106,7 @@ class SkyRLGymEpisode(Environment):
         if self.over:
             raise EpisodeOver("the episode is over: reset to start another")
         self._state.step_count += 1
+        time.sleep(self.latency.draw_s())  # on this session's own thread
         out = self.env.step(action.message)
         self.over = bool(out["done"])
         if self.over:
@@ -135,11 +145,18 @@ def task_config_of(pairs: list[str]) -> dict[str, Any]:
     return config
 
 
-def app_for(env_id: str, task: str, config: dict[str, Any], max_turns: int, sessions: int) -> Any:
+def app_for(
+    env_id: str,
+    task: str,
+    config: dict[str, Any],
+    max_turns: int,
+    sessions: int,
+    latency: StepLatency,
+) -> Any:
     # an unknown environment, task or option fails here, before anything is served
     SkyRLGymEpisode(env_id, task, config, max_turns).reset(seed=0)
     return create_app(
-        lambda: SkyRLGymEpisode(env_id, task, config, max_turns),
+        lambda: SkyRLGymEpisode(env_id, task, config, max_turns, latency),
         Answer,
         Reply,
         env_name=f"skyrl-gym-{env_id}",
@@ -161,10 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8013, help="0: any free port")
     parser.add_argument("--max-sessions", type=int, default=256)
+    StepLatency.add_arguments(parser)
     args = parser.parse_args(argv)
     config = task_config_of(args.task_option)
-    return serve_main("skyrl_gym", lambda: app_for(args.game, args.task, config,
-                      args.max_turns, args.max_sessions), args.host, args.port)  # fmt: skip
+    latency = StepLatency.of(args)
+
+    def build() -> Any:
+        return app_for(args.game, args.task, config, args.max_turns, args.max_sessions, latency)
+
+    return serve_main("skyrl_gym", build, args.host, args.port)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -47,7 +48,7 @@ from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serving import serve_main  # environments/serving.py, beside this folder
+from serving import StepLatency, serve_main  # environments/serving.py, beside this folder
 
 PLAYER = 0
 """The one player of a single-player game."""
@@ -72,7 +73,7 @@ class TextArenaGame(MCPEnvironment):
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
-    def __init__(self, game: str) -> None:
+    def __init__(self, game: str, latency: StepLatency | None = None) -> None:
         tools = FastMCP(f"textarena-{game}")
 
         @tools.tool()
@@ -88,6 +89,7 @@ class TextArenaGame(MCPEnvironment):
 
         super().__init__(tools)
         self.game_name = game
+        self.latency = latency or StepLatency()
         self.game: Any = None
         self.shown = 0
         self.over = True
@@ -113,6 +115,7 @@ class TextArenaGame(MCPEnvironment):
         if self.over:
             raise GameOver("the game is over: start another (reset, or new_game)")
         self._state.step_count += 1
+        time.sleep(self.latency.draw_s())  # on this session's own thread
         done, _ = self.game.step(action=action)
         if not done:
             return GameObservation(prompt=self._news(action), reward=0.0, done=False)
@@ -133,10 +136,10 @@ class TextArenaGame(MCPEnvironment):
         return self._state
 
 
-def app_for(game: str, max_sessions: int) -> Any:
+def app_for(game: str, max_sessions: int, latency: StepLatency) -> Any:
     textarena.make(env_id=game)  # an unknown game fails here, before anything is served
     return create_app(
-        lambda: TextArenaGame(game),
+        lambda: TextArenaGame(game, latency),
         GameMove,
         GameObservation,
         env_name=f"textarena-{game}",
@@ -150,9 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8012, help="0: any free port")
     parser.add_argument("--max-sessions", type=int, default=256)
+    StepLatency.add_arguments(parser)
     args = parser.parse_args(argv)
-    return serve_main("textarena", lambda: app_for(args.game, args.max_sessions),
-                      args.host, args.port)  # fmt: skip
+    latency = StepLatency.of(args)
+    return serve_main(
+        "textarena", lambda: app_for(args.game, args.max_sessions, latency), args.host, args.port
+    )
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serving import serve_main  # environments/serving.py, beside this folder
+from serving import StepLatency, serve_main  # environments/serving.py, beside this folder
 
 BRIDGE = "/bridge/v1"
 """Where the environments' own OpenAI clients call this server."""
@@ -95,8 +95,11 @@ class VerifiersEpisode(Environment):
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
-    def __init__(self, env: Any, rows: Any, address: list[str]) -> None:
+    def __init__(
+        self, env: Any, rows: Any, address: list[str], latency: StepLatency | None = None
+    ) -> None:
         super().__init__()
+        self.latency = latency or StepLatency()
         self.env, self.rows = env, rows
         self.address = address  # the bridge's base URL, once the server listens
         self.key = ""
@@ -139,6 +142,7 @@ class VerifiersEpisode(Environment):
         if episode is None or episode.waiting is None:
             raise EpisodeOver("the episode is over: reset to start another")
         self._state.step_count += 1
+        await asyncio.sleep(self.latency.draw_s())
         episode.waiting.set_result(action.message)
         episode.waiting = None
         return await self._next(episode)
@@ -222,14 +226,16 @@ def env_args_of(pairs: list[str]) -> dict[str, Any]:
     return args
 
 
-def app_for(game: str, env_args: dict[str, Any], sessions: int, address: list[str]) -> Any:
+def app_for(
+    game: str, env_args: dict[str, Any], sessions: int, address: list[str], latency: StepLatency
+) -> Any:
     """The server; ``address`` receives the base URL of the bridge once it listens."""
     env = vf.load_environment(game, **env_args)  # a missing package: one line, and exit
     rows = env.get_eval_dataset()
     if len(rows) == 0:
         raise ValueError(f"{game} has no rows")
     app = create_app(
-        lambda: VerifiersEpisode(env, rows, address),
+        lambda: VerifiersEpisode(env, rows, address, latency),
         Reply,
         Turn,
         env_name=f"verifiers-{game}",
@@ -248,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8014, help="0: any free port")
     parser.add_argument("--max-sessions", type=int, default=256)
+    StepLatency.add_arguments(parser)
     args = parser.parse_args(argv)
     address: list[str] = []
 
@@ -256,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
 
     return serve_main(
         "verifiers",
-        lambda: app_for(args.game, env_args_of(args.env_arg), args.max_sessions, address),
+        lambda: app_for(
+            args.game, env_args_of(args.env_arg), args.max_sessions, address, StepLatency.of(args)
+        ),
         args.host,
         args.port,
         on_listening=listening,

@@ -12,6 +12,7 @@ cache); what is measured with SmolLM2 is docs/benchmarks.md, "Third-party enviro
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -252,3 +253,17 @@ async def test_a_run_trains_in_a_verifiers_environment(
     tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
     assert "Add the two numbers" in tokenizer.decode(turns[0].prompt_ids)
     assert len({t.session_id for t in turns}) == len(turns)  # one turn an episode
+
+
+async def test_a_third_party_server_waits_its_step_latency() -> None:
+    """``--step-latency-ms`` (environments/serving.py, every server there): each step
+    answers no sooner than the latency asked, here 300 ms exactly (sigma 0)."""
+    env_train = load_loadtest("env_train")
+    options = ("--step-latency-ms", "300", "--step-latency-sigma", "0")
+    with env_train.env_server("skyrl_gym", "gsm8k_multi_turn", *options) as url:
+        async with aiohttp.ClientSession() as http, OpenEnvSession(url, http=http) as env:
+            for turn in range(3):
+                await env.reset(seed=turn)
+                began = time.monotonic()
+                await env.step({"message": "#### 1"})
+                assert time.monotonic() - began >= 0.3
