@@ -836,7 +836,8 @@ def trl_version() -> str | None:
 
 def print_table(report: dict[str, Any]) -> None:
     settings = report["settings"]
-    print(f"\n{settings['environment']}: {settings['steps']} steps, {settings['groups_per_batch']}"
+    environment = settings.get("env_url") or settings["environment"]
+    print(f"\n{environment}: {settings['steps']} steps, {settings['groups_per_batch']}"
           f" games x {settings['group_size']} episodes, up to {settings['max_turns']} turns of "
           f"{settings['max_tokens']} tokens; base return {fmt(report['base_return'], 3)}, "
           f"target {report['reward_target']:.3f}")  # fmt: skip
