@@ -124,22 +124,30 @@ async def test_a_run_trains_in_a_textarena_game(
 ) -> None:
     """``seamlessflow up --env URL`` against the third-party server: the ``openenv`` agent
     plays each group's game, the trainer trains on the episodes' returns."""
-    run = small_embedded_run(run_id, tmp_path, base_model_dir, steps=2, env=textarena_url,
-                             max_tokens=8)  # fmt: skip
+    # a return is the game's own (0 to 1)
+    _, first_prompt = await two_steps(textarena_url, base_model_dir, tmp_path, run_id, 1.0)
+    assert "You are playing Guess The Number" in first_prompt  # the game's own rules
+
+
+async def two_steps(
+    url: str, model_dir: Path, tmp_path: Path, run_id: str, max_return: float
+) -> tuple[list[TurnRecorded], str]:
+    """A 2-step ``seamlessflow up --env URL`` run (two groups of four episodes a step)
+    that finishes with returns within 0 and ``max_return``, every episode played to its
+    end; its turns and the first one's prompt as text."""
+    run = small_embedded_run(run_id, tmp_path, model_dir, steps=2, env=url, max_tokens=8)
     summary = await run.run()
     assert summary.status == "finished", summary.status
     metrics = run.state.metrics
     assert [m.step for m in metrics] == [1, 2]
-    # each step: two games of four episodes; a return is the game's own (0 to 1)
-    assert all(0 < m.samples <= 8 and 0.0 <= m.mean_reward <= 1.0 for m in metrics)
+    assert all(0 < m.samples <= 8 and 0.0 <= m.mean_reward <= max_return for m in metrics)
     events, dropped = await stored(tmp_path / run_id, run_id)
-    # every episode was played to its end: none failed in the environment (a sample the
-    # staleness filter drops is the trainer's choice, not the environment's)
+    # none failed in the environment (a sample the staleness filter drops is the
+    # trainer's choice, not the environment's)
     assert set(dropped.values()) <= {"stale"}, dropped
     turns = [e for e in events if isinstance(e, TurnRecorded)]
-    tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
-    first_prompt = tokenizer.decode(turns[0].prompt_ids)
-    assert "You are playing Guess The Number" in first_prompt  # the game's own rules
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return turns, tokenizer.decode(turns[0].prompt_ids)
 
 
 def sum_of(problem: str) -> int:
@@ -190,19 +198,11 @@ async def test_a_run_trains_in_a_skyrl_gym_environment(
 ) -> None:
     """``seamlessflow up --env URL`` against SkyRL-Gym's server: each group answers one
     problem over up to three turns, the trainer trains on the episodes' returns."""
-    run = small_embedded_run(run_id, tmp_path, base_model_dir, steps=2, env=skyrl_gym_url,
-                             max_tokens=8)  # fmt: skip
-    summary = await run.run()
-    assert summary.status == "finished", summary.status
-    metrics = run.state.metrics
-    assert [m.step for m in metrics] == [1, 2]
     # a return: at most two well-formed wrong answers (0.2 / 3 each) and a right one (1)
-    assert all(0 < m.samples <= 8 and 0.0 <= m.mean_reward <= 1.0 + 0.4 / 3 for m in metrics)
-    events, dropped = await stored(tmp_path / run_id, run_id)
-    assert set(dropped.values()) <= {"stale"}, dropped
-    turns = [e for e in events if isinstance(e, TurnRecorded)]
-    tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
-    assert "Calculate " in tokenizer.decode(turns[0].prompt_ids)  # reasoning-gym's problem
+    turns, first_prompt = await two_steps(
+        skyrl_gym_url, base_model_dir, tmp_path, run_id, 1.0 + 0.4 / 3
+    )
+    assert "Calculate " in first_prompt  # reasoning-gym's problem
     by_session: dict[str, int] = {}
     for turn in turns:
         by_session[turn.session_id] = by_session.get(turn.session_id, 0) + 1
@@ -240,18 +240,8 @@ async def test_a_run_trains_in_a_verifiers_environment(
 ) -> None:
     """``seamlessflow up --env URL`` against the verifiers server: each group answers one
     row, scored by the environment's rubric."""
-    run = small_embedded_run(run_id, tmp_path, base_model_dir, steps=2, env=verifiers_url,
-                             max_tokens=8)  # fmt: skip
-    summary = await run.run()
-    assert summary.status == "finished", summary.status
-    metrics = run.state.metrics
-    assert [m.step for m in metrics] == [1, 2]
-    assert all(0 < m.samples <= 8 and 0.0 <= m.mean_reward <= 1.0 for m in metrics)
-    events, dropped = await stored(tmp_path / run_id, run_id)
-    assert set(dropped.values()) <= {"stale"}, dropped
-    turns = [e for e in events if isinstance(e, TurnRecorded)]
-    tokenizer = AutoTokenizer.from_pretrained(str(base_model_dir))
-    assert "Add the two numbers" in tokenizer.decode(turns[0].prompt_ids)
+    turns, first_prompt = await two_steps(verifiers_url, base_model_dir, tmp_path, run_id, 1.0)
+    assert "Add the two numbers" in first_prompt  # the environment's own system prompt
     assert len({t.session_id for t in turns}) == len(turns)  # one turn an episode
 
 
