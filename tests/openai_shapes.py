@@ -46,8 +46,10 @@ from sf_gateway.openapi import (
     SessionCreated,
 )
 
-ALLOWED_EXTRAS = frozenset({"reasoning_content"})
-"""Fields beyond the SDK's types that OpenAI-compatible servers send (vLLM's reasoning)."""
+ALLOWED_EXTRAS = frozenset({"reasoning_content", "tool_call_errors"})
+"""Fields beyond the SDK's types that OpenAI-compatible servers send: vLLM's reasoning,
+and the gateway's account of a choice's malformed tool calls (docs/environments.md,
+"Malformed tool calls"), sent only when the model wrote one."""
 
 ALWAYS_SENT: dict[type[BaseModel], frozenset[str]] = {
     ChatChoice: frozenset({"logprobs"}),

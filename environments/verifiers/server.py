@@ -85,6 +85,14 @@ class Episode:
     seen: int = 0  # messages of the conversation already shown
     rollout: asyncio.Task[Any] | None = None
 
+    def abandon(self) -> None:
+        """Stop the rollout, and the model call it waits in (its HTTP handler would
+        otherwise wait for a move that never comes)."""
+        if self.waiting is not None and not self.waiting.done():
+            self.waiting.cancel()
+        if self.rollout is not None:
+            self.rollout.cancel()
+
 
 EPISODES: dict[str, Episode] = {}
 """Episodes in flight, by the key their rollout's client sends (one per reset)."""
@@ -162,14 +170,13 @@ class VerifiersEpisode(Environment):
 
     def _end_episode(self) -> None:
         episode = EPISODES.pop(self.key, None)
-        if episode is not None and episode.rollout is not None:
-            episode.rollout.cancel()
+        if episode is not None:
+            episode.abandon()
 
     def close(self) -> None:
         episode = EPISODES.pop(self.key, None)
-        if episode is not None and episode.rollout is not None:
-            loop = episode.rollout.get_loop()
-            loop.call_soon_threadsafe(episode.rollout.cancel)
+        if episode is not None and episode.rollout is not None:  # maybe on another thread
+            episode.rollout.get_loop().call_soon_threadsafe(episode.abandon)
 
     @property
     def state(self) -> State:
