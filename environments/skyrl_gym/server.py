@@ -19,7 +19,8 @@ else (the turns, rewards and the end of the episode are SkyRL-Gym's own):
 
 - the reset's seed picks the problem (reasoning-gym's ``create_dataset(task, seed=S,
   size=1)``), so every sample of a GRPO group answers the same one, and the seeds the
-  ``episodes`` task holds out are problems the run never trains on;
+  ``episodes`` task holds out are seeds the run never trains on (a small problem space,
+  such as the default's few hundred sums, still repeats problems across seeds);
 - the first observation is the problem and one line on the answer's form (``#### N``:
   the form the environment scores, which the problem alone does not tell);
 - later observations are the environment's own messages, joined;
