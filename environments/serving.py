@@ -57,6 +57,17 @@ class StepLatency:
         return cls(args.step_latency_ms, args.step_latency_sigma)
 
 
+def message_text(messages: list[dict[str, Any]]) -> str:
+    """The text of chat messages, joined (a content given as parts: its text parts)."""
+    texts = []
+    for message in messages:
+        content = message.get("content") or ""
+        if isinstance(content, list):
+            content = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        texts.append(str(content))
+    return "\n\n".join(t for t in texts if t)
+
+
 def non_negative(text: str) -> float:
     """An option's number, 0 or more (argparse's one-line error otherwise)."""
     value = float(text)

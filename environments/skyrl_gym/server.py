@@ -49,7 +49,11 @@ from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serving import StepLatency, serve_main  # environments/serving.py, beside this folder
+from serving import (
+    StepLatency,
+    message_text,
+    serve_main,
+)  # environments/serving.py, beside this folder
 
 ANSWER_FORM = 'Write your final answer as "####" followed by the number.'
 """The one line the adapter adds to a problem: how the environment reads an answer. No
@@ -99,7 +103,7 @@ class SkyRLGymEpisode(Environment):
         messages, _ = self.env.init([{"role": "user", "content": question}])
         self.over = False
         self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
-        return Reply(prompt=text_of(messages), reward=0.0, done=False)
+        return Reply(prompt=message_text(messages), reward=0.0, done=False)
 
     def step(self, action: Action, timeout_s: float | None = None, **kwargs: Any) -> Reply:
         if not isinstance(action, Answer):
@@ -112,7 +116,7 @@ class SkyRLGymEpisode(Environment):
         self.over = bool(out["done"])
         if self.over:
             self.env.close()
-        return Reply(prompt=text_of(out["observations"]), reward=float(out["reward"]),
+        return Reply(prompt=message_text(out["observations"]), reward=float(out["reward"]),
                      done=self.over)  # fmt: skip
 
     @property
@@ -123,10 +127,6 @@ class SkyRLGymEpisode(Environment):
 def problem_for(task: str, config: dict[str, Any], seed: int | None) -> dict[str, Any]:
     """reasoning-gym's problem for ``seed`` (None: a fresh one)."""
     return dict(reasoning_gym.create_dataset(task, seed=seed, size=1, **config)[0])
-
-
-def text_of(messages: list[dict[str, str]]) -> str:
-    return "\n".join(str(m.get("content", "")) for m in messages)
 
 
 def task_config_of(pairs: list[str]) -> dict[str, Any]:

@@ -55,7 +55,11 @@ from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from serving import StepLatency, serve_main  # environments/serving.py, beside this folder
+from serving import (
+    StepLatency,
+    message_text,
+    serve_main,
+)  # environments/serving.py, beside this folder
 
 BRIDGE = "/bridge/v1"
 """Where the environments' own OpenAI clients call this server."""
@@ -163,7 +167,7 @@ class VerifiersEpisode(Environment):
             news = messages[episode.seen :]
             episode.seen = len(messages) + 1  # and the reply the call gets
             episode.waiting = answer
-            return Turn(prompt=text_of(news), reward=0.0, done=False)
+            return Turn(prompt=message_text(news), reward=0.0, done=False)
         self._end_episode()
         output = payload.result()  # a rollout that raised: the step answers the error
         return Turn(prompt="", reward=float(output["reward"] or 0.0), done=True)
@@ -181,17 +185,6 @@ class VerifiersEpisode(Environment):
     @property
     def state(self) -> State:
         return self._state
-
-
-def text_of(messages: list[dict[str, Any]]) -> str:
-    """The text of chat messages, joined (a content given as parts: its text parts)."""
-    texts = []
-    for message in messages:
-        content = message.get("content") or ""
-        if isinstance(content, list):
-            content = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-        texts.append(str(content))
-    return "\n\n".join(t for t in texts if t)
 
 
 async def model_call(request: Request) -> JSONResponse:
