@@ -497,12 +497,23 @@ class Bus:
         return True
 
     async def last_stored(self, stream: str, subject: str) -> StoredMessage | None:
-        """The last message the stream holds on ``subject`` (None: none)."""
-        try:
-            raw = await self.js.get_last_msg(stream, subject)
-        except nats.js.errors.NotFoundError:
-            return None
-        return _stored(raw.subject, raw.seq, raw.data)
+        """The last message the stream holds on ``subject`` (None: none). A read, so it is
+        asked again while JetStream cannot answer (``JETSTREAM_SETUP_RETRY``): a service
+        restoring its state at start would otherwise exit on a cluster electing the
+        stream's leader (a fresh CI run saw the trajectory service restart for exactly
+        that, its ``get_last_msg`` timing out right after the leader was killed)."""
+
+        async def read() -> StoredMessage | None:
+            try:
+                raw = await self.js.get_last_msg(stream, subject)
+            except nats.js.errors.NotFoundError:
+                return None
+            return _stored(raw.subject, raw.seq, raw.data)
+
+        async def log_retry(exc: BaseException) -> None:
+            log.warning("no answer reading %s on %s (%r): retrying", subject, stream, exc)
+
+        return await retry(read, JETSTREAM_SETUP_RETRY, on_retry=log_retry)
 
     async def last_sequence(self, stream: str, subject: str) -> int:
         """The stream sequence of the last message on ``subject`` (0: none). Raises

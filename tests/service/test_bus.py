@@ -53,6 +53,33 @@ async def test_a_direct_read_a_lagging_replica_cannot_answer_asks_the_leader(
     assert await bus.stored_at(s.stream_metrics(), seq + 1, direct=True) is None
 
 
+async def test_a_last_message_read_while_jetstream_cannot_answer_is_asked_again(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster electing a stream's leader (its leader was just killed) lets a read time
+    out; a service restoring its state at start reads the last message of a subject and
+    must wait the election out, not exit. The election is played by the server's answer
+    timing out twice (one server: it has no election)."""
+    import nats.errors
+
+    s = bus.subjects
+    plan = TrainingPlanned(steps=3, seed=1, policy=s.policy)
+    seq = await bus.js_publish(s.train_plan(), plan, msg_id=MessageIds.train_plan(s.policy, "e"))
+    real_get_last = bus.js.get_last_msg
+    calls: list[str] = []
+
+    async def electing(stream: str, subject: str) -> object:
+        calls.append(subject)
+        if len(calls) <= 2:
+            raise nats.errors.TimeoutError()
+        return await real_get_last(stream, subject)
+
+    monkeypatch.setattr(bus.js, "get_last_msg", electing)
+    last = await bus.last_stored(s.stream_metrics(), s.train_plan())
+    assert last is not None and (last.subject, last.seq) == (s.train_plan(), seq)
+    assert calls == [s.train_plan()] * 3
+
+
 async def test_a_stream_exists_once_created(bus: Bus) -> None:
     assert await bus.stream_exists(bus.subjects.stream_metrics())
     assert not await bus.stream_exists(bus.subjects.stream_metrics() + "_NOT_CREATED")
