@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from openai import AsyncOpenAI
+from openai import APIConnectionError, AsyncOpenAI
 from support import session_turns
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -151,6 +151,13 @@ async def test_a_client_leaving_mid_stream_frees_the_engine_slot(
         await chatty.engine.engine.pause("keep")
         assert chatty.engine.membership.in_flight == 1
         await stream.close()  # the agent goes away mid-answer
+        # A closed answer reads no further. Reading it to that error also ends the SDK's
+        # chain of half-read async generators here: left to the garbage collector, they
+        # were finalized during a later test and once raised "async generator already
+        # executing" there (an unraisable error, so that test failed).
+        with pytest.raises(APIConnectionError):
+            async for _ in stream:
+                pass
         # The engine frees the slot when the gateway's abort reaches it; the same message
         # reaches this test on its own connection, in its own time: under load the slot was
         # free before ``on_abort`` had run, and the check below saw no abort. Both are
