@@ -96,7 +96,9 @@ def payload_stores(bus: Bus, settings: WeightTransferSettings) -> dict[str, Payl
     """Every store an engine can fetch from; the manifest names the one to use."""
     return {
         ObjectStorePayloads.name: ObjectStorePayloads(bus),
-        SharedMemoryPayloads.name: SharedMemoryPayloads(bus.subjects.run_id, settings.shm_dir),
+        SharedMemoryPayloads.name: SharedMemoryPayloads(
+            bus.subjects.run_id, settings.shm_dir, bus.subjects.policy
+        ),
     }
 
 

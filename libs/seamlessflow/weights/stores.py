@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Protocol
 
 from seamlessflow.bus import BROKER_ERRORS, Bus, NotFound, ObjectBucket
-from seamlessflow.protocol import WeightManifest
+from seamlessflow.protocol import DEFAULT_POLICY, WeightManifest
 from seamlessflow.weights.codec import EncodedWeights, WeightsCorrupted
 from seamlessflow.weights.layout import bucket_ranges
 
@@ -196,12 +196,19 @@ class ObjectStorePayloads:
 
 
 class SharedMemoryPayloads:
+    """Payloads as files in shared memory (``/dev/shm``: RAM), read in place (mmap) by
+    the engines of one host: ``seamlessflow-<run>-<policy>-weights-v<version>-<kind>``."""
+
     name = "shm"
     ephemeral = True
 
-    def __init__(self, run_id: str, directory: Path = Path("/dev/shm")) -> None:
+    def __init__(
+        self, run_id: str, directory: Path = Path("/dev/shm"), policy: str = DEFAULT_POLICY
+    ) -> None:
         self.directory = directory
-        self.prefix = f"seamlessflow-{run_id}-"
+        # one name space per run and policy: two policies of a run publish the same
+        # version numbers, often at the same moment, and each prunes its own old ones
+        self.prefix = f"seamlessflow-{run_id}-{policy}-"
 
     async def writer(self, version: int, kind: str) -> PayloadWriter:
         final = self.directory / (self.prefix + payload_name(version, kind))
