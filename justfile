@@ -22,6 +22,11 @@ up *ARGS: pretrained
 up-toy *ARGS:
     {{bin}}/seamlessflow up {{ARGS}}
 
+# SRPO on SmolLM2-135M-Instruct: math, then math and code mixed, with history resampling
+# (examples/run_files/srpo.toml; docs/benchmarks.md "SRPO" for what it measured)
+up-srpo *ARGS: pretrained
+    {{bin}}/seamlessflow up --model smollm2-135m-instruct --config examples/run_files/srpo.toml {{ARGS}}
+
 # multi-policy example: a solver and a verifier trained together (own trainers, engines,
 # version lines); the solve_and_verify agent asks one, then the other
 up-two-policies *ARGS:
@@ -234,6 +239,12 @@ peer-real STEPS="30" TASK="rg:basic_arithmetic?max_terms=2&max_digits=1&allow_pa
 # STEPS steps with held-out accuracy before and after, its reward curve and step time
 sweep-defaults STEPS="10" VARIANTS="default,kl,temp07,group4,group16": _cpu-only pretrained
     {{bin}}/python loadtests/defaults_sweep.py --steps {{STEPS}} --variants {{VARIANTS}} --out runs/load/defaults_sweep.json
+
+# SRPO (examples/run_files/srpo.toml) against plain GRPO, the same steps, seeds and cores:
+# held-out score per task (mean and spread over the seeds), wall time, and the share of
+# prompts history resampling kept (docs/benchmarks.md, "SRPO")
+bench-srpo SEEDS="0,1,2": _cpu-only pretrained
+    {{bin}}/python loadtests/srpo_compare.py --seeds {{SEEDS}} --out runs/load/srpo_compare.json
 
 # gateway load test against a live mesh: 100, 500 and 1000 concurrent multi-turn agent
 # sessions (scripted engine, agents in 2 processes of their own); requests/s, latency

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
+
 from seamlessflow.bus import Bus, connect
 from seamlessflow.protocol import Subjects
 from sf_app.run.supervisor import free_port
@@ -373,3 +375,42 @@ def load_loadtest(name: str):  # type: ignore[no-untyped-def]
     finally:
         sys.path.remove(folder)
     return module
+
+
+OUTSIDE_DATA_FILTER = '''"""A user's data filter, in a module outside the repo."""
+
+from pydantic import Field
+
+from seamlessflow.plugin_settings import PluginSettings
+from sf_trajectory.data_filters import drop, keep
+
+
+class LowRewardSettings(PluginSettings):
+    min_mean_reward: float = Field(default=0.5, ge=0.0)
+
+
+class DropLowRewardGroups:
+    """Drop a group whose mean reward is below ``min_mean_reward``."""
+
+    name = "low_reward"
+    settings_class = LowRewardSettings
+
+    def __init__(self, min_mean_reward: float) -> None:
+        self.min_mean_reward = min_mean_reward
+
+    def judge(self, group, batch_index):
+        mean = sum(s.reward for s in group.samples) / len(group.samples)
+        return keep(group) if mean >= self.min_mean_reward else drop(group, "low_reward")
+
+
+class NotAFilter:
+    name = "not_a_filter"
+'''
+
+
+def write_outside_filter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``OUTSIDE_DATA_FILTER`` as ``my_filters.py`` in ``tmp_path``, importable for the
+    test: the dotted path of its filter."""
+    (tmp_path / "my_filters.py").write_text(OUTSIDE_DATA_FILTER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "my_filters:DropLowRewardGroups"

@@ -246,7 +246,10 @@ class Tracker:
 
     def evaluation(self, metrics: TrainEvalMetrics) -> None:
         section = "eval" if len(self.policies) == 1 else f"{metrics.policy}/eval"
-        self._each("log", section, numeric_fields(metrics), metrics.step)
+        values = numeric_fields(metrics)
+        # several tasks evaluated: each one's score is a curve of its own
+        values.update({f"mean_reward/{task}": score for task, score in metrics.by_task.items()})
+        self._each("log", section, values, metrics.step)
 
     def finish(self, summary: dict[str, Any], run_dir: Path) -> None:
         """The summary's figures and the run's figures, once, at the end."""

@@ -1,4 +1,5 @@
-"""A plug-in setting that carries the plug-in's own settings (losses, advantage estimators).
+"""A plug-in setting that carries the plug-in's own settings (losses, advantage
+estimators, data filters).
 
 ``SF_TRAINER_LOSS`` names a loss; the loss declares its hyperparameters as a small
 pydantic model next to its code (a :class:`PluginSettings`), and they are set under the
@@ -10,8 +11,10 @@ plug-in's own name, in the run file or the environment:
 
 A :class:`PluginChoice` holds the name and those keys as given; the plug-in's settings
 class checks them (:func:`settings_of`): a key the chosen plug-in does not have is a
-configuration error naming the keys it has. This module needs neither torch nor the
-plug-ins, so the settings class that holds a choice stays cheap to import.
+configuration error naming the keys it has. The trajectory service's data filters take
+theirs the same way, one table per listed filter (``sf_trajectory.data_filters``). This
+module needs neither torch nor the plug-ins, so the settings class that holds a choice
+stays cheap to import.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ backward -> optimizer step.
 The modules: ``service`` (the loop and its NATS subjects), ``delivery`` (which batch is
 next), ``slots`` (claiming and releasing training slots), ``history`` (what the streams
 say was done), ``learner`` (the policy on every rank), ``step``, ``losses`` and
-``advantages`` (plug-ins, each with its own settings: ``plugin_settings``),
+``advantages`` (plug-ins, each with its own settings: ``seamlessflow.plugin_settings``),
 ``logprobs`` and ``grpo`` (the math), ``distributed``, ``threads``, ``checkpoint``,
 ``evaluation``, ``schedule``, ``settings``, ``launch`` (several ranks).
 """

@@ -3,7 +3,7 @@
 Estimators are plug-ins chosen by ``SF_TRAINER_ADVANTAGE`` (a registered name, or a
 ``package.module:attribute`` that is an :class:`AdvantageEstimator`). Each takes the
 rewards of every group of the batch (one 1-D tensor per group, one entry per sample;
-groups may differ in size) and its own settings (a ``sf_trainer.plugin_settings``
+groups may differ in size) and its own settings (a ``seamlessflow.plugin_settings``
 model, set in ``[trainer.advantage]`` or as ``SF_TRAINER_ADVANTAGE__<KEY>``; the
 built-in ones have none), and returns each sample's advantage in the same shapes.
 Every rank holds the whole batch, so a batch-wide statistic (REINFORCE++) is the same on
@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, Any, Generic
 import msgspec
 import torch
 
-from seamlessflow.plugins import Registry
-from seamlessflow.protocol import SampleGroup, TrainSample
-from sf_trainer.plugin_settings import (
+from seamlessflow.plugin_settings import (
     NoSettings,
     PluginChoice,
     PluginSettings,
     Settings,
     settings_of,
 )
+from seamlessflow.plugins import Registry
+from seamlessflow.protocol import SampleGroup, TrainSample
 
 if TYPE_CHECKING:
     from sf_trainer.settings import TrainerSettings

@@ -11,7 +11,7 @@ runs the same generation (a sharded model all-gathers in each forward); rank 0 r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,31 +25,67 @@ from sf_trainer.settings import TrainerSettings
 
 @dataclass(frozen=True)
 class EvalSet:
-    """What an evaluation runs on: the first ``eval_items`` prompts of the eval split."""
+    """What an evaluation runs on: the first ``eval_items`` prompts of each evaluated
+    task's eval split, each scored by its own task's evaluation reward."""
 
     task: str
+    """The evaluated tasks, as set (``SF_TRAINER_EVAL_TASK``: one, or several by comma)."""
     items: list[TaskItem]
     reward_fn: str
+    """The first task's evaluation reward (of a one-task set: every prompt's)."""
+    task_of: tuple[str, ...] = ()
+    """Several tasks: each prompt's task, in ``items``' order."""
+    reward_fn_by_task: dict[str, str] | None = None
+    """Several tasks: each task's evaluation reward."""
 
     @classmethod
     def from_settings(cls, settings: TrainerSettings, seed: int) -> EvalSet:
         """``seed``: the run's (``SF_SEED``), so the eval split is the one held out of the
         trajectory service's."""
-        source = get_task_source(settings.eval_task, seed=seed)
-        items = source.items("eval")
-        if settings.eval_items:
-            items = items[: settings.eval_items]
-        if not items:
-            raise ValueError(f"SF_TRAINER_EVAL_TASK={settings.eval_task}: no eval items")
-        reward_fn = getattr(source, "eval_reward_fn", source.reward_fn)
-        return cls(task=settings.eval_task, items=items, reward_fn=reward_fn)
+        tasks = settings.eval_tasks()
+        items: list[TaskItem] = []
+        task_of: list[str] = []
+        reward_fn_by_task: dict[str, str] = {}
+        for task in tasks:
+            source = get_task_source(task, seed=seed)
+            task_items = source.items("eval")
+            if settings.eval_items:
+                task_items = task_items[: settings.eval_items]
+            if not task_items:
+                raise ValueError(
+                    f"SF_TRAINER_EVAL_TASK={settings.eval_task}: {task} has no eval items"
+                )
+            items += task_items
+            task_of += [task] * len(task_items)
+            reward_fn_by_task[task] = getattr(source, "eval_reward_fn", source.reward_fn)
+        if len(tasks) == 1:
+            return cls(task=tasks[0], items=items, reward_fn=reward_fn_by_task[tasks[0]])
+        return cls(
+            task=",".join(tasks),
+            items=items,
+            reward_fn=reward_fn_by_task[tasks[0]],
+            task_of=tuple(task_of),
+            reward_fn_by_task=reward_fn_by_task,
+        )
+
+    def tasks(self) -> list[str]:
+        return list(self.reward_fn_by_task or {self.task: self.reward_fn})
+
+    def scored_by(self) -> list[tuple[str, str]]:
+        """Each prompt's (task, evaluation reward), in ``items``' order."""
+        if not self.task_of or self.reward_fn_by_task is None:
+            return [(self.task, self.reward_fn)] * len(self.items)
+        return [(task, self.reward_fn_by_task[task]) for task in self.task_of]
 
 
 @dataclass(frozen=True)
 class EvalResult:
     mean_reward: float
-    """Mean reward over the prompts (the accuracy for a 0/1 reward)."""
+    """Mean reward (the accuracy for a 0/1 reward); over several tasks, the mean of the
+    tasks' means, so a task with more prompts does not weigh more."""
     samples: int
+    by_task: dict[str, float] = field(default_factory=dict)
+    """Several tasks: each task's mean reward over its own prompts."""
 
 
 def evaluate(
@@ -62,8 +98,10 @@ def evaluate(
     """Greedy answers (at most ``eval_max_tokens`` tokens) to every prompt, each scored
     against its reference. The model is put in eval mode for it and back in train mode."""
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), padding_side="left")
-    reward = get_reward(eval_set.reward_fn)
-    total = 0.0
+    scored_by = eval_set.scored_by()
+    rewards = {name: get_reward(name) for _, name in scored_by}
+    totals = dict.fromkeys(eval_set.tasks(), 0.0)
+    counts = dict.fromkeys(eval_set.tasks(), 0)
     model.eval()
     try:
         batch = settings.eval_batch_size
@@ -86,8 +124,16 @@ def evaluate(
                 )
             prompt_length = encoded["input_ids"].shape[1]
             texts = tokenizer.batch_decode(output[:, prompt_length:], skip_special_tokens=True)
-            for text, item in zip(texts, items, strict=True):
-                total += reward(text, item.reference)
+            for text, item, (task, reward_fn) in zip(
+                texts, items, scored_by[start : start + batch], strict=True
+            ):
+                totals[task] += rewards[reward_fn](text, item.reference)
+                counts[task] += 1
     finally:
         model.train()
-    return EvalResult(mean_reward=total / len(eval_set.items), samples=len(eval_set.items))
+    by_task = {task: totals[task] / counts[task] for task in totals}
+    return EvalResult(
+        mean_reward=sum(by_task.values()) / len(by_task),
+        samples=len(eval_set.items),
+        by_task=by_task if len(by_task) > 1 else {},
+    )

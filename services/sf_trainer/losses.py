@@ -9,7 +9,7 @@ A loss has three parts, all explicit at its registration:
   sequence's tokens;
 - its **aggregation**: how the masked terms of a micro-batch become its share of the
   batch's scalar loss;
-- its **settings**: a small pydantic model (``sf_trainer.plugin_settings``) of its
+- its **settings**: a small pydantic model (``seamlessflow.plugin_settings``) of its
   hyperparameters, set in ``[trainer.loss]`` or as ``SF_TRAINER_LOSS__<KEY>``; the
   terms and the aggregation receive them.
 
@@ -38,10 +38,10 @@ from typing import Any, Generic, NamedTuple
 import torch
 from pydantic import Field
 
+from seamlessflow.plugin_settings import NoSettings, PluginChoice, Settings, settings_of
+from seamlessflow.plugin_settings import PluginSettings as LossSettings
 from seamlessflow.plugins import Registry
 from sf_trainer.grpo import ppo_clip
-from sf_trainer.plugin_settings import NoSettings, PluginChoice, Settings, settings_of
-from sf_trainer.plugin_settings import PluginSettings as LossSettings
 
 LOSS_VARIABLE = "SF_TRAINER_LOSS"
 

@@ -379,10 +379,12 @@ class TrainerService:
             mean_reward=result.mean_reward,
             max_tokens=self.settings.eval_max_tokens,
             eval_seconds=time.monotonic() - started,
+            by_task=result.by_task,
         )
-        log.info("eval at step %d (version %d): mean reward %.4f over %d %s prompts",
+        by_task = "".join(f"; {task} {score:.4f}" for task, score in result.by_task.items())
+        log.info("eval at step %d (version %d): mean reward %.4f over %d %s prompts%s",
                  self.step, self.version, result.mean_reward, result.samples,
-                 record.task)  # fmt: skip
+                 record.task, by_task)  # fmt: skip
         await self.ctx.bus.js_publish(
             self.ctx.subjects.train_eval(),
             record,

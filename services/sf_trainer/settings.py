@@ -1,7 +1,7 @@
 """The trainer's settings (``SF_TRAINER_*``).
 
 The loss and the advantage estimator are plug-in choices that carry the plug-in's own
-settings (``sf_trainer.plugin_settings``): ``[trainer.loss]`` / ``SF_TRAINER_LOSS__<KEY>``
+settings (``seamlessflow.plugin_settings``): ``[trainer.loss]`` / ``SF_TRAINER_LOSS__<KEY>``
 and ``[trainer.advantage]`` / ``SF_TRAINER_ADVANTAGE__<KEY>``.
 """
 
@@ -20,6 +20,7 @@ from pydantic_settings import (
 )
 
 from seamlessflow.machine import PrecisionChoice, resolve_precision
+from seamlessflow.plugin_settings import NESTED_DELIMITER, PluginChoice
 from seamlessflow.runfile import (
     RunFileError,
     RunFileSettings,
@@ -29,7 +30,7 @@ from seamlessflow.runfile import (
     run_file_from_environment,
     section_of,
 )
-from sf_trainer.plugin_settings import NESTED_DELIMITER, PluginChoice
+from seamlessflow.tasks.schedule import schedule_sources
 
 ENV_PREFIX = "SF_TRAINER_"
 
@@ -178,10 +179,13 @@ class TrainerSettings(RunFileSettings):
     eval_task: str = run_default("task")
     """Task source (``seamlessflow.tasks``) whose ``eval`` split is evaluated, built with
     the run's seed (``SF_SEED``: the split depends on it); ``seamlessflow up`` sets it to
-    the run's task."""
+    the run's task. Several, comma-separated (``rg:chain_sum,rg:bf``), or a run's task
+    schedule (every source it names): each is scored separately, by its own evaluation
+    reward (``by_task`` in the record), and the record's mean is the mean of the tasks'
+    means."""
 
     eval_items: int = Field(default=64, ge=0)
-    """Prompts evaluated: the first N of the eval split (0 = all of it)."""
+    """Prompts evaluated per task: the first N of its eval split (0 = all of it)."""
 
     eval_max_tokens: int = Field(default=run_default("max_tokens"), ge=1)
     """Completion budget of each evaluated answer (greedy decoding)."""
@@ -328,6 +332,11 @@ class TrainerSettings(RunFileSettings):
                 # a dotted path that is not there, or not a plug-in of this kind
                 raise ValueError(f"{variable}={choice.name!r}: {exc}") from None
         return self
+
+    def eval_tasks(self) -> list[str]:
+        """The task sources ``eval_task`` names, in order, each once: a list, or a run's
+        whole task schedule (``a:10,a+b`` -> ``a``, ``b``)."""
+        return schedule_sources(self.eval_task)
 
     @model_validator(mode="after")
     def _precision_from_the_hardware(self) -> TrainerSettings:

@@ -11,16 +11,24 @@ Two kinds of hooks (a plug-in implements one):
   any group filter judges it, and at an epoch boundary ``select`` which of the epoch's
   prompts the next epoch dispatches (``Dispatcher``).
 
-Registered by name in ``DATA_FILTERS``; ``SF_TRAJECTORY_DATA_FILTERS`` lists the names in
-order. Built in:
+A plug-in is a class with a ``name``, an optional ``settings_class`` (a
+``seamlessflow.plugin_settings.PluginSettings``: its keys, their defaults and checks)
+and a constructor that takes those keys as keyword arguments. ``SF_TRAJECTORY_DATA_FILTERS``
+lists the filters in order, each a name registered in ``DATA_FILTERS`` or a dotted path
+(``package.module:Class``) to a user's own; each one's keys are set under its ``name``:
+``[trajectory.data_filter.<name>]`` in the run file, or
+``SF_TRAJECTORY_DATA_FILTER__<NAME>__<KEY>``. A key the filter lacks, settings for a
+filter that is not listed and a class that is not a filter are configuration errors.
+Built in:
 
 - ``staleness``: drop the samples with a token generated more than ``max_staleness``
   versions before the batch's training version (reason ``stale``);
 - ``dynamic_sampling`` (DAPO): drop a group whose rewards are all equal (reason
   ``zero_variance``): its GRPO advantages are all zero, it would only dilute the batch.
-  At most ``dynamic_sampling_max_refills`` per batch, then such groups are let through;
+  At most ``max_refills`` per batch, then such groups are let through;
 - ``history_resampling`` (SRPO): at each epoch boundary drop the prompts whose latest
-  rollouts were all correct; keep the mixed and the all-wrong ones.
+  rollouts were all correct (reward at least ``correct_reward``); keep the mixed and
+  the all-wrong ones.
 """
 
 from __future__ import annotations
@@ -29,8 +37,11 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
+from pydantic import Field
+
+from seamlessflow.plugin_settings import NoSettings, PluginChoice, PluginSettings, settings_of
 from seamlessflow.plugins import Registry
 from seamlessflow.protocol import GroupSummary, SampleGroup
 from seamlessflow.tasks import TaskItem
@@ -78,11 +89,20 @@ class GroupFilter(Protocol):
         ...
 
 
+class StalenessSettings(PluginSettings):
+    """``staleness``."""
+
+    max_staleness: int = Field(default=4, ge=0)
+    """A sample with a token generated more than this many versions before the version
+    that will train it is dropped (reason ``stale``)."""
+
+
 class Staleness:
     """Drop samples with a token made more than ``max_staleness`` versions before the
     version that trains the batch; a group left empty is dropped."""
 
     name = "staleness"
+    settings_class = StalenessSettings
 
     def __init__(self, max_staleness: int) -> None:
         self.max_staleness = max_staleness
@@ -105,6 +125,15 @@ class Staleness:
         return Verdict(trimmed, "stale", tuple(stale))
 
 
+class DynamicSamplingSettings(PluginSettings):
+    """``dynamic_sampling``."""
+
+    max_refills: int = Field(default=32, ge=0)
+    """At most this many zero-variance groups are dropped (and refilled) per batch; later
+    ones are kept (``groups_waived``), so a run whose groups all agree still makes
+    progress. 0 = count zero-variance groups but keep them."""
+
+
 class DynamicSampling:
     """Drop groups whose rewards are all equal; at most ``max_refills`` per batch.
 
@@ -114,6 +143,7 @@ class DynamicSampling:
     """
 
     name = "dynamic_sampling"
+    settings_class = DynamicSamplingSettings
 
     def __init__(self, max_refills: int) -> None:
         self.max_refills = max_refills
@@ -169,6 +199,13 @@ class PromptSetFilter(Protocol):
         ...
 
 
+class HistoryResamplingSettings(PluginSettings):
+    """``history_resampling``."""
+
+    correct_reward: float = 1.0
+    """A rollout whose reward is at least this counts as correct."""
+
+
 class HistoryResampling:
     """SRPO: drop a prompt whose latest complete group, in this stage, was all correct.
 
@@ -179,6 +216,7 @@ class HistoryResampling:
     """
 
     name = "history_resampling"
+    settings_class = HistoryResamplingSettings
 
     def __init__(self, correct_reward: float) -> None:
         self.correct_reward = correct_reward
@@ -215,32 +253,75 @@ class HistoryResampling:
 # --------------------------------------------------------------------------- the registry
 
 
-class FilterSettings(Protocol):
-    """The settings plug-ins are built from (``TrajectorySettings``)."""
-
-    max_staleness: int
-    dynamic_sampling_max_refills: int
-    history_correct_reward: float
-
-
 DataFilter = GroupFilter | PromptSetFilter
 
-DATA_FILTERS: Registry[Callable[[FilterSettings], DataFilter]] = Registry(
-    "data filter", "SF_TRAJECTORY_DATA_FILTERS"
+FILTERS_VARIABLE = "SF_TRAJECTORY_DATA_FILTERS"
+SETTINGS_VARIABLE = "SF_TRAJECTORY_DATA_FILTER"
+"""Each listed filter's keys: ``SF_TRAJECTORY_DATA_FILTER__<NAME>__<KEY>``."""
+
+DATA_FILTERS: Registry[Callable[..., DataFilter]] = Registry(
+    "data filter", FILTERS_VARIABLE, dotted_paths=True
 )
-DATA_FILTERS.add("staleness", lambda s: Staleness(s.max_staleness))
-DATA_FILTERS.add("dynamic_sampling", lambda s: DynamicSampling(s.dynamic_sampling_max_refills))
-DATA_FILTERS.add("history_resampling", lambda s: HistoryResampling(s.history_correct_reward))
+for _builtin in (Staleness, DynamicSampling, HistoryResampling):
+    DATA_FILTERS.add(_builtin.name, _builtin)
 
 
 def parse_filter_names(text: str) -> list[str]:
-    """``"staleness,dynamic_sampling"`` -> names, checked against the registry."""
+    """``"staleness,dynamic_sampling"`` -> the listed names and dotted paths, in order."""
     names = [name.strip() for name in text.split(",") if name.strip()]
-    for name in names:
-        DATA_FILTERS.get(name)  # UnknownPlugin, listing the known filters
     if len(set(names)) != len(names):
         raise ValueError(f"a data filter is listed twice: {text!r}")
     return names
+
+
+def filter_class(listed: str) -> Any:
+    """The plug-in a ``SF_TRAJECTORY_DATA_FILTERS`` entry names: registered, or imported
+    from its dotted path. Raises ValueError (one line) for a name nobody registered, a
+    path that does not import, or a class without a ``name``."""
+    try:
+        plugin = DATA_FILTERS.get(listed)
+    except (ImportError, AttributeError, TypeError) as exc:
+        # a dotted path that is not there, or not callable
+        raise ValueError(f"{FILTERS_VARIABLE}: {listed!r}: {exc}") from None
+    name = getattr(plugin, "name", None)
+    if not isinstance(plugin, type) or not isinstance(name, str) or not name:
+        raise ValueError(
+            f"{FILTERS_VARIABLE}: {listed!r} is not a data filter: a class with a "
+            "'name' (see sf_trajectory.data_filters)"
+        )
+    return plugin
+
+
+def build_filters(listed: Sequence[str], options: dict[str, dict[str, Any]]) -> list[DataFilter]:
+    """The filters ``listed`` (names or dotted paths, in order), each built from its keys
+    in ``options`` (keyed by the filter's ``name``). Raises ValueError in one line for
+    anything :func:`filter_class` refuses, two filters of one name, keys for a filter
+    not listed, a key the filter lacks, and a class that implements neither hook."""
+    classes = [filter_class(entry) for entry in listed]
+    names = [plugin.name for plugin in classes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{FILTERS_VARIABLE}: two filters are named alike: {names}")
+    for name in options:
+        if name not in names:
+            listing = ", ".join(names) or "none"
+            raise ValueError(
+                f"{SETTINGS_VARIABLE}__{name.upper()}: settings for the data filter {name!r}, "
+                f"which {FILTERS_VARIABLE} does not list (it lists: {listing})"
+            )
+    filters = []
+    for entry, plugin in zip(listed, classes, strict=True):
+        choice = PluginChoice(name=plugin.name, **options.get(plugin.name, {}))
+        settings_class = getattr(plugin, "settings_class", NoSettings)
+        variable = f"{SETTINGS_VARIABLE}__{plugin.name.upper()}"
+        settings = settings_of(choice, settings_class, "data filter", variable)
+        built = plugin(**settings.model_dump())
+        if not isinstance(built, GroupFilter | PromptSetFilter):
+            raise ValueError(
+                f"{FILTERS_VARIABLE}: {entry!r} is not a data filter: it has neither "
+                "judge(group, batch_index) nor observe(group) and select(prompts, since_group)"
+            )
+        filters.append(built)
+    return filters
 
 
 class DataFilters:
@@ -252,8 +333,11 @@ class DataFilters:
         self.prompt_filters = [f for f in filters if isinstance(f, PromptSetFilter)]
 
     @classmethod
-    def from_settings(cls, names: Sequence[str], settings: FilterSettings) -> DataFilters:
-        return cls([DATA_FILTERS.get(name)(settings) for name in names])
+    def from_settings(
+        cls, listed: Sequence[str], options: dict[str, dict[str, Any]]
+    ) -> DataFilters:
+        """The filters ``SF_TRAJECTORY_DATA_FILTERS`` lists, with their keys (``build_filters``)."""
+        return cls(build_filters(listed, options))
 
     def judge(self, group: SampleGroup, batch_index: int) -> list[Verdict]:
         """Every group filter's verdict, in order, up to the first that drops the group."""

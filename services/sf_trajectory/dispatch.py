@@ -145,7 +145,7 @@ class Dispatcher:
             group_size=self.group_size,
             messages=[ChatMessage(role=m["role"], content=m["content"]) for m in item.messages],
             reference=item.reference,
-            reward_fn=stage.reward_fn,
+            reward_fn=stage.reward_fn_of(item),
             policy=self.task_policy,
         )
         self.next_sample += 1

@@ -142,7 +142,8 @@ class TrajectoryService:
         self.ctx = ctx
         subjects = ctx.subjects
         self.stages = build_stages(self.settings.stage_specs(), ctx.mesh.seed)
-        trusted = {stage.reward_fn for stage in self.stages} | {*self.settings.trusted_reward_fns()}
+        trusted = {fn for stage in self.stages for fn in stage.reward_fns()}
+        trusted |= {*self.settings.trusted_reward_fns()}
         self.reward_lookup = TrustedRewards(trusted)
         self.trainers = TrainerFollower(self.lines, ctx.mesh.seed)
         self.batches = BatchPublisher(ctx.bus, self.stages, self.settings.groups_per_batch)
@@ -187,7 +188,9 @@ class TrajectoryService:
 
     async def _restored_line(self, policy: str) -> PolicyLine:
         """The policy's line as its streams left it (``replay.restore_line``)."""
-        filters = DataFilters.from_settings(self.settings.data_filter_names(), self.settings)
+        filters = DataFilters.from_settings(
+            self.settings.data_filter_names(), self.settings.data_filter
+        )
         grouper = Grouper(self.reward_lookup, filters=filters, policy=policy)
         line = PolicyLine(self.ctx.subjects.for_policy(policy), grouper)
         stored = await self._read_stored(line)

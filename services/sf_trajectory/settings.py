@@ -1,28 +1,78 @@
-from pydantic import Field, field_validator
-from pydantic_settings import SettingsConfigDict
+from __future__ import annotations
 
-from seamlessflow.runfile import RunFileSettings, run_default
-from sf_trajectory.data_filters import parse_filter_names
+import os
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from seamlessflow.runfile import (
+    RunFileError,
+    RunFileSettings,
+    RunFileSource,
+    load,
+    run_default,
+    run_file_from_environment,
+    section_of,
+)
+from sf_trajectory.data_filters import SETTINGS_VARIABLE, build_filters, parse_filter_names
 from sf_trajectory.schedule import StageSpec, parse_stages
+
+ENV_PREFIX = "SF_TRAJECTORY_"
+
+RETIRED_FILTER_SETTINGS: dict[str, tuple[str, str]] = {
+    "max_staleness": ("staleness", "max_staleness"),
+    "dynamic_sampling_max_refills": ("dynamic_sampling", "max_refills"),
+    "history_correct_reward": ("history_resampling", "correct_reward"),
+}
+"""Data-filter settings that were flat trajectory settings: old field -> (the filter, its
+key). Set, they stop the service with the new spelling instead of being ignored."""
+
+
+def retired_filter_setting(field: str) -> str:
+    """The one line that refuses the flat filter setting ``field`` and names its new spelling."""
+    name, key = RETIRED_FILTER_SETTINGS[field]
+    return (
+        f"{ENV_PREFIX}{field.upper()} ([trajectory] {field}) is no longer read: each data "
+        f"filter carries its settings, set {SETTINGS_VARIABLE}__{name.upper()}__{key.upper()} "
+        f"(or {key} under [trajectory.data_filter.{name}])"
+    )
+
+
+class RetiredKeysRunFileSource(RunFileSource):
+    """The run file, where a retired flat filter key is refused with its new spelling."""
+
+    def __call__(self) -> dict[str, Any]:
+        path = run_file_from_environment()
+        if path is not None:
+            for key in load(path).get(section_of(ENV_PREFIX), {}):
+                if key in RETIRED_FILTER_SETTINGS:
+                    raise RunFileError(f"run file {path}: {retired_filter_setting(key)}")
+        return super().__call__()
 
 
 class TrajectorySettings(RunFileSettings):
     """trajectory settings (env prefix ``SF_TRAJECTORY_``)."""
 
     model_config = SettingsConfigDict(
-        env_prefix="SF_TRAJECTORY_", extra="ignore", use_attribute_docstrings=True
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="ignore",
+        use_attribute_docstrings=True,
     )
 
     task: str = run_default("task")
-    """Name of the task source (``seamlessflow.tasks``) the agents roll out (when no
-    ``stages`` are set)."""
+    """What the agents roll out (when no ``stages`` are set): a task source
+    (``seamlessflow.tasks``), a mixture of sources (``a*2+b``) or a whole schedule in the
+    ``stages`` syntax (``a:100,a+b``: how ``seamlessflow up --task`` runs SRPO's stages)."""
 
     stages: str = ""
-    """SRPO's multi-stage schedule: comma-separated ``task:batches`` entries, the last one
-    without a count, e.g. ``lookup:100,arithmetic`` = the task source ``lookup`` for
-    batches 0-99 (the first 100 trainer steps), then ``arithmetic`` to the end of the run.
-    The switch happens at a batch boundary; each stage scores with its source's reward
-    function. Empty = one stage, ``task``."""
+    """SRPO's multi-stage schedule (``seamlessflow.tasks.schedule``): comma-separated
+    ``task:batches`` entries, the last one without a count, e.g. ``lookup:100,arithmetic``
+    = the task source ``lookup`` for batches 0-99 (the first 100 trainer steps), then
+    ``arithmetic`` to the end of the run. A stage may mix sources in stated proportions
+    (``lookup:100,lookup*1+arithmetic*3``), each prompt scored by its own source's reward
+    function. The switch happens at a batch boundary. Empty = ``task``'s schedule."""
 
     group_size: int = run_default("group_size")
     """Samples per task: one GRPO group."""
@@ -31,24 +81,22 @@ class TrajectorySettings(RunFileSettings):
     """Groups in one trainer batch (one optimizer step)."""
 
     data_filters: str = "staleness"
-    """Data algorithms, comma-separated, in order (``sf_trajectory.data_filters``):
-    ``staleness`` (drop samples older than ``max_staleness``), ``dynamic_sampling`` (drop
-    groups whose rewards are all equal and dispatch a refill), ``history_resampling``
-    (SRPO: at each epoch boundary drop the prompts whose rollouts were all correct).
-    Group filters judge a group in this order; empty = none."""
+    """Data algorithms, comma-separated, in order (``sf_trajectory.data_filters``): each a
+    registered name or a dotted path (``package.module:Class``) to your own. Built in:
+    ``staleness`` (drop samples too many versions old), ``dynamic_sampling`` (drop groups
+    whose rewards are all equal and dispatch a refill), ``history_resampling`` (SRPO: at
+    each epoch boundary drop the prompts whose rollouts were all correct). Group filters
+    judge a group in this order; empty = none."""
 
-    max_staleness: int = 4
-    """Staleness bound (``staleness`` filter): a sample with a token generated more than
-    this many versions before the version that will train it is dropped (reason
-    ``stale``)."""
-
-    dynamic_sampling_max_refills: int = 32
-    """``dynamic_sampling``: at most this many zero-variance groups are dropped (and
-    refilled) per batch; later ones are kept (``groups_waived``), so a run whose groups
-    all agree still makes progress. 0 = count zero-variance groups but keep them."""
-
-    history_correct_reward: float = 1.0
-    """``history_resampling``: a rollout whose reward is at least this counts as correct."""
+    data_filter: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Each listed filter's own settings, under its name: ``[trajectory.data_filter.staleness]
+    max_staleness = 2`` in the run file, ``SF_TRAJECTORY_DATA_FILTER__STALENESS__MAX_STALENESS=2``
+    in the environment. Built-in keys (defaults): ``staleness.max_staleness`` (4: a sample
+    with a token generated more than this many versions before the version that trains it
+    is dropped, reason ``stale``); ``dynamic_sampling.max_refills`` (32 zero-variance
+    groups dropped and refilled per batch, later ones kept; 0 = count but keep);
+    ``history_resampling.correct_reward`` (1.0: a rollout with at least this reward counts
+    as correct). A key the filter lacks, or keys for a filter not listed, stop the service."""
 
     reward_fns: str = ""
     """Dotted-path reward functions (``pkg.mod:fn``) a session may name, comma-separated,
@@ -83,20 +131,45 @@ class TrajectorySettings(RunFileSettings):
     never answer. Groups lost to one fault (a gateway restart) time out together while
     other sessions finish, which is not a stall. 0: never."""
 
-    @field_validator("stages")
+    @field_validator("stages", "task")
     @classmethod
     def _valid_stages(cls, value: str) -> str:
         parse_stages(value)
         return value
 
-    @field_validator("data_filters")
     @classmethod
-    def _valid_data_filters(cls, value: str) -> str:
-        parse_filter_names(value)
-        return value
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (
+            init_settings,
+            env_settings,
+            dotenv_settings,
+            RetiredKeysRunFileSource(settings_cls),
+            file_secret_settings,
+        )
+
+    @model_validator(mode="after")
+    def _no_retired_filter_variables(self) -> TrajectorySettings:
+        # a variable that is no longer read would be ignored without a word
+        for field in RETIRED_FILTER_SETTINGS:
+            if f"{ENV_PREFIX}{field.upper()}" in os.environ:
+                raise ValueError(retired_filter_setting(field))
+        return self
+
+    @model_validator(mode="after")
+    def _data_filters_build(self) -> TrajectorySettings:
+        # every listed filter is found, takes its keys and is a filter, before any runs
+        build_filters(self.data_filter_names(), self.data_filter)
+        return self
 
     def stage_specs(self) -> list[StageSpec]:
-        return parse_stages(self.stages) or [StageSpec(task=self.task, batches=None)]
+        return parse_stages(self.stages or self.task)
 
     def trusted_reward_fns(self) -> list[str]:
         return [name.strip() for name in self.reward_fns.split(",") if name.strip()]

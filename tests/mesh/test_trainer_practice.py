@@ -308,6 +308,35 @@ def test_evaluation_scores_each_greedy_completion_once_against_its_reference(
         assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= 16
 
 
+def full_marks(completion: str, reference: str) -> float:
+    return 1.0
+
+
+def test_several_eval_tasks_are_each_scored_by_their_own_reward_and_reported_apart(
+    base_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two tasks of different sizes and rewards, ``eval_items`` of each: each task's
+    score is its own reward's mean over its own prompts, and the overall figure is the
+    mean of the two (a task with more prompts does not weigh more)."""
+    tasks = []
+    for name, count, reward in (("sums", 40, "recording_reward"), ("echo", 12, "full_marks")):
+        rows = [{"prompt": f"{name} {n}?", "reference": f"{name}-{n}"} for n in range(count)]
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        tasks.append(f"{data}?reward=test_trainer_practice:{reward}&eval_fraction=0.5")
+    policy = learner(
+        base_model_dir, eval_every=1, eval_task=",".join(tasks), eval_items=4, eval_batch_size=3
+    )
+    SCORED.clear()
+    evaluated = policy.evaluate()
+    sums_items = get_task_source(tasks[0]).items("eval")[:4]
+    assert [reference for _, reference in SCORED] == [item.reference for item in sums_items]
+    sums = sum(len(text) % 3 / 2 for text, _ in SCORED) / 4
+    assert evaluated.samples == 8
+    assert evaluated.by_task == {tasks[0]: pytest.approx(sums), tasks[1]: 1.0}
+    assert evaluated.mean_reward == pytest.approx((sums + 1.0) / 2)
+
+
 @pytest.mark.slow
 async def test_an_embedded_run_records_evaluations_and_rates_in_metrics_jsonl(
     nats_url: str,

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import pytest
-from support import InProcessMesh, announce_plan
+from support import InProcessMesh, announce_plan, write_outside_filter
 
 from seamlessflow.batches import stored_batches
 from seamlessflow.bus import Bus, Unrecoverable, connect
@@ -247,6 +247,36 @@ async def test_a_zero_variance_group_is_dropped_and_refilled_so_the_batch_stays_
     assert report.groups_dropped == {"zero_variance": 1}
     assert report.samples_dropped == {"zero_variance": 2}
     assert report.stage == "arithmetic"
+
+
+async def test_a_data_filter_from_outside_the_repo_drops_groups_in_the_running_service(
+    bus: Bus, trajectory, tmp_path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """The plug-in contract end to end: listed by its dotted path, its key set under its
+    name, it judges the service's groups; a group it drops is refilled and reported with
+    its reason, as a built-in's would be."""
+    path = write_outside_filter(tmp_path, monkeypatch)
+    traj = trajectory(
+        group_size=2,
+        groups_per_batch=1,
+        steps=1,
+        max_batches_ahead=0,
+        data_filters=f"staleness,{path}",
+        data_filter={"low_reward": {"min_mean_reward": 0.75}},
+    )
+    service = await traj.start()
+    for rewards in ((1.0, 0.0), (1.0, 1.0)):  # mean 0.5: dropped; 1.0: kept
+        group = await claim_group(bus, 2)
+        for task, reward in zip(group, rewards, strict=True):
+            await play(bus, task, reward=reward)
+    await batches_published(traj, 1)
+
+    assert service.grouper.groups_lost == 1
+    [batch] = await batches(bus)
+    assert [g.group_id for g in batch.groups] == ["g0000001"]
+    [report] = await reports(bus, bus.subjects.data_batch_report(), BatchFilterReport)
+    assert report.groups_dropped == {"low_reward": 1}
+    assert report.samples_dropped == {"low_reward": 2}
 
 
 async def test_each_ready_group_of_the_next_batch_is_announced_as_progress(

@@ -3,9 +3,12 @@ the dispatcher, in process: real Grouper, Dispatcher and filters, synthetic even
 
 from __future__ import annotations
 
+import importlib
 import logging
+from collections import Counter
 
 import pytest
+from support import write_outside_filter
 
 from seamlessflow.protocol import (
     NoTask,
@@ -16,10 +19,11 @@ from seamlessflow.protocol import (
     TurnRecorded,
 )
 from seamlessflow.tasks import TaskItem
+from seamlessflow.tasks.schedule import schedule_sources
 from sf_trajectory.data_filters import DataFilters, DynamicSampling, HistoryResampling, Staleness
 from sf_trajectory.dispatch import Dispatcher
 from sf_trajectory.grouping import Grouper
-from sf_trajectory.schedule import Stage, StageSpec, parse_stages
+from sf_trajectory.schedule import Stage, StageSource, StageSpec, build_stages, parse_stages
 from sf_trajectory.settings import TrajectorySettings
 
 
@@ -237,7 +241,7 @@ def test_a_run_whose_groups_all_agree_still_ends() -> None:
 
 def test_the_default_filters_are_the_staleness_bound_alone() -> None:
     settings = TrajectorySettings()
-    filters = DataFilters.from_settings(settings.data_filter_names(), settings)
+    filters = DataFilters.from_settings(settings.data_filter_names(), settings.data_filter)
     assert filters.names == ["staleness"]
     [staleness] = filters.group_filters
     assert isinstance(staleness, Staleness) and staleness.max_staleness == 4
@@ -250,10 +254,11 @@ def test_group_filters_run_in_the_configured_order() -> None:
 
     def judge(order: str) -> tuple[list[str], dict[str, int]]:
         """The sessions batched, and the samples dropped by reason."""
-        settings = TrajectorySettings(data_filters=order, max_staleness=2)
-        grouper = Grouper(
-            no_verifier, filters=DataFilters.from_settings(settings.data_filter_names(), settings)
+        settings = TrajectorySettings(
+            data_filters=order, data_filter={"staleness": {"max_staleness": 2}}
         )
+        filters = DataFilters.from_settings(settings.data_filter_names(), settings.data_filter)
+        grouper = Grouper(no_verifier, filters=filters)
         for sample, (reward, version) in enumerate([(0.0, 0), (1.0, 5), (1.0, 5)]):
             play(grouper, assignment("p0", 0, sample, 3), reward, version=version)
         batch = grouper.take_batch(1, batch_index=5)
@@ -269,6 +274,115 @@ def test_unknown_or_repeated_filter_names_are_refused() -> None:
         TrajectorySettings(data_filters="staleness,greso")
     with pytest.raises(ValueError, match="twice"):
         TrajectorySettings(data_filters="staleness,staleness")
+
+
+# --------------------------------------------------------------------------- plug-ins by path
+
+
+@pytest.fixture
+def outside_filter(tmp_path, monkeypatch) -> str:  # type: ignore[no-untyped-def]
+    return write_outside_filter(tmp_path, monkeypatch)
+
+
+def test_a_filter_written_outside_the_repo_is_listed_by_its_path_with_its_keys(
+    outside_filter: str, monkeypatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("SF_TRAJECTORY_DATA_FILTERS", f"staleness,{outside_filter}")
+    monkeypatch.setenv("SF_TRAJECTORY_DATA_FILTER__LOW_REWARD__MIN_MEAN_REWARD", "0.6")
+    run_file = tmp_path / "run.toml"
+    run_file.write_text("[trajectory.data_filter.staleness]\nmax_staleness = 1\n")
+    monkeypatch.setenv("SF_CONFIG", str(run_file))
+    settings = TrajectorySettings()
+    filters = DataFilters.from_settings(settings.data_filter_names(), settings.data_filter)
+    assert filters.names == ["staleness", "low_reward"]
+    staleness, low_reward = filters.group_filters
+    assert isinstance(staleness, Staleness) and staleness.max_staleness == 1
+    assert getattr(low_reward, "min_mean_reward", None) == 0.6
+
+    grouper = Grouper(no_verifier, filters=filters)
+    for group, rewards in enumerate(((1.0, 0.0), (1.0, 1.0))):  # means 0.5, then 1.0
+        for sample, reward in enumerate(rewards):
+            play(grouper, assignment(f"p{group}", group, sample, 2), reward)
+    [kept] = grouper.take_batch(1, batch_index=0) or []
+    assert kept.task_id == "p1"
+    assert grouper.dropped == {"low_reward": 2}
+
+
+@pytest.mark.parametrize(
+    ("environment", "message"),
+    [
+        (
+            {"SF_TRAJECTORY_DATA_FILTER__STALENESS__MAX_STALE": "2"},
+            r"data filter 'staleness' has no setting 'max_stale' "
+            r"\(SF_TRAJECTORY_DATA_FILTER__STALENESS__MAX_STALE\); its keys: max_staleness",
+        ),
+        (
+            {"SF_TRAJECTORY_DATA_FILTER__STALENESS__MAX_STALENESS": "-1"},
+            r"max_staleness = '-1': Input should be greater than or equal to 0",
+        ),
+        (
+            {"SF_TRAJECTORY_DATA_FILTER__HISTORY_RESAMPLING__CORRECT_REWARD": "0.5"},
+            r"settings for the data filter 'history_resampling', which "
+            r"SF_TRAJECTORY_DATA_FILTERS does not list \(it lists: staleness\)",
+        ),
+        (
+            {"SF_TRAJECTORY_MAX_STALENESS": "2"},
+            r"SF_TRAJECTORY_MAX_STALENESS \(\[trajectory\] max_staleness\) is no longer "
+            r"read: .* set SF_TRAJECTORY_DATA_FILTER__STALENESS__MAX_STALENESS",
+        ),
+        (
+            {"SF_TRAJECTORY_DATA_FILTERS": "my_filters:NotAFilter"},
+            r"'my_filters:NotAFilter' is not a data filter: it has neither judge",
+        ),
+        (
+            {"SF_TRAJECTORY_DATA_FILTERS": "my_filters:Missing"},
+            r"'my_filters:Missing': module 'my_filters' has no attribute 'Missing'",
+        ),
+        (
+            {"SF_TRAJECTORY_DATA_FILTERS": "collections:Counter"},
+            r"'collections:Counter' is not a data filter: a class with a 'name'",
+        ),
+        (
+            {
+                "SF_TRAJECTORY_DATA_FILTERS": "staleness,my_filters:Twin",
+            },
+            r"two filters are named alike: \['staleness', 'staleness'\]",
+        ),
+    ],
+    ids=[
+        "unknown-key",
+        "bad-value",
+        "unlisted",
+        "retired",
+        "no-hook",
+        "missing",
+        "no-name",
+        "twins",
+    ],
+)
+def test_a_data_filter_configured_wrongly_stops_the_service_in_one_line(
+    outside_filter: str, monkeypatch, environment: dict[str, str], message: str
+) -> None:  # type: ignore[no-untyped-def]
+    my_filters = importlib.import_module("my_filters")  # the fixture's, outside the repo
+
+    class Twin(Staleness):
+        pass
+
+    monkeypatch.setattr(my_filters, "Twin", Twin, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        TrajectorySettings()
+
+
+def test_a_retired_filter_key_in_the_run_file_names_its_new_place(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    run_file = tmp_path / "run.toml"
+    run_file.write_text("[trajectory]\ndynamic_sampling_max_refills = 3\n")
+    monkeypatch.setenv("SF_CONFIG", str(run_file))
+    with pytest.raises(
+        ValueError, match=r"max_refills under \[trajectory.data_filter.dynamic_sampling\]"
+    ):
+        TrajectorySettings()
 
 
 # --------------------------------------------------------------------------- stages
@@ -288,6 +402,65 @@ def test_stage_syntax() -> None:
     for bad in ("a,b", "a:3,b:4", "a:0,b"):
         with pytest.raises(ValueError):
             TrajectorySettings(stages=bad)
+
+
+def test_a_stage_of_several_sources_parses_with_its_weights() -> None:
+    [first, second] = parse_stages("arithmetic:3,arithmetic*3+rg:chain_sum?size=10")
+    assert first.sources() == [StageSource("arithmetic", 1.0)]
+    assert second.sources() == [StageSource("arithmetic", 3.0), StageSource("rg:chain_sum?size=10")]
+    for bad in ("a*0+b", "a*x+b", "+b", "a*-1", "a*inf+b"):
+        with pytest.raises(ValueError, match="weight above 0"):
+            TrajectorySettings(stages=bad)
+
+
+def test_a_run_s_task_may_be_a_whole_schedule_and_its_evaluation_names_each_source() -> None:
+    """``seamlessflow up --task`` sets the trajectory's task and the trainer's eval task
+    from one string: the trajectory runs it as stages, the trainer evaluates each source."""
+    from sf_trainer.settings import TrainerSettings
+
+    schedule = "arithmetic:3,arithmetic*1+counting*3"
+    assert TrajectorySettings(task=schedule).stage_specs() == parse_stages(schedule)
+    assert TrajectorySettings(task="a", stages="b:2,c").stage_specs() == parse_stages("b:2,c")
+    assert TrainerSettings(eval_task=schedule).eval_tasks() == ["arithmetic", "counting"]
+    assert TrainerSettings(eval_task="counting, arithmetic").eval_tasks() == [
+        "counting",
+        "arithmetic",
+    ]
+    assert schedule_sources("rg:chain_sum?size=10:5,rg:bf*2+rg:chain_sum?size=10") == [
+        "rg:chain_sum?size=10",
+        "rg:bf",
+    ]
+    with pytest.raises(ValueError, match="needs a length in batches"):
+        TrajectorySettings(task="arithmetic,counting")
+
+
+def test_a_stage_of_several_sources_mixes_them_in_proportion_each_scored_by_its_own() -> None:
+    """arithmetic (320 train prompts, ``integer_match``) and counting (4536, ``math_answer``)
+    at 1:3: arithmetic, the scarcer for its share, is used whole and counting gives three
+    times as many; each dispatched sample names its own source's reward function."""
+    [stage] = build_stages(parse_stages("arithmetic*1+counting*3"), seed=0)
+    sources = Counter(item.task_id.split("/")[0] for item in stage.items)
+    assert sources == {"arithmetic": 320, "counting": 960}
+    assert len({item.task_id for item in stage.items}) == len(stage.items)
+    assert stage.reward_fns() == {"integer_match", "math_answer"}
+    # the same seed gives the same prompt set (a restart rebuilds its epochs from it)
+    [again] = build_stages(parse_stages("arithmetic*1+counting*3"), seed=0)
+    assert again.items == stage.items
+    [other_seed] = build_stages(parse_stages("arithmetic*1+counting*3"), seed=1)
+    assert {i.task_id for i in other_seed.items} != {i.task_id for i in stage.items}
+
+    dispatcher = Dispatcher(
+        [stage], group_size=1, groups_per_batch=1, total_batches=0, max_batches_ahead=10**6,
+        seed=0,
+    )  # fmt: skip
+    claimed = [dispatcher.claim(0) for _ in range(200)]
+    by_source = Counter()
+    for claim in claimed:
+        assert isinstance(claim, TaskAssignment)
+        source = claim.task_id.split("/")[0]
+        by_source[source] += 1
+        assert claim.reward_fn == {"arithmetic": "integer_match", "counting": "math_answer"}[source]
+    assert 0.15 < by_source["arithmetic"] / 200 < 0.35  # a quarter, up to the shuffle
 
 
 def test_the_stage_switch_waits_for_the_last_batch_of_the_stage_before() -> None:

@@ -1,4 +1,4 @@
-"""Losses and advantage estimators carry their own settings (``sf_trainer.plugin_settings``):
+"""Losses and advantage estimators carry their own settings (``seamlessflow.plugin_settings``):
 set in ``[trainer.loss]`` / ``SF_TRAINER_LOSS__<KEY>``, checked against the chosen
 plug-in's settings class, and a loss may be the user's own, named by a dotted path."""
 
@@ -17,12 +17,12 @@ from pydantic import ValidationError
 from test_grpo import BAD, GOOD, next_token_logprob, rewarded_batch, tiny_policy
 
 from seamlessflow.bus import EXIT_UNRECOVERABLE
+from seamlessflow.plugin_settings import NoSettings
 from seamlessflow.runfile import RunFileError
 from sf_app.cli import settings_classes
 from sf_app.run.file import read_run_file
 from sf_trainer.advantages import chosen_estimator
 from sf_trainer.losses import DecoupledSettings, GspoSettings, chosen_loss
-from sf_trainer.plugin_settings import NoSettings
 from sf_trainer.settings import RETIRED_LOSS_SETTINGS, TrainerSettings
 from sf_trainer.step import train_step
 

@@ -52,7 +52,9 @@ class RunConfig(BaseModel):
     )
     """Cache for the built base model."""
     task: str = run_default("task")
-    """Task source (``seamlessflow.tasks``)."""
+    """Task source (``seamlessflow.tasks``), a mixture of sources (``a*2+b``) or SRPO's
+    stages (``a:100,a+b``: ``seamlessflow.tasks.schedule``); the held-out evaluation
+    scores each source it names."""
     agent: str = run_default("agent")
     """Agent run for each sample (registered name or dotted path)."""
     policies: list[str] = Field(default_factory=lambda: [run_default("policies")])
@@ -248,14 +250,19 @@ class RunConfig(BaseModel):
                     setattr(self, name, value)
         if "max_tokens" not in given:
             from seamlessflow.tasks import get_task_source
+            from seamlessflow.tasks.schedule import schedule_sources
 
-            try:
-                source = get_task_source(self.task, seed=self.seed)
-            except ImportError as exc:  # an optional extra the task needs: one line
-                raise ValueError(str(exc)) from None
-            task_budget = getattr(source, "max_tokens", None)
-            if task_budget is not None:
-                self.max_tokens = int(task_budget)
+            budgets = []
+            for task in schedule_sources(self.task):  # a schedule: each of its sources
+                try:
+                    source = get_task_source(task, seed=self.seed)
+                except ImportError as exc:  # an optional extra the task needs: one line
+                    raise ValueError(str(exc)) from None
+                task_budget = getattr(source, "max_tokens", None)
+                if task_budget is not None:
+                    budgets.append(int(task_budget))
+            if budgets:
+                self.max_tokens = max(budgets)
         return self
 
 

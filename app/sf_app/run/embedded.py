@@ -32,11 +32,20 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from seamlessflow.bus import Bus, Unrecoverable, connect, next_message
+from seamlessflow.bus import (
+    BROKER_ERRORS,
+    BrokerUnavailable,
+    Bus,
+    Unrecoverable,
+    connect,
+    next_message,
+)
 from seamlessflow.connection import RunConnection
 from seamlessflow.machine import cpu_computes_bf16, cpu_isa, resolve_precision, usable_cores
 from seamlessflow.natsserver import EmbeddedNats, embedded_cluster
 from seamlessflow.protocol import (
+    BatchFilterReport,
+    EpochFilterReport,
     Subjects,
     TrainEvalMetrics,
     TrainingFinished,
@@ -357,10 +366,14 @@ class EmbeddedRun(Supervisor):
             check_model,
             task_context_tokens,
         )
+        from seamlessflow.tasks.schedule import schedule_sources
         from sf_engine.backends import ENGINE_BACKENDS
 
         c = self.config
-        context = task_context_tokens(model_dir, c.task, c.seed, c.max_tokens) or 0
+        context = max(
+            task_context_tokens(model_dir, task, c.seed, c.max_tokens) or 0
+            for task in schedule_sources(c.task)  # a schedule: its every source
+        )
         # the engines' backend comes from the environment, as their processes read it
         # (an unknown name is the engine's own error: checked here as transformers)
         backend = ENGINE_BACKENDS.find(os.environ.get("SF_ENGINE_BACKEND", "hf"))
@@ -469,6 +482,7 @@ class EmbeddedRun(Supervisor):
                         self.finished_policies.add(message.policy)
                         if len(self.finished_policies) == len(self.config.policies):
                             self.state.status = "finished"
+                            await self._read_data_reports(follower, subjects)
                             return
                         continue
                     self.state.metrics_by_policy[message.policy].append(message)
@@ -488,6 +502,20 @@ class EmbeddedRun(Supervisor):
         self.tracker.finish(asdict(summary), self.run_dir)
         self.tracker.close()
         return summary
+
+    async def _read_data_reports(self, bus: Bus, subjects: Subjects) -> None:
+        """The data algorithms' records (epochs, the first policy's batch reports) for
+        the report; a run whose broker cannot answer now reports without them."""
+        stream = subjects.stream_metrics()
+        batch_subject = subjects.for_policy(self.config.policies[0]).data_batch_report()
+        try:
+            epochs = await bus.read_subject(stream, subjects.data_epoch_report())
+            batches = await bus.read_subject(stream, batch_subject)
+        except (BrokerUnavailable, *BROKER_ERRORS) as exc:
+            log.warning("the data filters' records could not be read: %s", exc)
+            return
+        self.state.epochs = [decode(msg.data, EpochFilterReport) for msg in epochs]
+        self.state.batch_reports = [decode(msg.data, BatchFilterReport) for msg in batches]
 
     async def _wait_for_stream(self, bus: Bus, name: str, stop: asyncio.Event) -> str | None:
         """Wait until a service created the run's streams; a crashed service is returned."""

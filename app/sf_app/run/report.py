@@ -12,12 +12,19 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from seamlessflow.machine import PrecisionChoice
-from seamlessflow.protocol import TrainEvalMetrics, TrainingFinished, TrainStepMetrics
+from seamlessflow.protocol import (
+    BatchFilterReport,
+    EpochFilterReport,
+    TrainEvalMetrics,
+    TrainingFinished,
+    TrainStepMetrics,
+)
 from seamlessflow.settings import checkpoints_dir
 from sf_app.run.config import RunConfig
 
@@ -42,6 +49,10 @@ class RunState:
     precision: PrecisionChoice | None = None
     """The trainer's precision as the run resolved it (``--precision``, ``auto``)."""
     hardware: dict[str, Any] = field(default_factory=dict)
+    epochs: list[EpochFilterReport] = field(default_factory=list)
+    """The trajectory's epoch records (``data.epoch``), read when the run finished."""
+    batch_reports: list[BatchFilterReport] = field(default_factory=list)
+    """The first policy's batch filter reports (``data.<policy>.batch``), likewise."""
     started: float = field(default_factory=time.monotonic)
     started_wall: float = field(default_factory=time.time)
 
@@ -120,6 +131,12 @@ class Summary:
     ``chosen`` (``fp32`` | ``bf16-mixed``), ``reason`` (what the hardware does)."""
     hardware: dict[str, Any] = field(default_factory=dict)
     """The machine the run chose its defaults on: ``cpu_isa``, ``cpu_bf16``, ``cores``."""
+    data_filters: dict[str, Any] = field(default_factory=dict)
+    """What the data algorithms did (``SF_TRAJECTORY_DATA_FILTERS``): ``groups_kept``,
+    ``groups_dropped`` and ``samples_dropped`` by reason over the batches, and ``epochs``,
+    one per epoch of each stage: ``stage``, ``epoch``, ``prompts`` dispatched, and of the
+    previous epoch's prompts those ``kept`` and ``dropped``, by reason (history
+    resampling: ``all_correct`` dropped; ``mixed``, ``all_wrong``, ``unseen`` kept)."""
 
 
 def window_mean(values: list[float], first: bool) -> float | None:
@@ -197,6 +214,7 @@ def write_report(state: RunState) -> Summary:
         config=json.loads(state.config.model_dump_json()),
         precision=state.precision.record() if state.precision else {},
         hardware=dict(state.hardware),
+        data_filters=data_filter_record(state),
     )
     (run_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
     if any(state.metrics_by_policy.values()):
@@ -211,6 +229,33 @@ def eval_record(evaluation: TrainEvalMetrics) -> dict[str, Any]:
         "mean_reward": evaluation.mean_reward,
         "samples": evaluation.samples,
         "task": evaluation.task,
+        **({"by_task": dict(evaluation.by_task)} if evaluation.by_task else {}),
+    }
+
+
+def data_filter_record(state: RunState) -> dict[str, Any]:
+    """``Summary.data_filters``: empty when the run recorded no data report."""
+    if not state.epochs and not state.batch_reports:
+        return {}
+    dropped: Counter[str] = Counter()
+    samples_dropped: Counter[str] = Counter()
+    for report in state.batch_reports:
+        dropped.update(report.groups_dropped)
+        samples_dropped.update(report.samples_dropped)
+    return {
+        "groups_kept": sum(report.groups_kept for report in state.batch_reports),
+        "groups_dropped": dict(dropped),
+        "samples_dropped": dict(samples_dropped),
+        "epochs": [
+            {
+                "stage": epoch.stage,
+                "epoch": epoch.epoch,
+                "prompts": epoch.prompts,
+                "kept": dict(epoch.kept),
+                "dropped": dict(epoch.dropped),
+            }
+            for epoch in sorted(state.epochs, key=lambda e: e.first_group)
+        ],
     }
 
 

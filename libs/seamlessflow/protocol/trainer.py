@@ -89,11 +89,14 @@ class TrainEvalMetrics(Message, tag="train.eval"):
     samples: int
     """Prompts evaluated, one greedy answer each."""
     mean_reward: float
-    """Mean reward of the answers (the accuracy for a 0/1 reward)."""
+    """Mean reward of the answers (the accuracy for a 0/1 reward); over several tasks
+    (``task`` lists them by comma), the mean of the tasks' means."""
     max_tokens: int
     eval_seconds: float
     policy: str = DEFAULT_POLICY
     timestamp: float = msgspec.field(default_factory=time.time)
+    by_task: dict[str, float] = msgspec.field(default_factory=dict)
+    """Several tasks evaluated: each one's mean reward over its own prompts."""
 
 
 class TrainingPlanned(Message, tag="train.plan"):
