@@ -25,12 +25,12 @@ from __future__ import annotations
 import difflib
 import os
 import tomllib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import AliasChoices
+from pydantic import AliasChoices, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
@@ -199,6 +199,10 @@ class RunFileSource(PydanticBaseSettingsSource):
             return {}
         fields = self.settings_cls.model_fields
         prefix = str(self.settings_cls.model_config.get("env_prefix", ""))
+        retired: Mapping[str, str] = getattr(self.settings_cls, "retired", {})
+        for key in load(path).get(section_of(prefix), {}):
+            if key in retired:
+                raise RunFileError(f"run file {path}: {retired[key]}")
         values = values_for(prefix, fields, path)
         return {_input_key(fields[name], name): value for name, value in values.items()}
 
@@ -206,6 +210,19 @@ class RunFileSource(PydanticBaseSettingsSource):
 class RunFileSettings(BaseSettings):
     """Settings read from the environment, then from the run file (``SF_CONFIG``), then
     their defaults. Every settings class of the mesh derives from it."""
+
+    retired: ClassVar[Mapping[str, str]] = {}
+    """Fields no longer read -> the one line naming their new spelling. Set in the
+    environment or in the class's run-file section, they stop the process with that
+    line instead of being ignored without a word."""
+
+    @model_validator(mode="after")
+    def _no_retired_variables(self) -> RunFileSettings:
+        prefix = str(self.model_config.get("env_prefix", ""))
+        for field, line in self.retired.items():
+            if f"{prefix}{field.upper()}" in os.environ:
+                raise ValueError(line)
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -7,8 +7,8 @@ and ``[trainer.advantage]`` / ``SF_TRAINER_ADVANTAGE__<KEY>``.
 
 from __future__ import annotations
 
-import os
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, model_validator
 from pydantic.fields import FieldInfo
@@ -22,13 +22,9 @@ from pydantic_settings import (
 from seamlessflow.machine import PrecisionChoice, resolve_precision
 from seamlessflow.plugin_settings import NESTED_DELIMITER, PluginChoice
 from seamlessflow.runfile import (
-    RunFileError,
     RunFileSettings,
     RunFileSource,
-    load,
     run_default,
-    run_file_from_environment,
-    section_of,
 )
 from seamlessflow.tasks.schedule import schedule_sources
 
@@ -95,15 +91,9 @@ class PluginChoiceEnvSource(EnvSettingsSource):
 
 class PluginChoiceRunFileSource(RunFileSource):
     """The run file, where ``[trainer] loss = "gspo"`` and a ``[trainer.loss]`` table are
-    one choice, and a retired flat loss key is refused with its new spelling."""
+    one choice (a retired flat loss key is refused by ``RunFileSource``)."""
 
     def __call__(self) -> dict[str, Any]:
-        path = run_file_from_environment()
-        if path is not None:
-            section = section_of(ENV_PREFIX)
-            for key in load(path).get(section, {}):
-                if key in RETIRED_LOSS_SETTINGS:
-                    raise RunFileError(f"run file {path}: {retired_loss_setting(key)}")
         return {name: _as_choice(name, value) for name, value in super().__call__().items()}
 
 
@@ -116,6 +106,9 @@ class TrainerSettings(RunFileSettings):
         extra="ignore",
         use_attribute_docstrings=True,
     )
+    retired: ClassVar[Mapping[str, str]] = {
+        field: retired_loss_setting(field) for field in RETIRED_LOSS_SETTINGS
+    }
     _precision_choice: PrecisionChoice = PrivateAttr()
 
     steps: int = run_default("steps")
@@ -307,14 +300,6 @@ class TrainerSettings(RunFileSettings):
             PluginChoiceRunFileSource(settings_cls),
             file_secret_settings,
         )
-
-    @model_validator(mode="after")
-    def _no_retired_loss_variables(self) -> TrainerSettings:
-        # a variable that is no longer read would be ignored without a word
-        for field in RETIRED_LOSS_SETTINGS:
-            if f"{ENV_PREFIX}{field.upper()}" in os.environ:
-                raise ValueError(retired_loss_setting(field))
-        return self
 
     @model_validator(mode="after")
     def _plugins_take_their_keys(self) -> TrainerSettings:

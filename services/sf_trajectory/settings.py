@@ -1,20 +1,12 @@
 from __future__ import annotations
 
-import os
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from seamlessflow.runfile import (
-    RunFileError,
-    RunFileSettings,
-    RunFileSource,
-    load,
-    run_default,
-    run_file_from_environment,
-    section_of,
-)
+from seamlessflow.runfile import RunFileSettings, run_default
 from sf_trajectory.data_filters import SETTINGS_VARIABLE, build_filters, parse_filter_names
 from sf_trajectory.schedule import StageSpec, parse_stages
 
@@ -39,18 +31,6 @@ def retired_filter_setting(field: str) -> str:
     )
 
 
-class RetiredKeysRunFileSource(RunFileSource):
-    """The run file, where a retired flat filter key is refused with its new spelling."""
-
-    def __call__(self) -> dict[str, Any]:
-        path = run_file_from_environment()
-        if path is not None:
-            for key in load(path).get(section_of(ENV_PREFIX), {}):
-                if key in RETIRED_FILTER_SETTINGS:
-                    raise RunFileError(f"run file {path}: {retired_filter_setting(key)}")
-        return super().__call__()
-
-
 class TrajectorySettings(RunFileSettings):
     """trajectory settings (env prefix ``SF_TRAJECTORY_``)."""
 
@@ -60,6 +40,9 @@ class TrajectorySettings(RunFileSettings):
         extra="ignore",
         use_attribute_docstrings=True,
     )
+    retired: ClassVar[Mapping[str, str]] = {
+        field: retired_filter_setting(field) for field in RETIRED_FILTER_SETTINGS
+    }
 
     task: str = run_default("task")
     """What the agents roll out (when no ``stages`` are set): a task source
@@ -136,31 +119,6 @@ class TrajectorySettings(RunFileSettings):
     def _valid_stages(cls, value: str) -> str:
         parse_stages(value)
         return value
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (
-            init_settings,
-            env_settings,
-            dotenv_settings,
-            RetiredKeysRunFileSource(settings_cls),
-            file_secret_settings,
-        )
-
-    @model_validator(mode="after")
-    def _no_retired_filter_variables(self) -> TrajectorySettings:
-        # a variable that is no longer read would be ignored without a word
-        for field in RETIRED_FILTER_SETTINGS:
-            if f"{ENV_PREFIX}{field.upper()}" in os.environ:
-                raise ValueError(retired_filter_setting(field))
-        return self
 
     @model_validator(mode="after")
     def _data_filters_build(self) -> TrajectorySettings:
