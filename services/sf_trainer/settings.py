@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -317,6 +317,13 @@ class TrainerSettings(RunFileSettings):
                 # a dotted path that is not there, or not a plug-in of this kind
                 raise ValueError(f"{variable}={choice.name!r}: {exc}") from None
         return self
+
+    @field_validator("eval_task")
+    @classmethod
+    def _eval_task_names_its_sources(cls, value: str) -> str:
+        if not schedule_sources(value):  # a malformed weight raises here, with its entry
+            raise ValueError("SF_TRAINER_EVAL_TASK names no task")
+        return value
 
     def eval_tasks(self) -> list[str]:
         """The task sources ``eval_task`` names, in order, each once: a list, or a run's

@@ -432,6 +432,10 @@ def test_a_run_s_task_may_be_a_whole_schedule_and_its_evaluation_names_each_sour
     ]
     with pytest.raises(ValueError, match="needs a length in batches"):
         TrajectorySettings(task="arithmetic,counting")
+    with pytest.raises(ValueError, match="weight above 0"):
+        TrainerSettings(eval_task="arithmetic*0+counting")
+    with pytest.raises(ValueError, match="names no task"):
+        TrainerSettings(eval_task=" , ")
 
 
 def test_a_stage_of_several_sources_mixes_them_in_proportion_each_scored_by_its_own() -> None:
