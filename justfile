@@ -30,7 +30,7 @@ up-srpo *ARGS: pretrained
 # multi-policy example: a solver and a verifier trained together (own trainers, engines,
 # version lines); the solve_and_verify agent asks one, then the other
 up-two-policies *ARGS:
-    {{bin}}/seamlessflow up --policies solver,verifier --agent solve_and_verify {{ARGS}}
+    {{bin}}/seamlessflow up --config examples/run_files/two_policies.toml {{ARGS}}
 
 # the test suite (real nats-server, real HTTP, real torch; vLLM when installed; the
 # trace store of `just trace-store`; the packaged pretrained model), one worker per core
@@ -245,6 +245,12 @@ sweep-defaults STEPS="10" VARIANTS="default,kl,temp07,group4,group16": _cpu-only
 # prompts history resampling kept (docs/benchmarks.md, "SRPO")
 bench-srpo SEEDS="0,1,2": _cpu-only pretrained
     {{bin}}/python loadtests/srpo_compare.py --seeds {{SEEDS}} --out runs/load/srpo_compare.json
+
+# multi-policy on SmolLM2-135M-Instruct: a solver and a verifier trained together against
+# the two trained in separate runs one after the other, on the same cores; time to each
+# policy's held-out target (docs/benchmarks.md, "Multi-policy against separate runs")
+bench-multi-policy *ARGS: _cpu-only pretrained
+    {{bin}}/python loadtests/multi_policy_compare.py --out runs/load/multi_policy_compare.json {{ARGS}}
 
 # gateway load test against a live mesh: 100, 500 and 1000 concurrent multi-turn agent
 # sessions (scripted engine, agents in 2 processes of their own); requests/s, latency

@@ -122,12 +122,15 @@ def up(context: typer.Context, config_file: Path | None = None, **options: Any) 
         fail(f"invalid run configuration: {where}{error['msg']}")
     summary = run_embedded(config)
     typer.echo(json.dumps({k: v for k, v in summary.__dict__.items() if k != "config"}, indent=2))
-    if summary.eval_first is not None and summary.eval_last is not None:
-        first, last = summary.eval_first, summary.eval_last
+    several = len(config.policies) > 1
+    for policy, record in summary.policies.items():
+        first, last = record.get("eval_first"), record.get("eval_last")
+        if first is None or last is None:
+            continue
         typer.echo(
-            f"held-out {first['task']} ({first['samples']} prompts, greedy): "
-            f"{first['mean_reward']:.3f} at step {first['step']} -> "
-            f"{last['mean_reward']:.3f} at step {last['step']}"
+            f"{f'{policy}: ' if several else ''}held-out {first['task']} "
+            f"({first['samples']} prompts, greedy): {first['mean_reward']:.3f} at step "
+            f"{first['step']} -> {last['mean_reward']:.3f} at step {last['step']}"
         )
     typer.echo(f"run directory: {(config.runs_dir / summary.run_id).resolve()}")
     if summary.status != "finished":

@@ -203,7 +203,8 @@ async def test_the_two_policy_example_runs_embedded_and_lends_per_policy(
 ) -> None:
     """``seamlessflow up --policies solver,verifier --agent solve_and_verify`` as
     processes, multiplexed: each policy's lendable engine serves only its own policy's
-    rollout while that policy's trainer waits."""
+    rollout while that policy's trainer waits; the verifier is evaluated on its own task
+    (``eval_tasks``), the solver on the run's."""
     steps = 3
     summary = await small_embedded_run(
         run_id,
@@ -214,6 +215,8 @@ async def test_the_two_policy_example_runs_embedded_and_lends_per_policy(
         policies=["solver", "verifier"],
         agent="solve_and_verify",
         mode="multiplexed",
+        eval_every=steps,
+        eval_tasks=["verifier=verify:arithmetic"],
     ).run()
     assert summary.status == "finished", summary.status
     run_dir = tmp_path / run_id
@@ -224,6 +227,12 @@ async def test_the_two_policy_example_runs_embedded_and_lends_per_policy(
         assert figures["tokens_trained"] > 0
         assert figures["checkpoint"] == str(run_dir / "checkpoints" / policy / "final")
     assert written["steps"] == steps and written["checkpoint"].endswith("solver/final")
+    evaluated = {p: (f["eval_first"]["task"], f["eval_first"]["step"], f["eval_last"]["step"])
+                 for p, f in written["policies"].items()}  # fmt: skip
+    assert evaluated == {
+        "solver": ("arithmetic", 0, steps),
+        "verifier": ("verify:arithmetic", 0, steps),
+    }
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for policy in ("solver", "verifier"):
         assert [m["version"] for m in metrics if m["policy"] == policy] == [1, 2, 3]

@@ -61,6 +61,11 @@ class RunConfig(BaseModel):
     """The policies trained together (multi-policy), each with its own trainer,
     weight-sync and engines; agents ask for them by model name. The first is the tasks'
     policy. Two policies go with a two-policy agent, e.g. ``solve_and_verify``."""
+    eval_tasks: list[str] = Field(default_factory=list)
+    """A policy's held-out evaluation when it is not the run's task, as ``POLICY=TASK``
+    (several by comma): e.g. ``verifier=verify:arithmetic``, a verifier scored on its
+    verdicts about a fixed solver's answers (``seamlessflow.tasks.verify``), not on
+    answering the solver's questions. A policy not named evaluates on ``task``."""
     steps: int = run_default("steps")
     """Trainer optimizer steps."""
     group_size: int = run_default("group_size")
@@ -161,7 +166,23 @@ class RunConfig(BaseModel):
             check_policy(name)
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"a policy is listed twice: {self.policies}")
+        self.eval_task_of()  # each entry names a policy of the run, once
         return self
+
+    def eval_task_of(self) -> dict[str, str]:
+        """``eval_tasks`` by policy (a malformed entry is a ValueError naming it)."""
+        by_policy: dict[str, str] = {}
+        for entry in self.eval_tasks:
+            policy, sep, task = (part.strip() for part in entry.partition("="))
+            if not sep or not policy or not task:
+                raise ValueError(f"eval_tasks: {entry!r} is not POLICY=TASK")
+            if policy not in self.policies:
+                raise ValueError(f"eval_tasks: {policy!r} is not a policy of the run "
+                                 f"({', '.join(self.policies)})")  # fmt: skip
+            if policy in by_policy:
+                raise ValueError(f"eval_tasks: {policy!r} is given twice")
+            by_policy[policy] = task
+        return by_policy
 
     @model_validator(mode="after")
     def _one_broker_source(self) -> RunConfig:

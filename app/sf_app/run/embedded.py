@@ -431,6 +431,9 @@ class EmbeddedRun(Supervisor):
                 "SF_TRAINER_TORCH_THREADS": env.get("SF_TRAINER_TORCH_THREADS")
                 or str(len(trainer_slots)),
             }
+            eval_task = self.config.eval_task_of().get(policy)
+            if eval_task:
+                env["SF_TRAINER_EVAL_TASK"] = eval_task
             self.spawn(label, service, env, trainer_slots)
         else:
             self.spawn(label, service, env)

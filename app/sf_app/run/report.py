@@ -268,6 +268,7 @@ def checkpoint_of(run_dir: Path, policy: str) -> str | None:
 def policy_summary(state: RunState, policy: str) -> dict[str, Any]:
     metrics = state.metrics_by_policy[policy]
     rewards = [m.mean_reward for m in metrics]
+    evals = sorted(state.evals_by_policy.get(policy, []), key=lambda e: e.step)
     return {
         "steps": len(metrics),
         "finished": policy in state.finished_by_policy,
@@ -277,6 +278,9 @@ def policy_summary(state: RunState, policy: str) -> dict[str, Any]:
         "tokens_generated": sum(m.tokens_generated for m in metrics),
         "tokens_trained": sum(m.tokens_trained for m in metrics),
         "checkpoint": checkpoint_of(state.run_dir, policy),
+        # each policy's own held-out evaluation (a verifier's may be another task's)
+        "eval_first": eval_record(evals[0]) if evals else None,
+        "eval_last": eval_record(evals[-1]) if evals else None,
     }
 
 

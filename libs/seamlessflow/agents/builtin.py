@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from openai import AsyncOpenAI, BaseModel
 
 from seamlessflow.agents import AgentTask, register_agent
 from seamlessflow.rewards import first_integer, get_reward
+from seamlessflow.tasks.verify import VERDICT_NO, VERDICT_YES, question_of, verifier_messages
 
 
 @register_agent("single_turn")
@@ -60,20 +59,6 @@ def session_url(client: AsyncOpenAI, path: str) -> str:
     return str(client.base_url).rstrip("/").removesuffix("/v1") + "/" + path
 
 
-VERDICT_YES, VERDICT_NO = 1, 0
-
-
-def verifier_prompt(task: AgentTask, proposed: str) -> list[dict[str, Any]]:
-    """The verifier sees the task's question and the solver's answer, and answers with
-    one integer: 1 (right) or 0 (wrong)."""
-    question = "\n".join(str(m.get("content", "")) for m in task.messages if m["role"] == "user")
-    content = (
-        f"{question}\nProposed answer: {proposed.strip()}\n"
-        f"Is it right? Reply {VERDICT_YES} for yes, {VERDICT_NO} for no."
-    )
-    return [{"role": "user", "content": content}]
-
-
 @register_agent("solve_and_verify")
 async def solve_and_verify(client: AsyncOpenAI, task: AgentTask) -> dict[str, float]:
     """Two policies on one task (multi-policy): the first policy solves, the second judges
@@ -96,7 +81,7 @@ async def solve_and_verify(client: AsyncOpenAI, task: AgentTask) -> dict[str, fl
     correct = float(get_reward(task.reward_fn)(answer, task.reference))
     judged = await client.chat.completions.create(
         model=verifier,
-        messages=verifier_prompt(task, answer),  # type: ignore[arg-type]
+        messages=verifier_messages(question_of(task.messages), answer),  # type: ignore[arg-type]
         max_tokens=task.max_tokens,
         temperature=task.temperature,
     )

@@ -9,7 +9,9 @@ seeds of environment episodes, ``seamlessflow.tasks.episodes``), a task name can
 local JSONL or Parquet file: ``path/to/tasks.jsonl?reward=math_answer`` (see
 `seamlessflow.tasks.files` for the columns, splits and reward selection), or name a
 reasoning-gym dataset: ``rg:basic_arithmetic?max_digits=2`` (see
-`seamlessflow.tasks.reasoning_gym`). A source may also name ``eval_reward_fn``, the reward
+`seamlessflow.tasks.reasoning_gym`), or ask whether a proposed answer to another task's
+question is right: ``verify:arithmetic`` (a verifier's task, `seamlessflow.tasks.verify`).
+A source may also name ``eval_reward_fn``, the reward
 the trainer's held-out evaluation reports (an accuracy without training-only terms);
 ``reward_fn`` otherwise.
 """
@@ -122,7 +124,8 @@ TASKS: Registry[Callable[[int], TaskSource]] = Registry(
     "SF_TRAJECTORY_TASK, --task",
     hint=(
         "or a data file: [jsonl:|parquet:]PATH[?reward=NAME] (PATH ending .jsonl / .parquet); "
-        "or a reasoning-gym dataset: rg:DATASET[?key=value&...]"
+        "or a reasoning-gym dataset: rg:DATASET[?key=value&...]; "
+        "or a verifier's task: verify:TASK"
     ),
 )
 """Factories by name, each building its source with a seed; they import lazily so that
@@ -163,11 +166,16 @@ task_names = TASKS.names
 def get_task_source(name: str, seed: int = 0) -> TaskSource:
     """The task source registered as `name`, built with `seed`; the reasoning-gym
     dataset an ``rg:`` name names, built with `seed` (`seamlessflow.tasks.reasoning_gym`);
+    the verification of the task a ``verify:`` name names (`seamlessflow.tasks.verify`);
     or the data file `name` points to (`seamlessflow.tasks.files`; its split does not
     depend on the seed)."""
     factory = TASKS.find(name)
     if factory is not None:
         return factory(seed)
+    if name.startswith("verify:"):
+        from seamlessflow.tasks.verify import PREFIX, VerifyTask
+
+        return VerifyTask(get_task_source(name.removeprefix(PREFIX), seed), seed=seed)
     if name.startswith("rg:"):
         from seamlessflow.tasks.reasoning_gym import ReasoningGymTask
 
