@@ -235,7 +235,9 @@ async def test_the_two_policy_example_runs_embedded_and_lends_per_policy(
     }
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for policy in ("solver", "verifier"):
-        assert [m["version"] for m in metrics if m["policy"] == policy] == [1, 2, 3]
+        assert [
+            m["version"] for m in metrics if m["policy"] == policy and m["type"] == "train.metrics"
+        ] == [1, 2, 3]
 
     spans = [json.loads(line) for line in (run_dir / "spans.jsonl").read_text().splitlines()]
     lent = {
