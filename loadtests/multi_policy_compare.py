@@ -4,7 +4,7 @@ same cores. Each run is a real ``seamlessflow up`` on SmolLM2-135M-Instruct.
 
 - **together**: ``--policies solver,verifier --agent solve_and_verify``. The solver
   answers reasoning-gym's ``basic_arithmetic`` (the main job's task); the verifier judges
-  each answer (1 right, 0 wrong) and is rewarded when its verdict agrees with the task's
+  each answer (yes or no) and is rewarded when its verdict agrees with the task's
   scorer. Each policy has its own trainer, engine and version line.
 - **solver alone**: the main job (one policy, the same task).
 - **verifier alone**: one policy on ``verify:<task>`` (``seamlessflow.tasks.verify``): the

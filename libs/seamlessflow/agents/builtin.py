@@ -5,7 +5,7 @@ from __future__ import annotations
 from openai import AsyncOpenAI, BaseModel
 
 from seamlessflow.agents import AgentTask, register_agent
-from seamlessflow.rewards import first_integer, get_reward
+from seamlessflow.rewards import first_verdict, get_reward
 from seamlessflow.tasks.verify import VERDICT_NO, VERDICT_YES, question_of, verifier_messages
 
 
@@ -63,7 +63,7 @@ def session_url(client: AsyncOpenAI, path: str) -> str:
 async def solve_and_verify(client: AsyncOpenAI, task: AgentTask) -> dict[str, float]:
     """Two policies on one task (multi-policy): the first policy solves, the second judges
     the solver's answer. The solver earns the task's reward for its answer; the verifier
-    earns 1 when its verdict (the first integer of its reply: 1 right, 0 wrong) matches
+    earns 1 when its verdict (the first "yes" or "no" of its reply) matches
     what the task's reward function says about that answer, else 0."""
     if len(task.policies) < 2:
         raise ValueError(f"solve_and_verify needs two policies (solver, verifier); the run "
@@ -85,6 +85,6 @@ async def solve_and_verify(client: AsyncOpenAI, task: AgentTask) -> dict[str, fl
         max_tokens=task.max_tokens,
         temperature=task.temperature,
     )
-    verdict = first_integer(judged.choices[0].message.content or "")
+    verdict = first_verdict(judged.choices[0].message.content or "")
     right = VERDICT_YES if correct >= 1.0 else VERDICT_NO
     return {solver: correct, verifier: 1.0 if verdict == right else 0.0}

@@ -1,7 +1,8 @@
 """Reward functions: `(completion_text, reference) -> reward in [0, 1]`.
 
 Registered names (``get_reward(name)``; any other importable function by dotted path):
-- ``integer_match``, ``code_match``: the built-in tasks' exact matches (``matching``);
+- ``integer_match``, ``code_match``: the built-in tasks' exact matches, and
+  ``verdict_match``: a verifier's first yes/no word (``matching``);
 - ``math_answer``: final-answer equality for math (``math_verifier``);
 - ``code_tests``: the reference's tests run against the completion's code in a
   sandboxed subprocess (``code_verifier``, ``sandbox``);
@@ -11,7 +12,13 @@ Registered names (``get_reward(name)``; any other importable function by dotted 
 """
 
 from seamlessflow.rewards.code_verifier import code_tests
-from seamlessflow.rewards.matching import code_match, first_integer, integer_match
+from seamlessflow.rewards.matching import (
+    code_match,
+    first_integer,
+    first_verdict,
+    integer_match,
+    verdict_match,
+)
 from seamlessflow.rewards.math_verifier import math_answer
 from seamlessflow.rewards.reasoning_gym_verifier import (
     reasoning_gym_accuracy,
@@ -24,6 +31,7 @@ __all__ = [
     "code_match",
     "code_tests",
     "first_integer",
+    "first_verdict",
     "get_reward",
     "integer_match",
     "math_answer",
@@ -31,4 +39,5 @@ __all__ = [
     "reasoning_gym_reward",
     "register_reward",
     "reward_names",
+    "verdict_match",
 ]

@@ -1,9 +1,9 @@
 """Verification of another task's answers, as a task: ``verify:<task>``.
 
 A verifier policy (the second policy of ``solve_and_verify``, multi-policy) is asked
-whether a proposed answer to a question is right and replies with one integer: 1 for
-yes, 0 for no. This source turns any task with integer answers into that question, with
-the proposed answers of a **fixed solver**:
+whether a proposed answer to a question is right and replies with one word: yes or no.
+This source turns any task with integer answers into that question, with the proposed
+answers of a **fixed solver**:
 
 - each item is one of ``<task>``'s questions with one proposed answer, worded as
   ``verifier_messages`` words it (the exact prompt ``solve_and_verify`` sends);
@@ -11,9 +11,18 @@ the proposed answers of a **fixed solver**:
   the others that integer moved by 1 to 5 either way (a near miss, the kind of wrong
   answer a small model gives); so each split is half right, half wrong, and a verifier
   that always says the same thing scores 0.5;
-- the reference is the verdict (``"1"`` or ``"0"``) that ``<task>``'s own reward gives
-  the proposed answer (what ``solve_and_verify`` rewards the verifier against), and the
-  reward is ``integer_match`` on the first integer of the reply, as there.
+- the reference is the verdict (``"yes"`` or ``"no"``) that ``<task>``'s own reward
+  gives the proposed answer (what ``solve_and_verify`` rewards the verifier against), and
+  the reward is ``verdict_match``: the reply's first whole word "yes" or "no", as there.
+
+Why this wording (greedy SmolLM2-135M-Instruct on 32 held-out items of the main job's
+task): asked to "reply 1 for yes, 0 for no" under the question, it solves the question
+instead, and its first integer is a number from it (1 item scored); with the proposed
+answer after "Proposed answer:" it copies the answer's form ("The answer is 2.", 25 of
+32 without a verdict). With the judge's role in a system prompt and the answer quoted as
+someone's reply, 31 of 32 replies hold a verdict ("No, the answer is 2."), all of them
+"no" (0.50): training starts from replies of the right form, with the judging itself
+to learn.
 
 What it is for: the held-out evaluation of a verifier (``RunConfig.eval_tasks``, e.g.
 ``verifier=verify:arithmetic``: the same items for every run, whatever its solver
@@ -34,18 +43,23 @@ from seamlessflow.rewards import first_integer, get_reward
 from seamlessflow.tasks import SPLITS, TaskItem, TaskSource
 
 PREFIX = "verify:"
-VERDICT_YES, VERDICT_NO = 1, 0
+VERDICT_YES, VERDICT_NO = "yes", "no"
+VERIFIER_SYSTEM_PROMPT = (
+    "You check other people's answers. Reply with one word: "
+    f"{VERDICT_YES} if the proposed answer is right, {VERDICT_NO} if it is wrong."
+)
 NEAR_MISS = (1, 5)
 """How far a wrong proposed answer is from the right one (either way)."""
 
 
 def verifier_messages(question: str, proposed: str) -> list[dict[str, Any]]:
-    """The verifier's prompt: the question, the proposed answer, and what to reply."""
-    content = (
-        f"{question}\nProposed answer: {proposed.strip()}\n"
-        f"Is it right? Reply {VERDICT_YES} for yes, {VERDICT_NO} for no."
-    )
-    return [{"role": "user", "content": content}]
+    """The verifier's prompt: its role and the verdict's form (system), then the question
+    and the proposed answer (user)."""
+    content = f'Question: {question}\nSomeone replied: "{proposed.strip()}"\nIs that reply right?'
+    return [
+        {"role": "system", "content": VERIFIER_SYSTEM_PROMPT},
+        {"role": "user", "content": content},
+    ]
 
 
 def question_of(messages: tuple[dict[str, Any], ...] | list[dict[str, Any]]) -> str:
@@ -74,7 +88,7 @@ class VerifyTask:
     inner: TaskSource
     seed: int = 0
     name: str = ""
-    reward_fn: str = "integer_match"
+    reward_fn: str = "verdict_match"
     _splits: dict[str, list[TaskItem]] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -101,9 +115,9 @@ class VerifyTask:
             verdict = VERDICT_YES if judge(text, item.reference) >= 1.0 else VERDICT_NO
             items.append(
                 TaskItem(
-                    task_id=f"verify-{'right' if verdict else 'wrong'}/{item.task_id}",
+                    task_id=f"verify-{'right' if verdict == VERDICT_YES else 'wrong'}/{item.task_id}",
                     messages=tuple(verifier_messages(question_of(item.messages), text)),
-                    reference=str(verdict),
+                    reference=verdict,
                 )
             )
         if not items:
