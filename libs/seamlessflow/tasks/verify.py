@@ -113,9 +113,10 @@ class VerifyTask:
             proposed = answer if right else answer + rng.choice((-1, 1)) * rng.randint(*NEAR_MISS)
             text = f"The answer is {proposed}."
             verdict = VERDICT_YES if judge(text, item.reference) >= 1.0 else VERDICT_NO
+            kind = "right" if verdict == VERDICT_YES else "wrong"
             items.append(
                 TaskItem(
-                    task_id=f"verify-{'right' if verdict == VERDICT_YES else 'wrong'}/{item.task_id}",
+                    task_id=f"verify-{kind}/{item.task_id}",
                     messages=tuple(verifier_messages(question_of(item.messages), text)),
                     reference=verdict,
                 )
