@@ -189,7 +189,7 @@ check:
 # (exit 1 on a drop), the cost of one partial-rollout interruption, weight sync per
 # transport against its bound (and deltas on real steps), and the simulator at 8-1024 GPUs
 bench STEPS="60":
-    {{bin}}/seamlessflow bench --steps {{STEPS}} --modes colocated,disaggregated,multiplexed --pin-slots --out runs/load/modes.json
+    {{bin}}/seamlessflow bench --steps {{STEPS}} --modes colocated,disaggregated,multiplexed,auto --pin-slots --out runs/load/modes.json
     {{bin}}/python loadtests/regression.py runs/load/modes.json --baseline loadtests/baselines/modes.json
     {{bin}}/python loadtests/interruption.py
     {{bin}}/python loadtests/weight_sync.py
@@ -249,6 +249,12 @@ bench-srpo SEEDS="0,1,2": _cpu-only pretrained
 # multi-policy on SmolLM2-135M-Instruct: a solver and a verifier trained together against
 # the two trained in separate runs one after the other, on the same cores; time to each
 # policy's held-out target (docs/benchmarks.md, "Multi-policy against separate runs")
+# auto (the default mode) against the best fixed mode on pinned slots, per workload (the
+# toy, a slow environment, SmolLM2), each mode repeated: exit 1 where auto is slower than
+# the best fixed mode by more than the spread between repeats (runs/load/auto_mode.json)
+bench-auto *ARGS: _cpu-only pretrained
+    {{bin}}/python loadtests/auto_mode.py --out runs/load/auto_mode.json {{ARGS}}
+
 bench-multi-policy *ARGS: _cpu-only pretrained
     {{bin}}/python loadtests/multi_policy_compare.py --out runs/load/multi_policy_compare.json {{ARGS}}
 

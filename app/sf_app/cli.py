@@ -574,6 +574,8 @@ def bench(
                 "mean_train_step_s": round(summary.mean_step_s, 3),
                 "mean_trainer_wait_for_batch_s": round(summary.mean_wait_s, 3),
                 "mean_weight_publish_s": round(summary.mean_publish_s, 3),
+                "layout": summary.mode_choice.get("layout", mode),
+                "lending_switches": summary.lending_switches,
                 "lends": summary.lends,
                 "reclaims": summary.reclaims,
                 "requests_handed_back": summary.requests_handed_back,
@@ -660,7 +662,7 @@ def simulate(
         ),
     ] = True,
 ) -> None:
-    """Simulate colocated, disaggregated and multiplexed on 8-1024 GPUs with
+    """Simulate colocated, disaggregated, multiplexed and auto on 8-1024 GPUs with
     the production scheduling policy on virtual time; print throughput, bubble ratio and
     speedup over colocated. Durations are modeled (or calibrated with --from-run)."""
     from sf_app.simulator import (
@@ -713,7 +715,7 @@ def simulate(
         f"lend-in {switch.lend_in_s:g}s, reclaim {switch.reclaim_s:g}s"
     )
     typer.echo(
-        "# disaggregated and multiplexed: best training share of "
+        "# disaggregated, multiplexed and auto: best training share of "
         f"{', '.join(f'{f:g}' for f in fractions)} (by trained tokens/s), "
         f"{max_batches_ahead} batch(es) ahead"
         + ("" if rebalance_on_lend else "; without rebalance on lend")

@@ -8,7 +8,7 @@ does the bookkeeping the services do around the policy (dispatch, batching, weig
 sync). Every duration here is **modeled, not measured**, unless ``--from-run``
 calibrates it from a run's ``summary.json`` (:func:`calibrate_from_run`).
 
-The cluster and the three deployments
+The cluster and the deployments
 -------------------------------------
 ``G`` GPUs ("slots"), each hosting at most one engine (one resource,
 ``ResourceView(slots=(slot,))``). The first ``T`` slots are training slots; the trainer
@@ -20,7 +20,9 @@ rollout pacing (:class:`Deployment`); the mechanics below never branch on it:
 - ``disaggregated``: ``T < G`` trains, no engine on training slots, the other
   slots' engines are tagged ``{rollout}``; mode ``disaggregated``; one batch ahead.
 - ``multiplexed``: as disaggregated, plus a lendable ``{train, rollout}`` engine on each
-  training slot; mode ``multiplexed`` (lend when it pays); one batch ahead.
+  training slot; mode ``multiplexed`` (lend at every wait); one batch ahead.
+- ``auto``: laid out as multiplexed; mode ``auto`` (lend while it measures more steps/s
+  with lending than without: ``sf_tag_scheduler.when_pays``); one batch ahead.
 
 What happens (mirroring the services)
 -------------------------------------
@@ -282,6 +284,10 @@ def disaggregated(train_fraction: float, batches_ahead: int = 1) -> Deployment:
 
 def multiplexed(train_fraction: float, batches_ahead: int = 1) -> Deployment:
     return Deployment("multiplexed", "multiplexed", train_fraction, True, batches_ahead)
+
+
+def auto(train_fraction: float, batches_ahead: int = 1) -> Deployment:
+    return Deployment("auto", "auto", train_fraction, True, batches_ahead)
 
 
 @dataclass(frozen=True)
@@ -1029,14 +1035,14 @@ def compare(
     train_fractions: Sequence[float] = DEFAULT_TRAIN_FRACTIONS,
     batches_ahead: int = 1,
 ) -> list[Row]:
-    """Colocated (synchronous), and the best split of disaggregated and of multiplexed
-    (both running ``batches_ahead`` batches ahead of training), at every cluster size,
-    on the same workload and seed."""
+    """Colocated (synchronous), and the best split of disaggregated, multiplexed and
+    auto (each running ``batches_ahead`` batches ahead of training), at every cluster
+    size, on the same workload and seed."""
     rows: list[Row] = []
     for g in gpus:
         baseline = simulate(replace(base, gpus=g, deployment=COLOCATED))
         rows.append(Row(baseline, 1.0))
-        for make in (disaggregated, multiplexed):
+        for make in (disaggregated, multiplexed, auto):
             tried = [
                 simulate(replace(base, gpus=g, deployment=make(f, batches_ahead)))
                 for f in train_fractions

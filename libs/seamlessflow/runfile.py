@@ -60,7 +60,7 @@ RUN_OPTIONS: dict[str, RunOption] = {
         "policy",
         service_default_differs="empty in a process means that process's own SF_POLICY",
     ),
-    "mode": RunOption(("SF_TAG_SCHEDULER_MODE",), "disaggregated"),
+    "mode": RunOption(("SF_TAG_SCHEDULER_MODE",), "auto"),
     "task": RunOption(("SF_TRAJECTORY_TASK", "SF_TRAINER_EVAL_TASK"), "arithmetic"),
     "group_size": RunOption(("SF_TRAJECTORY_GROUP_SIZE",), 8),
     "groups_per_batch": RunOption(("SF_TRAJECTORY_GROUPS_PER_BATCH",), 8),

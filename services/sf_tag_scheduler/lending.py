@@ -68,9 +68,20 @@ class SlotLending:
         self.roles.trainer_published(release.policy, release.version)
         decisions = self.registry.decisions(release.policy)
         plan = decisions.trainer_waiting(time.monotonic())
+        switched: dict[str, str | float] = {}
+        if plan.switch is not None:
+            # auto's measured choice changed: on the span (Jaeger, the run's report)
+            before = plan.switch.before
+            switched = {
+                "switch.before": -1.0 if before is None else before,
+                "switch.after": plan.switch.after,
+                "switch.why": plan.switch.reason,
+            }
+            log.info("%s: lending switched: %s", release.policy, plan.switch.in_words())
         with tracer.start_as_current_span(
             "sched.decide",
             attributes={
+                **switched,
                 "trainer.id": release.trainer_id,
                 "policy": release.policy,
                 "version": release.version,

@@ -13,10 +13,12 @@ Tags, not code paths, make the deployment:
 - a ``trainer`` tagged ``train`` trains; without the tag a resource stays ``idle``.
 
 So *colocated* = every engine lendable (train and rollout time-share every slot),
-*disaggregated* = no engine lendable, *multiplexed* = dedicated engines plus lendable
-ones on the trainer's slots. The mode only sets how lending is decided
-(:data:`LENDING_BY_MODE`): ``always`` (colocated: there is no other rollout capacity),
-``never`` (disaggregated), ``when_pays`` (multiplexed).
+*disaggregated* = no engine lendable, *multiplexed* and *auto* = dedicated engines plus
+lendable ones on the trainer's slots. The mode only sets how lending is decided
+(:data:`LENDING_BY_MODE`): ``always`` (colocated: there is no other rollout capacity;
+multiplexed: the trainer's slots serve rollout at every wait), ``never``
+(disaggregated), ``when_pays`` (auto, the default: lend while the run measures more
+steps/s with it than without, and switch when the measurements change).
 
 When lending pays (``when_pays``): when the run trains more steps per second with it
 than without, both measured on the run over blocks of consecutive waits that take one
@@ -39,20 +41,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from seamlessflow.protocol import Role
 from sf_tag_scheduler.rebalance import Shed, shed_plan
-from sf_tag_scheduler.when_pays import Block, Ewma, WhenPays
+from sf_tag_scheduler.when_pays import Block, Ewma, Switch, WhenPays
 
-Mode = Literal["colocated", "disaggregated", "multiplexed"]
+Mode = Literal["auto", "colocated", "disaggregated", "multiplexed"]
 Lending = Literal["always", "never", "when_pays"]
 
 LENDING_BY_MODE: dict[str, Lending] = {
     "colocated": "always",
     "disaggregated": "never",
-    "multiplexed": "when_pays",
+    "multiplexed": "always",
+    "auto": "when_pays",
 }
 
 # The role a kind of process can play, and the tag that allows it.
@@ -96,6 +99,8 @@ class LendPlan:
     """W: the estimated wait with dedicated engines alone (inf: none exist / unknown)."""
     gain_s: float
     cost_s: float
+    switch: Switch | None = None
+    """``when_pays``: the rule's choice changed with this wait (its first choice too)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,7 @@ class ReclaimPlan:
 
 @dataclass
 class PolicyConfig:
-    mode: Mode = "disaggregated"
+    mode: Mode = "auto"
     lend_margin: float = 0.0
     """Lend when steps/s with lending exceed steps/s without by more than this fraction
     (measured over blocks of steps)."""
@@ -314,7 +319,12 @@ class TagPolicy:
         share, reason, measured = self.when_pays.next_wait()
         if not share:
             self.stats.declined += 1
-        return self._plan(share, reason), measured
+        plan = self._plan(share, reason)
+        switch = self.when_pays.switch_now
+        if switch is not None:
+            plan = replace(plan, switch=switch)
+            self.stats.decisions.append(f"switch: {switch.in_words()}")
+        return plan, measured
 
     def _plan(self, share: float, reason: str) -> LendPlan:
         """Lend ``share`` of the lendable engines (rounded up; the first by id), counting

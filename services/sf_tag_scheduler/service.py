@@ -27,7 +27,9 @@ Produces:
 - KV bucket ``sf_<run>_resources``: one entry per resource (tags, slots, role, phase,
   status, process); read back on start-up, so a restarted scheduler knows every
   resource again without asking it to register (see ``ResourceRegistry.restore``)
-- spans ``sched.decide`` (each lending decision and its estimates), ``sched.lend`` and
+- spans ``sched.decide`` (each lending decision and its estimates; in mode ``auto``,
+  ``switch.before`` / ``switch.after`` / ``switch.why`` where the measured choice
+  changed, which the run's report lists as ``lending_switches``), ``sched.lend`` and
   ``sched.reclaim`` (the switches and their cost; ``early`` for an early reclaim),
   ``sched.rebalance`` (requests moved onto lent engines)
 

@@ -18,19 +18,21 @@ class TagSchedulerSettings(RunFileSettings):
 
     mode: Mode = run_default("mode")
     """How engines on training slots (tagged ``train`` and ``rollout``) are lent while
-    the trainer waits: ``colocated`` always, ``multiplexed`` when the expected gain beats
-    the switch cost, ``disaggregated`` never. The tags make the deployment."""
+    the trainer waits: ``colocated`` and ``multiplexed`` always, ``disaggregated``
+    never, ``auto`` (the default) while steps/s measured with lending beat steps/s
+    without (``when_pays``), switching when the measurements change. The tags make the
+    deployment: with no lendable engine, every mode keeps the slots."""
 
     lend_margin: float = 0.0
-    """``multiplexed``: lend when steps/s with lending exceed steps/s without by more
+    """``auto``: lend when steps/s with lending exceed steps/s without by more
     than this fraction (both measured on the run over blocks of steps)."""
 
     lend_block_steps: int = 3
-    """``multiplexed``: consecutive trainer waits that take one lending choice; their
+    """``auto``: consecutive trainer waits that take one lending choice; their
     step periods (the first left out: it carries over the previous choice) measure it."""
 
     lend_shares: tuple[float, ...] = (1.0,)
-    """``multiplexed``: the shares of the lendable engines a block of waits may lend
+    """``auto``: the shares of the lendable engines a block of waits may lend
     besides none, each measured like "lend all" (JSON, e.g. ``[0.5, 1.0]``: half or all;
     must include 1.0). The default is all or nothing."""
 

@@ -1,4 +1,4 @@
-"""When lending pays (mode ``multiplexed``): measure steps/s with and without lending.
+"""When lending pays (mode ``auto``): measure steps/s with and without lending.
 
 Pure, like :mod:`sf_tag_scheduler.policy`, which asks it for the share of the lendable
 engines each trainer wait lends once lending is a choice at all.
@@ -31,6 +31,11 @@ measure ``period_alone``, then one block per other share, largest first; after t
 block is decided by the rule, and after ``reprobe_after`` blocks alike the share
 measured longest ago is taken for one block to refresh its measurement, because the
 workload changes over a run.
+
+Switches: the rule's choice (exploration and re-measuring blocks aside) is the run's
+lending state. Its first value, and every later change of it, is a :class:`Switch`:
+what changed and the measured periods that made it change (``switches``; the
+tag-scheduler puts it on the ``sched.decide`` span, the run's report lists them).
 """
 
 from __future__ import annotations
@@ -67,6 +72,21 @@ class Block:
         return self.share > 0
 
 
+@dataclass(frozen=True)
+class Switch:
+    """The rule's choice changed (or was made for the first time, ``before`` None)."""
+
+    block: int
+    """Blocks closed before the one that takes the new choice."""
+    before: float | None
+    after: float
+    reason: str
+
+    def in_words(self) -> str:
+        before = "unmeasured" if self.before is None else choice_in_words(self.before)
+        return f"{before} -> {choice_in_words(self.after)} ({self.reason})"
+
+
 class WhenPays:
     """The blocks of waits, the step period measured for each share, and the choice of
     each new block."""
@@ -97,6 +117,12 @@ class WhenPays:
         self._last_wait: tuple[float, Block | None] | None = None
         """When the previous wait began, and the block whose period it starts (None: the
         period is not measured)."""
+        self.ruled: float | None = None
+        """The rule's current choice (None: still measuring each choice once)."""
+        self.switches: list[Switch] = []
+        """Every change of the rule's choice, its first one included."""
+        self.switch_now: Switch | None = None
+        """The switch the newest block began with (None: it did not switch)."""
 
     def period_ends(self, now: float) -> None:
         """A wait begins at ``now``: the step period since the previous wait ends, and
@@ -116,6 +142,7 @@ class WhenPays:
         measures (None: the first period of a block, which carries over the previous
         block's choice)."""
         block = self._block
+        self.switch_now = None
         if block is None or block.left == 0:
             if block is not None:
                 self._close(block)
@@ -154,9 +181,10 @@ class WhenPays:
         best = min(self.shares, key=lambda s: (period[s] * (margin if s else 1.0), s))
         if self._blocks_alike >= self.reprobe_after:
             others = [s for s in self.shares if s != self._last_block_share]
-            best = min(others, key=lambda s: (self._measured_at[s], s))
+            reprobe = min(others, key=lambda s: (self._measured_at[s], s))
             verdict = f"{self._blocks_alike} blocks alike: another choice, to re-measure"
-        elif len(self.shares) == 2:
+            return reprobe, f"{verdict}: a block of {n} {choice_in_words(reprobe)}"
+        if len(self.shares) == 2:
             alone, lent = period[0.0], period[1.0]
             pays = best > 0
             verdict = f"step {lent:.3f}s lent {'<' if pays else '>='} {alone:.3f}s alone"
@@ -165,6 +193,10 @@ class WhenPays:
         else:
             measured = ", ".join(f"{choice_in_words(s)} {period[s]:.3f}s" for s in self.shares)
             verdict = f"shortest step: {choice_in_words(best)} ({measured})"
+        if best != self.ruled:
+            self.switch_now = Switch(self._blocks_closed, self.ruled, best, verdict)
+            self.switches.append(self.switch_now)
+            self.ruled = best
         return best, f"{verdict}: a block of {n} {choice_in_words(best)}"
 
 

@@ -1,5 +1,5 @@
-"""The three deployments are configurations of one scheduler: the whole mesh, every
-service its own process, in each mode, for a few steps."""
+"""The deployments are configurations of one scheduler: the whole mesh, every service
+its own process, in each mode, for a few steps."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from support import small_embedded_run
 
 from seamlessflow.machine import resolve_precision
-from sf_app.run.config import RunConfig, deployment
+from sf_app.run.config import RunConfig, deployment, resolve_mode
 from sf_app.timeline import build_timeline, load_phase_spans
 
 pytestmark = pytest.mark.slow
@@ -32,20 +32,42 @@ def test_modes_differ_only_in_tags() -> None:
     assert colocated.trainer_slots == ["slot-0", "slot-1"]
     assert RunConfig(mode="colocated").max_batches_ahead == 0
     assert RunConfig(mode="colocated", max_batches_ahead=1).max_batches_ahead == 1
+    # auto (the default) is laid out as multiplexed where slots are real, else as
+    # disaggregated: unpinned CPU cores have no idle slot to lend
+    assert RunConfig().mode == "auto"
+    assert deployment("auto", engines=1) == multiplexed
+    for pinned, device, layout in [
+        (True, "cpu", "multiplexed"),
+        (False, "cuda", "multiplexed"),
+        (False, "cpu", "disaggregated"),
+    ]:
+        choice = resolve_mode("auto", pin_slots=pinned, device=device)
+        assert (choice.requested, choice.layout) == ("auto", layout), choice
+        assert choice.line().startswith("mode auto: laid out " + layout)
+    assert "--pin-slots" in resolve_mode("auto", pin_slots=False, device="cpu").reason
+    for mode in ("colocated", "disaggregated", "multiplexed"):
+        choice = resolve_mode(mode, pin_slots=False, device="cpu")
+        assert choice.layout == mode and choice.line() == f"mode {mode}"
 
 
-@pytest.mark.parametrize("mode", ["colocated", "multiplexed"])
+@pytest.mark.parametrize("mode", ["colocated", "multiplexed", "auto"])
 async def test_a_run_lends_and_reclaims_training_slots(
     mode: str, nats_url: str, run_id: str, base_model_dir: Path, tmp_path: Path
 ) -> None:
     steps = 3
+    # auto on pinned slots: laid out as multiplexed, lending decided by measurement
     summary = await small_embedded_run(
-        run_id, tmp_path, base_model_dir, steps, nats_url=nats_url, mode=mode, precision="auto"
-    ).run()
+        run_id, tmp_path, base_model_dir, steps, nats_url=nats_url, mode=mode,
+        precision="auto", pin_slots=mode == "auto",
+    ).run()  # fmt: skip
     assert summary.status == "finished" and summary.final_version == steps
     assert summary.mode == mode
     written = json.loads((tmp_path / run_id / "summary.json").read_text())
     assert written["mode"] == mode and 0 <= written["bubble_ratio"] < 1
+    layout = "colocated" if mode == "colocated" else "multiplexed"
+    assert written["mode_choice"]["layout"] == layout, written["mode_choice"]
+    # three steps are the fill and one exploring block: no measured choice, no switch
+    assert written["lending_switches"] == []
     # the run records the precision it resolved on this machine, and why
     chosen = resolve_precision("auto")
     assert written["precision"] == {**chosen.record(), "requested": "auto"}
@@ -62,7 +84,11 @@ async def test_a_run_lends_and_reclaims_training_slots(
         # (the first step may come before the slower engine has even registered)
         assert 2 * (steps - 1) <= summary.reclaims <= 2 * steps, summary
         assert all(d["reason"] in ("mode always lends", "nothing lendable") for d in decisions)
-    else:  # the policy followed its block rule at every wait (or had nothing to lend)
+    elif mode == "multiplexed":  # lends at every wait that has something to lend
+        assert summary.reclaims <= steps
+        known = ("mode always lends", "nothing lendable", "no dedicated engine")
+        assert all(any(k in d["reason"] for k in known) for d in decisions), decisions
+    else:  # auto: the policy followed its block rule at every wait (or had nothing to lend)
         assert summary.reclaims <= steps
         known = ("block", "measure", "nothing lendable", "no dedicated engine")
         assert all(any(k in d["reason"] for k in known) for d in decisions), decisions

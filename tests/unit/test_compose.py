@@ -46,7 +46,7 @@ BUILD_MODEL = "build-model"
 GPU_SERVICES = {"engine-gpu": "engine", "trainer-gpu": "trainer"}
 # Optional services per deployment profile: the service they run.
 MODE_SERVICES = {"engine-lend": "engine"}
-SCHEDULER_MODES = {"colocated", "disaggregated", "multiplexed"}
+SCHEDULER_MODES = {"auto", "colocated", "disaggregated", "multiplexed"}
 RUN_ID_RE = re.compile(r"^[a-z0-9-]+$")
 
 _VAR_RE = re.compile(
@@ -400,8 +400,10 @@ def test_engine_and_scheduler(services: dict[str, dict[str, Any]]) -> None:
     assert env_of(engine).get("SF_ENGINE_BACKEND", "") != "vllm", "CPU engine must not be vLLM"
     assert "rollout" in env_of(engine)["SF_RESOURCE_TAGS"].split(",")
     assert "train" in env_of(services["trainer"])["SF_RESOURCE_TAGS"].split(",")
-    mode = env_of(services["tag-scheduler"]).get("SF_TAG_SCHEDULER_MODE", "disaggregated")
-    assert mode == "disaggregated", mode
+    # the run's default: without the multiplexed profile nothing is lendable, so auto
+    # keeps the slots
+    mode = env_of(services["tag-scheduler"]).get("SF_TAG_SCHEDULER_MODE", "")
+    assert mode == "auto", mode
     assert mode in SCHEDULER_MODES
 
 

@@ -24,6 +24,7 @@ from sf_app.simulator import (
     SwitchModel,
     TrainerModel,
     WorkloadModel,
+    auto,
     calibrate_from_run,
     disaggregated,
     multiplexed,
@@ -63,7 +64,7 @@ def test_lending_decisions_come_from_the_policy() -> None:
     """The policy measures steps/s over a block that lends and a block that keeps the
     slots on the simulated run, then decides block by block; a margin no gain can beat
     makes it keep the slots after the measuring blocks, and the simulation follows."""
-    config = replace(SMALL, steps=10, deployment=multiplexed(0.5))
+    config = replace(SMALL, steps=10, deployment=auto(0.5))
     eager_sim = Simulation(config)
     eager = eager_sim.run()
     policy = eager_sim.policy
@@ -79,6 +80,9 @@ def test_lending_decisions_come_from_the_policy() -> None:
     reluctant = simulate(replace(config, lend_margin=1e9))
     assert reluctant.lends == reluctant.reclaims == (1 + block) * 4  # fill, measure
     assert reluctant.declined == config.steps - 1 - block
+    # multiplexed lends at every wait, whatever a margin says
+    always = simulate(replace(config, deployment=multiplexed(0.5), lend_margin=1e9))
+    assert always.lends == config.steps * 4 and always.declined == 0
 
 
 @pytest.mark.parametrize("workload", [SINGLE_TURN, AGENTIC])
@@ -134,6 +138,7 @@ def test_disaggregated_never_lends_and_colocated_always_does() -> None:
         (multiplexed(0.5), SINGLE_TURN, True, {"reclaim_early_at": 0.5}),
         (multiplexed(0.75), AGENTIC, True, {"lend_shares": (0.5, 1.0)}),
         (multiplexed(0.5), SINGLE_TURN, True, {"overlap_weight_sync": True}),
+        (auto(0.5), AGENTIC, True, {}),
     ],
 )
 def test_every_sample_is_trained_exactly_once(
@@ -307,20 +312,16 @@ def test_calibration_from_a_run(tmp_path: Path) -> None:
     assert result.steps == 3 and result.trained_tokens > 0
 
 
-def test_the_cli_prints_the_three_deployments(tmp_path: Path) -> None:
+def test_the_cli_prints_every_deployment(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
     result = CliRunner().invoke(
         app, ["simulate", "--gpus", "8", "--steps", "3", "--json", str(out)]
     )
     assert result.exit_code == 0, result.output
-    for name in ("colocated", "disaggregated", "multiplexed"):
+    for name in ("colocated", "disaggregated", "multiplexed", "auto"):
         assert f"| 8 | {name} |" in result.output
     rows = json.loads(out.read_text())["rows"]
-    assert [r["deployment"] for r in rows] == [
-        "colocated",
-        "disaggregated",
-        "multiplexed",
-    ]
+    assert [r["deployment"] for r in rows] == ["colocated", "disaggregated", "multiplexed", "auto"]
     assert rows[0]["speedup"] == 1.0 and all(0 <= r["bubble_ratio"] <= 1 for r in rows)
     bad = CliRunner().invoke(app, ["simulate", "--task", "poetry"])
     assert bad.exit_code != 0

@@ -73,8 +73,8 @@ def test_colocated_lends_every_slot_and_reclaims_all_for_training() -> None:
     assert p.period_alone.samples == 0 and p.trainer_waiting(5.0).lend == ("e0", "e1", "e2")
 
 
-def multiplexed_pair(**config: float) -> TagPolicy:
-    p = policy("multiplexed", ewma_alpha=1.0, **config)
+def auto_pair(**config: float) -> TagPolicy:
+    p = policy("auto", ewma_alpha=1.0, **config)
     p.add(engine("dedicated", "rollout"))
     p.add(engine("lend", "train", "rollout"))
     p.add(trainer("train"))
@@ -100,8 +100,8 @@ def steady(lent_s: float, alone_s: float) -> Callable[[bool, bool | None], float
     return lambda lent, _before: lent_s if lent else alone_s
 
 
-def test_multiplexed_lends_when_steps_per_second_are_higher_with_lending() -> None:
-    p = multiplexed_pair(block_steps=3)
+def test_auto_lends_when_steps_per_second_are_higher_with_lending() -> None:
+    p = auto_pair(block_steps=3)
     lent, now = run_steps(p, 1 + 3 + 3 + 3, steady(lent_s=5.0, alone_s=8.0))
     # fill (not measured), a block lends, a block keeps, then the rule: lending pays
     assert lent == [True, *[True] * 3, *[False] * 3, *[True] * 3]
@@ -112,10 +112,10 @@ def test_multiplexed_lends_when_steps_per_second_are_higher_with_lending() -> No
     assert plan.lend == ("lend",) and p.role_of("lend").role == "rollout"
 
 
-def test_multiplexed_declines_when_lending_does_not_raise_steps_per_second() -> None:
+def test_auto_declines_when_lending_does_not_raise_steps_per_second() -> None:
     """The lent engine may look busy and the wait may even be shorter, but if the step
     period is not (the reclaim, a catch-up, re-prefills elsewhere ate it), it declines."""
-    p = multiplexed_pair(block_steps=3)
+    p = auto_pair(block_steps=3)
     lent, _ = run_steps(p, 1 + 3 + 3 + 3, steady(lent_s=8.2, alone_s=8.0))
     assert lent == [True, *[True] * 3, *[False] * 6]
     assert p.stats.declined == 6 and p.role_of("lend").role == "idle"
@@ -125,7 +125,7 @@ def test_multiplexed_declines_when_lending_does_not_raise_steps_per_second() -> 
 def test_the_first_period_of_a_block_is_not_counted() -> None:
     """A pipelined step carries over the choice before it: the first period after a
     switch is not what the new choice yields, so it is left out of the measurement."""
-    p = multiplexed_pair(block_steps=3)
+    p = auto_pair(block_steps=3)
 
     def carried(lent: bool, before: bool | None) -> float:
         return 100.0 if before is not None and lent != before else (5.0 if lent else 8.0)
@@ -138,7 +138,7 @@ def test_the_first_period_of_a_block_is_not_counted() -> None:
 def test_after_many_alike_blocks_the_other_choice_is_measured_again() -> None:
     """Early on lending did not pay; later the workload changed and it does (a lent
     step now takes 2 s). Only re-measuring finds that out."""
-    p = multiplexed_pair(block_steps=2, reprobe_after=2)
+    p = auto_pair(block_steps=2, reprobe_after=2)
     lent, now = run_steps(p, 1 + 2 + 2 + 2, steady(lent_s=8.5, alone_s=8.0))
     assert lent == [True, True, True, False, False, False, False]
     more, _ = run_steps(p, 2 + 2, steady(lent_s=2.0, alone_s=8.0), now)
@@ -146,6 +146,43 @@ def test_after_many_alike_blocks_the_other_choice_is_measured_again() -> None:
     assert more == [True, True, True, True]
     assert any("re-measure" in d for d in p.stats.decisions)
     assert p.expected_gain() == pytest.approx(6.0)
+    # the rule's choice: keep the slots once both were measured, then lend once the
+    # re-measuring block showed it pays; the re-measuring block itself is no switch
+    first, second = p.when_pays.switches
+    assert (first.before, first.after) == (None, 0.0) and "lent >=" in first.reason
+    assert (second.before, second.after) == (0.0, 1.0) and "lent <" in second.reason
+    assert second.block > first.block
+    assert [d for d in p.stats.decisions if d.startswith("switch:")] == [
+        f"switch: {first.in_words()}",
+        f"switch: {second.in_words()}",
+    ]
+    assert first.in_words().startswith("unmeasured -> keeps the slots (step 8.500s lent")
+
+
+def test_only_the_wait_that_begins_a_switched_block_carries_the_switch() -> None:
+    p = auto_pair(block_steps=2)
+    switched: list[bool] = []
+    now = 0.0
+    for _ in range(1 + 2 + 2 + 4):
+        plan = p.trainer_waiting(now)
+        switched.append(plan.switch is not None)
+        p.trainer_claims(now)
+        now += 5.0 if plan.lend else 8.0
+    # fill, a block lending, a block keeping (exploring), then the rule lends: one switch
+    assert switched == [False, False, False, False, False, True, False, False, False]
+
+
+def test_multiplexed_lends_at_every_wait_whatever_it_measures() -> None:
+    p = policy("multiplexed", ewma_alpha=1.0)
+    p.add(engine("dedicated", "rollout"))
+    p.add(engine("lend", "train", "rollout"))
+    p.add(trainer("train"))
+    lent, _ = run_steps(p, 10, steady(lent_s=9.0, alone_s=8.0))
+    assert lent == [True] * 10 and p.stats.declined == 0 and not p.when_pays.switches
+    # auto, on the same steps, stops lending once it has measured both
+    a = auto_pair(block_steps=3)
+    lent, _ = run_steps(a, 10, steady(lent_s=9.0, alone_s=8.0))
+    assert lent == [True, *[True] * 3, *[False] * 6]
 
 
 @pytest.mark.parametrize(
@@ -160,7 +197,7 @@ def test_after_many_alike_blocks_the_other_choice_is_measured_again() -> None:
 def test_shed_plan_fills_lent_engines_to_the_mean_from_the_busiest(
     loads: dict[str, int], targets: list[str]
 ) -> None:
-    plan = policy("multiplexed").shed_plan(loads, targets)
+    plan = policy("auto").shed_plan(loads, targets)
     after = dict(loads)
     for move in plan:
         assert move.donor not in targets and move.target in targets and move.count > 0
@@ -194,7 +231,7 @@ def test_a_late_lendable_engine_is_lent_while_the_trainer_waits() -> None:
 
 
 def test_losing_the_last_dedicated_engine_lends_the_rest() -> None:
-    p = multiplexed_pair(lend_margin=100.0, block_steps=1)
+    p = auto_pair(lend_margin=100.0, block_steps=1)
     lent, now = run_steps(p, 3, steady(lent_s=1.0, alone_s=1.5))
     assert lent == [True, True, False]
     assert p.trainer_waiting(now).lend == ()  # margin 100: not worth it
@@ -213,9 +250,9 @@ def test_a_dead_lent_engine_is_not_reclaimed() -> None:
     assert p.trainer_claims(1.0).reclaim == ("b",)
 
 
-def multiplexed_quad(**config: object) -> TagPolicy:
+def auto_quad(**config: object) -> TagPolicy:
     """One dedicated engine and four lendable ones on the trainer's slots."""
-    p = TagPolicy(PolicyConfig(mode="multiplexed", ewma_alpha=1.0, **config))  # type: ignore[arg-type]
+    p = TagPolicy(PolicyConfig(mode="auto", ewma_alpha=1.0, **config))  # type: ignore[arg-type]
     p.add(engine("dedicated", "rollout"))
     for i in range(4):
         p.add(engine(f"lend{i}", "train", "rollout"))
@@ -226,7 +263,7 @@ def multiplexed_quad(**config: object) -> TagPolicy:
 def test_lending_part_of_the_lendable_engines_when_that_is_fastest() -> None:
     """Granularity: with shares (0.5, 1.0) each of none, half and all is measured in a
     block of its own (all, none, half), then the shortest step period wins."""
-    p = multiplexed_quad(block_steps=2, lend_shares=(0.5, 1.0))
+    p = auto_quad(block_steps=2, lend_shares=(0.5, 1.0))
     periods = {0: 9.0, 2: 5.0, 4: 7.0}  # step period by engines lent
     now, lent = 0.0, []
     for _ in range(1 + 2 * 3 + 4):
@@ -247,7 +284,7 @@ def test_lending_part_of_the_lendable_engines_when_that_is_fastest() -> None:
 
 
 def test_a_share_must_beat_keeping_the_slots_by_the_margin() -> None:
-    p = multiplexed_quad(block_steps=1, lend_shares=(0.5, 1.0), lend_margin=0.5)
+    p = auto_quad(block_steps=1, lend_shares=(0.5, 1.0), lend_margin=0.5)
     periods = {0: 9.0, 2: 7.0, 4: 6.5}  # lending is faster, but not by 50%
     now, lent = 0.0, []
     for _ in range(1 + 3 + 3):
@@ -261,11 +298,11 @@ def test_a_share_must_beat_keeping_the_slots_by_the_margin() -> None:
 @pytest.mark.parametrize("shares", [(), (0.0, 1.0), (0.5,), (1.5, 1.0)])
 def test_bad_lend_shares_are_refused(shares: tuple[float, ...]) -> None:
     with pytest.raises(ValueError, match="lend_shares"):
-        PolicyConfig(mode="multiplexed", lend_shares=shares)
+        PolicyConfig(mode="auto", lend_shares=shares)
 
 
 def test_an_early_reclaim_takes_the_lent_engines_back_before_the_claim() -> None:
-    p = multiplexed_quad()
+    p = auto_quad()
     assert len(p.trainer_waiting(0.0).lend) == 4
     early = p.trainer_prepares(1.0)
     assert early.reclaim == ("lend0", "lend1", "lend2", "lend3")

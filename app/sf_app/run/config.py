@@ -133,9 +133,12 @@ class RunConfig(BaseModel):
     """NATS servers the run starts: 1, or a cluster of 3 (or 5) on loopback whose every
     stream and bucket has that many replicas (``SF_NATS_REPLICAS``), so the run survives
     the loss of a node."""
-    mode: Literal["colocated", "disaggregated", "multiplexed"] = run_default("mode")
+    mode: Literal["auto", "colocated", "disaggregated", "multiplexed"] = run_default("mode")
     """Deployment (see ``deployment``): which slots train, which roll out, which are
-    lent. ``colocated`` also defaults ``max_batches_ahead`` to 0 (synchronous)."""
+    lent, and when. ``auto`` (the default) lends the trainer's slot to rollout while
+    the run measures more steps/s with lending than without, where its slots are real
+    (``resolve_mode``); ``multiplexed`` lends it at every wait. ``colocated`` also
+    defaults ``max_batches_ahead`` to 0 (synchronous)."""
     live: bool = True
     """Show live progress in the terminal."""
     fork_server: bool = True
@@ -304,6 +307,8 @@ class Deployment:
       alone on slot N (``train``), idle while it waits for a batch.
     - ``multiplexed``: the same, plus a lendable engine ``engine-lend-0`` on the
       trainer's slot N (``train,rollout``): it serves while the trainer waits.
+    - ``auto``: laid out as ``multiplexed`` (the tag-scheduler lends when it pays)
+      where the slots are real, else as ``disaggregated`` (``resolve_mode``).
     - ``colocated``: a lendable engine on every slot (``train,rollout``) and the trainer
       sharded over all N + 1 slots (one torch thread per slot); all engines step
       aside while it trains.
@@ -318,6 +323,46 @@ class Deployment:
         return sorted({e.slot for e in self.engines} | set(self.trainer_slots))
 
 
+@dataclass(frozen=True)
+class ModeChoice:
+    """``--mode`` as this run lays it out: the requested mode, the deployment it gets
+    (``deployment``'s mode) and why. The tag-scheduler runs the requested mode."""
+
+    requested: str
+    layout: str
+    reason: str
+
+    def line(self) -> str:
+        if self.requested == self.layout:
+            return f"mode {self.requested}"
+        return f"mode {self.requested}: laid out {self.layout} ({self.reason})"
+
+    def record(self) -> dict[str, str]:
+        return {"requested": self.requested, "layout": self.layout, "reason": self.reason}
+
+
+def resolve_mode(mode: str, *, pin_slots: bool, device: str) -> ModeChoice:
+    """``auto`` puts a lendable engine on the trainer's slot only where that slot is
+    real: an accelerator (``device`` not the CPU), or a CPU core the trainer has to
+    itself (``pin_slots``). On unpinned CPU cores the operating system already gives a
+    waiting trainer's core to the engines, so a lendable engine would only add a
+    process (its start-up and its memory) for nothing to lend: ``auto`` is laid out as
+    ``disaggregated`` there, and its scheduler, with nothing lendable, keeps the slots.
+    Any other mode is laid out as itself."""
+    if mode != "auto":
+        return ModeChoice(mode, mode, "as requested")
+    if device != "cpu":
+        return ModeChoice(mode, "multiplexed", f"the trainer's slot is a {device} device")
+    if pin_slots:
+        return ModeChoice(mode, "multiplexed", "slots are pinned CPU cores")
+    return ModeChoice(
+        mode,
+        "disaggregated",
+        "unpinned CPU cores: the OS lends a waiting trainer's core already; "
+        "--pin-slots to lend it by measurement",
+    )
+
+
 def deployment(mode: str, engines: int) -> Deployment:
     slots = [f"slot-{i}" for i in range(engines + 1)]
     train_slot = slots[-1]
@@ -328,7 +373,7 @@ def deployment(mode: str, engines: int) -> Deployment:
             slots,
         )
     dedicated = [EngineProcess(f"engine-{i}", "rollout", slots[i]) for i in range(engines)]
-    if mode == "multiplexed":
+    if mode in ("multiplexed", "auto"):
         dedicated.append(EngineProcess("engine-lend-0", "train,rollout", train_slot))
     return Deployment(dedicated, "train", [train_slot])
 

@@ -56,7 +56,13 @@ from seamlessflow.protocol import (
 from seamlessflow.runfile import RUN_FILE_VARIABLE, RUN_KEYS
 from seamlessflow.settings import MeshSettings
 from seamlessflow.tasks import task_names
-from sf_app.run.config import RunConfig, default_run_id, deployment, is_users_model
+from sf_app.run.config import (
+    RunConfig,
+    default_run_id,
+    deployment,
+    is_users_model,
+    resolve_mode,
+)
 from sf_app.run.report import Progress, RunState, Summary, struct_dict, write_report
 from sf_app.run.supervisor import Supervisor, fork_server_for, free_port
 from sf_app.service_table import SERVICE_TABLE
@@ -121,6 +127,9 @@ class EmbeddedRun(Supervisor):
         the trainer resolves it by the same rule on the same device: what the run
         prints and records."""
         self.state.precision = self.precision
+        self.mode = resolve_mode(config.mode, pin_slots=config.pin_slots, device=trainer_device())
+        """``--mode`` as this run lays it out (``auto``: from the slots it has)."""
+        self.state.mode_choice = self.mode.record()
         self.state.hardware = {
             "cpu_isa": cpu_isa(),
             "cpu_bf16": cpu_computes_bf16(),
@@ -177,6 +186,7 @@ class EmbeddedRun(Supervisor):
         c = self.config
         # first: what this machine made the run choose (stderr, as the lines below)
         print(self.precision.line(), file=sys.stderr, flush=True)
+        print(self.mode.line(), file=sys.stderr, flush=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if c.run_file is not None:
             shutil.copyfile(c.run_file, self.run_dir / RUN_FILE_COPY)
@@ -390,7 +400,7 @@ class EmbeddedRun(Supervisor):
 
     def spawn_for_policy(self, policy: str, service: str, run_env: dict[str, str]) -> None:
         """One policy's weight-sync, trainer or engines, laid out by the mode."""
-        layout = deployment(self.config.mode, self.config.engines)
+        layout = deployment(self.mode.layout, self.config.engines)
         # with SF_WEIGHTS_GROUP_BACKEND set, every engine joins its trainer's push group
         env = {
             **run_env,

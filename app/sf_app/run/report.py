@@ -48,6 +48,8 @@ class RunState:
     """The supervisor's restart counts (the same dict)."""
     precision: PrecisionChoice | None = None
     """The trainer's precision as the run resolved it (``--precision``, ``auto``)."""
+    mode_choice: dict[str, str] = field(default_factory=dict)
+    """``--mode`` as the run laid it out (``sf_app.run.config.ModeChoice.record``)."""
     hardware: dict[str, Any] = field(default_factory=dict)
     epochs: list[EpochFilterReport] = field(default_factory=list)
     """The trajectory's epoch records (``data.epoch``), read when the run finished."""
@@ -98,6 +100,14 @@ class Summary:
     steady_seconds_per_step: float = 0.0
     """Mean time between consecutive steps (start-up excluded): with a fixed number of
     steps, the figure that does not depend on how long the answers were."""
+    mode_choice: dict[str, str] = field(default_factory=dict)
+    """``--mode`` as laid out: ``requested``, ``layout`` (the deployment: ``auto`` is
+    laid out ``multiplexed`` where slots are real, else ``disaggregated``), ``reason``."""
+    lending_switches: list[dict[str, Any]] = field(default_factory=list)
+    """``auto``: each change of the measured lending choice (its first one too), from
+    the tag-scheduler's ``sched.decide`` spans: ``policy``, ``version`` (the trainer's
+    version at that wait), ``before``/``after`` (shares of the lendable engines lent;
+    ``before`` None for the first), ``why`` (the measured step periods)."""
     lends: int = 0
     """Engines lent to rollout from training slots (``sched.lend`` spans)."""
     reclaims: int = 0
@@ -202,6 +212,8 @@ def write_report(state: RunState) -> Summary:
         bubble_ratio=bubble_ratio,
         steady_generated_tokens_per_s=steady_tokens / steady_window if steady_window > 0 else 0,
         steady_seconds_per_step=steady_window / (len(metrics) - 1) if len(metrics) > 1 else 0.0,
+        mode_choice=dict(state.mode_choice),
+        lending_switches=lending_switches(run_dir / "spans.jsonl"),
         lends=scheduling["lends"],
         reclaims=scheduling["reclaims"],
         requests_handed_back=scheduling["handed_back"],
@@ -299,6 +311,31 @@ def count_scheduling(spans_path: Path) -> dict[str, int]:
                 counts["reclaims"] += len(attributes.get("reclaimed", []))
                 counts["handed_back"] += int(attributes.get("handed_back", 0))
     return counts
+
+
+def lending_switches(spans_path: Path) -> list[dict[str, Any]]:
+    """The changes of ``auto``'s measured lending choice, in the order decided (the
+    ``sched.decide`` spans that carry ``switch.after``)."""
+    switches: list[tuple[float, dict[str, Any]]] = []
+    if not spans_path.exists():
+        return []
+    with spans_path.open() as lines:
+        for line in lines:
+            span = json.loads(line)
+            attributes = span["attributes"]
+            if span["name"] != "sched.decide" or "switch.after" not in attributes:
+                continue
+            before = attributes.get("switch.before", -1.0)
+            switch = {
+                "policy": attributes.get("policy", ""),
+                "version": attributes.get("version", 0),
+                "before": None if before < 0 else before,
+                "after": attributes["switch.after"],
+                "why": attributes.get("switch.why", ""),
+            }
+            switches.append((span.get("start", 0.0), switch))
+    switches.sort(key=lambda started: started[0])
+    return [switch for _, switch in switches]
 
 
 def phase_seconds(spans_path: Path) -> dict[str, dict[str, float]]:
