@@ -127,6 +127,9 @@ class PolicyConfig:
     reprobe_after: int = 10
     """After this many blocks alike in a row, take the choice measured longest ago for
     one block to refresh its measurement."""
+    reprobe_backoff_max: int = 8
+    """A re-measurement that confirms the choice doubles the interval before the next,
+    up to this many times ``reprobe_after``; a switch sets it back."""
     lend_shares: tuple[float, ...] = (1.0,)
     """The shares of the lendable engines a block may lend besides none (``when_pays``);
     each in (0, 1], rounded up to whole engines."""
@@ -136,8 +139,8 @@ class PolicyConfig:
             raise ValueError(f"lend_shares must be in (0, 1], got {self.lend_shares!r}")
         if 1.0 not in self.lend_shares:
             raise ValueError("lend_shares must include 1.0 (lend all is the first measured)")
-        if self.block_steps < 1 or self.reprobe_after < 1:
-            raise ValueError("block_steps and reprobe_after must be >= 1")
+        if self.block_steps < 1 or self.reprobe_after < 1 or self.reprobe_backoff_max < 1:
+            raise ValueError("block_steps, reprobe_after and reprobe_backoff_max must be >= 1")
 
     @property
     def lending(self) -> Lending:
@@ -179,6 +182,7 @@ class TagPolicy:
             self.config.lend_shares,
             block_steps=self.config.block_steps,
             reprobe_after=self.config.reprobe_after,
+            reprobe_backoff_max=self.config.reprobe_backoff_max,
             lend_margin=self.config.lend_margin,
             ewma_alpha=self.config.ewma_alpha,
         )

@@ -30,7 +30,11 @@ Exploration: one block lends all to measure ``period_lent``, the next keeps the 
 measure ``period_alone``, then one block per other share, largest first; after that each
 block is decided by the rule, and after ``reprobe_after`` blocks alike the share
 measured longest ago is taken for one block to refresh its measurement, because the
-workload changes over a run.
+workload changes over a run. Each re-measuring block costs what the choice it tries
+loses, so the interval backs off: a re-measurement that confirms the choice doubles it
+(up to ``reprobe_backoff_max`` x ``reprobe_after``), a switch sets it back. A run whose
+choice holds pays less and less for checking it; once it switches, it is re-measured
+at the base interval again.
 
 Switches: the rule's choice (exploration and re-measuring blocks aside) is the run's
 lending state. Its first value, and every later change of it, is a :class:`Switch`:
@@ -99,9 +103,15 @@ class WhenPays:
         reprobe_after: int,
         lend_margin: float,
         ewma_alpha: float,
+        reprobe_backoff_max: int = 8,
     ) -> None:
         self.block_steps = block_steps
         self.reprobe_after = reprobe_after
+        self.reprobe_backoff_max = reprobe_backoff_max
+        self.reprobe_interval = reprobe_after
+        """Blocks alike before the next re-measurement (backs off while confirmed)."""
+        self._reprobing = False
+        """The block under way re-measures a choice other than the rule's."""
         self.lend_margin = lend_margin
         self.shares = (0.0, *sorted(set(lend_shares)))
         """Every lending choice of a block, as a share of the lendable engines."""
@@ -179,9 +189,17 @@ class WhenPays:
         margin = 1 + self.lend_margin
         # a lending share must beat keeping the slots by the margin; ties: the smaller
         best = min(self.shares, key=lambda s: (period[s] * (margin if s else 1.0), s))
-        if self._blocks_alike >= self.reprobe_after:
+        if self._reprobing:  # the re-measuring block closed: did it confirm the choice?
+            self._reprobing = False
+            confirmed = best == self.ruled
+            longest = self.reprobe_after * self.reprobe_backoff_max
+            self.reprobe_interval = (
+                min(2 * self.reprobe_interval, longest) if confirmed else self.reprobe_after
+            )
+        if self._blocks_alike >= self.reprobe_interval:
             others = [s for s in self.shares if s != self._last_block_share]
             reprobe = min(others, key=lambda s: (self._measured_at[s], s))
+            self._reprobing = True
             verdict = f"{self._blocks_alike} blocks alike: another choice, to re-measure"
             return reprobe, f"{verdict}: a block of {n} {choice_in_words(reprobe)}"
         if len(self.shares) == 2:
@@ -197,6 +215,7 @@ class WhenPays:
             self.switch_now = Switch(self._blocks_closed, self.ruled, best, verdict)
             self.switches.append(self.switch_now)
             self.ruled = best
+            self.reprobe_interval = self.reprobe_after
         return best, f"{verdict}: a block of {n} {choice_in_words(best)}"
 
 

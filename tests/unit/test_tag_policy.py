@@ -159,6 +159,23 @@ def test_after_many_alike_blocks_the_other_choice_is_measured_again() -> None:
     assert first.in_words().startswith("unmeasured -> keeps the slots (step 8.500s lent")
 
 
+def test_a_confirmed_choice_is_re_measured_less_and_less_often_until_it_switches() -> None:
+    p = auto_pair(block_steps=1, reprobe_after=2, reprobe_backoff_max=4)
+    lent, now = run_steps(p, 1 + 1 + 1 + 40, steady(lent_s=5.0, alone_s=8.0))
+    # after the fill and the two measuring blocks, lending pays: the blocks that keep
+    # the slots to re-measure come after 2, 4, 8, then 8 (the cap) lending blocks
+    kept = [i for i, was_lent in enumerate(lent) if not was_lent]
+    assert kept == [2, 5, 10, 19, 28, 37]
+    assert p.when_pays.reprobe_interval == 8
+    # the workload changes: lending now costs; the rule switches, and the interval is
+    # back at its base
+    switches = len(p.when_pays.switches)
+    for _ in range(3):
+        _, now = run_steps(p, 1, steady(lent_s=9.0, alone_s=8.0), now)
+    assert len(p.when_pays.switches) == switches + 1
+    assert p.when_pays.switches[-1].after == 0.0 and p.when_pays.reprobe_interval == 2
+
+
 def test_only_the_wait_that_begins_a_switched_block_carries_the_switch() -> None:
     p = auto_pair(block_steps=2)
     switched: list[bool] = []
