@@ -176,7 +176,9 @@ class Learner:
                 LayerShape.of(config), compute_bytes, self.settings.gradient_checkpointing
             )
             ranks_on_the_host = int(os.environ.get("LOCAL_WORLD_SIZE", self.group.world_size))
-            free = free_memory_bytes(self.group.device, ranks_on_the_host)
+            # every policy's trainer sees the same "available" at its start: plan on a share
+            sharing = ranks_on_the_host * self.settings.trainers_on_host
+            free = free_memory_bytes(self.group.device, sharing)
             tokens = auto_micro_batch_tokens(per_token, free)
             log.info("micro-batches of %d tokens (auto: %.2f MB of activations a token, "
                      "%.1f GB free to this rank; SF_TRAINER_MICRO_BATCH_TOKENS sets it)",

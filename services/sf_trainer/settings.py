@@ -244,6 +244,13 @@ class TrainerSettings(RunFileSettings):
     about half of the memory free once the model is placed (``sf_trainer.memory``;
     256 to 16384 tokens; the trainer logs what it chose)."""
 
+    trainers_on_host: int = Field(default=1, ge=1)
+    """Trainers (of every policy) that start on this host and share its memory: on a
+    CPU, the automatic micro-batch budget plans on this share of the available memory
+    (each trainer reads "available" at its start, before the others have taken theirs).
+    A multi-policy embedded run sets it to its number of policies; with a GPU per
+    trainer, 1."""
+
     logprob_chunk_tokens: int = Field(default=1024, ge=0)
     """Tokens whose logits exist at once when the trainer takes logprobs (policy and
     reference): the final hidden states of the trained tokens go through the output

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from support import InProcessMesh, session_auth, small_embedded_run
 
@@ -253,3 +255,11 @@ async def test_the_two_policy_example_runs_embedded_and_lends_per_policy(
     }
     logs = {path.name for path in (run_dir / "logs").iterdir()}
     assert {"solver-trainer.log", "verifier-trainer.log", "gateway.log"} <= logs
+    # the two trainers share the host's memory: each plans its micro-batches on at most
+    # half of it (both read "available" at their start, before either took any)
+    total_gb = psutil.virtual_memory().total / 1e9
+    for policy in ("solver", "verifier"):
+        log = (run_dir / "logs" / f"{policy}-trainer.log").read_text()
+        planned = re.search(r"([0-9.]+) GB free to this rank", log)
+        assert planned, f"{policy}: no micro-batch plan logged"
+        assert float(planned.group(1)) <= total_gb / 2 + 0.05, (policy, planned.group())

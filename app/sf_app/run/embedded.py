@@ -406,6 +406,8 @@ class EmbeddedRun(Supervisor):
             **run_env,
             "SF_POLICY": policy,
             "SF_WEIGHTS_GROUP_SIZE": str(1 + len(layout.engines)),
+            # the policies' trainers share this host's memory (micro-batch planning)
+            "SF_TRAINER_TRAINERS_ON_HOST": str(len(self.config.policies)),
         }
 
         def slot(name: str) -> str:
