@@ -132,6 +132,16 @@ def up(context: typer.Context, config_file: Path | None = None, **options: Any) 
             f"({first['samples']} prompts, greedy): {first['mean_reward']:.3f} at step "
             f"{first['step']} -> {last['mean_reward']:.3f} at step {last['step']}"
         )
+    if summary.mode_choice.get("requested") == "auto":
+        from sf_tag_scheduler.when_pays import choice_in_words
+
+        for switch in summary.lending_switches:
+            before = switch["before"]
+            typer.echo(
+                f"{switch['policy']}: lending from version {switch['version']}: "
+                f"{'unmeasured' if before is None else choice_in_words(before)} -> "
+                f"{choice_in_words(switch['after'])} ({switch['why']})"
+            )
     typer.echo(f"run directory: {(config.runs_dir / summary.run_id).resolve()}")
     if summary.status != "finished":
         raise typer.Exit(1 if summary.status.startswith("failed") else 130)
