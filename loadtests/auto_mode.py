@@ -7,7 +7,8 @@ mean steady seconds per step (``summary.json``'s ``steady_seconds_per_step``: st
 left out; with a fixed number of steps, the figure that does not depend on how long the
 answers were). The **noise** of a workload is the largest relative spread between the
 repeats of one mode (max - min over mean); ``auto`` passes when its mean is at most the
-best fixed mode's x (1 + noise). With one repeat there is no noise figure and no verdict.
+best fixed mode's x (1 + noise). With one repeat there is no noise figure and no verdict
+(``--real-repeats 1``: the real model's runs take minutes each).
 
 Workloads (each a ``seamlessflow up`` on 2 slots, 1 dedicated engine):
 
@@ -58,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40, help="The toy's steps.")
     parser.add_argument("--real-steps", type=int, default=10)
+    parser.add_argument("--real-repeats", type=int, default=None,
+                        help="Repeats of the real model's runs (default: --repeats).")  # fmt: skip
     parser.add_argument("--env-latency-ms", type=float, default=300.0)
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/auto-mode"))
     parser.add_argument("--out", type=Path, default=None, help="Also write the figures here.")
@@ -126,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     for workload in args.workload_list:
         fields = workloads(args)[workload]
         runs = []
-        for repeat in range(args.repeats):
+        repeats = args.real_repeats if workload == "real" and args.real_repeats else args.repeats
+        for repeat in range(repeats):
             for mode in args.mode_list:
                 print(f"[auto-mode] {workload} {mode} (repeat {repeat + 1})", flush=True)
                 runs.append(run_once(args, fields, mode))
