@@ -15,7 +15,8 @@ Workloads (each a ``seamlessflow up`` on 2 slots, 1 dedicated engine):
 - ``toy``: the built-in arithmetic task and model (3-token answers: rollout is the data
   plane's work);
 - ``slow_env``: the built-in OpenEnv ``guess_number`` server at ``--env-latency-ms``
-  per step (the ``openenv`` agent, episodes of several turns), on the built-in model:
+  per step (the ``openenv`` agent, episodes of several turns; 16 episodes a training
+  step), on the built-in model:
   agents wait on the environment, engines and the trainer's slot idle;
 - ``real``: SmolLM2-135M-Instruct on the main job's task, no held-out evaluation
   (the trainer's step is the long phase).
@@ -47,6 +48,9 @@ def workloads(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             "steps": max(args.steps // 2, 8),
             "env": "guess_number",
             "env_step_latency_ms": args.env_latency_ms,
+            # 16 episodes a step (4 groups of 4): a step of 64 took ~22 s colocated
+            "group_size": 4,
+            "groups_per_batch": 4,
         },
         "real": {"steps": args.real_steps, "model": "smollm2-135m-instruct", "eval_every": 0},
     }
