@@ -180,7 +180,7 @@ def write_report(state: RunState) -> Summary:
         from sf_app.timeline import render_run
 
         bubble_ratio = round(render_run(run_dir).bubble_ratio, 4)
-    scheduling = count_scheduling(run_dir / "spans.jsonl")
+    scheduling = read_scheduling(run_dir / "spans.jsonl")
     metrics = state.metrics
     evals = sorted(state.evals_by_policy.get(state.config.policies[0], []), key=lambda e: e.step)
     steady_window = metrics[-1].timestamp - metrics[0].timestamp if metrics else 0
@@ -213,10 +213,10 @@ def write_report(state: RunState) -> Summary:
         steady_generated_tokens_per_s=steady_tokens / steady_window if steady_window > 0 else 0,
         steady_seconds_per_step=steady_window / (len(metrics) - 1) if len(metrics) > 1 else 0.0,
         mode_choice=dict(state.mode_choice),
-        lending_switches=lending_switches(run_dir / "spans.jsonl"),
-        lends=scheduling["lends"],
-        reclaims=scheduling["reclaims"],
-        requests_handed_back=scheduling["handed_back"],
+        lending_switches=scheduling.switches,
+        lends=scheduling.lends,
+        reclaims=scheduling.reclaims,
+        requests_handed_back=scheduling.handed_back,
         lent_thread_seconds=round(sum(m.lent_thread_seconds for m in metrics), 3),
         phase_seconds=phase_seconds(run_dir / "spans.jsonl"),
         policies={policy: policy_summary(state, policy) for policy in state.config.policies},
@@ -296,46 +296,53 @@ def policy_summary(state: RunState, policy: str) -> dict[str, Any]:
     }
 
 
-def count_scheduling(spans_path: Path) -> dict[str, int]:
-    """Lends, reclaims and handed-back requests, from the tag-scheduler's spans."""
-    counts = {"lends": 0, "reclaims": 0, "handed_back": 0}
+@dataclass
+class SchedulingRecord:
+    """What the tag-scheduler's spans say about lending, read in one pass."""
+
+    lends: int = 0
+    reclaims: int = 0
+    handed_back: int = 0
+    switches: list[dict[str, Any]] = field(default_factory=list)
+    """``auto``'s changes of its measured lending choice, in the order decided."""
+
+
+def read_scheduling(spans_path: Path) -> SchedulingRecord:
+    """Lends, reclaims and handed-back requests (``sched.lend`` / ``sched.reclaim``),
+    and the lending switches (the ``sched.decide`` spans that carry ``switch.after``)."""
+    record = SchedulingRecord()
     if not spans_path.exists():
-        return counts
+        return record
+    started: list[float] = []
     with spans_path.open() as lines:
         for line in lines:
             span = json.loads(line)
-            attributes = span["attributes"]
-            if span["name"] == "sched.lend":
-                counts["lends"] += len(attributes.get("lent", []))
-            elif span["name"] == "sched.reclaim":
-                counts["reclaims"] += len(attributes.get("reclaimed", []))
-                counts["handed_back"] += int(attributes.get("handed_back", 0))
-    return counts
+            name, attributes = span["name"], span["attributes"]
+            if name == "sched.lend":
+                record.lends += len(attributes.get("lent", []))
+            elif name == "sched.reclaim":
+                record.reclaims += len(attributes.get("reclaimed", []))
+                record.handed_back += int(attributes.get("handed_back", 0))
+            elif name == "sched.decide" and "switch.after" in attributes:
+                before = attributes.get("switch.before", -1.0)
+                started.append(span.get("start", 0.0))
+                record.switches.append(
+                    {
+                        "policy": attributes.get("policy", ""),
+                        "version": attributes.get("version", 0),
+                        "before": None if before < 0 else before,
+                        "after": attributes["switch.after"],
+                        "why": attributes.get("switch.why", ""),
+                    }
+                )
+    order = sorted(range(len(started)), key=started.__getitem__)
+    record.switches = [record.switches[i] for i in order]
+    return record
 
 
 def lending_switches(spans_path: Path) -> list[dict[str, Any]]:
-    """The changes of ``auto``'s measured lending choice, in the order decided (the
-    ``sched.decide`` spans that carry ``switch.after``)."""
-    switches: list[tuple[float, dict[str, Any]]] = []
-    if not spans_path.exists():
-        return []
-    with spans_path.open() as lines:
-        for line in lines:
-            span = json.loads(line)
-            attributes = span["attributes"]
-            if span["name"] != "sched.decide" or "switch.after" not in attributes:
-                continue
-            before = attributes.get("switch.before", -1.0)
-            switch = {
-                "policy": attributes.get("policy", ""),
-                "version": attributes.get("version", 0),
-                "before": None if before < 0 else before,
-                "after": attributes["switch.after"],
-                "why": attributes.get("switch.why", ""),
-            }
-            switches.append((span.get("start", 0.0), switch))
-    switches.sort(key=lambda started: started[0])
-    return [switch for _, switch in switches]
+    """The changes of ``auto``'s measured lending choice, in the order decided."""
+    return read_scheduling(spans_path).switches
 
 
 def phase_seconds(spans_path: Path) -> dict[str, dict[str, float]]:
