@@ -1,6 +1,7 @@
 """The fixtures every test may take (a real nats-server on a random port, a fresh run
 id, the small real models, an in-process mesh, a live gateway, the OpenAI shape check)
-and the marking of tests by kind. Plain helpers are in tests/support.py.
+and the marking of tests by kind. Plain helpers are in tests/support/, the one place
+tests import from (the suite is a package; no test module imports another).
 
 The tests are laid out by what they start: tests/unit (no nats-server, no built model,
 no service process; a few start a fresh Python to check an import or a sandbox),
@@ -11,22 +12,16 @@ selects by the ``integration`` marker set here, not by folder."""
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from support import InProcessMesh, start_rollout
 
 from seamlessflow.bus import Bus, connect
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import Subjects
-
-# Test modules share helpers by module name (``from test_faults import run_store``) across
-# the three folders: each is on sys.path, as pytest puts the folder of a test it imports.
-for folder in ("unit", "service", "mesh"):
-    sys.path.append(str(Path(__file__).resolve().parent / folder))
+from tests.support import InProcessMesh, start_rollout
 
 # The suite's trainers compute in float32 on every machine, whatever ``auto`` would pick
 # there: the tests compare the trainer's logprobs with the engines' (float32) at float32
@@ -150,8 +145,8 @@ async def gateway_url(mesh: InProcessMesh) -> str:
 @pytest.fixture
 def openai_shapes(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     """Every answer of every gateway the test starts is checked against the ``openai``
-    package's types (tests/openai_shapes.py); any mismatch fails the test."""
-    from openai_shapes import ShapeChecker
+    package's types (tests/support/openai_shapes.py); any mismatch fails the test."""
+    from tests.support.openai_shapes import ShapeChecker
 
     from sf_gateway.service import Gateway
 

@@ -5,7 +5,7 @@ the pydantic models the routes validate with (``sf_gateway.openai_api``), the Op
 routes' answers are the ``openai`` package's own response types (what an OpenAI client
 parses), the export is the protocol's ``SessionExport``, and the gateway's other
 answers are the small models below. The test suite checks every answer the gateway
-gives against these same types (tests/openai_shapes.py), and that every route the app
+gives against these same types (tests/support/openai_shapes.py), and that every route the app
 serves is in the document, so the document cannot drift from the code unnoticed.
 """
 

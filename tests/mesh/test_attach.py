@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from support import small_embedded_run
 
 from seamlessflow.connection import CONNECTION_FILE, RunConnection
+from tests.support import small_embedded_run
 
 OWN_KEY = "my-own-operator-key"
 

@@ -13,8 +13,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from support import load_loadtest
-from test_peer_compare import LOADTESTS
+
+from tests.support import LOADTESTS, load_loadtest
 
 MODES = ["colocated", "disaggregated"]
 STEPS = 2

@@ -11,12 +11,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from support import small_embedded_run
 
 from seamlessflow.assets.families import FAMILIES, build_family_model
 from seamlessflow.bus import connect
 from seamlessflow.connection import CONNECTION_FILE, RunConnection
 from seamlessflow.protocol import SessionExport, SessionExportQuery, Subjects
+from tests.support import small_embedded_run
 
 pytestmark = pytest.mark.slow
 

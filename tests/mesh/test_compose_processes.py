@@ -42,12 +42,18 @@ from urllib.request import urlopen
 import pytest
 import torch
 import yaml
-from compose_render import MissingVariable, environment, interpolate, render, restarts_after
-from support import REPO_ROOT, free_port
 
 from seamlessflow.natsserver import server_binary
 from sf_gateway.settings import GatewaySettings
 from sf_trainer import checkpoint
+from tests.support import REPO_ROOT, free_port
+from tests.support.compose_render import (
+    MissingVariable,
+    environment,
+    interpolate,
+    render,
+    restarts_after,
+)
 
 # other processes (services, servers, ranks or tools started as commands): see conftest
 pytestmark = pytest.mark.integration

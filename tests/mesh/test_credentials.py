@@ -10,11 +10,11 @@ import os
 from pathlib import Path
 
 import pytest
-from support import small_embedded_run
 
 from seamlessflow.bus import connect
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import Subjects
+from tests.support import small_embedded_run
 
 
 async def nats_hello(url: str, token: str | None) -> bytes:

@@ -25,43 +25,23 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support import eventually
-from test_faults import cancel_if_running, run_store, stored_events_and_reports
 
-from seamlessflow.bus import connect
 from seamlessflow.protocol import (
     RewardReported,
     SessionFinished,
     SessionOpened,
-    Subjects,
-    TrajectoryEvent,
     TurnRecorded,
 )
 from sf_app.run.config import RunConfig
 from sf_app.run.embedded import EmbeddedRun
 from sf_app.run.forkserver import ForkedProcess
+from tests.support import eventually
+from tests.support.store import cancel_if_running, stored
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = 6
 MAX_TURNS = 12  # the built-in guess_number's default: binary search needs 10 for 1..1000
-
-
-async def stored(run_dir: Path, run_id: str) -> tuple[list[TrajectoryEvent], dict[str, str]]:
-    """The run's trajectory events and its dropped samples (session -> reason)."""
-    async with run_store(run_dir / "nats", 1) as url:
-        bus = await connect(url, Subjects(run_id), name="env-episodes-test")
-        try:
-            events, reports = await stored_events_and_reports(bus)
-        finally:
-            await bus.drain()
-    dropped = {
-        session: reason
-        for report in reports
-        for reason, ids in report.dropped_samples.items()
-        for session in ids
-    }
-    return events, dropped
 
 
 def episodes_in_play(env_pid: int) -> int:

@@ -14,12 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import free_port
 
 from seamlessflow.bus import EXIT_UNRECOVERABLE, ConnectFailed, connect
 from seamlessflow.connection import RunConnection
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import Subjects
+from tests.support import free_port
 
 # other processes (services, servers, ranks or tools started as commands): see conftest
 pytestmark = pytest.mark.integration

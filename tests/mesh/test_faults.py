@@ -30,18 +30,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from support import InProcessMesh, eventually
 
 from seamlessflow.batches import stored_batches
 from seamlessflow.bus import JETSTREAM_UNAVAILABLE, Bus, ack_redeliverable, connect
 from seamlessflow.natsserver import EmbeddedNats, embedded_cluster
 from seamlessflow.protocol import (
-    BatchFilterReport,
     GroupClosed,
     PhaseChanged,
     ResourceRegister,
@@ -50,7 +48,6 @@ from seamlessflow.protocol import (
     SessionOpened,
     Subjects,
     TrainStepMetrics,
-    TrajectoryEvent,
     decode,
 )
 from sf_app.run import supervisor
@@ -59,6 +56,8 @@ from sf_app.run.embedded import EmbeddedRun
 from sf_app.run.report import Summary
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_tag_scheduler.settings import TagSchedulerSettings
+from tests.support import InProcessMesh, eventually
+from tests.support.store import cancel_if_running, run_store, stored_events_and_reports
 
 # other processes (services, servers, ranks or tools started as commands): see conftest
 pytestmark = pytest.mark.integration
@@ -263,13 +262,6 @@ async def kill_in_turn(
         for label in labels:
             restarted = lambda: label in run.restarts or running.done()  # noqa: B023, E731
             await eventually(restarted, 30, f"{label} restart")
-
-
-async def cancel_if_running(running: asyncio.Task) -> None:  # type: ignore[type-arg]
-    """A run the test stopped waiting for (a failed assertion, a time-out) ends here."""
-    if not running.done():
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
 
 
 @pytest.fixture(autouse=True)
@@ -521,19 +513,6 @@ async def test_an_external_cluster_loses_a_node_for_good_and_the_run_finishes(
             node.stop()
 
 
-@contextlib.asynccontextmanager
-async def run_store(store_dir: Path, cluster: int) -> AsyncIterator[str]:
-    """A broker on a finished run's JetStream store: its one server, or its cluster's
-    nodes started again from their stores (they elect leaders first); the URL."""
-    servers = embedded_cluster(store_dir, cluster) if cluster > 1 else [EmbeddedNats(store_dir)]
-    try:
-        url = ",".join(server.start() for server in servers)
-        yield url
-    finally:
-        for server in servers:
-            server.stop()
-
-
 async def current_replicas(bus: Bus, streams: list[str]) -> dict[str, dict[str, bool]]:
     """Per stream, each server holding it and whether its copy is current (the leader's
     is), once every replica is current or after 120 s (as they were then)."""
@@ -556,22 +535,6 @@ async def current_replicas(bus: Bus, streams: list[str]) -> dict[str, dict[str, 
         if time.monotonic() > deadline:
             return seen
         await asyncio.sleep(1.0)
-
-
-async def stored_events_and_reports(
-    bus: Bus,
-) -> tuple[list[TrajectoryEvent], list[BatchFilterReport]]:
-    """The run's trajectory events and its batch reports, as its streams hold them."""
-    subjects = bus.subjects
-    events = [
-        decode(m.data, TrajectoryEvent)
-        for m in await bus.read_all(subjects.stream_trajectory(), subjects.trajectory_events_all())
-    ]
-    reports = [
-        decode(m.data, BatchFilterReport)
-        for m in await bus.read_subject(subjects.stream_metrics(), subjects.data_batch_report())
-    ]
-    return events, reports
 
 
 async def account_for_everything(

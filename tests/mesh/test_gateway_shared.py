@@ -17,7 +17,6 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 from pydantic import ValidationError
-from support import InProcessMesh, session_auth, session_turns, small_embedded_run
 
 from seamlessflow.bus import Bus
 from sf_engine.service import EngineService
@@ -26,6 +25,7 @@ from sf_gateway.service import GatewayService
 from sf_gateway.settings import GatewaySettings
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_weight_sync.service import WeightSyncService
+from tests.support import InProcessMesh, session_auth, session_turns, small_embedded_run
 
 pytestmark = pytest.mark.usefixtures("openai_shapes")
 

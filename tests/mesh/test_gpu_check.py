@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from support import REPO_ROOT, load_loadtest
+
+from tests.support import REPO_ROOT, load_loadtest
 
 # other processes (services, servers, ranks or tools started as commands): see conftest
 pytestmark = pytest.mark.integration

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import REPO_ROOT, load_loadtest
+
+from tests.support import REPO_ROOT, load_loadtest
 
 # the CPU form starts a real nats-server and every service (see conftest)
 pytestmark = pytest.mark.integration

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import REPO_ROOT, load_loadtest
+
+from tests.support import REPO_ROOT, load_loadtest
 
 SCRIPT = REPO_ROOT / "loadtests" / "gateway_load.py"
 

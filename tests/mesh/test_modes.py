@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from support import small_embedded_run
 
 from seamlessflow.machine import resolve_precision
 from sf_app.run.config import RunConfig, deployment, resolve_mode
 from sf_app.timeline import build_timeline, load_phase_spans
+from tests.support import small_embedded_run
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from support import InProcessMesh, session_auth, small_embedded_run
 
 from seamlessflow.batches import stored_batches
 from seamlessflow.bus import Bus, RemoteError
@@ -45,6 +44,7 @@ from sf_trainer.settings import TrainerSettings
 from sf_trajectory.service import TrajectoryService
 from sf_trajectory.settings import TrajectorySettings
 from sf_weight_sync.service import WeightSyncService
+from tests.support import InProcessMesh, session_auth, small_embedded_run
 
 # every answer the gateway gives here is checked against the openai types
 pytestmark = pytest.mark.usefixtures("openai_shapes")

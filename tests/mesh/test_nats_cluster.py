@@ -12,11 +12,11 @@ from pathlib import Path
 
 import nats.js.errors
 import pytest
-from support import free_port
 
 from seamlessflow.bus import JETSTREAM_SETUP_RETRY, Bus, Unrecoverable, connect
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import Subjects
+from tests.support import free_port
 
 # real nats-server processes (see conftest)
 pytestmark = pytest.mark.integration

@@ -16,12 +16,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from support import REPO_ROOT, load_loadtest
+
+from tests.support import LOADTESTS, load_loadtest
 
 # Tests that start other processes (services, servers, tools started as commands) are
 # marked `integration` by hand or from their fixtures (see conftest); the rest are units.
 
-LOADTESTS = REPO_ROOT / "loadtests"
 STEPS, GROUP_SIZE, GROUPS_PER_BATCH = 3, 4, 2
 SWEEP = (1,)
 """TRL's thread counts swept besides the headline's (every core by default)."""

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_model_families import _engine, _logprobs_and_logits, tol_same
 from transformers import AutoTokenizer
 
 from seamlessflow.assets.loading import load_causal_lm
@@ -46,6 +45,7 @@ from sf_engine.backends import ENGINE_BACKENDS, GenerationResult, SamplingParams
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.learner import Learner
 from sf_trainer.settings import TrainerSettings
+from tests.support.engines import started_engine, tol_same, trainer_logprobs_and_logits
 
 MODELS = ("smollm2-135m-instruct", "gemma3-270m")
 MAX_TOKENS = 8
@@ -154,7 +154,7 @@ async def _served_within_bound(
             assert result.versions == [version] * len(result.token_ids)
             temperature = params.temperature or 1.0  # greedy rows: logprobs at T = 1
             with torch.no_grad():
-                trainer_logp, logits = _logprobs_and_logits(
+                trainer_logp, logits = trainer_logprobs_and_logits(
                     learner.model,
                     prompt,
                     result.token_ids,
@@ -180,7 +180,7 @@ async def test_engines_serve_the_trainers_weights_before_and_after_a_step(
         pretrained_dir,
     )
     before = {name: tensor.clone() for name, tensor in learner.full_weights().items()}
-    async with _engine(kind, pretrained_dir) as engine:
+    async with started_engine(kind, pretrained_dir) as engine:
         answers = await _served_within_bound(engine, learner, prompts, version=0)
         # one real step on the engine's own answers: per prompt, its two answers rewarded
         # 1 and 0, so each group has a learning signal

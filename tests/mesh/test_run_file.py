@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import REPO_ROOT
 
 from seamlessflow.bus import EXIT_UNRECOVERABLE
 from seamlessflow.runfile import RUN_KEYS, RUN_OPTIONS, RunFileError, section_of
@@ -18,6 +17,7 @@ from sf_app.run.config import RunConfig
 from sf_app.run.file import read_run_file
 from sf_tag_scheduler.settings import TagSchedulerSettings
 from sf_trainer.settings import TrainerSettings
+from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
 EXAMPLES = sorted((ROOT / "examples" / "run_files").glob("*.toml"))
@@ -220,7 +220,7 @@ def test_a_run_started_from_a_file_reports_to_tensorboard_and_wandb(
     import os
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from wandb_records import logged
+    from tests.support.wandb_records import logged
 
     run_file = write(
         tmp_path,

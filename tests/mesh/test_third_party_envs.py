@@ -19,12 +19,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from support import load_loadtest, small_embedded_run
-from test_env_episodes import stored
 from transformers import AutoTokenizer
 
 from seamlessflow.envs.openenv_client import EnvFailed, OpenEnvSession, observation_text
 from seamlessflow.protocol import TurnRecorded
+from tests.support import load_loadtest, small_embedded_run
+from tests.support.store import stored
 
 pytestmark = [pytest.mark.integration]
 

@@ -9,11 +9,11 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from support import recorded_turns, small_embedded_run, trajectory_events
 
 from seamlessflow.batches import stored_batches
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import SessionFinished
+from tests.support import recorded_turns, small_embedded_run, trajectory_events
 
 pytestmark = pytest.mark.slow
 

@@ -32,7 +32,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-from support import REPO_ROOT, free_ports
+
+from tests.support import REPO_ROOT, free_ports
 
 pytestmark = pytest.mark.integration
 

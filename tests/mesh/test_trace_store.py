@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO_ROOT, free_port, small_embedded_run
+
+from tests.support import REPO_ROOT, free_port, small_embedded_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

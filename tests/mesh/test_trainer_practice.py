@@ -9,16 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import small_embedded_run
-from test_trainer_distributed import (
-    BATCHES,
-    assert_same_checkpoint,
-    assert_same_results,
-    run_one_process,
-    run_ranks,
-    spec,
-)
-from trainer_batches import make_batch
 from transformers import AutoTokenizer
 
 from seamlessflow.tasks import get_task_source
@@ -30,6 +20,16 @@ from sf_trainer.learner import Learner
 from sf_trainer.schedule import lr_at
 from sf_trainer.settings import TrainerSettings
 from sf_trainer.step import pack
+from tests.support import small_embedded_run
+from tests.support.ranks import (
+    BATCHES,
+    assert_same_checkpoint,
+    assert_same_results,
+    run_one_process,
+    run_ranks,
+    spec,
+)
+from tests.support.trainer_batches import make_batch
 
 BASE = {"lr": 1e-3, "micro_batch_tokens": 48}
 BF16_UNIT_ROUNDOFF = 2.0**-8

@@ -9,10 +9,10 @@ import os
 from pathlib import Path
 
 import pytest
-from support import free_port
 
 from sf_app.run.config import RunConfig
 from sf_app.run.embedded import EmbeddedRun
+from tests.support import free_port
 
 pytestmark = pytest.mark.slow
 

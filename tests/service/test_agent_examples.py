@@ -14,12 +14,12 @@ from typing import Any
 
 import httpx
 import pytest
-from support import REPO_ROOT, session_auth
-from tool_script import tool_script_gateway
 from transformers import AutoTokenizer
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrajectoryEvent, TurnRecorded, decode
+from tests.support import REPO_ROOT, session_auth
+from tests.support.tool_script import tool_script_gateway
 
 pytestmark = pytest.mark.usefixtures("openai_shapes")
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from support import InProcessMesh, announce_plan, free_port
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import SessionFinished, TrajectoryEvent, decode
@@ -26,6 +25,7 @@ from sf_gateway.service import GatewayService
 from sf_gateway.settings import GatewaySettings
 from sf_trajectory.service import TrajectoryService
 from sf_trajectory.settings import TrajectorySettings
+from tests.support import InProcessMesh, announce_plan, free_port
 
 # real nats-server, real HTTP (see conftest)
 pytestmark = pytest.mark.integration

@@ -15,7 +15,6 @@ import msgspec
 import nats.errors
 import numpy as np
 import pytest
-from support import REPO_ROOT, InProcessMesh
 
 from seamlessflow import batches
 from seamlessflow.bus import Bus, connect
@@ -46,6 +45,7 @@ from sf_trainer.settings import TrainerSettings
 from sf_trainer.threads import usable_cpus
 from sf_trajectory.service import TrajectoryService
 from sf_trajectory.settings import TrajectorySettings
+from tests.support import REPO_ROOT, InProcessMesh
 
 # --------------------------------------------------------------------------- encoding
 

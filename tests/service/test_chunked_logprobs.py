@@ -11,7 +11,15 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from test_trainer_distributed import (
+from transformers import AutoModelForCausalLM, Gemma2Config
+
+from seamlessflow.protocol import TrainBatch
+from sf_trainer.distributed import TrainGroup
+from sf_trainer.grpo import chunked_token_logprobs, token_logprobs
+from sf_trainer.learner import Learner
+from sf_trainer.logprobs import chunked_head_refusal, target_logprobs
+from sf_trainer.settings import TrainerSettings
+from tests.support.ranks import (
     BATCHES,
     SETTINGS,
     assert_same_checkpoint,
@@ -20,24 +28,9 @@ from test_trainer_distributed import (
     run_ranks,
     spec,
 )
-from transformers import AutoModelForCausalLM, Gemma2Config, PreTrainedModel, Qwen2Config
+from tests.support.tiny_models import gamma, tiny_model
 
-from seamlessflow.assets.loading import causal_lm_from_config
-from seamlessflow.protocol import TrainBatch
-from sf_trainer.distributed import TrainGroup
-from sf_trainer.grpo import chunked_token_logprobs, token_logprobs
-from sf_trainer.learner import Learner
-from sf_trainer.logprobs import chunked_head_refusal, target_logprobs
-from sf_trainer.settings import TrainerSettings
-
-FP32_UNIT_ROUNDOFF = torch.finfo(torch.float32).eps / 2
 BF16_UNIT_ROUNDOFF = 2.0**-8
-
-
-def gamma(terms: int, unit: float = FP32_UNIT_ROUNDOFF) -> float:
-    """Higham's gamma_n: a float sum of n products, in any order, is within gamma_n x
-    (the sum of the products' magnitudes) of the exact sum."""
-    return terms * unit / (1 - terms * unit)
 
 
 # the head alone: bounds derived from the two paths' float operations -------------------
@@ -134,23 +127,6 @@ def test_without_grad_the_chunks_keep_no_graph_and_an_empty_batch_is_empty() -> 
 
 
 # whole models: tied and untied, the trainer's own path ---------------------------------
-
-
-def tiny_model(tied: bool, vocab: int = 512, seed: int = 7) -> PreTrainedModel:
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(seed)
-    return causal_lm_from_config(config, torch.float32)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])

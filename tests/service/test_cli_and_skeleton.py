@@ -14,13 +14,13 @@ from pathlib import Path
 
 import nats
 import pytest
-from support import REPO_ROOT, eventually
 
 from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import ResourceRegister, RoleAssignment, Subjects, decode, encode
 from seamlessflow.service import ServiceContext, run_service
 from seamlessflow.settings import MeshSettings
 from sf_app.cli import SERVICE_NAMES, configuration_reference
+from tests.support import REPO_ROOT, eventually
 
 ROOT = REPO_ROOT
 

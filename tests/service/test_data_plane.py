@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 from nats.aio.msg import Msg
 from openai import AsyncOpenAI
-from support import InProcessMesh, recorded_turns
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import GenerateChunk, GenerateReply, GenerateRequest, decode
@@ -21,6 +20,7 @@ from sf_gateway.service import GatewayService
 from sf_gateway.settings import GatewaySettings
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_weight_sync.service import WeightSyncService
+from tests.support import InProcessMesh, recorded_turns
 
 MAX_TOKENS = 12
 

@@ -18,7 +18,6 @@ import httpx
 import pytest
 import torch
 from openai import AsyncOpenAI
-from support import recorded_turns, rollout_gateway
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from seamlessflow.assets.families import ADD_TOOL
@@ -28,6 +27,7 @@ from sf_engine.settings import EngineSettings
 from sf_gateway.choice import Choice
 from sf_gateway.responses import ChatFormat
 from sf_gateway.tool_parsers import QwenToolParser
+from tests.support import recorded_turns, rollout_gateway
 
 TOOLS: list[dict[str, Any]] = [
     ADD_TOOL,

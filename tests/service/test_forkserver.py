@@ -20,11 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import eventually
 
 from sf_app.run.embedded import PROCESS_DEFAULTS
 from sf_app.run.forkserver import ForkServer, ForkServerGone
 from sf_app.run.supervisor import ServiceProcess, free_port
+from tests.support import eventually
 
 pytestmark = pytest.mark.integration
 

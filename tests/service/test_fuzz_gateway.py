@@ -12,7 +12,7 @@ oversized requests at it. Properties, for every request:
 - an accepted ``POST /sessions`` stores exactly its SessionOpened, an accepted turn one
   TurnRecorded per choice;
 - a body past 4 MiB gets 413 however its size is (or is not) announced;
-- every answer conforms to the ``openai`` types (tests/openai_shapes.py).
+- every answer conforms to the ``openai`` types (tests/support/openai_shapes.py).
 
 Bodies are of three kinds: shaped like the route's request with fields of wrong types
 and out-of-range values; a valid request with one or two fields off (so each check is
@@ -40,7 +40,6 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, assume, event, example, given, settings
 from hypothesis import strategies as st
-from openai_shapes import ShapeChecker
 
 from seamlessflow.bus import Bus, connect
 from seamlessflow.protocol import PhaseChanged, Subjects, encode
@@ -53,6 +52,7 @@ from sf_gateway.settings import GatewaySettings
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_trajectory.service import TrajectoryService
 from sf_weight_sync.service import WeightSyncService
+from tests.support.openai_shapes import ShapeChecker
 
 OPERATOR_KEY = "sk-operator-fuzz"
 MAX_CONTEXT = 48

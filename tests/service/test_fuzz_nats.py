@@ -41,7 +41,6 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
-from support import eventually
 
 from seamlessflow import protocol
 from seamlessflow.batches import stored_batches
@@ -88,6 +87,7 @@ from sf_tag_scheduler.service import TagSchedulerService
 from sf_trajectory.service import TrajectoryService
 from sf_trajectory.settings import TrajectorySettings
 from sf_weight_sync.service import WeightSyncService
+from tests.support import eventually
 
 ENGINE_ID = "engine-nz"
 FUZZ = settings(

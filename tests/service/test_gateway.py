@@ -13,7 +13,6 @@ import msgspec
 import pytest
 from openai import AsyncOpenAI, NotFoundError, OpenAI
 from pydantic import SecretStr
-from support import free_port, session_auth, trajectory_events
 from transformers import AutoTokenizer
 
 from seamlessflow.bus import Bus
@@ -26,6 +25,7 @@ from seamlessflow.protocol import (
 from sf_gateway.service import GatewayService
 from sf_gateway.settings import GatewaySettings
 from sf_tag_scheduler.service import TagSchedulerService
+from tests.support import free_port, session_auth, trajectory_events
 
 # every answer the gateway gives in these tests is checked against the openai types
 pytestmark = pytest.mark.usefixtures("openai_shapes")

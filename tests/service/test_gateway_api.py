@@ -13,10 +13,8 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from openai_shapes import check_body, documented_paths, kinds_for
 from openapi_spec_validator import validate
 from starlette.routing import Route
-from support import session_auth
 
 from seamlessflow.assets.families import FAMILIES, build_tokenizer, family_spec
 from seamlessflow.bus import Bus
@@ -31,6 +29,8 @@ from sf_gateway.settings import GatewaySettings
 from sf_gateway.templating import ChatTokenizer
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_weight_sync.service import WeightSyncService
+from tests.support import session_auth
+from tests.support.openai_shapes import check_body, documented_paths, kinds_for
 
 pytestmark = pytest.mark.usefixtures("openai_shapes")
 

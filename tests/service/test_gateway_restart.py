@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import pytest
 from openai import AsyncOpenAI
-from support import InProcessMesh, session_auth, session_turns
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import (
@@ -27,6 +26,7 @@ from sf_gateway.settings import GatewaySettings
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_trajectory.service import TrajectoryService
 from sf_weight_sync.service import WeightSyncService
+from tests.support import InProcessMesh, session_auth, session_turns
 
 # every answer the gateway gives here is checked against the openai types
 pytestmark = pytest.mark.usefixtures("openai_shapes")

@@ -13,7 +13,6 @@ import httpx
 import pytest
 import torch
 from openai import APIConnectionError, AsyncOpenAI
-from support import session_turns
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from seamlessflow.bus import Bus
@@ -27,6 +26,7 @@ from sf_gateway.service import GatewayService
 from sf_gateway.settings import GatewaySettings
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_weight_sync.service import WeightSyncService
+from tests.support import session_turns
 
 # every answer the gateway gives in these tests is checked against the openai types
 pytestmark = pytest.mark.usefixtures("openai_shapes")

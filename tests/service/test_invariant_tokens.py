@@ -14,7 +14,6 @@ from pathlib import Path
 
 import httpx
 from openai import AsyncOpenAI
-from support import session_auth
 
 from seamlessflow.protocol import GenerateReply, GenerateRequest
 from sf_engine.service import EngineService
@@ -24,6 +23,7 @@ from sf_gateway.settings import GatewaySettings
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_trajectory.service import TrajectoryService
 from sf_weight_sync.service import WeightSyncService
+from tests.support import session_auth
 
 TOOLS = [
     {

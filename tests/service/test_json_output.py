@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 from openai import AsyncOpenAI
-from support import recorded_turns, rollout_gateway
 
 from seamlessflow.bus import Bus
 from sf_engine.settings import EngineSettings
+from tests.support import recorded_turns, rollout_gateway
 
 pytestmark = [
     pytest.mark.slow,  # starts vLLM

@@ -18,7 +18,6 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessage
-from support import session_auth
 from transformers import AutoTokenizer
 
 from seamlessflow.agents import AgentTask, get_agent
@@ -58,6 +57,7 @@ from sf_gateway.settings import GatewaySettings
 from sf_gateway.tool_parsers import QwenToolParser
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_weight_sync.service import WeightSyncService
+from tests.support import session_auth
 
 
 def test_task_is_deterministic_with_disjoint_splits() -> None:

@@ -44,10 +44,8 @@ The measured gaps are printed at the end of the module (run with -s).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import queue
-import warnings
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +66,7 @@ from seamlessflow.weights import (
 from seamlessflow.weights.tied import tied_aliases
 from sf_engine.backends import GenerationResult, InferenceEngine, SamplingParams
 from sf_trainer.distributed import TrainGroup
-from sf_trainer.grpo import token_logprobs
+from tests.support.engines import started_engine, tol_same, trainer_logprobs_and_logits
 
 torch.set_num_threads(1)
 
@@ -77,7 +75,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 ]
 
-U_FP32 = 2.0**-24
 U_BF16 = 2.0**-9
 MAX_TOKENS = 5
 TRANSPORTS = ("object", "shm", "push")
@@ -104,15 +101,6 @@ def report_measured() -> Iterator[None]:
         print("\nmax |logprob gap| (nats): family engine dtype comparison")
         for (family, engine, dtype, what), gap in sorted(MEASURED.items()):
             print(f"  {family:12s} {engine:5s} {dtype:9s} {what:22s} {gap:.3g}")
-
-
-def _import_vllm_or_skip() -> None:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import vllm  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken install (CUDA triton etc.)
-        pytest.skip(f"vLLM engine skipped: `import vllm` failed ({exc!r})")
 
 
 @pytest.fixture(scope="module")
@@ -158,22 +146,6 @@ class _PipeRank:
         return collective.Completed()
 
 
-@contextlib.asynccontextmanager
-async def _engine(kind: str, model_dir: Path) -> AsyncIterator[InferenceEngine]:
-    engine: InferenceEngine
-    if kind == "hf":
-        from sf_engine.backends import TransformersEngine
-
-        engine = TransformersEngine(model_dir, max_batch_size=4, max_context=256)
-    else:
-        _import_vllm_or_skip()
-        from sf_engine.backends.vllm_engine import VllmEngine
-
-        engine = VllmEngine(model_dir, max_batch_size=4, max_context=256)
-    async with engine:
-        yield engine
-
-
 def _move(model: PreTrainedModel, version: int, change: str) -> None:
     """One "training step": every weight (`all`), or a quarter of the vocabulary's rows of
     the input (and output) matrix and the final norm (`part`: a sparse delta), or those
@@ -213,30 +185,13 @@ def _reference(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> PreTra
     return reference.eval()
 
 
-def _logprobs_and_logits(
-    model: PreTrainedModel, prompt: list[int], tokens: list[int], temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trainer's recomputation (`token_logprobs`) of each generated token, and the
-    logits at those positions."""
-    ids = torch.tensor([prompt + tokens])
-    logits = model(ids).logits[0, len(prompt) - 1 : -1]
-    targets = torch.tensor(tokens)
-    return token_logprobs(logits, targets, temperature), logits
-
-
-def tol_same(logits: torch.Tensor) -> float:
-    """Two fp32 implementations at the same weights (see the module docstring)."""
-    k = logits.shape[-1]
-    return 2 * k * U_FP32 * (1 + logits.abs().max().item())
-
-
 def bf16_bound(
     model: PreTrainedModel, prompt: list[int], tokens: list[int], temperature: float
 ) -> list[float]:
     """Per token: 8 sigma of the first-order effect of rounding every weight of `model`
     to bf16 (see the module docstring)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    logp, _ = _logprobs_and_logits(model, prompt, tokens, temperature)
+    logp, _ = trainer_logprobs_and_logits(model, prompt, tokens, temperature)
     bounds = []
     for j in range(len(tokens)):
         grads = torch.autograd.grad(logp[j], params, retain_graph=True)
@@ -276,10 +231,10 @@ async def _check_version(
         assert result.versions == [version] * MAX_TOKENS
         temperature = sampling.temperature or 1.0  # greedy rows: logprobs at T = 1
         with torch.no_grad():
-            expected, logits = _logprobs_and_logits(
+            expected, logits = trainer_logprobs_and_logits(
                 reference, prompt, result.token_ids, temperature
             )
-            trainer_logp, trainer_logits = _logprobs_and_logits(
+            trainer_logp, trainer_logits = trainer_logprobs_and_logits(
                 trainer, prompt, result.token_ids, temperature
             )
         served_gaps = [abs(a - b) for a, b in zip(result.logprobs, expected.tolist(), strict=True)]
@@ -343,7 +298,7 @@ async def test_family_weights_travel_every_transport_and_engines_serve_them(
     receivers = {name: WeightReceiver(stores) for name in TRANSPORTS}
     push = _PushPair()
     encoder = WeightEncoder(bucket_bytes=64 << 10, deltas=True, full_every=10)
-    async with _engine(kind, model_dir) as engine:
+    async with started_engine(kind, model_dir) as engine:
         for version, dtype, variant, change, expected_kind in SCHEDULE:
             _move(trainer, version, change)
             state = _trainer_state(trainer, variant)

@@ -15,7 +15,6 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
-from support import session_auth
 from transformers import AutoModelForCausalLM
 
 from seamlessflow.bus import Bus
@@ -38,6 +37,7 @@ from sf_gateway.settings import GatewaySettings
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_tag_scheduler.settings import TagSchedulerSettings
 from sf_weight_sync.service import WeightSyncService
+from tests.support import session_auth
 
 AGENTS = 8
 MAX_TOKENS = 160

@@ -18,8 +18,6 @@ from typing import Any
 import httpx
 import pytest
 from openai import AsyncOpenAI
-from support import InProcessMesh, session_auth
-from test_openenv_server import EnvServer
 from transformers import AutoTokenizer
 
 from seamlessflow.agents import AgentTask, EpisodeFailed, EpisodeReturn, get_agent
@@ -31,6 +29,8 @@ from sf_gateway.service import GatewayService
 from sf_gateway.settings import GatewaySettings
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_weight_sync.service import WeightSyncService
+from tests.support import InProcessMesh, session_auth
+from tests.support.envserver import EnvServer
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import AsyncOpenAI
-from support import session_auth
 from transformers import AutoModelForCausalLM
 
 from seamlessflow.bus import Bus
@@ -24,6 +23,7 @@ from sf_gateway.service import GatewayService
 from sf_gateway.settings import GatewaySettings
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_weight_sync.service import WeightSyncService
+from tests.support import session_auth
 
 AGENTS = 12
 VERSIONS = 5

@@ -13,10 +13,9 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from support import load_loadtest
-from test_peer_compare import LOADTESTS
 
 from seamlessflow.rewards import integer_match
+from tests.support import LOADTESTS, load_loadtest
 
 
 @pytest.fixture

@@ -3,10 +3,10 @@ from importlib.util import find_spec
 
 import msgspec
 import pytest
-from support import REPO_ROOT
 
 from seamlessflow import protocol as p
 from seamlessflow.batches import publish_batch
+from tests.support import REPO_ROOT
 
 MANIFEST = p.WeightManifest(
     version=2,

@@ -19,8 +19,6 @@ from typing import Any
 import httpx
 import pytest
 from openai import AsyncOpenAI
-from scripted_replies import scripted_engine
-from support import InProcessMesh, session_auth, session_turns, trajectory_events
 
 from seamlessflow.assets.families import ADD_TOOL, build_family_model
 from seamlessflow.bus import Bus
@@ -33,6 +31,8 @@ from sf_gateway.tool_parsers import Llama3JsonToolParser, QwenToolParser, tool_p
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_trajectory.service import TrajectoryService
 from sf_weight_sync.service import WeightSyncService
+from tests.support import InProcessMesh, session_auth, session_turns, trajectory_events
+from tests.support.scripted_replies import scripted_engine
 
 TOOLS = [ADD_TOOL]
 

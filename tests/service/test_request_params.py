@@ -17,7 +17,6 @@ import pytest
 from openai import AsyncOpenAI, BadRequestError
 from openai.types import completion_create_params as completion_types
 from openai.types.chat import completion_create_params as chat_types
-from support import GATEWAY_MAX_CONTEXT, trajectory_events
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TurnRecorded
@@ -28,6 +27,7 @@ from sf_gateway.openai_api import (
     VLLM_EXTRAS,
     Param,
 )
+from tests.support import GATEWAY_MAX_CONTEXT, trajectory_events
 
 MAX_CONTEXT = GATEWAY_MAX_CONTEXT  # the context of the gateway_url fixture
 

@@ -16,13 +16,13 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from support import InProcessMesh, session_auth, session_turns
-from tool_script import scripted_reply, tool_script_gateway
 from transformers import AutoTokenizer
 
 from seamlessflow.bus import Bus
 from sf_gateway.service import GatewayService
 from sf_gateway.settings import GatewaySettings
+from tests.support import InProcessMesh, session_auth, session_turns
+from tests.support.tool_script import scripted_reply, tool_script_gateway
 
 pytestmark = pytest.mark.usefixtures("openai_shapes")
 

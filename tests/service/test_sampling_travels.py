@@ -20,7 +20,6 @@ import httpx
 import pytest
 import torch
 from openai import AsyncOpenAI
-from support import InProcessMesh, recorded_turns, session_auth
 from transformers import AutoModelForCausalLM
 
 from seamlessflow.batches import stored_batches
@@ -47,6 +46,7 @@ from sf_trajectory.grouping import branch
 from sf_trajectory.service import TrajectoryService
 from sf_trajectory.settings import TrajectorySettings
 from sf_weight_sync.service import WeightSyncService
+from tests.support import InProcessMesh, recorded_turns, session_auth
 
 ENGINE_TRAINER_GAP = 1e-4
 """The engine contract (``sf_engine.backends.base``, enforced by test_engine_contract):

@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 import orjson
-from support import recorded_turns
 
 from seamlessflow.bus import Bus
+from tests.support import recorded_turns
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 

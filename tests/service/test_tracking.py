@@ -9,11 +9,11 @@ from pathlib import Path
 import matplotlib
 import msgspec
 import pytest
-from wandb_records import logged
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TrainEvalMetrics, TrainingFinished, TrainStepMetrics
 from sf_app.tracking import ReportToError, Tracker, parse_report_to, step_values
+from tests.support.wandb_records import logged
 
 matplotlib.use("Agg")
 

@@ -10,8 +10,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from support import InProcessMesh
-from trainer_batches import make_batch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from seamlessflow.bus import Bus, connect
@@ -31,6 +29,8 @@ from sf_trainer.distributed import TrainGroup
 from sf_trainer.learner import Learner
 from sf_trainer.service import TrainerService
 from sf_trainer.settings import TrainerSettings
+from tests.support import InProcessMesh
+from tests.support.trainer_batches import make_batch
 
 SETTINGS = TrainerSettings(lr=1e-3, micro_batch_tokens=48)
 BATCHES = [

@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer_distributed import (
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from seamlessflow.assets.loading import causal_lm_from_config
+from sf_trainer.checkpoint import TrainerState, load_model_state, load_optimizer_state, read_state
+from sf_trainer.distributed import TrainGroup
+from sf_trainer.learner import Learner
+from sf_trainer.settings import TrainerSettings
+from tests.support.ranks import (
     BATCHES,
     adam_noise_bounds,
     assert_same_results,
@@ -19,13 +26,6 @@ from test_trainer_distributed import (
     run_ranks,
     spec,
 )
-from transformers import AutoModelForCausalLM, Qwen2Config
-
-from seamlessflow.assets.loading import causal_lm_from_config
-from sf_trainer.checkpoint import TrainerState, load_model_state, load_optimizer_state, read_state
-from sf_trainer.distributed import TrainGroup
-from sf_trainer.learner import Learner
-from sf_trainer.settings import TrainerSettings
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 SETTINGS = TrainerSettings(lr=1e-3, micro_batch_tokens=48)

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import pytest
-from support import InProcessMesh, announce_plan, write_outside_filter
 
 from seamlessflow.batches import stored_batches
 from seamlessflow.bus import Bus, Unrecoverable, connect
@@ -44,6 +43,7 @@ from seamlessflow.tasks import TaskItem, TaskSource, get_task_source
 from sf_trajectory import schedule
 from sf_trajectory.service import TrajectoryService
 from sf_trajectory.settings import TrajectorySettings
+from tests.support import InProcessMesh, announce_plan, write_outside_filter
 
 
 @dataclass

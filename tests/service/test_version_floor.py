@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import AsyncOpenAI
-from support import InProcessMesh, publish_perturbed_version, recorded_turns
 
 from seamlessflow.bus import Bus
 from sf_engine.service import EngineService
@@ -25,6 +24,7 @@ from sf_gateway.service import GatewayService
 from sf_gateway.settings import GatewaySettings
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_weight_sync.service import WeightSyncService
+from tests.support import InProcessMesh, publish_perturbed_version, recorded_turns
 
 # real nats-server, real HTTP (see conftest)
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support import REPO_ROOT
+from tests.support import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "loadtests" / "weight_sync.py"
 

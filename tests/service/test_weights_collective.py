@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from support import free_port
 
 from seamlessflow.weights import (
     SharedMemoryPayloads,
@@ -25,6 +24,7 @@ from seamlessflow.weights import (
 )
 from seamlessflow.weights.codec import EncodedWeights
 from seamlessflow.weights.layout import plan_layout
+from tests.support import free_port
 
 # other processes (services, servers, ranks or tools started as commands): see conftest
 pytestmark = pytest.mark.integration

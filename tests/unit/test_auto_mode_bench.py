@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from support import load_loadtest
+
+from tests.support import load_loadtest
 
 auto_mode = load_loadtest("auto_mode")
 

@@ -24,7 +24,8 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
-from support import REPO_ROOT
+
+from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
 COMPOSE_DIR = ROOT / "compose"
@@ -598,7 +599,7 @@ def test_published_ports_bind_loopback_unless_a_variable_widens_them(
 ) -> None:
     """NATS, the OTLP receivers and the gateway are reachable from this host only by
     default: an OTLP port open to the network takes anyone's spans."""
-    from compose_render import render
+    from tests.support.compose_render import render
 
     rendered = render(COMPOSE_FILE, REQUIRED_SECRETS | given, profiles=("multiplexed", "gpu"))
     ports = [str(p) for svc in rendered["services"].values() for p in svc.get("ports") or []]
@@ -635,7 +636,7 @@ CLUSTER_VARIABLES = {
 
 
 def test_the_nats_cluster_profile_is_three_routed_nodes_and_every_service_uses_them() -> None:
-    from compose_render import environment, render
+    from tests.support.compose_render import environment, render
 
     alone = render(COMPOSE_FILE, REQUIRED_SECRETS)["services"]
     assert not set(NATS_CLUSTER_NODES) & alone.keys()

@@ -10,8 +10,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from compose_render import render
-from support import REPO_ROOT, load_loadtest
+
+from tests.support import REPO_ROOT, load_loadtest
+from tests.support.compose_render import render
 
 ROOT = REPO_ROOT
 SECRETS = {"SF_NATS_TOKEN": "token", "SF_GATEWAY_API_KEYS": "key"}

@@ -8,7 +8,6 @@ import logging
 from collections import Counter
 
 import pytest
-from support import write_outside_filter
 
 from seamlessflow.protocol import (
     NoTask,
@@ -25,6 +24,7 @@ from sf_trajectory.dispatch import Dispatcher
 from sf_trajectory.grouping import Grouper
 from sf_trajectory.schedule import Stage, StageSource, StageSpec, build_stages, parse_stages
 from sf_trajectory.settings import TrajectorySettings
+from tests.support import write_outside_filter
 
 
 def no_verifier(name: str):  # type: ignore[no-untyped-def]

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from support import load_loadtest
+
+from tests.support import load_loadtest
 
 sweep = load_loadtest("defaults_sweep")
 

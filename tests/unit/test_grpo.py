@@ -3,10 +3,11 @@ import math
 import pytest
 import torch
 
-from seamlessflow.protocol import SampleGroup, TrainBatch, TrainSample
+from seamlessflow.protocol import TrainSample
 from sf_trainer.grpo import token_logprobs
 from sf_trainer.settings import TrainerSettings
 from sf_trainer.step import micro_batches, pack
+from tests.support.tiny_models import BAD, GOOD, next_token_logprob, rewarded_batch, tiny_policy
 
 
 def test_token_logprobs_apply_the_temperature() -> None:
@@ -59,50 +60,6 @@ def test_micro_batches_respect_the_token_budget_and_cover_every_sample() -> None
     assert sorted(i for g in groups for i in g) == list(range(5))
     for group in groups:
         assert len(group) * max(len(samples[i].token_ids) for i in group) <= 12
-
-
-PROMPT = [1, 2, 3]
-GOOD, BAD = 10, 11
-
-
-def tiny_policy() -> torch.nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=False,
-    )
-    return Qwen2ForCausalLM(config)
-
-
-def next_token_logprob(model: torch.nn.Module, token: int) -> float:
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([PROMPT])).logits[0, -1]
-    return torch.log_softmax(logits, -1)[token].item()
-
-
-def rewarded_batch(model: torch.nn.Module) -> TrainBatch:
-    """One group of four one-token answers: GOOD (reward 1) twice, BAD (0) twice."""
-    samples = [
-        TrainSample(
-            session_id=f"s{i}",
-            token_ids=[*PROMPT, tok],
-            loss_mask=[0, 0, 0, 1],
-            behaviour_logprobs=[0, 0, 0, next_token_logprob(model, tok)],
-            versions=[-1, -1, -1, 0],
-            reward=float(tok == GOOD),
-        )
-        for i, tok in enumerate([GOOD, BAD, GOOD, BAD])
-    ]
-    return TrainBatch(
-        batch_index=0, groups=[SampleGroup(group_id="g", task_id="t", samples=samples)]
-    )
 
 
 def test_a_train_step_raises_the_probability_of_rewarded_tokens() -> None:

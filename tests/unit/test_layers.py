@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 
 import pytest
-from support import REPO_ROOT
+
+from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
 OURS = re.compile(r"^(seamlessflow|sf_[a-z_]+)(?:[.:]|$)")

@@ -18,7 +18,8 @@ from importlib import metadata
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-from support import REPO_ROOT
+
+from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

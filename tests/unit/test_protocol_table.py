@@ -11,11 +11,11 @@ import inspect
 from pathlib import Path
 
 import pytest
-from support import REPO_ROOT
 
 from seamlessflow import protocol as p
 from seamlessflow.protocol import table
 from seamlessflow.protocol.routes import Route, route, routes_of
+from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
 ARCHITECTURE = ROOT / "docs" / "architecture.md"

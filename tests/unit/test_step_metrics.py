@@ -13,7 +13,6 @@ import statistics
 import msgspec
 import pytest
 import torch
-from test_chunked_logprobs import gamma, tiny_model
 
 import sf_trainer.grpo
 from seamlessflow.protocol import (
@@ -29,6 +28,7 @@ from sf_trainer.logprobs import target_logprobs
 from sf_trainer.settings import TrainerSettings
 from sf_trainer.step import train_step
 from sf_trajectory.grouping import branch
+from tests.support.tiny_models import gamma, tiny_model
 
 FP32_EPS = torch.finfo(torch.float32).eps
 

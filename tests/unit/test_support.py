@@ -1,4 +1,4 @@
-"""The shared test helpers of tests/support.py that every other test leans on: ports
+"""The shared test helpers of tests/support/ that every other test leans on: ports
 that differ, and ``eventually`` (a poll with a deadline naming what never came)."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import asyncio
 import socket
 
 import pytest
-from support import REPO_ROOT, TESTS_DIR, eventually, free_port, free_ports
+
+from tests.support import REPO_ROOT, SUPPORT_DIR, TESTS_DIR, eventually, free_port, free_ports
 
 
 def test_free_ports_differ_and_can_be_bound() -> None:
@@ -20,7 +21,8 @@ def test_free_ports_differ_and_can_be_bound() -> None:
 
 def test_the_roots_are_the_repository_and_its_tests_folder() -> None:
     assert (REPO_ROOT / "pyproject.toml").exists() and TESTS_DIR == REPO_ROOT / "tests"
-    assert (TESTS_DIR / "conftest.py").exists() and (TESTS_DIR / "trainer_rank.py").exists()
+    assert (TESTS_DIR / "conftest.py").exists()
+    assert SUPPORT_DIR == TESTS_DIR / "support" and (SUPPORT_DIR / "trainer_rank.py").exists()
 
 
 async def test_eventually_returns_the_first_truthy_value_of_a_function_or_coroutine() -> None:

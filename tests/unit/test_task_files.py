@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO_ROOT
 
 from seamlessflow.plugins import UnknownPlugin
 from seamlessflow.rewards import code_match, code_tests, get_reward, math_answer
 from seamlessflow.tasks import TaskItem, get_task_source
 from seamlessflow.tasks.files import TaskFileError, in_eval_split
+from tests.support import REPO_ROOT
 
 REPO = REPO_ROOT
 EXAMPLES = REPO / "examples"

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from pydantic import ValidationError
-from test_grpo import BAD, GOOD, next_token_logprob, rewarded_batch, tiny_policy
 
 from seamlessflow.bus import EXIT_UNRECOVERABLE
 from seamlessflow.plugin_settings import NoSettings
@@ -25,6 +24,7 @@ from sf_trainer.advantages import chosen_estimator
 from sf_trainer.losses import DecoupledSettings, GspoSettings, chosen_loss
 from sf_trainer.settings import RETIRED_LOSS_SETTINGS, TrainerSettings
 from sf_trainer.step import train_step
+from tests.support.tiny_models import BAD, GOOD, next_token_logprob, rewarded_batch, tiny_policy
 
 
 @pytest.fixture

@@ -3,8 +3,15 @@ repository is, free ports, waiting for a condition, a mesh of services in the te
 event loop, playing the trainer on the bus, reading back recorded turns, a small
 embedded run, loading a loadtest script, and a TCP proxy that loses what crosses it.
 
-The tests import it as ``support`` (tests/ is on ``sys.path``: pytest inserts the
-directory of tests/conftest.py), wherever under tests/ they live.
+The suite is a package (``tests``): every test imports its helpers from
+``tests.support`` and its modules, never from another test module. The modules here:
+``compose_render`` (compose files read as compose reads them), ``envserver`` (an
+OpenEnv server in a thread), ``openai_shapes`` (OpenAI's documented response shapes),
+``ranks`` (trainer ranks started as processes, their results compared),
+``scripted_replies`` and ``tool_script`` (engines and gateways that answer from a
+script), ``store`` (a run's JetStream store read back), ``tiny_models`` (small real
+torch policies), ``trainer_batches`` and ``trainer_rank`` (the script each rank runs),
+``wandb_records``.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ from sf_app.run.supervisor import free_port
 
 __all__ = [
     "GATEWAY_MAX_CONTEXT",
+    "LOADTESTS",
     "REPO_ROOT",
+    "SUPPORT_DIR",
     "TESTS_DIR",
     "InProcessMesh",
     "TcpProxy",
@@ -46,10 +55,13 @@ __all__ = [
     "trajectory_events",
 ]
 
-TESTS_DIR = Path(__file__).resolve().parent
-"""tests/: the helper modules and the scripts tests run as processes (trainer_rank.py)."""
+SUPPORT_DIR = Path(__file__).resolve().parent
+"""tests/support/: the helper modules and the scripts tests run as processes
+(trainer_rank.py)."""
+TESTS_DIR = SUPPORT_DIR.parent
 REPO_ROOT = TESTS_DIR.parent
 """The repository's root: what tests read (loadtests/, examples/, compose/, docs/)."""
+LOADTESTS = REPO_ROOT / "loadtests"
 
 T = TypeVar("T")
 
@@ -359,22 +371,44 @@ def small_embedded_run(  # type: ignore[no-untyped-def]
 
 def load_loadtest(name: str):  # type: ignore[no-untyped-def]
     """``loadtests/<name>.py`` as a module (the loadtests are scripts, not a package),
-    registered under ``loadtests_<name>``: dataclasses look their module up by name. Its
-    own imports of the other scripts find them, as when it runs from ``loadtests/``."""
+    registered under ``loadtests_<name>``: dataclasses look their module up by name.
+
+    A script imports the other scripts it uses by their bare names (``import
+    peer_judge``), as it runs from ``loadtests/``. Those are loaded first, from their
+    files, under those names, so its imports find them without loadtests/ on
+    ``sys.path``."""
+    return _load_script(name, f"loadtests_{name}")
+
+
+def _load_script(name: str, module_name: str):  # type: ignore[no-untyped-def]
     import importlib.util
     import sys
 
-    folder = str(REPO_ROOT / "loadtests")
-    spec = importlib.util.spec_from_file_location(f"loadtests_{name}", f"{folder}/{name}.py")
+    path = LOADTESTS / f"{name}.py"
+    for sibling in _scripts_imported_by(path):
+        if sibling not in sys.modules:
+            _load_script(sibling, sibling)
+    spec = importlib.util.spec_from_file_location(module_name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    sys.path.insert(0, folder)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(folder)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
     return module
+
+
+def _scripts_imported_by(path: Path) -> list[str]:
+    """The other loadtests/ scripts that ``path`` imports (absolute imports whose first
+    name is a script there), in the order it imports them."""
+    import ast
+
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module.split(".")[0])
+    scripts = [n for n in dict.fromkeys(names) if n != path.stem]
+    return [n for n in scripts if (LOADTESTS / f"{n}.py").is_file()]
 
 
 OUTSIDE_DATA_FILTER = '''"""A user's data filter, in a module outside the repo."""
