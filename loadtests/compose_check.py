@@ -29,7 +29,7 @@ image registry (none is reachable here):
      policy ignores a manual kill, compose/README.md) and the run waits for it (the
      trainer is still running after ``GATEWAY_DOWN_S``); the documented recovery,
      ``compose start gateway``, brings it back healthy and the run goes on;
-   - the trainer exits 0 after ``SF_TRAINER_STEPS`` steps, ``final`` holds them all and
+   - the trainer exits 0 after ``SF_STEPS`` steps, ``final`` holds them all and
      differs from the base model; ``compose restart trainer`` trains nothing and leaves
      ``final`` bit for bit as it was;
    - spans from every service (the agents too) reached the collector;
@@ -712,7 +712,7 @@ def exercise(
         wait_until("the gateway's /healthz", lambda: True if gateway_healthy() else None, 300)
 
     with stage("trainer killed after a checkpoint, restarted, resumed", timings):
-        every = int(stack.variables["SF_TRAINER_CHECKPOINT_EVERY"])
+        every = int(stack.variables["SF_CHECKPOINT_EVERY"])
         saved = wait_until(
             "the trainer's first periodic checkpoint",
             lambda: next((s for s in checkpoint_steps(stack.logs("trainer")) if s >= every), None),
@@ -869,8 +869,8 @@ def stack_variables(steps: int, images: dict[str, str], cluster: bool) -> dict[s
         "SF_NATS_TOKEN": secrets.token_urlsafe(24),
         "SF_GATEWAY_API_KEYS": secrets.token_urlsafe(24),
         "SF_RUN_ID": f"check-{time.strftime('%Y%m%d-%H%M%S')}",
-        "SF_TRAINER_STEPS": str(steps),
-        "SF_TRAINER_CHECKPOINT_EVERY": str(max(2, steps // 4)),
+        "SF_STEPS": str(steps),
+        "SF_CHECKPOINT_EVERY": str(max(2, steps // 4)),
         "SF_IMAGE_TAG": IMAGE_TAG,
         **images,
     }
@@ -934,7 +934,7 @@ def serve_locally() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=24, help="the run's SF_TRAINER_STEPS")
+    parser.add_argument("--steps", type=int, default=24, help="the run's SF_STEPS")
     parser.add_argument("--keep", action="store_true", help="leave the stack up (and its volumes)")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
     parser.add_argument(

@@ -18,7 +18,7 @@ Checks (each in a process of its own, so a crash or a CUDA error fails that chec
 - ``cupy-nccl-2gpu``: a full and a delta payload from GPU 0 to GPU 1 over NCCL, received
   bit for bit (skipped with fewer than two GPUs).
 - ``fsdp2-bf16-step``: FSDP2 on one rank (NCCL) sharded and run by the trainer's own
-  code (``TrainGroup.shard`` with ``SF_TRAINER_PRECISION=bf16-mixed``'s policy: bf16
+  code (``TrainGroup.shard`` with ``SF_PRECISION=bf16-mixed``'s policy: bf16
   compute, fp32 master weights and gradient reduction; the trainer's chunked logprobs):
   three optimizer steps on one batch, finite and falling loss, fp32 master weights, and
   a first gradient in the direction of an fp32 unsharded model's (cosine >=
@@ -465,7 +465,7 @@ def check_cupy_nccl_two_gpus(ctx: Context) -> dict[str, Any]:
 
 def check_fsdp2_bf16_step(ctx: Context) -> dict[str, Any]:
     """The trainer's own code path: ``TrainGroup.shard(model, bf16_mixed=True)`` (what
-    ``SF_TRAINER_PRECISION=bf16-mixed`` shards with), ``forward_precision`` and the
+    ``SF_PRECISION=bf16-mixed`` shards with), ``forward_precision`` and the
     trainer's logprobs (chunked from the final hidden states at its default
     ``SF_TRAINER_LOGPROB_CHUNK_TOKENS``); the loss is the targets' mean negative logprob."""
     import torch

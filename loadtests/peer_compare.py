@@ -708,8 +708,8 @@ def run_seamlessflow(
     from sf_app.run.config import RunConfig, deployment
 
     # the engine processes read their backend from the environment they inherit, the
-    # trainer its number of held-out items (the run sets SF_TRAINER_EVAL_EVERY from
-    # eval_every, SF_TRAINER_EVAL_TASK and SF_TRAINER_EVAL_MAX_TOKENS from task and
+    # trainer its number of held-out items (the run sets SF_EVAL_EVERY from
+    # eval_every, SF_TRAINER_EVAL_TASK and SF_MAX_TOKENS from task and
     # max_tokens: RUN_KEYS)
     os.environ["SF_ENGINE_BACKEND"] = engine
     os.environ["SF_TRAINER_EVAL_ITEMS"] = str(args.eval_items)

@@ -28,7 +28,7 @@ from tests.support import InProcessMesh, start_rollout
 # tolerances (tests/service/test_model_families.py, ``tol_same``). Tests of bf16 name it
 # (tests/mesh/test_trainer_practice.py), and tests of ``auto`` ask for it
 # (tests/unit/test_machine.py; tests/mesh/test_modes.py's embedded runs).
-os.environ["SF_TRAINER_PRECISION"] = "fp32"
+os.environ["SF_PRECISION"] = "fp32"
 
 REAL_PARTS = frozenset({"nats_url", "base_model_dir", "chatty_model_dir", "qwen2_tied_model_dir"})
 """Fixtures that start a nats-server or build a model: a test that uses one
@@ -146,9 +146,8 @@ async def gateway_url(mesh: InProcessMesh) -> str:
 def openai_shapes(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     """Every answer of every gateway the test starts is checked against the ``openai``
     package's types (tests/support/openai_shapes.py); any mismatch fails the test."""
-    from tests.support.openai_shapes import ShapeChecker
-
     from sf_gateway.service import Gateway
+    from tests.support.openai_shapes import ShapeChecker
 
     checker = ShapeChecker()
     serve = Gateway.app

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, NoReturn, get_args, get_origin
 import typer
 
 from seamlessflow.protocol import DEFAULT_POLICY
-from sf_app.service_table import SERVICE_NAMES, SERVICE_TABLE
+from sf_app.service_table import SERVICE_NAMES, SETTINGS, settings_classes
 
 app = typer.Typer(
     help="SeamlessFlow: server-based RL post-training for LLM agents, over NATS.",
@@ -87,39 +87,48 @@ def _up_parameters() -> list[inspect.Parameter]:
     return params
 
 
-def up(context: typer.Context, config_file: Path | None = None, **options: Any) -> None:
-    """Embedded local run: NATS, every service as a process, agents, training."""
+def _run_config(context: typer.Context, config_file: Path | None, options: dict[str, Any]) -> Any:
+    """The run's ``RunConfig``: the run file's ``[run]`` table, then the environment's
+    shared variables (``SF_STEPS`` ...), then the options given on the command line
+    (``sf_app.run.spec.run_values``); what none sets keeps RunConfig's default (which may
+    depend on other fields: the task's completion budget, colocated's synchronous
+    pacing). A bad file or value stops with one line."""
     from pydantic import ValidationError
 
     from seamlessflow.runfile import RunFileError
     from sf_app.run.config import RunConfig
-    from sf_app.run.embedded import run_embedded
     from sf_app.run.file import read_run_file
+    from sf_app.run.spec import run_values
 
-    # The run file's [run] table, then the options given on the command line; what
-    # neither sets keeps RunConfig's default (which may depend on other fields: the
-    # task's completion budget, colocated's synchronous pacing).
-    values: dict[str, Any] = {}
+    run_table: dict[str, Any] = {}
     if config_file is not None:
         try:
-            values = read_run_file(config_file, settings_classes())
+            run_table = read_run_file(config_file, settings_classes())
         except RunFileError as exc:
             fail(str(exc))
-        values["run_file"] = config_file
+        run_table["run_file"] = config_file
+    command_line: dict[str, Any] = {}
     for name, value in options.items():
         source = context.get_parameter_source(name)
         if source is None or source.name != "COMMANDLINE":
             continue
         if get_origin(RunConfig.model_fields[name].annotation) is list:
             value = [part.strip() for part in str(value).split(",") if part.strip()]
-        values[name] = value
+        command_line[name] = value
     try:
-        config = RunConfig(**values)
+        return RunConfig(**run_values(run_table, command_line))
     except ValidationError as exc:
         error = exc.errors()[0]
         # a field's error names the field; a check across fields (a model validator) has none
         where = f"{error['loc'][0]}: " if error["loc"] else ""
         fail(f"invalid run configuration: {where}{error['msg']}")
+
+
+def up(context: typer.Context, config_file: Path | None = None, **options: Any) -> None:
+    """Embedded local run: NATS, every service as a process, agents, training."""
+    from sf_app.run.embedded import run_embedded
+
+    config = _run_config(context, config_file, options)
     summary = run_embedded(config)
     typer.echo(json.dumps({k: v for k, v in summary.__dict__.items() if k != "config"}, indent=2))
     several = len(config.policies) > 1
@@ -149,6 +158,41 @@ def up(context: typer.Context, config_file: Path | None = None, **options: Any) 
 
 up.__signature__ = inspect.Signature(_up_parameters())  # type: ignore[attr-defined]
 app.command()(up)
+
+
+def resolve(
+    context: typer.Context,
+    config_file: Path | None = None,
+    out: Path = Path("run.toml"),
+    **options: Any,
+) -> None:
+    """Write the run's resolved specification (TOML) to --out: the values `up` would
+    run with (its options, the environment's SF_<KEY> shared variables, the run file;
+    the task's and the model's defaults), every section with the shared values copied
+    in. Each process started with SF_CONFIG naming it reads its own section: compose
+    does (the run volume's run.toml), and so can a service started alone."""
+    from sf_app.run.spec import resolved_sections, write_resolved
+
+    config = _run_config(context, config_file, options)
+    path = write_resolved(out, resolved_sections(config, settings_classes()))
+    model = config.model or config.model_dir or "built-in"
+    typer.echo(f"wrote {path}: task {config.task}, steps {config.steps}, "
+               f"max_tokens {config.max_tokens}, model {model}")  # fmt: skip
+
+
+_out = typer.Option("--out", help="Where the resolved file is written.")
+resolve.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        *_up_parameters(),
+        inspect.Parameter(
+            "out",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=Path("run.toml"),
+            annotation=Annotated[Path, _out],
+        ),
+    ]
+)
+app.command()(resolve)
 
 
 @app.command()
@@ -746,52 +790,41 @@ def simulate(
         typer.echo(f"wrote {json_out}")
 
 
-SHARED_SETTINGS: dict[str, str] = {
-    "every service": "seamlessflow.settings:MeshSettings",
-    "stream retention": "seamlessflow.settings:RetentionSettings",
-    "weight transfer": "seamlessflow.weights.settings:WeightTransferSettings",
-    "scripted engine (load tests)": "sf_engine.backends.scripted_engine:ScriptedSettings",
-    "code sandbox (reward code_tests)": "seamlessflow.rewards.sandbox:SandboxSettings",
-}
-"""Settings read by more than one service, or by a plug-in; each service's own come
-from the service table."""
-SETTINGS: dict[str, str] = {
-    **SHARED_SETTINGS,
-    **{spec.name: spec.settings for spec in SERVICE_TABLE},
-}
-
-
-def settings_classes() -> list[Any]:
-    """Every settings class of the mesh (what a run file's sections may name)."""
-    from sf_app.service_table import load
-
-    return [load(path) for path in dict.fromkeys(SETTINGS.values())]
-
-
 def configuration_reference() -> str:
     """Markdown reference of every environment variable, from the settings classes."""
-    from seamlessflow.runfile import RUN_KEYS, section_of
+    from seamlessflow.plugins import ChosenFrom
+    from seamlessflow.runfile import RunShared, section_of, shared_fields, shared_variable
+    from sf_app.plugin_reference import chosen_from, plugins_section, registered_names
 
+    users: dict[str, list[str]] = {key: [] for key in RunShared.model_fields}
+    for cls in settings_classes():
+        section = section_of(str(cls.model_config.get("env_prefix", "")))
+        for field, key in shared_fields(cls).items():
+            users[key].append(f"{section}.{field}")
     lines = [
         "# Configuration reference",
         "",
         "Generated by `seamlessflow config` from the settings classes. Every process reads",
         "its settings from environment variables, then from the run file `SF_CONFIG` names",
         "(a TOML file, `seamlessflow.runfile`: each class below reads the section named",
-        "under its heading, its fields without the prefix, and the `[run]` keys that set",
-        "them; `seamlessflow up --config` reads the same file), then the defaults below.",
-        "A `.env` file is not read. Examples: `examples/run_files/`.",
+        "under its heading, its fields without the prefix, and the `[run]` keys that are",
+        "its shared fields), then the defaults below. A `.env` file is not read. Examples:",
+        "`examples/run_files/`. `seamlessflow resolve` writes a run's resolved file (every",
+        "section, the shared values copied in), which `seamlessflow up` writes into its",
+        "run directory as `run.toml` and compose into its run volume.",
         "",
-        "`[run]` keys that set service settings (the embedded run's other options, such as",
-        "`engines` or `report_to`, concern only it):",
+        "The run's shared section: `[run]` in a run file, one variable each, one default",
+        "(`seamlessflow.runfile.RunShared`), copied into every field that uses it:",
         "",
-        "| `[run]` key | sets |",
-        "|---|---|",
+        "| `[run]` key | variable | default | used as |",
+        "|---|---|---|---|",
         *(
-            f"| `{key}` | {', '.join(f'`{name}`' for name in names)} |"
-            for key, names in RUN_KEYS.items()
+            f"| `{key}` | `{shared_variable(key)}` | `{info.default!s}` | "
+            f"{', '.join(f'`{use}`' for use in users[key])} |"
+            for key, info in RunShared.model_fields.items()
         ),
     ]
+    chosen: list[tuple[str, ChosenFrom]] = []  # (variable, the registry it names plug-ins of)
     for owner, path in SETTINGS.items():
         module_name, _, attr = path.partition(":")
         settings_class = getattr(importlib.import_module(module_name), attr)
@@ -807,7 +840,12 @@ def configuration_reference() -> str:
                 env = f"{prefix}{name}".upper()
             default = info.get_default(call_default_factory=True)
             description = " ".join((info.description or "").split()).replace("|", "\\|")
+            marker = chosen_from(info)
+            if marker is not None:
+                chosen.append((env, marker))
+                description += " " + registered_names(marker)
             lines.append(f"| `{env}` | `{default!s}` | {description} |")
+    lines += plugins_section(chosen)
     lines += ["", "## Command-line options read from the environment", "",
               "| variable | option | meaning |", "|---|---|---|"]  # fmt: skip
     group = typer.main.get_command(app)

@@ -120,3 +120,23 @@ def serve(name: str) -> None:
     # "serve <name>" is no option of the built-in environment server's command line)
     sys.argv = [sys.argv[0]]
     runpy.run_module(spec_of(name).module, run_name="__main__", alter_sys=True)
+
+
+SHARED_SETTINGS: dict[str, str] = {
+    "every service": "seamlessflow.settings:MeshSettings",
+    "stream retention": "seamlessflow.settings:RetentionSettings",
+    "weight transfer": "seamlessflow.weights.settings:WeightTransferSettings",
+    "scripted engine (load tests)": "sf_engine.backends.scripted_engine:ScriptedSettings",
+    "code sandbox (reward code_tests)": "seamlessflow.rewards.sandbox:SandboxSettings",
+}
+"""Settings read by more than one service, or by a plug-in; each service's own come
+from the service table."""
+SETTINGS: dict[str, str] = {
+    **SHARED_SETTINGS,
+    **{spec.name: spec.settings for spec in SERVICE_TABLE},
+}
+
+
+def settings_classes() -> list[Any]:
+    """Every settings class of the mesh (what a run file's sections may name)."""
+    return [load(path) for path in dict.fromkeys(SETTINGS.values())]

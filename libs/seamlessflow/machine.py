@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 PrecisionName = Literal["fp32", "bf16-mixed"]
 PRECISIONS = ("auto", "fp32", "bf16-mixed")
-"""What ``--precision`` / ``SF_TRAINER_PRECISION`` take; ``auto`` is resolved here."""
+"""What ``--precision`` / ``SF_PRECISION`` take; ``auto`` is resolved here."""
 
 
 def machine_description() -> dict[str, Any]:

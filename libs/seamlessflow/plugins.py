@@ -5,12 +5,19 @@ each have one ``Registry``. Plug-ins register themselves by name when their modu
 imported (``@REGISTRY.register("name")``); a setting names one. An unknown name is a
 configuration error (``UnknownPlugin``) that lists every known name. Where a user's own
 function may stand instead (rewards, agents), ``import_dotted`` loads it by its path.
+
+A setting that names plug-ins says which registry (``ChosenFrom``), and the
+configuration reference (``seamlessflow config``, docs/configuration.md) lists what is
+registered there, each plug-in with its summary (``summary_of``) and its own keys
+(``keys_of``): the registry is the only list of them.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 Plugin = TypeVar("Plugin")
@@ -109,3 +116,57 @@ def import_dotted(path: str) -> Callable[..., Any] | None:
     if not callable(found):
         raise TypeError(f"{path!r} is not callable")
     return found
+
+
+@dataclass(frozen=True)
+class ChosenFrom:
+    """Marks a setting whose value names plug-ins of one registry:
+    ``backend: Annotated[str, ChosenFrom("sf_engine.backends.registry:ENGINE_BACKENDS")]``.
+    The configuration reference lists what is registered there under the setting. The
+    registry is named by its path and imported only then: a plug-in's module may import
+    torch, and a settings module stays cheap to import."""
+
+    registry: str
+    """``package.module:NAME`` of the ``Registry``."""
+
+    def load(self) -> Registry[Any]:
+        module_name, _, attr = self.registry.partition(":")
+        found = getattr(importlib.import_module(module_name), attr)
+        if not isinstance(found, Registry):
+            raise TypeError(f"{self.registry} is not a Registry")
+        return found
+
+
+def summary_of(plugin: Any) -> str:
+    """What a plug-in does: its ``summary`` where it has one (a plug-in assembled from
+    parts, such as a loss), else the first paragraph of its docstring, on one line."""
+    summary = getattr(plugin, "summary", None)
+    if isinstance(summary, str):
+        return summary
+    return first_paragraph(inspect.getdoc(plugin))
+
+
+def first_paragraph(docstring: str | None) -> str:
+    """A docstring's first paragraph on one line ("" for none)."""
+    paragraph = inspect.cleandoc(docstring or "").split("\n\n", 1)[0]
+    return " ".join(paragraph.split())
+
+
+@dataclass(frozen=True)
+class PluginKey:
+    """One key of a plug-in's own settings (a ``plugin_settings.PluginSettings`` field)."""
+
+    name: str
+    default: Any
+    meaning: str
+
+
+def keys_of(plugin: Any) -> list[PluginKey]:
+    """The keys of a plug-in's own settings (its ``settings_class``), in their order;
+    none for a plug-in without one."""
+    settings_class = getattr(plugin, "settings_class", None)
+    fields = getattr(settings_class, "model_fields", {})
+    return [
+        PluginKey(name, field.get_default(call_default_factory=True), field.description or "")
+        for name, field in fields.items()
+    ]

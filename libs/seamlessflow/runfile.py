@@ -10,8 +10,8 @@
 ``seamlessflow up --config run.toml`` reads all of it (options given on the command line
 win) and copies it into the run directory. A process started alone reads the same file
 when ``SF_CONFIG`` names it: its settings class takes its own section and the ``[run]``
-keys that set one of its fields (``RUN_KEYS``), so compose and the embedded run can
-share one description. Precedence, highest first: arguments in code, environment
+keys that are its shared fields (``RunShared``, ``shared``), so compose and the embedded
+run can share one description. Precedence, highest first: arguments in code, environment
 variables, the run file, defaults.
 
 A section is named after its settings class's variable prefix (``SF_TRAINER_`` ->
@@ -26,13 +26,12 @@ import difflib
 import os
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
-from pydantic import AliasChoices, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 RUN_FILE_VARIABLE = "SF_CONFIG"
 """The environment variable naming a process's run file."""
@@ -40,57 +39,131 @@ RUN_FILE_VARIABLE = "SF_CONFIG"
 RUN_SECTION = "run"
 
 
-@dataclass(frozen=True)
-class RunOption:
-    """A ``[run]`` key (and ``seamlessflow up`` option) that is a service setting."""
+class RunShared(BaseModel):
+    """The run's shared section: the values more than one process uses, each declared
+    once here with its one default. A run file sets them under ``[run]``, the
+    environment as ``SF_<KEY>`` (``SF_STEPS``), ``seamlessflow up`` as its options; the
+    settings fields that use one say so with :func:`shared` (``steps: int =
+    shared("steps")``), and read it under that one name only. The resolver of a run
+    (``seamlessflow resolve``, ``seamlessflow up``) applies the task's and the model's
+    defaults to it and writes it, with every section, into the run's resolved file."""
 
-    variables: tuple[str, ...]
-    """The service variables it sets (one field of one settings class each)."""
-    default: Any
-    """Its one default: every settings field it sets and ``RunConfig`` use it
-    (``run_default``); ``tests/mesh/test_run_file.py`` checks that none declares another."""
-    service_default_differs: str = ""
-    """Why a service's field keeps another default, if one must (the reason)."""
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+    seed: int = 0
+    """The run's seed, one for every service: the task order, torch in the trainer, and
+    the trainer's evaluation split."""
+
+    policies: str = ""
+    """Every policy of the run, comma-separated (a list in a run file and for
+    ``seamlessflow up``); empty in a process: its own ``SF_POLICY`` alone."""
+
+    mode: Literal["auto", "colocated", "disaggregated", "multiplexed"] = "auto"
+    """Deployment: which slots train, which roll out, which are lent, and when.
+    ``auto`` (the default) lends the trainer's slot to rollout while the run measures
+    more steps/s with lending than without, where its slots are real; ``multiplexed``
+    lends it at every wait. ``colocated`` also defaults ``max_batches_ahead`` to 0
+    (synchronous) in ``seamlessflow up``."""
+
+    task: str = "arithmetic"
+    """Task source (``seamlessflow.tasks``), a mixture of sources (``a*2+b``) or SRPO's
+    stages (``a:100,a+b``: ``seamlessflow.tasks.schedule``); the held-out evaluation
+    scores each source it names (unless a trainer has its own ``eval_task``)."""
+
+    group_size: int = 8
+    """Samples per task (GRPO group)."""
+
+    groups_per_batch: int = 8
+    """Tasks per optimizer step."""
+
+    max_batches_ahead: int = 1
+    """Rollout may run this many batches ahead of the trainer (0 = synchronous)."""
+
+    group_timeout_s: float = 300.0
+    """A group handed out to agents that makes no progress for this long is closed: its
+    unfinished samples are dropped (e.g. sessions a restarted gateway lost)."""
+
+    steps: int = 300
+    """Trainer optimizer steps."""
+
+    checkpoint_every: int = 10
+    """The trainer also checkpoints every N steps (0 = only at the end): what a
+    restarted trainer resumes from. The steps after it are lost to the policy (their
+    batches stay trained once, see docs/design.md "Faults")."""
+
+    lr: float = 1e-4
+    """Trainer learning rate."""
+
+    eval_every: int = Field(default=0, ge=0)
+    """Held-out evaluation by the trainer every N steps, and of the base model before the
+    first step and after the last (0: none): greedy answers to the task's eval split
+    (``[trainer] eval_items`` of them), scored by its accuracy reward."""
+
+    precision: Literal["auto", "fp32", "bf16-mixed"] = "auto"
+    """The trainer's compute precision: ``auto`` is ``bf16-mixed`` where the trainer's
+    device computes bf16 natively (a CUDA GPU that supports it, a CPU whose oneDNN
+    reports bf16) and ``fp32`` elsewhere; the run prints its choice first and records it
+    in summary.json. ``bf16-mixed`` keeps float32 master weights and optimizer state and
+    computes forward and backward in bfloat16 (1.8x faster on a CPU with AVX512-BF16,
+    ~40x slower on an AVX2-only one: docs/models.md)."""
+
+    max_tokens: int = Field(default=6, ge=1)
+    """Completion budget per agent call and per evaluated answer. Resolved once for the
+    run when not given: the task's ``max_tokens`` if it has one (e.g. room for a tool
+    call), else a pretrained model's run default, else 6."""
+
+    engine_batch_size: int = 64
+    """Requests one engine decodes together."""
+
+    agent: str = "single_turn"
+    """Agent run for each sample (registered name or dotted path)."""
+
+    agent_concurrency: int = 64
+    """Concurrent agent sessions."""
+
+    env_step_latency_ms: float = Field(default=0.0, ge=0.0)
+    """A built-in environment's time per step (the median of a log-normal; 0: none): a
+    slow environment, as a real one that runs code or a browser is."""
+
+    env_latency_sigma: float = Field(default=0.5, ge=0.0)
+    """The spread of that log-normal (0: every step takes the median)."""
 
 
-RUN_OPTIONS: dict[str, RunOption] = {
-    "seed": RunOption(("SF_SEED",), 0),
-    "policies": RunOption(
-        ("SF_POLICIES",),
-        "policy",
-        service_default_differs="empty in a process means that process's own SF_POLICY",
-    ),
-    "mode": RunOption(("SF_TAG_SCHEDULER_MODE",), "auto"),
-    "task": RunOption(("SF_TRAJECTORY_TASK", "SF_TRAINER_EVAL_TASK"), "arithmetic"),
-    "group_size": RunOption(("SF_TRAJECTORY_GROUP_SIZE",), 8),
-    "groups_per_batch": RunOption(("SF_TRAJECTORY_GROUPS_PER_BATCH",), 8),
-    "max_batches_ahead": RunOption(("SF_TRAJECTORY_MAX_BATCHES_AHEAD",), 1),
-    "group_timeout_s": RunOption(("SF_TRAJECTORY_GROUP_TIMEOUT_S",), 300.0),
-    "steps": RunOption(("SF_TRAINER_STEPS",), 300),
-    "checkpoint_every": RunOption(("SF_TRAINER_CHECKPOINT_EVERY",), 10),
-    "lr": RunOption(("SF_TRAINER_LR",), 1e-4),
-    "eval_every": RunOption(("SF_TRAINER_EVAL_EVERY",), 0),
-    "precision": RunOption(("SF_TRAINER_PRECISION",), "auto"),
-    "max_tokens": RunOption(("SF_TRAINER_EVAL_MAX_TOKENS", "SF_AGENTS_MAX_TOKENS"), 6),
-    "engine_batch_size": RunOption(("SF_ENGINE_MAX_BATCH_SIZE",), 64),
-    "agent": RunOption(("SF_AGENTS_AGENT",), "single_turn"),
-    "agent_concurrency": RunOption(("SF_AGENTS_CONCURRENCY",), 64),
-    "env_step_latency_ms": RunOption(("SF_ENV_STEP_LATENCY_MS",), 0.0),
-    "env_latency_sigma": RunOption(("SF_ENV_STEP_LATENCY_SIGMA",), 0.5),
-}
-"""``[run]`` keys that are service settings, declared once: each sets these variables'
-fields, and has one default. The embedded run passes them to its processes as these
-variables; a process reading the file alone takes them from ``[run]``. The other
-``[run]`` keys (``engines``, ``runs_dir``, ``report_to`` ...) concern only the embedded
-run (``sf_app.run.config.RunConfig``)."""
-
-RUN_KEYS: dict[str, tuple[str, ...]] = {key: opt.variables for key, opt in RUN_OPTIONS.items()}
-"""Each ``[run]`` key of ``RUN_OPTIONS`` and the variables it sets."""
+SHARED_KEY = "shared"
+"""The mark :func:`shared` leaves in a field's JSON schema extras."""
 
 
-def run_default(key: str) -> Any:
-    """The one default of the run option ``key``, for a settings field it sets."""
-    return RUN_OPTIONS[key].default
+def shared_variable(key: str) -> str:
+    """The one environment variable of the shared value ``key``: ``SF_<KEY>``."""
+    return f"SF_{key.upper()}"
+
+
+def shared(key: str, **constraints: Any) -> Any:
+    """A settings field that is the run's shared value ``key`` (``RunShared``): its
+    default and its one variable (``SF_<KEY>``) are the shared ones, and a run file sets
+    it under ``[run]``, not in the class's own section."""
+    info = RunShared.model_fields[key]
+    return Field(
+        default=info.default,
+        validation_alias=AliasChoices(shared_variable(key)),
+        json_schema_extra={SHARED_KEY: key},
+        **constraints,
+    )
+
+
+def shared_key(info: FieldInfo) -> str | None:
+    """The shared value a settings field is (``shared``), or None."""
+    extra = info.json_schema_extra
+    return str(extra[SHARED_KEY]) if isinstance(extra, dict) and SHARED_KEY in extra else None
+
+
+def shared_fields(settings_cls: type[BaseModel]) -> dict[str, str]:
+    """Field -> the shared value it is, for every shared field of a settings class."""
+    return {
+        name: key
+        for name, info in settings_cls.model_fields.items()
+        if (key := shared_key(info)) is not None
+    }
 
 
 class RunFileError(ValueError):
@@ -128,47 +201,49 @@ def nearest(name: str, valid: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def owned_by_run(env_prefix: str, field: str) -> str | None:
-    """The ``[run]`` key that sets ``field`` of the class with ``env_prefix``, if any."""
-    variable = (env_prefix + field).upper()
-    for key, variables in RUN_KEYS.items():
-        if variable in variables:
-            return key
-    return None
+def _as_variable_text(value: Any) -> Any:
+    """A ``[run]`` value as a service field takes it: a list (policies) comma-separated."""
+    return ",".join(map(str, value)) if isinstance(value, list) else value
 
 
 def check_section(
-    path: Path, section: str, table: dict[str, Any], env_prefix: str, fields: Iterable[str]
+    path: Path,
+    section: str,
+    table: dict[str, Any],
+    settings_cls: type[BaseModel],
+    run_table: Mapping[str, Any] | None = None,
 ) -> None:
-    """Every key of a service section is a field of its class, and not one ``[run]`` owns."""
-    known = set(fields)
-    for key in table:
+    """Every key of a service section is a field of its class, and not a shared one
+    (``[run]`` sets those, once for every process), unless it repeats ``[run]``'s value
+    exactly, as a resolved file does (``sf_app.run.spec``)."""
+    known = settings_cls.model_fields
+    shared_by_field = shared_fields(settings_cls)
+    run_table = run_table or {}
+    for key, value in table.items():
         if key not in known:
             raise RunFileError(f"run file {path}: unknown key {section}.{key}{nearest(key, known)}")
-        run_key = owned_by_run(env_prefix, key)
-        if run_key is not None:
-            raise RunFileError(
-                f"run file {path}: {section}.{key} is a run setting: set it as [run] {run_key}"
-            )
+        run_key = shared_by_field.get(key)
+        if run_key is None:
+            continue
+        if run_key in run_table and _as_variable_text(run_table[run_key]) == value:
+            continue  # the resolver's copy of the shared value
+        raise RunFileError(
+            f"run file {path}: {section}.{key} is a run setting: set it as [run] {run_key}"
+        )
 
 
-def values_for(env_prefix: str, fields: Iterable[str], path: Path) -> dict[str, Any]:
+def values_for(settings_cls: type[BaseModel], path: Path) -> dict[str, Any]:
     """What the run file at ``path`` sets for a settings class: its section's keys and
-    the ``[run]`` keys that set one of its fields (checked as :func:`check_section`)."""
-    known = set(fields)
+    the ``[run]`` keys that are its shared fields (checked as :func:`check_section`)."""
     sections = load(path)
-    section = section_of(env_prefix)
+    section = section_of(str(settings_cls.model_config.get("env_prefix", "")))
     table = sections.get(section, {})
-    check_section(path, section, table, env_prefix, known)
+    run_table = sections.get(RUN_SECTION, {})
+    check_section(path, section, table, settings_cls, run_table)
     values = dict(table)
-    for key, value in sections.get(RUN_SECTION, {}).items():
-        for variable in RUN_KEYS.get(key, ()):
-            if not variable.startswith(env_prefix):
-                continue
-            field = variable.removeprefix(env_prefix).lower()
-            if field in known:
-                # a list in [run] (policies) is a comma-separated variable to a service
-                values[field] = ",".join(map(str, value)) if isinstance(value, list) else value
+    for field, key in shared_fields(settings_cls).items():
+        if key in run_table:
+            values[field] = _as_variable_text(run_table[key])
     return values
 
 
@@ -176,6 +251,19 @@ def run_file_from_environment() -> Path | None:
     """The run file ``SF_CONFIG`` names (None: unset or empty)."""
     value = os.environ.get(RUN_FILE_VARIABLE, "")
     return Path(value) if value else None
+
+
+def variable(settings_cls: type[BaseModel], field: str) -> str:
+    """The one environment variable that sets ``field`` of a settings class: its alias
+    (a shared field's ``SF_<KEY>``), else its prefix and name. Code that hands a setting
+    to a process by variable takes the name from here, not from its own spelling."""
+    info = settings_cls.model_fields[field]  # KeyError: not a field of that class
+    alias = info.validation_alias
+    if isinstance(alias, AliasChoices) and isinstance(alias.choices[0], str):
+        return alias.choices[0]
+    if isinstance(alias, str):
+        return alias
+    return f"{settings_cls.model_config.get('env_prefix', '')}{field}".upper()
 
 
 def _input_key(field: FieldInfo, name: str) -> str:
@@ -203,7 +291,7 @@ class RunFileSource(PydanticBaseSettingsSource):
         for key in load(path).get(section_of(prefix), {}):
             if key in retired:
                 raise RunFileError(f"run file {path}: {retired[key]}")
-        values = values_for(prefix, fields, path)
+        values = values_for(self.settings_cls, path)
         return {_input_key(fields[name], name): value for name, value in values.items()}
 
 
@@ -216,12 +304,23 @@ class RunFileSettings(BaseSettings):
     environment or in the class's run-file section, they stop the process with that
     line instead of being ignored without a word."""
 
+    model_config = SettingsConfigDict(populate_by_name=True)
+    """Fields are given by name in code (``TrainerSettings(lr=...)``) and by their one
+    variable in the environment (a shared field's is ``SF_<KEY>``)."""
+
     @model_validator(mode="after")
     def _no_retired_variables(self) -> RunFileSettings:
         prefix = str(self.model_config.get("env_prefix", ""))
         for field, line in self.retired.items():
             if f"{prefix}{field.upper()}" in os.environ:
                 raise ValueError(line)
+        for field, key in shared_fields(type(self)).items():
+            own = f"{prefix}{field}".upper()
+            if own != shared_variable(key) and own in os.environ:
+                raise ValueError(
+                    f"{own} is no longer read: the run's {key} is {shared_variable(key)}, "
+                    "one for every process"
+                )
         return self
 
     @classmethod

@@ -15,15 +15,14 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import SettingsConfigDict
 
 from seamlessflow.protocol import DEFAULT_POLICY, check_policy, check_run_id
-from seamlessflow.runfile import RunFileSettings, run_default
+from seamlessflow.runfile import RunFileSettings, shared
 
 REPLACED_VARIABLES = {
     "SF_TRAINER_SEED": "the run's seed is SF_SEED, one for every service",
     "SF_TRAJECTORY_SEED": "the run's seed is SF_SEED, one for every service",
     "SF_TRAINER_EVAL_TASK_SEED": "the evaluation split uses the run's seed, SF_SEED",
     "SF_TRAJECTORY_TOTAL_BATCHES": (
-        "the trajectory service dispatches for the step budget each trainer announces "
-        "(SF_TRAINER_STEPS)"
+        "the trajectory service dispatches for the step budget each trainer announces (SF_STEPS)"
     ),
 }
 """Variables earlier versions read, and what replaced each: set, they stop a process
@@ -65,13 +64,13 @@ class MeshSettings(RunFileSettings):
     own, and its resources register with the tag ``policy:<name>``. Agents reach it by
     asking for the model of that name."""
 
-    policies: str = ""
+    policies: str = shared("policies")
     """Every policy of the run, comma-separated (multi-policy: ``solver,verifier``); the
     gateway serves each as a model and the trajectory service batches for each. The
     first is the tasks' policy: a task's reward function scores its answers, and SRPO's
     history resampling follows its groups. Empty = ``policy`` alone."""
 
-    seed: int = run_default("seed")
+    seed: int = shared("seed")
     """The run's seed, one for every service: the task order (the trajectory service's
     split and epochs), torch in the trainer, and the trainer's evaluation split (which is
     held out of the rolled-out one only when both use the same seed). A trainer
@@ -177,7 +176,7 @@ class RetentionSettings(RunFileSettings):
     trajectory_max_age_h: float = 48.0
     """Trajectory events (the record of every session) older than this are dropped
     (0 = never). A restart rebuilds the open sessions and groups from them (a group is
-    open for at most ``SF_TRAJECTORY_GROUP_TIMEOUT_S`` without progress), and
+    open for at most ``SF_GROUP_TIMEOUT_S`` without progress), and
     ``export`` reads a session from them: an older session can no longer be exported."""
 
     trajectory_max_gb: float = 0.0
@@ -193,7 +192,7 @@ class RetentionSettings(RunFileSettings):
     batches_max_gb: float = 0.0
     """Byte limit of each policy's batch stream and of its batch payload stream (the
     server reserves it for each); past it the oldest batches (trained first: the
-    trainer's backlog is ``SF_TRAJECTORY_MAX_BATCHES_AHEAD``) are dropped (0 = no
+    trainer's backlog is ``SF_MAX_BATCHES_AHEAD``) are dropped (0 = no
     limit). Keep it no lower than ``trajectory_max_gb``, for the same reason."""
 
     metrics_max_age_h: float = 720.0

@@ -81,7 +81,7 @@ restarting), is made again for up to two minutes: before each new attempt it wai
 the gateway's health check, then 0.25 s doubling to 8 s. The time limit, not a count of
 attempts, is what matters: a NATS cluster that lost a stream's leader answers no publish
 for a few seconds, and a sample whose session could not be opened in that time was lost
-until its group timed out (``SF_TRAJECTORY_GROUP_TIMEOUT_S``, 10 minutes by default)."""
+until its group timed out (``SF_GROUP_TIMEOUT_S``, 10 minutes by default)."""
 
 TASK_CLAIM_RETRY = RetryPolicy(retry_on=(NoResponder,), first_delay_s=0.5)
 """A task claim nobody answered (the trajectory service restarting or busy) is repeated,
@@ -180,7 +180,7 @@ class AgentRunner:
                 await self.run_sample(reply)
             except (aiohttp.ClientError, TimeoutError, GatewayRefused, GatewayBusy) as exc:
                 # The sample is lost to this runner; the trajectory service closes its
-                # group once it makes no progress (SF_TRAJECTORY_GROUP_TIMEOUT_S). No
+                # group once it makes no progress (SF_GROUP_TIMEOUT_S). No
                 # new claim before the gateway answers again: it would be lost too.
                 self.failed += 1
                 log.error("sample %s/%d failed at the gateway: %s", reply.group_id,

@@ -3,7 +3,7 @@
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from seamlessflow.runfile import RunFileSettings, run_default
+from seamlessflow.runfile import RunFileSettings, shared
 
 
 class AgentRunnerSettings(RunFileSettings):
@@ -16,17 +16,17 @@ class AgentRunnerSettings(RunFileSettings):
     gateway_url: str = "http://127.0.0.1:8000"
     """Where the rollout gateway's HTTP API is."""
 
-    agent: str = run_default("agent")
+    agent: str = shared("agent")
     """The agent to run: a registered name or ``package.module:function``."""
 
-    concurrency: int = run_default("agent_concurrency")
+    concurrency: int = shared("agent_concurrency")
     """Agent sessions run at once by this process."""
 
     model: str = ""
     """The model name single-policy agents ask the gateway for; empty = the run's first
     policy (``SF_POLICIES``)."""
 
-    max_tokens: int = run_default("max_tokens")
+    max_tokens: int = shared("max_tokens")
     """Completion budget per agent call."""
 
     temperature: float = 1.0

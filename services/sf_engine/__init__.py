@@ -1,3 +1,4 @@
 """The engine worker: one inference engine behind NATS (``service``), and the engines it
-can wrap (``backends``: vLLM, transformers, scripted). Deployed apart from the gateway,
-which reaches it only through the engine subjects (``protocol.Subjects.engine_*``)."""
+can wrap (``backends``, each registered in ``ENGINE_BACKENDS``). Deployed apart from the
+gateway, which reaches it only through the engine subjects
+(``protocol.Subjects.engine_*``)."""

@@ -1,12 +1,13 @@
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from seamlessflow.machine import engine_dtype
-from seamlessflow.runfile import RunFileSettings, run_default
+from seamlessflow.plugins import ChosenFrom
+from seamlessflow.runfile import RunFileSettings, shared
 
 
 class EngineSettings(RunFileSettings):
@@ -19,12 +20,10 @@ class EngineSettings(RunFileSettings):
     engine_id: str = ""
     """Unique id of this worker; default ``engine-<host>-<pid>``."""
 
-    backend: str = "hf"
-    """Inference engine: ``hf`` (transformers; tests, tiny models), ``vllm`` (vLLM
-    ``AsyncLLM``; needs the ``vllm`` extra) or ``scripted`` (no model compute:
-    deterministic tokens for load tests, ``SF_ENGINE_SCRIPTED_STEP_S`` per decode step)."""
+    backend: Annotated[str, ChosenFrom("sf_engine.backends.registry:ENGINE_BACKENDS")] = "hf"
+    """Inference engine backend (``sf_engine.backends``), by its registered name."""
 
-    max_batch_size: int = run_default("engine_batch_size")
+    max_batch_size: int = shared("engine_batch_size")
     """Requests decoded together."""
 
     max_context: int = 1024

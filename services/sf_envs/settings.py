@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from seamlessflow.runfile import RunFileSettings, run_default
+from seamlessflow.runfile import RunFileSettings, shared
 
 EnvironmentName = Literal["guess_number"]
 """The environments ``python -m sf_envs`` serves (``sf_envs.server.ENVIRONMENTS``)."""
@@ -31,12 +31,12 @@ class EnvServerSettings(RunFileSettings):
     """Port to listen on; 0 picks a free one. Either way the server prints
     ``listening on http://HOST:PORT`` once it accepts connections."""
 
-    step_latency_ms: float = Field(default=run_default("env_step_latency_ms"), ge=0.0)
+    step_latency_ms: float = shared("env_step_latency_ms", ge=0.0)
     """Median time a step takes, in milliseconds (a stand-in for a slow environment:
     a browser, a sandbox, a simulator); 0 = answer at once. Each step waits a log-normal
     draw with this median and ``step_latency_sigma``, without holding up other sessions."""
 
-    step_latency_sigma: float = Field(default=run_default("env_latency_sigma"), ge=0.0)
+    step_latency_sigma: float = shared("env_latency_sigma", ge=0.0)
     """Spread of the step latency: the sigma of the log-normal's underlying normal
     (0 = every step takes exactly the median; 0.5 = the middle 50% within 0.71x-1.40x)."""
 

@@ -5,7 +5,7 @@ from typing import Self
 from pydantic import model_validator
 from pydantic_settings import SettingsConfigDict
 
-from seamlessflow.runfile import RunFileSettings, run_default
+from seamlessflow.runfile import RunFileSettings, shared
 from sf_tag_scheduler.policy import Mode, PolicyConfig
 
 
@@ -16,7 +16,7 @@ class TagSchedulerSettings(RunFileSettings):
         env_prefix="SF_TAG_SCHEDULER_", extra="ignore", use_attribute_docstrings=True
     )
 
-    mode: Mode = run_default("mode")
+    mode: Mode = shared("mode")
     """How engines on training slots (tagged ``train`` and ``rollout``) are lent while
     the trainer waits: ``colocated`` and ``multiplexed`` always, ``disaggregated``
     never, ``auto`` (the default) while steps/s measured with lending beat steps/s

@@ -29,7 +29,7 @@ from seamlessflow.plugin_settings import (
     Settings,
     settings_of,
 )
-from seamlessflow.plugins import Registry
+from seamlessflow.plugins import Registry, first_paragraph
 from seamlessflow.protocol import SampleGroup, TrainSample
 
 if TYPE_CHECKING:
@@ -55,6 +55,12 @@ class AdvantageEstimator(Generic[Settings]):
     ) -> list[torch.Tensor]:
         """Each sample's advantage; ``settings``: its settings (default: their defaults)."""
         return self.estimate(groups, self.settings_class() if settings is None else settings)
+
+    @property
+    def summary(self) -> str:
+        """What it computes (the configuration reference lists it): the first paragraph
+        of its function's docstring."""
+        return first_paragraph(self.estimate.__doc__)
 
 
 ESTIMATORS: Registry[AdvantageEstimator[Any]] = Registry(

@@ -2,7 +2,7 @@
 evaluation reward (its ``eval_reward_fn`` where it names one, e.g. an accuracy without the
 training reward's format term; else its ``reward_fn``).
 
-The trainer evaluates with its own model (``SF_TRAINER_EVAL_EVERY``), not through the
+The trainer evaluates with its own model (``SF_EVAL_EVERY``), not through the
 gateway and the engines: no rollout capacity is taken, the result does not depend on
 which version an engine serves at that moment, and it is the same with or without
 engines (greedy decoding, so one answer per prompt and no sampling seed). Every rank
@@ -53,7 +53,7 @@ class EvalSet:
                 task_items = task_items[: settings.eval_items]
             if not task_items:
                 raise ValueError(
-                    f"SF_TRAINER_EVAL_TASK={settings.eval_task}: {task} has no eval items"
+                    f"evaluation task {settings.evaluated_task}: {task} has no eval items"
                 )
             items += task_items
             task_of += [task] * len(task_items)

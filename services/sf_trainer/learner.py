@@ -289,7 +289,7 @@ class Learner:
         return state
 
     def evaluate(self) -> EvalResult:
-        """The policy on the held-out split (needs ``SF_TRAINER_EVAL_EVERY`` > 0)."""
+        """The policy on the held-out split (needs ``SF_EVAL_EVERY`` > 0)."""
         self._announce(Evaluate())
         return self._evaluate()
 
@@ -347,7 +347,7 @@ class Learner:
 
     def _evaluate(self) -> EvalResult:
         if self.eval_set is None:
-            raise RuntimeError("evaluation needs SF_TRAINER_EVAL_EVERY > 0")
+            raise RuntimeError("evaluation needs SF_EVAL_EVERY > 0")
         return evaluate(self.model, self.model_dir, self.eval_set, self.settings, self.group)
 
     def _gather_checkpoint(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -40,7 +40,7 @@ from pydantic import Field
 
 from seamlessflow.plugin_settings import NoSettings, PluginChoice, Settings, settings_of
 from seamlessflow.plugin_settings import PluginSettings as LossSettings
-from seamlessflow.plugins import Registry
+from seamlessflow.plugins import Registry, first_paragraph
 from sf_trainer.grpo import ppo_clip
 
 LOSS_VARIABLE = "SF_TRAINER_LOSS"
@@ -125,6 +125,14 @@ class PolicyLoss(Generic[Settings]):
     def settings(self, **values: Any) -> Settings:
         """Its settings: the defaults, with ``values`` (checked) instead."""
         return self.settings_class.model_validate(values)
+
+    @property
+    def summary(self) -> str:
+        """What it computes (the configuration reference lists it): its terms', then its
+        aggregation's docstring, first paragraph each (``dr_grpo`` is ``grpo``'s terms
+        with another aggregation)."""
+        parts = (first_paragraph(self.terms.__doc__), first_paragraph(self.aggregate.__doc__))
+        return " ".join(part for part in parts if part)
 
     def __call__(
         self, inputs: LossInputs, settings: Settings, totals: BatchTotals, kl_coef: float = 0.0
@@ -241,10 +249,12 @@ def token_sum_over_constant(
     per_token: torch.Tensor, mask: torch.Tensor, totals: BatchTotals, settings: DrGrpoSettings
 ) -> torch.Tensor:
     """Dr. GRPO: each sequence's token sum divided by a constant C, averaged over the
-    batch's sequences: ``sum / (sequences x C)``. C is ``constant_tokens`` (the
-    generation budget, as in the paper), or the batch's longest response when 0:
-    either way one number for the whole batch, so a token's weight depends neither on
-    its sequence's length nor on how many tokens the batch has."""
+    batch's sequences: ``sum / (sequences x C)``.
+
+    C is ``constant_tokens`` (the generation budget, as in the paper), or the batch's
+    longest response when 0: either way one number for the whole batch, so a token's
+    weight depends neither on its sequence's length nor on how many tokens the batch
+    has."""
     constant = settings.constant_tokens or totals.longest_response
     return (per_token * mask).sum() / (totals.sequences * constant)
 
@@ -253,8 +263,10 @@ def sequence_mean(
     per_token: torch.Tensor, mask: torch.Tensor, totals: BatchTotals, settings: LossSettings
 ) -> torch.Tensor:
     """Every sequence weighs the same: the token mean of each sequence, summed, divided
-    by the batch's sequences. A sequence-level term (the same on all its tokens) is
-    thus summed per sequence and divided by the number of sequences."""
+    by the batch's sequences.
+
+    A sequence-level term (the same on all its tokens) is thus summed per sequence and
+    divided by the number of sequences."""
     per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
     return per_sequence.sum() / totals.sequences
 

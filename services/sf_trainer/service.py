@@ -20,7 +20,7 @@ Produces:
 - with a push group (``SF_WEIGHTS_GROUP_*``): each payload broadcast to the group's
   engines; with ``nccl`` it answers ``sf.<run>.weights.<policy>.group`` (the NCCL id)
 - ``sf.<run>.train.<policy>.metrics`` / ``.finished`` (JetStream ``SF_<RUN>_METRICS``),
-  and ``.eval`` (TrainEvalMetrics, every ``SF_TRAINER_EVAL_EVERY`` steps, of the base
+  and ``.eval`` (TrainEvalMetrics, every ``SF_EVAL_EVERY`` steps, of the base
   model before the first step and after the last)
 - ``sf.<run>.sched.register`` / ``sf.<run>.sched.heartbeat.<trainer>``
 - ``sf.<run>.sched.claim`` (SlotsClaim: a batch is here, reclaim engines lent from my
@@ -353,7 +353,7 @@ class TrainerService:
             return await self.publisher.publish_encoded(encoded)
 
     async def _checkpoint_if_due(self) -> None:
-        """``checkpoints/step-<n>`` every ``SF_TRAINER_CHECKPOINT_EVERY`` steps, keeping
+        """``checkpoints/step-<n>`` every ``SF_CHECKPOINT_EVERY`` steps, keeping
         the newest ``SF_TRAINER_KEEP_CHECKPOINTS``."""
         every = self.settings.checkpoint_every
         if every and self.step % every == 0 and self.ctx.mesh.run_dir is not None:

@@ -8,9 +8,9 @@ and ``[trainer.advantage]`` / ``SF_TRAINER_ADVANTAGE__<KEY>``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -21,10 +21,11 @@ from pydantic_settings import (
 
 from seamlessflow.machine import PrecisionChoice, resolve_precision
 from seamlessflow.plugin_settings import NESTED_DELIMITER, PluginChoice
+from seamlessflow.plugins import ChosenFrom
 from seamlessflow.runfile import (
     RunFileSettings,
     RunFileSource,
-    run_default,
+    shared,
 )
 from seamlessflow.tasks.schedule import schedule_sources
 
@@ -40,8 +41,10 @@ RETIRED_LOSS_SETTINGS: dict[str, tuple[str, str]] = {
     "dr_grpo_tokens": ("constant_tokens", "dr_grpo"),
 }
 """Loss hyperparameters that were flat trainer settings: old field -> (its key in the
-loss's own settings, the losses that have it). Set (``SF_TRAINER_IS_CAP``, ``[trainer]
-is_cap``), they stop a process with the new spelling instead of being ignored."""
+loss's own settings, the losses that read the flat setting: a record of where it went,
+not a list of the losses, which is the registry's). Set (``SF_TRAINER_IS_CAP``,
+``[trainer] is_cap``), they stop a process with the new spelling instead of being
+ignored."""
 
 
 def retired_loss_setting(field: str) -> str:
@@ -111,13 +114,13 @@ class TrainerSettings(RunFileSettings):
     }
     _precision_choice: PrecisionChoice = PrivateAttr()
 
-    steps: int = run_default("steps")
+    steps: int = shared("steps")
     """Optimizer steps (one batch each); the trainer finishes after this many. Steps a
     resume lost (taken after the checkpoint it resumes from) count: their batches are
     not trained again. The policy's step budget: the trainer announces it at start
     (``TrainingPlanned``) and the trajectory service dispatches for it."""
 
-    lr: float = run_default("lr")
+    lr: float = shared("lr")
     """AdamW peak learning rate; ``lr_schedule`` and ``warmup_steps`` shape it over the
     run's ``steps``. The rate each step used is its metrics' ``lr``."""
 
@@ -133,7 +136,7 @@ class TrainerSettings(RunFileSettings):
     min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     """``linear`` / ``cosine``: the rate the decay ends at, as a fraction of ``lr``."""
 
-    precision: Literal["auto", "fp32", "bf16-mixed"] = run_default("precision")
+    precision: Literal["auto", "fp32", "bf16-mixed"] = shared("precision")
     """Compute precision of forward and backward. ``auto`` (resolved when the settings
     are read, ``seamlessflow.machine.resolve_precision``): ``bf16-mixed`` where ``device``
     computes bf16 natively (a CUDA device that supports it, a CPU whose oneDNN reports
@@ -164,23 +167,26 @@ class TrainerSettings(RunFileSettings):
     keeping them (HF gradient checkpointing, non-reentrant): less memory, about one more
     forward per step; the gradients are the same."""
 
-    eval_every: int = Field(default=run_default("eval_every"), ge=0)
+    eval_every: int = shared("eval_every", ge=0)
     """Evaluate the policy on ``eval_task``'s held-out split every N steps, after the
     step's version is published (a ``TrainEvalMetrics`` record, also in
     ``metrics.jsonl``); 0 = never."""
 
-    eval_task: str = run_default("task")
+    task: str = shared("task")
+    """The run's task: evaluated unless ``eval_task`` names another."""
+
+    eval_task: str = ""
     """Task source (``seamlessflow.tasks``) whose ``eval`` split is evaluated, built with
-    the run's seed (``SF_SEED``: the split depends on it); ``seamlessflow up`` sets it to
-    the run's task. Several, comma-separated (``rg:chain_sum,rg:bf``), or a run's task
-    schedule (every source it names): each is scored separately, by its own evaluation
-    reward (``by_task`` in the record), and the record's mean is the mean of the tasks'
-    means."""
+    the run's seed (``SF_SEED``: the split depends on it); empty: the run's ``task``
+    (a policy of a multi-policy run may evaluate on its own). Several, comma-separated
+    (``rg:chain_sum,rg:bf``), or a run's task schedule (every source it names): each is
+    scored separately, by its own evaluation reward (``by_task`` in the record), and the
+    record's mean is the mean of the tasks' means."""
 
     eval_items: int = Field(default=64, ge=0)
     """Prompts evaluated per task: the first N of its eval split (0 = all of it)."""
 
-    eval_max_tokens: int = Field(default=run_default("max_tokens"), ge=1)
+    eval_max_tokens: int = shared("max_tokens", ge=1)
     """Completion budget of each evaluated answer (greedy decoding)."""
 
     eval_batch_size: int = Field(default=64, ge=1)
@@ -197,27 +203,18 @@ class TrainerSettings(RunFileSettings):
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm."""
 
-    advantage: AdvantageChoice = AdvantageChoice()
-    """Advantage estimator plug-in (``sf_trainer.advantages``): ``grpo`` ((r - mean) /
-    (std + 1e-6) within each group), ``dr_grpo`` (r - group mean), ``rloo`` (r - mean of
-    the group's other samples), ``reinforce_pp`` ((r - mean) / std over the whole
-    batch), ``reinforce_pp_baseline`` (r - group mean, divided by the batch's std of
-    those); or ``package.module:attribute``, an ``AdvantageEstimator``. Its own settings
-    (none for the built-in ones): ``SF_TRAINER_ADVANTAGE__<KEY>`` or ``[trainer.advantage]``
-    (with ``name``)."""
+    advantage: Annotated[AdvantageChoice, ChosenFrom("sf_trainer.advantages:ESTIMATORS")] = (
+        AdvantageChoice()
+    )
+    """Advantage estimator plug-in (``sf_trainer.advantages``): a registered name, or
+    ``package.module:attribute``, an ``AdvantageEstimator``. Its own settings:
+    ``SF_TRAINER_ADVANTAGE__<KEY>`` or ``[trainer.advantage]`` (with ``name``)."""
 
-    loss: LossChoice = LossChoice()
-    """Policy loss plug-in (``sf_trainer.losses``): ``grpo_decoupled`` (decoupled PPO +
-    truncated IS), ``grpo`` (PPO-clip against the behaviour logprobs), ``dapo``
-    (clip-higher), all three a mean over the batch's tokens; ``dr_grpo`` (``grpo``'s
-    terms, token sum / (sequences x C)); ``gspo`` (sequence-level ratio and clip, mean
-    over sequences); or ``package.module:attribute``, a ``PolicyLoss``. Its own settings
-    are ``SF_TRAINER_LOSS__<KEY>`` or keys of ``[trainer.loss]`` (with ``name``), and a key
-    the chosen loss lacks is refused: ``grpo`` clip_eps (0.2); ``grpo_decoupled``
-    clip_eps (0.2), is_cap (2.0, the truncation of the behaviour importance weight);
-    ``dr_grpo`` clip_eps (0.2), constant_tokens (C; 0 = the batch's longest response);
-    ``dapo`` clip_eps_low (0.2), clip_eps_high (0.28); ``gspo`` clip_eps_low (3e-4),
-    clip_eps_high (4e-4), the clip of the sequence ratio."""
+    loss: Annotated[LossChoice, ChosenFrom("sf_trainer.losses:LOSSES")] = LossChoice()
+    """Policy loss plug-in (``sf_trainer.losses``): a registered name, or
+    ``package.module:attribute``, a ``PolicyLoss``. Its own settings are
+    ``SF_TRAINER_LOSS__<KEY>`` or keys of ``[trainer.loss]`` (with ``name``), and a key
+    the chosen loss lacks is refused."""
 
     kl_coef: float = Field(default=0.0, ge=0.0)
     """Weight of the k3 KL to the reference model (the base model of ``SF_MODEL_DIR``,
@@ -260,7 +257,7 @@ class TrainerSettings(RunFileSettings):
     logits. Models whose head is more than the output embedding (e.g. a final logit
     soft-cap) always use whole logits."""
 
-    checkpoint_every: int = run_default("checkpoint_every")
+    checkpoint_every: int = shared("checkpoint_every")
     """Also checkpoint every N steps (0 = only at the end and on stop). A resume loses
     the steps after the checkpoint it starts from (the policy never learns from their
     batches)."""
@@ -325,17 +322,21 @@ class TrainerSettings(RunFileSettings):
                 raise ValueError(f"{variable}={choice.name!r}: {exc}") from None
         return self
 
-    @field_validator("eval_task")
-    @classmethod
-    def _eval_task_names_its_sources(cls, value: str) -> str:
-        if not schedule_sources(value):  # a malformed weight raises here, with its entry
-            raise ValueError("SF_TRAINER_EVAL_TASK names no task")
-        return value
+    @model_validator(mode="after")
+    def _eval_task_names_its_sources(self) -> TrainerSettings:
+        if not schedule_sources(self.evaluated_task):  # a malformed weight raises here
+            raise ValueError(f"SF_TRAINER_EVAL_TASK={self.evaluated_task!r} names no task")
+        return self
+
+    @property
+    def evaluated_task(self) -> str:
+        """What is evaluated: ``eval_task``, or the run's task."""
+        return self.eval_task or self.task
 
     def eval_tasks(self) -> list[str]:
-        """The task sources ``eval_task`` names, in order, each once: a list, or a run's
-        whole task schedule (``a:10,a+b`` -> ``a``, ``b``)."""
-        return schedule_sources(self.eval_task)
+        """The task sources evaluated, in order, each once: a list, or a run's whole
+        task schedule (``a:10,a+b`` -> ``a``, ``b``)."""
+        return schedule_sources(self.evaluated_task)
 
     @model_validator(mode="after")
     def _precision_from_the_hardware(self) -> TrainerSettings:

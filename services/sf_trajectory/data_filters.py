@@ -19,16 +19,9 @@ lists the filters in order, each a name registered in ``DATA_FILTERS`` or a dott
 ``[trajectory.data_filter.<name>]`` in the run file, or
 ``SF_TRAJECTORY_DATA_FILTER__<NAME>__<KEY>``. A key the filter lacks, settings for a
 filter that is not listed and a class that is not a filter are configuration errors.
-Built in:
-
-- ``staleness``: drop the samples with a token generated more than ``max_staleness``
-  versions before the batch's training version (reason ``stale``);
-- ``dynamic_sampling`` (DAPO): drop a group whose rewards are all equal (reason
-  ``zero_variance``): its GRPO advantages are all zero, it would only dilute the batch.
-  At most ``max_refills`` per batch, then such groups are let through;
-- ``history_resampling`` (SRPO): at each epoch boundary drop the prompts whose latest
-  rollouts were all correct (reward at least ``correct_reward``); keep the mixed and
-  the all-wrong ones.
+The built-in filters are the classes below, registered in ``DATA_FILTERS``; the
+configuration reference (docs/configuration.md, "Plug-ins") lists them from there, each
+with its docstring's first paragraph and its keys.
 """
 
 from __future__ import annotations
@@ -98,8 +91,9 @@ class StalenessSettings(PluginSettings):
 
 
 class Staleness:
-    """Drop samples with a token made more than ``max_staleness`` versions before the
-    version that trains the batch; a group left empty is dropped."""
+    """Drop the samples with a token generated more than ``max_staleness`` versions
+    before the version that trains the batch (reason ``stale``); a group left empty is
+    dropped."""
 
     name = "staleness"
     settings_class = StalenessSettings
@@ -135,7 +129,9 @@ class DynamicSamplingSettings(PluginSettings):
 
 
 class DynamicSampling:
-    """Drop groups whose rewards are all equal; at most ``max_refills`` per batch.
+    """DAPO's dynamic sampling: drop a group whose rewards are all equal (reason
+    ``zero_variance``): its GRPO advantages are all zero, it would only dilute the batch.
+    At most ``max_refills`` per batch, then such groups are let through.
 
     Each dropped group is refilled by the dispatcher. The cap bounds what a batch costs
     when the policy solves (or fails) every prompt: past it, zero-variance groups fill
@@ -207,7 +203,9 @@ class HistoryResamplingSettings(PluginSettings):
 
 
 class HistoryResampling:
-    """SRPO: drop a prompt whose latest complete group, in this stage, was all correct.
+    """SRPO's history resampling: at each epoch boundary, drop the prompts whose latest
+    complete group, in this stage, was all correct (reward at least ``correct_reward``);
+    keep the mixed and the all-wrong ones.
 
     "Latest" is by dispatch index, so the verdict does not depend on the order groups are
     observed in (completion order, or a replay after a restart). A prompt whose group of

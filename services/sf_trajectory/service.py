@@ -32,7 +32,7 @@ and once for the run:
   epoch or stage starts, message id ``MessageIds.data_epoch_report``; published before
   the claim that opens the epoch is answered)
 - ``sf.<run>.traj.event.group.<group>`` (JetStream ``SF_<RUN>_TRAJ``: GroupClosed when
-  a group handed out made no progress for ``SF_TRAJECTORY_GROUP_TIMEOUT_S``, see
+  a group handed out made no progress for ``SF_GROUP_TIMEOUT_S``, see
   ``timeouts``; message id ``closed-<group>``)
 
 Data algorithms (``data_filters``) and the stage schedule (``schedule``) are configured
@@ -388,7 +388,7 @@ class TrajectoryService:
         if self.settings.stall_timeouts and idle >= limit:
             raise Unrecoverable(
                 f"the run is stalled: no session finished for {idle:.0f}s while "
-                f"{timed_out} group(s) timed out (SF_TRAJECTORY_GROUP_TIMEOUT_S="
+                f"{timed_out} group(s) timed out (SF_GROUP_TIMEOUT_S="
                 f"{self.timeouts.timeout_s:.0f}); check that agents reach the gateway and "
                 "engines answer (their logs)"
             )

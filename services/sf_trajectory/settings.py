@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from seamlessflow.runfile import RunFileSettings, run_default
+from seamlessflow.plugins import ChosenFrom
+from seamlessflow.runfile import RunFileSettings, shared
 from sf_trajectory.data_filters import SETTINGS_VARIABLE, build_filters, parse_filter_names
 from sf_trajectory.schedule import StageSpec, parse_stages
 
@@ -44,7 +45,7 @@ class TrajectorySettings(RunFileSettings):
         field: retired_filter_setting(field) for field in RETIRED_FILTER_SETTINGS
     }
 
-    task: str = run_default("task")
+    task: str = shared("task")
     """What the agents roll out (when no ``stages`` are set): a task source
     (``seamlessflow.tasks``), a mixture of sources (``a*2+b``) or a whole schedule in the
     ``stages`` syntax (``a:100,a+b``: how ``seamlessflow up --task`` runs SRPO's stages)."""
@@ -57,29 +58,25 @@ class TrajectorySettings(RunFileSettings):
     (``lookup:100,lookup*1+arithmetic*3``), each prompt scored by its own source's reward
     function. The switch happens at a batch boundary. Empty = ``task``'s schedule."""
 
-    group_size: int = run_default("group_size")
+    group_size: int = shared("group_size")
     """Samples per task: one GRPO group."""
 
-    groups_per_batch: int = run_default("groups_per_batch")
+    groups_per_batch: int = shared("groups_per_batch")
     """Groups in one trainer batch (one optimizer step)."""
 
-    data_filters: str = "staleness"
+    data_filters: Annotated[str, ChosenFrom("sf_trajectory.data_filters:DATA_FILTERS")] = (
+        "staleness"
+    )
     """Data algorithms, comma-separated, in order (``sf_trajectory.data_filters``): each a
-    registered name or a dotted path (``package.module:Class``) to your own. Built in:
-    ``staleness`` (drop samples too many versions old), ``dynamic_sampling`` (drop groups
-    whose rewards are all equal and dispatch a refill), ``history_resampling`` (SRPO: at
-    each epoch boundary drop the prompts whose rollouts were all correct). Group filters
-    judge a group in this order; empty = none."""
+    registered name or a dotted path (``package.module:Class``) to your own. Group
+    filters judge a group in this order; empty = none."""
 
     data_filter: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Each listed filter's own settings, under its name: ``[trajectory.data_filter.staleness]
     max_staleness = 2`` in the run file, ``SF_TRAJECTORY_DATA_FILTER__STALENESS__MAX_STALENESS=2``
-    in the environment. Built-in keys (defaults): ``staleness.max_staleness`` (4: a sample
-    with a token generated more than this many versions before the version that trains it
-    is dropped, reason ``stale``); ``dynamic_sampling.max_refills`` (32 zero-variance
-    groups dropped and refilled per batch, later ones kept; 0 = count but keep);
-    ``history_resampling.correct_reward`` (1.0: a rollout with at least this reward counts
-    as correct). A key the filter lacks, or keys for a filter not listed, stop the service."""
+    in the environment. The built-in filters' keys and their defaults are listed with
+    the filters (``SF_TRAJECTORY_DATA_FILTERS``, docs/configuration.md's "Plug-ins"). A
+    key the filter lacks, or keys for a filter not listed, stop the service."""
 
     reward_fns: str = ""
     """Dotted-path reward functions (``pkg.mod:fn``) a session may name, comma-separated,
@@ -92,14 +89,14 @@ class TrajectorySettings(RunFileSettings):
     (a sandbox, a judge service) holds back only its own session's group: other groups'
     events go on being applied, and up to this many verifications overlap."""
 
-    max_batches_ahead: int = run_default("max_batches_ahead")
+    max_batches_ahead: int = shared("max_batches_ahead")
     """Rollout rhythm: how many batches may be dispatched beyond what the trainer has
     consumed. 0 = synchronous (on-policy: each assignment names the version just
     published as its floor, and engines catch up to it before they answer); larger
     values overlap rollout and training at the cost of staleness (a sample is at most
     ``max_batches_ahead + 1`` versions old)."""
 
-    group_timeout_s: float = run_default("group_timeout_s")
+    group_timeout_s: float = shared("group_timeout_s")
     """A group handed out to agents that makes no progress (no claim of one of its
     samples, no event of one of its sessions) for this long is closed: its unfinished
     samples are dropped (``timed_out``) and the group goes on with the samples it has,

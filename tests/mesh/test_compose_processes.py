@@ -68,11 +68,11 @@ STEPS = 3
 VARIABLES = {
     "SF_NATS_TOKEN": "-" + secrets.token_urlsafe(16),
     "SF_GATEWAY_API_KEYS": secrets.token_urlsafe(16),
-    "SF_TRAINER_STEPS": str(STEPS),
+    "SF_STEPS": str(STEPS),
     # plumbing, not learning: the suite's 30 warm-up steps, not the recipe's 500
     "SF_BASE_MODEL_SFT_STEPS": "30",
-    "SF_TRAJECTORY_GROUP_SIZE": "4",
-    "SF_TRAJECTORY_GROUPS_PER_BATCH": "2",
+    "SF_GROUP_SIZE": "4",
+    "SF_GROUPS_PER_BATCH": "2",
 }
 # Ports the services listen on inside their containers, published or not.
 SERVICE_PORTS = {"nats": (4222, 8222), "gateway": (8000,), "jaeger": (4318,)}
@@ -116,7 +116,7 @@ def test_the_gpu_profile_renders_a_resuming_trainer_on_every_gpu_with_pinned_pac
     assert {"engine-gpu", "trainer-gpu"} <= gpu.keys()
     assert not {"engine-gpu", "trainer-gpu", "engine-lend"} & default.keys()
     trainer, cpu_trainer = environment(gpu["trainer-gpu"]), environment(default["trainer"])
-    for key in ("SF_TRAINER_STEPS", "SF_TRAINER_RESUME", "SF_TRAINER_CHECKPOINT_EVERY"):
+    for key in ("SF_STEPS", "SF_TRAINER_RESUME", "SF_CHECKPOINT_EVERY"):
         assert trainer[key] == cpu_trainer[key], key
     assert trainer["SF_TRAINER_RESUME"] == "latest"
     assert not restarts_after(gpu["trainer-gpu"]["restart"], 0)
@@ -468,9 +468,7 @@ def test_compose_as_processes_trains_the_built_in_task_and_keeps_its_final(
             (containers.logs / "agents-0.log").read_text(),
         )
         assert done, containers.tails()
-        samples_per_batch = int(VARIABLES["SF_TRAJECTORY_GROUP_SIZE"]) * int(
-            VARIABLES["SF_TRAJECTORY_GROUPS_PER_BATCH"]
-        )
+        samples_per_batch = int(VARIABLES["SF_GROUP_SIZE"]) * int(VARIABLES["SF_GROUPS_PER_BATCH"])
         completed, failed = int(done[1]), int(done[2])
         assert failed == 0 and completed >= STEPS * samples_per_batch, done[0]
 

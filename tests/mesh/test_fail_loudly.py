@@ -161,7 +161,10 @@ def test_export_takes_the_token_from_the_environment_or_the_run_directory(
     ("service", "settings", "expected"),
     [
         ("gateway", {"SF_GATEWAY_HOST": "0.0.0.0"}, "SF_GATEWAY_PUBLIC_URL"),
-        ("trainer", {"SF_TRAINER_STEPS": "many"}, "steps: Input should be a valid integer"),
+        ("trainer", {"SF_STEPS": "many"}, "SF_STEPS: Input should be a valid integer"),
+        # a shared value's old per-service name names its one variable
+        ("trainer", {"SF_TRAINER_STEPS": "3"}, "the run's steps is SF_STEPS"),
+        ("agents", {"SF_AGENTS_MAX_TOKENS": "9"}, "the run's max_tokens is SF_MAX_TOKENS"),
         ("trajectory", {"SF_TRAJECTORY_TOTAL_BATCHES": "5"}, "TOTAL_BATCHES is no longer read"),
         ("trainer", {"SF_TRAINER_SEED": "1"}, "the run's seed is SF_SEED"),
     ],

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from seamlessflow.bus import EXIT_UNRECOVERABLE
-from seamlessflow.runfile import RUN_KEYS, RUN_OPTIONS, RunFileError, section_of
+from seamlessflow.protocol import DEFAULT_POLICY
+from seamlessflow.runfile import RunFileError, RunShared, section_of, shared_fields
 from seamlessflow.settings import MeshSettings
-from sf_app.cli import settings_classes
 from sf_app.run.config import RunConfig
 from sf_app.run.file import read_run_file
+from sf_app.service_table import settings_classes
 from sf_tag_scheduler.settings import TagSchedulerSettings
 from sf_trainer.settings import TrainerSettings
 from tests.support import REPO_ROOT
@@ -78,7 +80,7 @@ log_level = "DEBUG"
     scheduler = TagSchedulerSettings()
     assert (scheduler.mode, scheduler.lend_margin) == ("multiplexed", 0.25)
     # the environment wins over the file, and arguments in code over both
-    clean_environment.setenv("SF_TRAINER_STEPS", "9")
+    clean_environment.setenv("SF_STEPS", "9")
     assert TrainerSettings().steps == 9
     assert TrainerSettings(steps=11).steps == 11
     # without SF_CONFIG, defaults
@@ -86,35 +88,28 @@ log_level = "DEBUG"
     assert TrainerSettings().loss == TrainerSettings.model_fields["loss"].default
 
 
-def test_every_run_key_sets_a_real_field(clean_environment: pytest.MonkeyPatch) -> None:
-    """``RUN_KEYS`` names variables that some settings class reads, and ``[run]`` keys
-    that ``seamlessflow up`` takes."""
-    variables = set()
-    for cls in settings_classes():
-        prefix = cls.model_config.get("env_prefix", "")
-        variables |= {(prefix + name).upper() for name in cls.model_fields}
-    for key, names in RUN_KEYS.items():
+def test_every_shared_value_is_an_up_option_and_a_field_some_process_uses(
+    clean_environment: pytest.MonkeyPatch,
+) -> None:
+    """Each key of the shared section (``RunShared``) is a ``[run]`` key of
+    ``seamlessflow up`` and sets at least one field of a settings class."""
+    used = {key for cls in settings_classes() for key in shared_fields(cls).values()}
+    for key in RunShared.model_fields:
         assert key in RunConfig.model_fields, key
-        assert set(names) <= variables, (key, set(names) - variables)
+        assert key in used, f"no process uses the shared value {key}"
 
 
-def test_every_run_option_has_one_default(clean_environment: pytest.MonkeyPatch) -> None:
-    """A run option's default is declared once (``RUN_OPTIONS``): ``RunConfig``, the CLI
-    and every settings field it sets have that one, unless the option says why not."""
-    fields = {}
+def test_every_shared_value_has_one_default(clean_environment: pytest.MonkeyPatch) -> None:
+    """A shared value's default is declared once (``RunShared``): ``RunConfig`` inherits
+    it, and every settings field that is that value has it (``shared``). The one
+    exception is ``up``'s policies, a list that holds the default policy."""
     for cls in settings_classes():
-        prefix = cls.model_config.get("env_prefix", "")
-        fields |= {(prefix + name).upper(): info for name, info in cls.model_fields.items()}
-    for key, option in RUN_OPTIONS.items():
-        run_field = RunConfig.model_fields[key]
-        run_value = run_field.get_default(call_default_factory=True)
-        assert run_value == ([option.default] if key == "policies" else option.default), key
-        for variable in option.variables:
-            if option.service_default_differs:
-                continue
-            assert fields[variable].default == option.default, (key, variable)
-    differing = {key for key, option in RUN_OPTIONS.items() if option.service_default_differs}
-    assert differing == {"policies"}
+        for field, key in shared_fields(cls).items():
+            expected = RunShared.model_fields[key].default
+            assert cls.model_fields[field].default == expected, (cls.__name__, field)
+    for key, info in RunShared.model_fields.items():
+        run_value = RunConfig.model_fields[key].get_default(call_default_factory=True)
+        assert run_value == ([DEFAULT_POLICY] if key == "policies" else info.default), key
 
 
 @pytest.mark.parametrize(
@@ -220,6 +215,7 @@ def test_a_run_started_from_a_file_reports_to_tensorboard_and_wandb(
     import os
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from tests.support.wandb_records import logged
 
     run_file = write(
@@ -248,7 +244,11 @@ eval_items = 4
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     run_dir = tmp_path / "runs" / "from-file"
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (run_dir / "run.toml").read_text() == run_file.read_text()
+    assert (run_dir / "run-file.toml").read_text() == run_file.read_text()
+    # the resolved file every process read: the command line's steps, the file's rest
+    resolved = tomllib.loads((run_dir / "run.toml").read_text())
+    assert (resolved["run"]["steps"], resolved["trainer"]["steps"]) == (2, 2)
+    assert (resolved["trainer"]["eval_items"], resolved["trainer"]["eval_every"]) == (4, 2)
     config = json.loads((run_dir / "summary.json").read_text())["config"]
     assert (config["steps"], config["group_size"], config["report_to"]) == (
         2, 4, ["tensorboard", "wandb"],
@@ -279,10 +279,14 @@ class _Captured(Exception):
 
 
 def test_up_takes_every_run_config_field_and_only_what_was_given(
-    monkeypatch: pytest.MonkeyPatch,
+    clean_environment: pytest.MonkeyPatch,
 ) -> None:
     """``up``'s options are generated from ``RunConfig``: one per field, and a value not
-    given on the command line keeps the field's default (or the run file's value)."""
+    given on the command line keeps the field's default (or the run file's value, or
+    the environment's shared variable: below the command line)."""
+    monkeypatch = clean_environment
+    monkeypatch.setenv("SF_STEPS", "9")  # the command line wins
+    monkeypatch.setenv("SF_LR", "0.25")
     from typer.testing import CliRunner
 
     import sf_app.run.embedded
@@ -300,11 +304,12 @@ def test_up_takes_every_run_config_field_and_only_what_was_given(
     assert (config.steps, config.policies, config.report_to) == (5, ["a", "b"], ["tensorboard"])
     assert (config.live, config.engine_batch_size, config.mode) == (False, 8, "colocated")
     assert config.max_batches_ahead == 0  # colocated's pacing: not given, so not passed
-    assert config.group_size == RUN_OPTIONS["group_size"].default
+    assert config.group_size == RunShared.model_fields["group_size"].default
+    assert config.lr == 0.25
     # what was given, and what colocated sets; nothing else was passed on
     assert config.model_fields_set == {
         "steps", "policies", "report_to", "live", "engine_batch_size", "mode",
-        "max_batches_ahead",
+        "max_batches_ahead", "lr",
     }  # fmt: skip
 
     help_text = CliRunner().invoke(app, ["up", "--help"], env={"COLUMNS": "200"}).output

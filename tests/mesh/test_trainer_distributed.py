@@ -248,8 +248,8 @@ async def start_torchrun(
         "SF_RUN_ID": mesh.mesh.run_id,
         "SF_RUN_DIR": str(run_dir),
         "SF_MODEL_DIR": str(model_dir),
-        "SF_TRAINER_STEPS": str(steps),
-        "SF_TRAINER_LR": str(SETTINGS["lr"]),
+        "SF_STEPS": str(steps),
+        "SF_LR": str(SETTINGS["lr"]),
         "SF_TRAINER_MICRO_BATCH_TOKENS": str(SETTINGS["micro_batch_tokens"]),
         # every version streams bucket by bucket as the ranks gather it, in buckets
         # smaller than most tensors

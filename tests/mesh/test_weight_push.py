@@ -34,7 +34,7 @@ async def test_engines_get_each_version_by_push_and_shared_memory_is_cleaned_up(
         "SF_WEIGHTS_TRANSPORT": "shm",
         "SF_WEIGHTS_SHM_DIR": str(shm_dir),
         "SF_WEIGHTS_DTYPE": "bfloat16",
-        "SF_TRAINER_LR": "1e-6",
+        "SF_LR": "1e-6",
     }.items():
         monkeypatch.setenv(name, value)
     config = RunConfig(

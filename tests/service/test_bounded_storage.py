@@ -122,7 +122,7 @@ async def test_weight_sync_knows_only_engines_it_heard_from_lately(
     asking or reporting (engines ask every few seconds), and one the tag-scheduler
     declares dead is forgotten at once, so the set (and what a sync waits for) never
     grows from ids that come and go."""
-    from support import InProcessMesh
+    from tests.support import InProcessMesh
 
     expiry_s = 2.0
     mesh = InProcessMesh(nats_url, run_id, None)

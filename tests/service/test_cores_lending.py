@@ -163,7 +163,7 @@ def test_the_thread_count_is_the_applying_threads_own(torch_threads) -> None:  #
 async def test_an_idle_engine_lends_its_core_and_its_next_request_takes_it_back(
     nats_url: str, run_id: str, chatty_model_dir: Path, bus: Bus
 ) -> None:
-    from support import InProcessMesh
+    from tests.support import InProcessMesh
 
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
     try:
@@ -229,7 +229,7 @@ async def test_an_idle_engine_lends_its_core_and_its_next_request_takes_it_back(
 async def test_no_cores_lent_when_lending_to_training_is_off(
     nats_url: str, run_id: str, chatty_model_dir: Path, bus: Bus
 ) -> None:
-    from support import InProcessMesh
+    from tests.support import InProcessMesh
 
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
     try:

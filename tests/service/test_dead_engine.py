@@ -55,7 +55,7 @@ async def start_engine_process(
 async def test_requests_on_a_killed_engine_finish_on_another(
     nats_url: str, run_id: str, chatty_model_dir: Path, bus: Bus, tmp_path: Path
 ) -> None:
-    from support import InProcessMesh
+    from tests.support import InProcessMesh
 
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
     engine_a = await start_engine_process(
@@ -64,7 +64,7 @@ async def test_requests_on_a_killed_engine_finish_on_another(
         run_id,
         chatty_model_dir,
         tmp_path,
-        SF_ENGINE_MAX_BATCH_SIZE=str(AGENTS),
+        SF_ENGINE_BATCH_SIZE=str(AGENTS),
     )
     try:
         scheduler = await mesh.start(
@@ -122,7 +122,7 @@ async def test_requests_on_a_killed_engine_finish_on_another(
             await engine_a.wait()
         await mesh.stop()
 
-    from support import recorded_turns
+    from tests.support import recorded_turns
 
     turns = await recorded_turns(bus)
     assert len(turns) == AGENTS and all(isinstance(t, str) for t in texts)
@@ -140,7 +140,7 @@ async def test_a_request_no_engine_confirms_is_resubmitted(
     not yet declared dead; requests NATS hands it are never confirmed and are
     re-submitted after ``first_chunk_timeout_s`` instead of waiting for the reply
     time-out. Nothing waits on an engine that does not work."""
-    from support import InProcessMesh
+    from tests.support import InProcessMesh
 
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
     frozen = await start_engine_process(
@@ -212,7 +212,7 @@ async def test_an_engine_that_reconnected_has_its_requests_rerouted(
     confirmed (chunk 0 arrived), the request would wait ``generate_timeout_s`` for
     that reply (what a NATS cluster losing a node showed: 300 s for one call). The
     engine's next heartbeat says it reconnected, and the gateway re-routes the call."""
-    from support import InProcessMesh, TcpProxy, eventually, recorded_turns
+    from tests.support import InProcessMesh, TcpProxy, eventually, recorded_turns
 
     monkeypatch.setenv("SF_ENGINE_SCRIPTED_STEP_S", "0.05")  # 40 tokens: ~2 s
     host, _, port = nats_url.removeprefix("nats://").rpartition(":")

@@ -94,7 +94,7 @@ class Fuzzed:
 
 @pytest.fixture(scope="module")
 async def fz(nats_url: str, base_model_dir: Path) -> AsyncIterator[Fuzzed]:
-    from support import InProcessMesh
+    from tests.support import InProcessMesh
 
     run_id = "f" + uuid.uuid4().hex[:12]
     mesh = InProcessMesh(nats_url, run_id, base_model_dir)

@@ -164,7 +164,7 @@ class Mesh:
 
 @pytest.fixture(scope="module")
 async def nz(nats_url: str, base_model_dir: Path) -> AsyncIterator[Mesh]:
-    from support import InProcessMesh
+    from tests.support import InProcessMesh
 
     run_id = "n" + uuid.uuid4().hex[:12]
     mesh = InProcessMesh(nats_url, run_id, base_model_dir)
@@ -203,7 +203,7 @@ async def stop_even_crashed(mesh: Any) -> None:
 @contextlib.asynccontextmanager
 async def own_run(nats_url: str, model_dir: Path | None) -> AsyncIterator[tuple[Bus, Any]]:
     """A fresh run: its own streams, services started by the caller, always stopped."""
-    from support import InProcessMesh
+    from tests.support import InProcessMesh
 
     run_id = "r" + uuid.uuid4().hex[:12]
     bus = await connect(nats_url, Subjects(run_id), name="fuzz")

@@ -40,7 +40,7 @@ class Mesh:
 
 @pytest.fixture
 async def chatty(nats_url: str, run_id: str, chatty_model_dir: Path) -> AsyncIterator[Mesh]:
-    from support import InProcessMesh
+    from tests.support import InProcessMesh
 
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
     try:

@@ -309,7 +309,7 @@ def calling_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def test_tool_user_against_the_real_gateway(
     nats_url: str, run_id: str, bus: Bus, calling_model: Path
 ) -> None:
-    from support import InProcessMesh
+    from tests.support import InProcessMesh
 
     mesh = InProcessMesh(nats_url, run_id, calling_model)
     try:

@@ -86,7 +86,7 @@ async def start_lending_mesh(  # type: ignore[no-untyped-def]
 async def test_reclaim_during_generation_loses_no_request_and_no_token(
     nats_url: str, run_id: str, chatty_model_dir: Path, bus: Bus
 ) -> None:
-    from support import InProcessMesh
+    from tests.support import InProcessMesh
 
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
     # Every service here shares this test's event loop, and a stall of that loop reads
@@ -179,7 +179,7 @@ async def test_reclaim_during_generation_loses_no_request_and_no_token(
         await mesh.stop()
 
     assert on_lent_engine
-    from support import recorded_turns
+    from tests.support import recorded_turns
 
     turns = await recorded_turns(bus)
     # every agent got one complete answer, recorded once, exactly as it read it
@@ -200,7 +200,7 @@ async def test_a_late_engine_serves_only_after_catching_up(
 ) -> None:
     """Versions 1 and 2 are published before the engine exists; its very first answer
     must already come from version 2."""
-    from support import InProcessMesh, publish_perturbed_version
+    from tests.support import InProcessMesh, publish_perturbed_version
 
     mesh = InProcessMesh(nats_url, run_id, base_model_dir)
     try:
@@ -270,7 +270,7 @@ async def test_a_freshly_lent_engine_takes_over_requests_in_flight(
 
     Scripted engines at 20 ms per token: every answer takes its whole budget (~10 s),
     so it is still in flight, on any machine, when the lent engine joins."""
-    from support import InProcessMesh, recorded_turns
+    from tests.support import InProcessMesh, recorded_turns
 
     monkeypatch.setenv("SF_ENGINE_SCRIPTED_STEP_S", "0.02")
     max_tokens = 480
@@ -330,7 +330,7 @@ async def test_a_request_handed_to_an_engine_that_left_resumes_on_any_engine(
     """An engine hands requests over to an engine that no longer serves (reclaimed or
     gone before the gateway re-submits): its direct subject has no responder, so the
     gateway resumes them through the queue group; nothing is lost."""
-    from support import InProcessMesh, recorded_turns
+    from tests.support import InProcessMesh, recorded_turns
 
     monkeypatch.setenv("SF_ENGINE_SCRIPTED_STEP_S", "0.02")  # ~10 s per answer
     max_tokens = 480
@@ -381,7 +381,7 @@ async def test_an_early_reclaim_frees_the_slot_before_the_trainer_claims_it(
     leaves while the trainer still waits; the claim then has nothing to take back, and
     no answer loses or repeats a token. Scripted engines at 20 ms per token keep every
     answer in flight (~10 s) while this happens."""
-    from support import InProcessMesh, recorded_turns
+    from tests.support import InProcessMesh, recorded_turns
 
     monkeypatch.setenv("SF_ENGINE_SCRIPTED_STEP_S", "0.02")
     max_tokens = 480
@@ -447,10 +447,9 @@ async def test_a_lend_decided_before_a_claim_is_not_carried_out_after_it(
     rollout while its slot trains (a fresh CI run saw a lent engine serve 0.12 s into a
     train step). Both engines are the product's own resource clients; the test plays
     the trainer on the scheduler's subjects, as ``sf_trainer`` does."""
-    from support import InProcessMesh
-
     from seamlessflow.protocol import RoleAssignment
     from seamlessflow.resources import ResourceMembership, RoleOutcome
+    from tests.support import InProcessMesh
 
     roles: dict[str, list[str]] = {"engine-slow": [], "engine-fast": []}
     take_rollout_s = {"engine-slow": 0.0, "engine-fast": 0.0}

@@ -34,7 +34,7 @@ async def publish_versions(
     bus: Bus, engine: EngineService, base: dict, done: asyncio.Event
 ) -> None:  # type: ignore[type-arg]
     """Publish VERSIONS versions, each as soon as the engine serves the previous one."""
-    from support import eventually, publish_perturbed_version
+    from tests.support import eventually, publish_perturbed_version
 
     for version in range(1, VERSIONS + 1):
         await publish_perturbed_version(bus, version, base)
@@ -52,7 +52,7 @@ async def publish_versions(
 async def test_agents_never_notice_weight_updates(
     interrupt_mode: str, nats_url: str, run_id: str, chatty_model_dir: Path, bus: Bus
 ) -> None:
-    from support import InProcessMesh
+    from tests.support import InProcessMesh
 
     mesh = InProcessMesh(nats_url, run_id, chatty_model_dir)
     try:

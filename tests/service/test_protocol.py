@@ -36,6 +36,10 @@ def examples() -> list[p.Message]:
     )
     return [
         p.ErrorReply(code="bad_request", message="nope"),
+        # three the hand-kept union lacked, so decode() without a type refused them
+        p.ShedRequests(to_engine="engine-lend-0", count=2),
+        p.ShedReport(engine_id="engine-0", handed_over=2),
+        p.GroupClosed(group_id="g1", task_id="t1", group_size=4, closed_at=1.5),
         p.GenerateRequest(
             request_id="r",
             session_id="s",

@@ -208,7 +208,7 @@ def stepped(state: dict[str, torch.Tensor], version: int) -> dict[str, torch.Ten
 async def test_engines_follow_deltas_join_late_and_refuse_corrupted_payloads(
     nats_url: str, run_id: str, base_model_dir: Path, bus: Bus
 ) -> None:
-    from support import InProcessMesh, announce_weights
+    from tests.support import InProcessMesh, announce_weights
 
     base = AutoModelForCausalLM.from_pretrained(str(base_model_dir)).state_dict()
     publisher = WeightPublisher(
@@ -275,7 +275,7 @@ async def test_engines_follow_deltas_join_late_and_refuse_corrupted_payloads(
 async def test_weight_sync_rebuilds_the_chain_after_a_restart(
     nats_url: str, run_id: str, bus: Bus
 ) -> None:
-    from support import InProcessMesh, announce_weights
+    from tests.support import InProcessMesh, announce_weights
 
     publisher = WeightPublisher(
         ObjectStorePayloads(bus), WeightEncoder(bucket_bytes=1 << 20, deltas=True, full_every=3)

@@ -89,8 +89,6 @@ async def tool_script_gateway(
 ) -> AsyncIterator[str]:
     """A live mesh (scheduler, weight-sync, trajectory, a `ToolScriptEngine` worker,
     gateway) on ``nats_url``; yields the gateway's URL."""
-    from support import InProcessMesh
-
     from sf_engine.service import EngineService
     from sf_engine.settings import EngineSettings
     from sf_gateway.service import GatewayService
@@ -98,6 +96,7 @@ async def tool_script_gateway(
     from sf_tag_scheduler.service import TagSchedulerService
     from sf_trajectory.service import TrajectoryService
     from sf_weight_sync.service import WeightSyncService
+    from tests.support import InProcessMesh
 
     use_tool_script_engine(monkeypatch)
     mesh = InProcessMesh(nats_url, run_id, model_dir)

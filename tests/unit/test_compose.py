@@ -43,6 +43,9 @@ NATS_CLUSTER_NODES = ("nats-2", "nats-3")
 ENVIRONMENT_SERVICES = ("env",)
 INFRA_SERVICES = ("nats", "jaeger", *NATS_CLUSTER_NODES, *ENVIRONMENT_SERVICES)
 BUILD_MODEL = "build-model"
+RESOLVE = "resolve"
+ONE_SHOTS = (BUILD_MODEL, RESOLVE)
+"""Services that run once and exit: the base model's build, the run's resolution."""
 # GPU variant -> the service it runs.
 GPU_SERVICES = {"engine-gpu": "engine", "trainer-gpu": "trainer"}
 # Optional services per deployment profile: the service they run.
@@ -137,8 +140,8 @@ def sf_services(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]
 
 
 def long_running(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """seamlessflow services that talk to NATS (everything but the one-shot build)."""
-    return {n: s for n, s in sf_services(services).items() if n != BUILD_MODEL}
+    """seamlessflow services that talk to NATS (everything but the one-shots)."""
+    return {n: s for n, s in sf_services(services).items() if n not in ONE_SHOTS}
 
 
 def env_of(svc: dict[str, Any]) -> dict[str, str]:
@@ -357,7 +360,7 @@ def test_run_settings(services: dict[str, dict[str, Any]]) -> None:
         env = env_of(svc)
         run_id = env.get("SF_RUN_ID", "")
         assert RUN_ID_RE.match(run_id), f"{name}: SF_RUN_ID {run_id!r}"
-        if name == BUILD_MODEL:
+        if name in ONE_SHOTS and name != RESOLVE:
             continue
         run_dir = env.get("SF_RUN_DIR", "")
         assert PurePosixPath(run_dir).name == run_id, f"{name}: SF_RUN_DIR {run_dir!r}"
@@ -379,7 +382,7 @@ def test_otlp_points_at_jaeger(services: dict[str, dict[str, Any]]) -> None:
         assert env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf") == "http/protobuf"
         if "OTEL_SERVICE_NAME" in env:
             service_names.append(env["OTEL_SERVICE_NAME"])
-        if name != BUILD_MODEL:
+        if name not in ONE_SHOTS:
             assert "jaeger" in depends_of(svc), f"{name}: should start after jaeger"
     assert len(service_names) == len(set(service_names)), "OTEL_SERVICE_NAME must be unique"
 
@@ -401,11 +404,11 @@ def test_engine_and_scheduler(services: dict[str, dict[str, Any]]) -> None:
     assert env_of(engine).get("SF_ENGINE_BACKEND", "") != "vllm", "CPU engine must not be vLLM"
     assert "rollout" in env_of(engine)["SF_RESOURCE_TAGS"].split(",")
     assert "train" in env_of(services["trainer"])["SF_RESOURCE_TAGS"].split(",")
-    # the run's default: without the multiplexed profile nothing is lendable, so auto
-    # keeps the slots
-    mode = env_of(services["tag-scheduler"]).get("SF_TAG_SCHEDULER_MODE", "")
-    assert mode == "auto", mode
-    assert mode in SCHEDULER_MODES
+    # the mode is the run's (resolved once): unset, auto, which without the multiplexed
+    # profile finds nothing lendable and keeps the slots
+    mode = env_of(services[RESOLVE]).get("SF_MODE", "")
+    assert mode in {"", *SCHEDULER_MODES}, mode
+    assert "SF_MODE" not in env_of(services["tag-scheduler"])
 
 
 def test_gpu_profile(services: dict[str, dict[str, Any]]) -> None:
@@ -681,5 +684,35 @@ def test_the_env_profile_serves_the_built_in_environment_to_the_agents(
     assert settings["SF_ENV_HOST"] == "0.0.0.0" and settings["SF_ENV_PORT"] == "8011"
     assert not any(key.startswith("SF_NATS") for key in settings), "it speaks no NATS"
     assert "/health" in " ".join(env["healthcheck"]["test"])
-    agents = env_of(services["agents"])
-    assert "SF_AGENTS_ENV_URL" in agents and "SF_AGENTS_AGENT" in agents
+    # where the environment is, per container; the agent that plays it is the run's
+    assert "SF_AGENTS_ENV_URL" in env_of(services["agents"])
+    assert "SF_AGENT" in env_of(services[RESOLVE])
+
+
+def test_the_run_is_resolved_once_and_every_service_reads_it(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """The one-shot ``resolve`` writes the run's resolved file into the runs volume; every
+    service reads its section (``SF_CONFIG``) after it finished. The run's shared values
+    (``RunShared``) are set there only: a service that set one itself could disagree."""
+    from seamlessflow.runfile import RunShared, shared_variable
+
+    resolve = services[RESOLVE]
+    assert str(resolve.get("restart", "no")) == "no", "resolve is one-shot"
+    cmd = command_of(RESOLVE, resolve)
+    out = cmd[cmd.index("--out") + 1]
+    volume = volume_for(resolve, out)
+    assert volume and env_of(resolve).get("SF_CONFIG") == "", "resolve reads no file it writes"
+    shared = {shared_variable(key) for key in RunShared.model_fields}
+    assert (
+        {"SF_STEPS", "SF_TASK", "SF_MAX_TOKENS"}
+        <= set(env_of(resolve))
+        <= shared | set(env_of(services[BUILD_MODEL])) | {"OTEL_SERVICE_NAME", "SF_CONFIG"}
+    )
+    readers = {**long_running(services), **{n: services[n] for n in ENVIRONMENT_SERVICES}}
+    for name, svc in readers.items():
+        env = env_of(svc)
+        assert env.get("SF_CONFIG") == out, f"{name}: SF_CONFIG {env.get('SF_CONFIG')!r}"
+        assert volume_for(svc, out) == volume, f"{name}: the resolved file is not mounted"
+        assert depends_of(svc).get(RESOLVE) == "service_completed_successfully", name
+        assert not shared & set(env) - {"SF_SEED"}, f"{name} sets {sorted(shared & set(env))}"

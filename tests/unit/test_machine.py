@@ -85,7 +85,7 @@ def test_the_avx2_emulation_reads_as_an_avx2_cpu_without_bf16() -> None:
         "print(json.dumps([cpu_isa(), cpu_computes_bf16(), TrainerSettings().precision,"
         " EngineSettings().dtype]))"
     )
-    clean = {"SF_TRAINER_PRECISION": "auto", "SF_ENGINE_DTYPE": "auto"}
+    clean = {"SF_PRECISION": "auto", "SF_ENGINE_DTYPE": "auto"}
     assert json.loads(python(code, {**AVX2_ONLY, **clean})) == ["AVX2", False, "fp32", "float32"]
 
 
@@ -93,7 +93,7 @@ def test_settings_resolve_auto_and_keep_an_explicit_choice(monkeypatch: pytest.M
     from sf_engine.settings import EngineSettings
     from sf_trainer.settings import TrainerSettings
 
-    monkeypatch.delenv("SF_TRAINER_PRECISION", raising=False)
+    monkeypatch.delenv("SF_PRECISION", raising=False)
     monkeypatch.delenv("SF_ENGINE_DTYPE", raising=False)
     expected = resolve_precision("auto").chosen
     settings = TrainerSettings()

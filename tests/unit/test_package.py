@@ -48,7 +48,9 @@ def ours() -> set[str]:
 def imported_names(roots: Iterable[str]) -> dict[str, str]:
     """Every third-party dotted name imported under ``roots`` -> one file importing it.
     ``from a.b import c`` gives both ``a.b`` and ``a.b.c`` (c may be a module)."""
-    local = ours() | {path.stem for root in roots for path in (ROOT / root).rglob("*.py")}
+    local = (
+        ours() | set(roots) | {path.stem for root in roots for path in (ROOT / root).rglob("*.py")}
+    )
     names: dict[str, str] = {}
     for root in roots:
         for path in sorted((ROOT / root).rglob("*.py")):

@@ -18,8 +18,12 @@ def suite_modules() -> list[Path]:
 
 
 def local_module_names() -> set[str]:
-    """Names a bare import would find in the suite's folders if they were on sys.path."""
-    return {path.stem for path in TESTS_DIR.rglob("*.py") if path.stem != "__init__"}
+    """Names a bare import would find in the suite's folders if they were on sys.path:
+    its modules and its packages (``support``)."""
+    files = list(TESTS_DIR.rglob("*.py"))
+    return {p.stem for p in files if p.stem != "__init__"} | {
+        p.parent.name for p in files if p.stem == "__init__" and p.parent != TESTS_DIR
+    }
 
 
 def forbidden_imports(path: Path, local_names: set[str]) -> list[str]:
@@ -115,4 +119,8 @@ def test_the_layout_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     )
     found = forbidden_imports(bad, {"test_faults"})
     assert sorted(found) == ["relative import from .helpers", "test_faults", "tests.mesh.test_x"]
+    # a helper package reached by its bare name, as when tests/ was on sys.path
+    inside = tmp_path / "test_inside.py"
+    inside.write_text("def f():\n    from support import InProcessMesh\n")
+    assert forbidden_imports(inside, local_module_names()) == ["support"]
     assert sys_path_changes(bad) == [6, 7]

@@ -11,12 +11,11 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from seamlessflow.protocol import check_policy
-from seamlessflow.runfile import run_default
+from seamlessflow.protocol import DEFAULT_POLICY, check_policy
+from seamlessflow.runfile import RunShared
 
 BUILTIN_ENVS = ("guess_number",)
 """The environments ``sf_envs`` serves, by the name ``--env`` takes."""
@@ -26,10 +25,11 @@ def is_env_url(text: str) -> bool:
     return text.startswith(("http://", "https://"))
 
 
-class RunConfig(BaseModel):
+class RunConfig(RunShared):
     """What an embedded run does, declared once: ``seamlessflow up``'s options are its
-    fields (``sf_app.cli``), and the run file's ``[run]`` keys. A field that is a service
-    setting (``seamlessflow.runfile.RUN_OPTIONS``) takes that option's one default."""
+    fields (``sf_app.cli``), and the run file's ``[run]`` keys. The values several
+    processes use are the run's shared section (``RunShared``, inherited: declared and
+    defaulted there, once); the others concern the embedded run only."""
 
     model_config = ConfigDict(use_attribute_docstrings=True)
 
@@ -51,13 +51,7 @@ class RunConfig(BaseModel):
         default_factory=lambda: Path(os.environ.get("SF_CACHE_DIR", "~/.cache/seamlessflow"))
     )
     """Cache for the built base model."""
-    task: str = run_default("task")
-    """Task source (``seamlessflow.tasks``), a mixture of sources (``a*2+b``) or SRPO's
-    stages (``a:100,a+b``: ``seamlessflow.tasks.schedule``); the held-out evaluation
-    scores each source it names."""
-    agent: str = run_default("agent")
-    """Agent run for each sample (registered name or dotted path)."""
-    policies: list[str] = Field(default_factory=lambda: [run_default("policies")])
+    policies: list[str] = Field(default_factory=lambda: [DEFAULT_POLICY])  # type: ignore[assignment]
     """The policies trained together (multi-policy), each with its own trainer,
     weight-sync and engines; agents ask for them by model name. The first is the tasks'
     policy. Two policies go with a two-policy agent, e.g. ``solve_and_verify``."""
@@ -66,66 +60,22 @@ class RunConfig(BaseModel):
     (several by comma): e.g. ``verifier=verify:arithmetic``, a verifier scored on its
     verdicts about a fixed solver's answers (``seamlessflow.tasks.verify``), not on
     answering the solver's questions. A policy not named evaluates on ``task``."""
-    steps: int = run_default("steps")
-    """Trainer optimizer steps."""
-    group_size: int = run_default("group_size")
-    """Samples per task (GRPO group)."""
-    groups_per_batch: int = run_default("groups_per_batch")
-    """Tasks per optimizer step."""
-    max_batches_ahead: int = run_default("max_batches_ahead")
-    """Rollout may run this many batches ahead of the trainer (0 = synchronous)."""
-    max_tokens: int = run_default("max_tokens")
-    """Completion budget per agent call (default: the task's ``max_tokens`` if it has
-    one, e.g. room for a tool call; else 6)."""
-    lr: float = run_default("lr")
-    """Trainer learning rate."""
-    precision: Literal["auto", "fp32", "bf16-mixed"] = run_default("precision")
-    """The trainer's compute precision (``SF_TRAINER_PRECISION``): ``auto`` is
-    ``bf16-mixed`` where the trainer's device computes bf16 natively (a CUDA GPU that
-    supports it, a CPU whose oneDNN reports bf16) and ``fp32`` elsewhere; the run prints
-    its choice first and records it in summary.json. ``bf16-mixed`` keeps float32 master
-    weights and optimizer state and computes forward and backward in bfloat16 (1.8x
-    faster on a CPU with AVX512-BF16, ~40x slower on an AVX2-only one: docs/models.md)."""
-    eval_every: int = Field(default=run_default("eval_every"), ge=0)
-    """Held-out evaluation by the trainer every N steps, and of the base model before the
-    first step and after the last (``SF_TRAINER_EVAL_EVERY``; 0: none): greedy answers to
-    the task's eval split (``[trainer] eval_items`` of them), scored by its accuracy
-    reward."""
     engines: int = 1
     """Engine worker processes."""
     gateways: int = Field(default=1, ge=1)
     """Gateway processes, all on the run's one gateway port (``SF_GATEWAY_REUSE_PORT``:
     the kernel spreads the agents' connections among them, and every one serves every
     session)."""
-    agent_concurrency: int = run_default("agent_concurrency")
-    """Concurrent agent sessions."""
-    engine_batch_size: int = run_default("engine_batch_size")
-    """Requests one engine decodes together."""
-    seed: int = run_default("seed")
-    """Seed for task order and the trainer."""
     max_restarts: int = 3
     """Supervision: a process that exits unexpectedly (a service, an engine, the agent
     runner, the embedded NATS server) is started again with the same command and
     settings, at most this many times per process; one more exit fails the run. A
     restarted trainer resumes from its latest checkpoint."""
-    checkpoint_every: int = run_default("checkpoint_every")
-    """The trainer also checkpoints every N steps (``SF_TRAINER_CHECKPOINT_EVERY``; 0 =
-    only at the end): what a restarted trainer resumes from. The steps after it are
-    lost to the policy (their batches stay trained once, see docs/design.md "Faults")."""
-    group_timeout_s: float = run_default("group_timeout_s")
-    """A group handed out to agents that makes no progress for this long is closed: its
-    unfinished samples are dropped (``SF_TRAJECTORY_GROUP_TIMEOUT_S``; e.g. sessions a
-    restarted gateway lost)."""
     env: str = ""
     """An OpenEnv environment the agents play episodes in: the URL of a server you run
     (``http://host:port``), or the name of a built-in one (``guess_number``), which the
     run starts as its own process and restarts if it dies. Unless given, the agent
     becomes ``openenv`` and the task ``episodes`` (seeds of games)."""
-    env_step_latency_ms: float = Field(default=run_default("env_step_latency_ms"), ge=0.0)
-    """A built-in environment's time per step (the median of a log-normal; 0: none): a
-    slow environment, as a real one that runs code or a browser is."""
-    env_latency_sigma: float = Field(default=run_default("env_latency_sigma"), ge=0.0)
-    """The spread of that log-normal (0: every step takes the median)."""
     nats_url: str = ""
     """Use this NATS server (JetStream enabled), or several servers of one cluster
     separated by commas, instead of starting an embedded one."""
@@ -133,12 +83,6 @@ class RunConfig(BaseModel):
     """NATS servers the run starts: 1, or a cluster of 3 (or 5) on loopback whose every
     stream and bucket has that many replicas (``SF_NATS_REPLICAS``), so the run survives
     the loss of a node."""
-    mode: Literal["auto", "colocated", "disaggregated", "multiplexed"] = run_default("mode")
-    """Deployment (see ``deployment``): which slots train, which roll out, which are
-    lent, and when. ``auto`` (the default) lends the trainer's slot to rollout while
-    the run measures more steps/s with lending than without, where its slots are real
-    (``resolve_mode``); ``multiplexed`` lends it at every wait. ``colocated`` also
-    defaults ``max_batches_ahead`` to 0 (synchronous)."""
     live: bool = True
     """Show live progress in the terminal."""
     fork_server: bool = True

@@ -8,7 +8,7 @@ report (``sf_app.run.report``):
 
     runs/<run-id>/summary.json      the contract: see ``Summary``
     runs/<run-id>/metrics.jsonl     one TrainStepMetrics per line ("type":
-                                    "train.metrics"), and with SF_TRAINER_EVAL_EVERY
+                                    "train.metrics"), and with SF_EVAL_EVERY
                                     a TrainEvalMetrics ("train.eval") per evaluation
     runs/<run-id>/spans.jsonl       every process's spans (also per process in spans/)
     runs/<run-id>/checkpoints/final HF layout, loadable with from_pretrained (another
@@ -53,9 +53,12 @@ from seamlessflow.protocol import (
     TrainProgress,
     decode,
 )
-from seamlessflow.runfile import RUN_FILE_VARIABLE, RUN_KEYS
+from seamlessflow.runfile import RUN_FILE_VARIABLE, RunShared, shared_variable, variable
+from seamlessflow.runfile import load as load_run_file
 from seamlessflow.settings import MeshSettings
 from seamlessflow.tasks import task_names
+from seamlessflow.weights.settings import WeightTransferSettings
+from sf_agents.settings import AgentRunnerSettings
 from sf_app.run.config import (
     RunConfig,
     default_run_id,
@@ -64,14 +67,30 @@ from sf_app.run.config import (
     resolve_mode,
 )
 from sf_app.run.report import Progress, RunState, Summary, struct_dict, write_report
+from sf_app.run.spec import resolved_sections, write_resolved
 from sf_app.run.supervisor import Supervisor, fork_server_for, free_port
-from sf_app.service_table import SERVICE_TABLE
+from sf_app.service_table import SERVICE_TABLE, settings_classes
 from sf_app.tracking import Tracker
+from sf_engine.settings import EngineSettings
+from sf_envs.settings import EnvServerSettings
+from sf_gateway.settings import GatewaySettings
+from sf_trainer.settings import TrainerSettings
 
 log = logging.getLogger(__name__)
 
-RUN_FILE_COPY = "run.toml"
-"""The run file, as the run was started from it, in the run directory."""
+RESOLVED_FILE = "run.toml"
+"""The run's resolved specification in the run directory (``sf_app.run.spec``): every
+process reads its own section of it (``SF_CONFIG``)."""
+RUN_FILE_COPY = "run-file.toml"
+"""The run file the run was started from (``--config``), as it was, beside it."""
+
+MESH, TRAINER, ENGINE = MeshSettings, TrainerSettings, EngineSettings
+GATEWAY, AGENTS, ENV, WEIGHTS = (
+    GatewaySettings,
+    AgentRunnerSettings,
+    EnvServerSettings,
+    WeightTransferSettings,
+)
 
 
 JETSTREAM_READY_S = 60.0
@@ -99,6 +118,22 @@ PROCESS_DEFAULTS = {
 }
 """What every process of the run has in its environment beside the caller's variables
 and the ``SF_`` settings (these are read at import: the fork server is started with them)."""
+
+
+RUN_SETS_VARIABLES = (
+    (MESH, "nats_url"),
+    (MESH, "run_id"),
+    (MESH, "run_dir"),
+    (MESH, "model_dir"),
+    (GATEWAY, "port"),
+    (AGENTS, "gateway_url"),
+    (ENV, "seed"),
+    (MESH, "policy"),
+    (TRAINER, "eval_task"),
+)
+"""Variables of the caller that would override what the run sets for all its processes
+(``EmbeddedRun.run_sets``) or for one (its policy, its evaluation task): not passed on.
+The others pass on: set in the caller's environment, a setting wins over the file."""
 
 
 class EmbeddedRun(Supervisor):
@@ -144,37 +179,47 @@ class EmbeddedRun(Supervisor):
 
     # ---------------------------------------------------------------- processes
 
-    def service_env(self, nats_url: str, model_dir: Path, gateway_port: int) -> dict[str, str]:
-        """Every process's environment: the caller's, the run's settings as the
-        variables ``RUN_KEYS`` maps them to (the same the run file sets), and where the
-        run is."""
+    def run_sets(self, nats_url: str, model_dir: Path, gateway_port: int) -> dict[str, dict]:
+        """What this run sets in the resolved file beside the shared section, by section:
+        where the run is (its id, directory, broker, model, gateway) and, where the run
+        file does not say otherwise, what an embedded run keeps: one more checkpoint than
+        the latest (what a restarted trainer resumes from), and weights through shared
+        memory where it has room (``local_weight_transport``)."""
         c = self.config
+        user = {} if c.run_file is None else load_run_file(c.run_file)
+        trainer = {"keep_checkpoints": 2, **user.get("trainer", {})}
+        weights = {"transport": local_weight_transport(model_dir), **user.get("weights", {})}
+        return {
+            "mesh": {
+                "nats_url": nats_url,
+                "run_id": self.run_id,
+                "run_dir": str(self.run_dir),
+                "model_dir": str(model_dir),
+            },
+            "gateway": {"port": gateway_port},
+            "agents": {"gateway_url": f"http://127.0.0.1:{gateway_port}"},
+            "env": {"seed": c.seed},
+            "trainer": trainer,
+            "weights": weights,
+        }
+
+    def write_spec(self, nats_url: str, model_dir: Path, gateway_port: int) -> Path:
+        """Resolve the run once and write it into the run directory (``RESOLVED_FILE``)."""
+        sets = self.run_sets(nats_url, model_dir, gateway_port)
+        sections = resolved_sections(self.config, settings_classes(), sets)
+        return write_resolved(self.run_dir / RESOLVED_FILE, sections)
+
+    def service_env(self, spec_path: Path) -> dict[str, str]:
+        """Every process's environment: the caller's, less what the resolved file says
+        (the shared variables and what the run sets: the file is their one source), with
+        ``SF_CONFIG`` naming the file."""
         env = dict(os.environ)
-        for key, variables in RUN_KEYS.items():
-            value = getattr(c, key)
-            text = ",".join(value) if isinstance(value, list) else str(value)
-            env.update(dict.fromkeys(variables, text))
-        env.update(
-            {
-                "SF_NATS_URL": nats_url,
-                "SF_RUN_ID": self.run_id,
-                "SF_RUN_DIR": str(self.run_dir),
-                "SF_MODEL_DIR": str(model_dir),
-                "SF_GATEWAY_PORT": str(gateway_port),
-                "SF_AGENTS_GATEWAY_URL": f"http://127.0.0.1:{gateway_port}",
-                **PROCESS_DEFAULTS,
-            }
-        )
-        # every process reads its section of the run's copy of the run file, or none: a
-        # file named in this environment but not given to the run must not leak in
-        env.pop(RUN_FILE_VARIABLE, None)
-        if c.run_file is not None:
-            env[RUN_FILE_VARIABLE] = str(self.run_dir / RUN_FILE_COPY)
-        # what a restarted trainer resumes from is the latest; keep one more (unless the
-        # user's environment says otherwise)
-        env.setdefault("SF_TRAINER_KEEP_CHECKPOINTS", "2")
-        if "SF_WEIGHTS_TRANSPORT" not in env:
-            env["SF_WEIGHTS_TRANSPORT"] = local_weight_transport(model_dir)
+        for key in RunShared.model_fields:
+            env.pop(shared_variable(key), None)
+        for cls, field in RUN_SETS_VARIABLES:
+            env.pop(variable(cls, field), None)
+        env[RUN_FILE_VARIABLE] = str(spec_path)
+        env.update(PROCESS_DEFAULTS)
         return env
 
     # ---------------------------------------------------------------- the run
@@ -188,7 +233,7 @@ class EmbeddedRun(Supervisor):
         print(self.precision.line(), file=sys.stderr, flush=True)
         print(self.mode.line(), file=sys.stderr, flush=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if c.run_file is not None:
+        if c.run_file is not None:  # kept as given; the processes read the resolved one
             shutil.copyfile(c.run_file, self.run_dir / RUN_FILE_COPY)
         try:
             self.tracker = Tracker(
@@ -282,38 +327,40 @@ class EmbeddedRun(Supervisor):
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         try:
             gateway_port = free_port()
-            env = self.service_env(url, model_dir, gateway_port)
-            env["SF_NATS_TOKEN"] = nats_token
+            env = self.service_env(self.write_spec(url, model_dir, gateway_port))
+            # credentials travel in the environment only, never in the run directory
+            env[variable(MESH, "nats_token")] = nats_token
             if len(servers) > 1:
-                env["SF_NATS_REPLICAS"] = str(len(servers))
-            if not env.get("SF_AGENTS_GATEWAY_KEY"):
+                env[variable(MESH, "nats_replicas")] = str(len(servers))
+            runner_key = variable(AGENTS, "gateway_key")
+            if not env.get(runner_key):
                 # The agent runner's own operator key, beside the user's keys (if any):
                 # the user's agents open sessions with theirs, the runner with this one.
                 self.gateway_key = secrets.token_urlsafe(24)
-                user_keys = env.get("SF_GATEWAY_API_KEYS", "")
-                env["SF_GATEWAY_API_KEYS"] = ",".join(filter(None, [user_keys, self.gateway_key]))
-                env["SF_AGENTS_GATEWAY_KEY"] = self.gateway_key
+                keys = variable(GATEWAY, "api_keys")
+                env[keys] = ",".join(filter(None, [env.get(keys, ""), self.gateway_key]))
+                env[runner_key] = self.gateway_key
             self.connection = RunConnection(
                 run_id=self.run_id,
                 nats_url=url,
                 nats_token=nats_token,
                 gateway_url=f"http://127.0.0.1:{gateway_port}",
-                gateway_key=env["SF_AGENTS_GATEWAY_KEY"],
+                gateway_key=env[runner_key],
             )
             self.connection.write(self.run_dir)
             await self.prepare_fork_server(env)
             # stderr: stdout is for results (`seamlessflow bench` prints its JSON there)
             print(self.connection.attach_instructions(self.run_dir), file=sys.stderr, flush=True)
             if c.builtin_env:
-                env["SF_AGENTS_ENV_URL"] = await self.start_builtin_env(env)
+                env[variable(AGENTS, "env_url")] = await self.start_builtin_env(env)
             elif c.env:
-                env["SF_AGENTS_ENV_URL"] = c.env
+                env[variable(AGENTS, "env_url")] = c.env
             # in the table's order; the agents last, once the mesh they use is up
             for spec in SERVICE_TABLE:
                 if spec.name == "agents" or spec.optional:
                     continue
                 if spec.name == "gateway" and c.gateways > 1:
-                    shared = {**env, "SF_GATEWAY_REUSE_PORT": "true"}
+                    shared = {**env, variable(GATEWAY, "reuse_port"): "true"}
                     for index in range(c.gateways):
                         self.spawn(f"gateway-{index}", "gateway", shared)
                     continue
@@ -357,10 +404,9 @@ class EmbeddedRun(Supervisor):
             "env",
             {
                 **run_env,
-                "SF_ENV_NAME": c.builtin_env,
-                "SF_ENV_HOST": "127.0.0.1",
-                "SF_ENV_PORT": str(port),
-                "SF_ENV_SEED": str(c.seed),
+                variable(ENV, "name"): c.builtin_env,
+                variable(ENV, "host"): "127.0.0.1",
+                variable(ENV, "port"): str(port),
             },
         )
         await self.logged(["env"], "listening on", ENV_READY_S)
@@ -386,7 +432,9 @@ class EmbeddedRun(Supervisor):
         )
         # the engines' backend comes from the environment, as their processes read it
         # (an unknown name is the engine's own error: checked here as transformers)
-        backend = ENGINE_BACKENDS.find(os.environ.get("SF_ENGINE_BACKEND", "hf"))
+        backend = ENGINE_BACKENDS.find(
+            os.environ.get(variable(ENGINE, "backend"), ENGINE.model_fields["backend"].default)
+        )
         needs = ModelNeeds(
             architecture=backend.architecture if backend else TRANSFORMERS_CAUSAL_LM,
             context_tokens=context,
@@ -404,10 +452,10 @@ class EmbeddedRun(Supervisor):
         # with SF_WEIGHTS_GROUP_BACKEND set, every engine joins its trainer's push group
         env = {
             **run_env,
-            "SF_POLICY": policy,
-            "SF_WEIGHTS_GROUP_SIZE": str(1 + len(layout.engines)),
+            variable(MESH, "policy"): policy,
+            variable(WEIGHTS, "group_size"): str(1 + len(layout.engines)),
             # the policies' trainers share this host's memory (micro-batch planning)
-            "SF_TRAINER_TRAINERS_ON_HOST": str(len(self.config.policies)),
+            variable(TRAINER, "trainers_on_host"): str(len(self.config.policies)),
         }
 
         def slot(name: str) -> str:
@@ -422,10 +470,10 @@ class EmbeddedRun(Supervisor):
                     "engine",
                     {
                         **env,
-                        "SF_ENGINE_ENGINE_ID": engine_id,
-                        "SF_RESOURCE_TAGS": engine.tags,
-                        "SF_RESOURCE_SLOTS": slot(engine.slot),
-                        "SF_WEIGHTS_GROUP_RANK": str(rank),  # the trainer is 0
+                        variable(ENGINE, "engine_id"): engine_id,
+                        variable(MESH, "resource_tags"): engine.tags,
+                        variable(MESH, "resource_slots"): slot(engine.slot),
+                        variable(WEIGHTS, "group_rank"): str(rank),  # the trainer is 0
                     },
                     [slot(engine.slot)],
                 )
@@ -434,18 +482,18 @@ class EmbeddedRun(Supervisor):
         self.process_policy[label] = policy
         if service == "trainer":
             trainer_slots = [slot(s) for s in layout.trainer_slots]
+            threads = variable(TRAINER, "torch_threads")
             env = {
                 **env,
-                "SF_RESOURCE_TAGS": layout.trainer_tags,
-                "SF_RESOURCE_SLOTS": ",".join(trainer_slots),
+                variable(MESH, "resource_tags"): layout.trainer_tags,
+                variable(MESH, "resource_slots"): ",".join(trainer_slots),
                 # one thread per slot it trains on, unless the user's environment says
                 # otherwise (more threads than its slots' cores is the user's choice)
-                "SF_TRAINER_TORCH_THREADS": env.get("SF_TRAINER_TORCH_THREADS")
-                or str(len(trainer_slots)),
+                threads: env.get(threads) or str(len(trainer_slots)),
             }
             eval_task = self.config.eval_task_of().get(policy)
             if eval_task:
-                env["SF_TRAINER_EVAL_TASK"] = eval_task
+                env[variable(TRAINER, "eval_task")] = eval_task
             self.spawn(label, service, env, trainer_slots)
         else:
             self.spawn(label, service, env)
@@ -546,7 +594,7 @@ class EmbeddedRun(Supervisor):
 
 def trainer_device() -> str:
     """The device the run's trainers compute on (``SF_TRAINER_DEVICE``; the CPU)."""
-    return os.environ.get("SF_TRAINER_DEVICE", "cpu")
+    return os.environ.get(variable(TRAINER, "device"), "cpu")
 
 
 def run_embedded(config: RunConfig) -> Summary:

@@ -53,7 +53,6 @@ def read_run_file(path: Path, settings_classes: list[type[BaseSettings]]) -> dic
             raise RunFileError(
                 f"run file {path}: unknown section [{section}]{nearest(section, known)}"
             )
-        prefix = cls.model_config.get("env_prefix", "")
-        check_section(path, section, table, prefix, cls.model_fields)
+        check_section(path, section, table, cls, sections.get(RUN_SECTION, {}))
         check_values(path, section, table, cls)
     return dict(sections.get(RUN_SECTION, {}))

@@ -82,7 +82,7 @@ AgentFn = Callable[[AsyncOpenAI, AgentTask], Awaitable[AgentReward]]
 
 AGENTS: Registry[AgentFn] = Registry(
     "agent",
-    "SF_AGENTS_AGENT, --agent",
+    "SF_AGENT, --agent",
     dotted_paths=True,
     builtins=(
         "seamlessflow.agents.builtin",

@@ -50,7 +50,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from seamlessflow.assets.chatml import CHAT_TEMPLATE as QWEN2_CHAT_TEMPLATE
-from seamlessflow.assets.chatml import GENERIC_TEXT
+from seamlessflow.assets.chatml import (
+    GENERIC_TEXT,
+    IM_END,
+    IM_START,
+    PAD,
+    TOOL_CALL,
+    TOOL_CALL_END,
+    chat_template,
+)
 from seamlessflow.assets.loading import readable_by_all
 
 if TYPE_CHECKING:
@@ -79,84 +87,20 @@ LLAMA3_PRETOKENIZE = (
 )
 
 # Qwen3-style ChatML: as Qwen2.5's (tools in the system turn, <tool_call> JSON blocks),
-# plus <think> handling: an assistant message's reasoning (a leading
-# `<think>...</think>` block of its content, or `reasoning_content`) is rendered only for
-# the turns after the last user message; `enable_thinking=False` appends an empty think
-# block to the generation prompt.
-QWEN3_CHAT_TEMPLATE = r"""
-{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\n\n' }}
-    {%- endif %}
+# with Qwen3's wording of the tools' instructions and its <think> handling
+# (``chatml.chat_template``'s ``reasoning``).
+QWEN3_CHAT_TEMPLATE = chat_template(
+    tools_preamble=r"""
     {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n'
         + 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
-    {%- for tool in tools %}
-        {{- '\n' + (tool | tojson) }}
-    {%- endfor %}
+""",
+    tools_instructions=r"""
     {{- '\n</tools>\n\nFor each function call, return a json object with function name and'
         + ' arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n'
         + '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
-{%- elif messages and messages[0].role == 'system' %}
-    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- set ns = namespace(last_query_index=-1) %}
-{%- for message in messages %}
-    {%- if message.role == 'user' %}
-        {%- set ns.last_query_index = loop.index0 %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- if message.role == 'system' and loop.first %}
-    {%- elif message.role == 'assistant' %}
-        {%- set content = message.content or '' %}
-        {%- set reasoning = '' %}
-        {%- if message.reasoning_content is string and message.reasoning_content %}
-            {%- set reasoning = message.reasoning_content %}
-        {%- elif '</think>' in content %}
-            {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}
-            {%- set content = content.split('</think>')[-1] %}
-        {%- endif %}
-        {{- '<|im_start|>assistant\n' }}
-        {%- if reasoning and loop.index0 > ns.last_query_index %}
-            {{- '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
-        {%- elif reasoning %}
-            {{- content.lstrip('\n') }}
-        {%- else %}
-            {{- content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls or [] %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {%- if loop.first and not content %}
-                {{- '<tool_call>\n' }}
-            {%- else %}
-                {{- '\n<tool_call>\n' }}
-            {%- endif %}
-            {{- '{"name": "' + tool_call.name + '", "arguments": ' }}
-            {%- if tool_call.arguments is string %}
-                {{- tool_call.arguments + '}' }}
-            {%- else %}
-                {{- (tool_call.arguments | tojson) + '}' }}
-            {%- endif %}
-            {{- '\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == 'tool' %}
-        {{- '<|im_start|>user\n<tool_response>\n' + message.content
-            + '\n</tool_response><|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\n\n</think>\n\n' }}
-    {%- endif %}
-{%- endif %}
-""".strip()
+""",
+    reasoning=True,
+)
 
 # Llama 3.x style: `<|begin_of_text|>`, then one header block per message, each turn
 # ending with `<|eot_id|>`; tools are listed in the system turn, a tool call is the
@@ -227,7 +171,7 @@ class FamilySpec:
     end_of_turn: str  # what the template appends after an assistant's completion
 
 
-_QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_QWEN_SPECIALS = (PAD, IM_START, IM_END)
 _LLAMA_SPECIALS = (
     "<|begin_of_text|>",
     "<|end_of_text|>",
@@ -246,12 +190,12 @@ SPECS: dict[str, FamilySpec] = {
         chat_template=QWEN2_CHAT_TEMPLATE,
         pretokenize=QWEN_PRETOKENIZE,
         special_tokens=_QWEN_SPECIALS,
-        added_tokens=("<tool_call>", "</tool_call>"),
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        added_tokens=(TOOL_CALL, TOOL_CALL_END),
+        eos_token=IM_END,
+        pad_token=PAD,
+        stop_tokens=(IM_END, PAD),
         bos_token=None,
-        end_of_turn="<|im_end|>\n",
+        end_of_turn=IM_END + "\n",
     ),
     "qwen3": FamilySpec(
         architecture="Qwen3ForCausalLM",
@@ -259,12 +203,12 @@ SPECS: dict[str, FamilySpec] = {
         chat_template=QWEN3_CHAT_TEMPLATE,
         pretokenize=QWEN_PRETOKENIZE,
         special_tokens=_QWEN_SPECIALS,
-        added_tokens=("<tool_call>", "</tool_call>", "<think>", "</think>"),
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        added_tokens=(TOOL_CALL, TOOL_CALL_END, "<think>", "</think>"),
+        eos_token=IM_END,
+        pad_token=PAD,
+        stop_tokens=(IM_END, PAD),
         bos_token=None,
-        end_of_turn="<|im_end|>\n",
+        end_of_turn=IM_END + "\n",
     ),
     "llama3-tied": FamilySpec(
         architecture="LlamaForCausalLM",

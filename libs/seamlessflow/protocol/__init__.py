@@ -26,7 +26,12 @@ hold one domain each:
 - ``weights``: weight manifests, announcements, current version, push groups
 - ``trainer``: step metrics, evaluations, plan, finish
 - ``scheduler``: resources, roles, heartbeats, phases, slot and core lending
-- ``codec``: ``AnyMessage`` (the union of every message type), ``encode``, ``decode``
+- ``codec``: ``MESSAGE_TYPES`` (every message type, read from the domain modules: a
+  message is catalogued by being defined), ``AnyMessage`` (their union), ``encode``,
+  ``decode``
+
+The names below are the package's interface, listed for type checkers;
+tests/unit/test_protocol_catalogue.py fails when a message type is not among them.
 
 This package imports nothing heavy: no torch, no web framework, no NATS client.
 """
@@ -62,7 +67,7 @@ from seamlessflow.protocol.batches import (
     TrainBatch,
     TrainSample,
 )
-from seamlessflow.protocol.codec import AnyMessage, decode, encode
+from seamlessflow.protocol.codec import MESSAGE_TYPES, AnyMessage, decode, encode
 from seamlessflow.protocol.engine import (
     GREEDY_BELOW,
     SEEDS,
@@ -129,6 +134,7 @@ __all__ = [
     "ENGINE_QUEUE",
     "FAILURE_PATTERN",
     "GREEDY_BELOW",
+    "MESSAGE_TYPES",
     "POLICY_TAG_PREFIX",
     "SCHEMA_VERSION",
     "SEEDS",

@@ -1,108 +1,69 @@
-"""Encoding and decoding: every message type in one tagged union, found by its tag.
+"""Encoding and decoding, and the catalogue of every message type.
 
-``AnyMessage`` is the union ``decode`` uses when no type is expected; a decoder per
-expected type is built once and kept.
+``MESSAGE_TYPES`` is read from the domain modules, not listed: every ``Message``
+subclass a module of ``MESSAGE_MODULES`` defines is in it, in definition order, so a new
+message joins the catalogue (and ``decode``'s union) by being defined.
+tests/unit/test_protocol_catalogue.py fails when a module of this package defines a
+message and is missing from ``MESSAGE_MODULES``.
+
+``AnyMessage`` is the tagged union of the catalogue, what ``decode`` uses when no type is
+expected; a decoder per expected type is built once and kept.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
+from types import ModuleType
 from typing import Any
 
 import msgspec
 
-from seamlessflow.protocol.base import SCHEMA_VERSION, ErrorReply, Message, ProtocolError
-from seamlessflow.protocol.batches import (
-    BatchFilterReport,
-    BatchProgress,
-    BatchReady,
-    EpochFilterReport,
-    TrainBatch,
+from seamlessflow.protocol import (
+    base,
+    batches,
+    engine,
+    scheduler,
+    tasks,
+    trainer,
+    trajectory,
+    weights,
 )
-from seamlessflow.protocol.engine import (
-    AbortGeneration,
-    GenerateChunk,
-    GenerateReply,
-    GenerateRequest,
-    LoadWeights,
-    WeightsLoaded,
-)
-from seamlessflow.protocol.scheduler import (
-    CoresLent,
-    Heartbeat,
-    LendReport,
-    PhaseChanged,
-    ResourceRegister,
-    RoleAck,
-    RoleAssignment,
-    SlotsClaim,
-    SlotsGranted,
-    SlotsReleased,
-)
-from seamlessflow.protocol.tasks import NoTask, TaskAssignment, TaskClaim
-from seamlessflow.protocol.trainer import (
-    TrainEvalMetrics,
-    TrainingFinished,
-    TrainingPlanned,
-    TrainStepMetrics,
-)
-from seamlessflow.protocol.trajectory import (
-    RewardReported,
-    SessionExport,
-    SessionExportQuery,
-    SessionFinished,
-    SessionOpened,
-    TurnRecorded,
-)
-from seamlessflow.protocol.weights import (
-    CurrentVersion,
-    CurrentVersionQuery,
-    WeightsGroupOffer,
-    WeightsGroupQuery,
-    WeightsPublished,
-)
+from seamlessflow.protocol.base import SCHEMA_VERSION, Message, ProtocolError
 
-AnyMessage = (
-    ErrorReply
-    | GenerateRequest
-    | GenerateReply
-    | GenerateChunk
-    | AbortGeneration
-    | LoadWeights
-    | WeightsLoaded
-    | SessionOpened
-    | TurnRecorded
-    | RewardReported
-    | SessionFinished
-    | TaskClaim
-    | TaskAssignment
-    | NoTask
-    | TrainBatch
-    | BatchReady
-    | BatchProgress
-    | BatchFilterReport
-    | EpochFilterReport
-    | SessionExportQuery
-    | SessionExport
-    | WeightsPublished
-    | CurrentVersionQuery
-    | CurrentVersion
-    | WeightsGroupQuery
-    | WeightsGroupOffer
-    | TrainStepMetrics
-    | TrainEvalMetrics
-    | TrainingPlanned
-    | TrainingFinished
-    | ResourceRegister
-    | RoleAssignment
-    | RoleAck
-    | SlotsClaim
-    | SlotsGranted
-    | CoresLent
-    | SlotsReleased
-    | LendReport
-    | Heartbeat
-    | PhaseChanged
+MESSAGE_MODULES: tuple[ModuleType, ...] = (
+    base,
+    engine,
+    trajectory,
+    tasks,
+    batches,
+    weights,
+    trainer,
+    scheduler,
 )
+"""The modules that define messages (the domains of ``seamlessflow.protocol``)."""
+
+
+def messages_defined_in(module: ModuleType) -> list[type[Message]]:
+    """The ``Message`` subclasses ``module`` defines (not those it imports), in the order
+    it defines them."""
+    return [
+        value
+        for value in vars(module).values()
+        if isinstance(value, type)
+        and issubclass(value, Message)
+        and value is not Message
+        and value.__module__ == module.__name__
+    ]
+
+
+MESSAGE_TYPES: tuple[type[Message], ...] = tuple(
+    message for module in MESSAGE_MODULES for message in messages_defined_in(module)
+)
+"""Every message type on the wire, ``ErrorReply`` first."""
+
+AnyMessage: Any = functools.reduce(operator.or_, MESSAGE_TYPES)
+"""The union of ``MESSAGE_TYPES``, told apart by their type tags (``Message.type``)."""
 
 _encoder = msgspec.json.Encoder()
 _any_decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(AnyMessage)

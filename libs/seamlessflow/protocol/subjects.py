@@ -2,9 +2,10 @@
 
 Subjects are built only here: ``sf.<run>.<domain>.<...>``, lowercase. Each concrete
 subject's builder declares its route (``@route``, ``seamlessflow.protocol.routes``): the
-message(s) on it, producer(s), consumer(s), and how it travels; its docstring says the
-same in words, with the why. docs/architecture.md's producer -> subject -> consumer
-table is generated from these declarations (``seamlessflow.protocol.table``).
+message(s) on it, producer(s), consumer(s), and how it travels. Its docstring does not
+say it again: it adds only what the route cannot say (why, queue groups, what a reader
+takes from it). docs/architecture.md's producer -> subject -> consumer table is
+generated from these declarations (``seamlessflow.protocol.table``).
 
 Longer than the package's other modules on purpose: one class, one builder per subject
 with its route next to it, so the whole map of the mesh is read in one place.
@@ -90,9 +91,9 @@ class Subjects:
     Each concrete builder declares its route (``@route``): the message(s) on the
     subject, who produces them and who consumes them, and how they travel: *core* (NATS
     publish, lost if nobody listens), *request/reply*, or a JetStream stream (durable).
-    Its docstring says the same in words (``producer -> consumer``). This class is the
-    map of the mesh, rendered as the table of docs/architecture.md ("How the parts
-    talk"): a subject is found here, then its producer and consumer by name.
+    Its docstring adds only what the route cannot say. This class is the map of the
+    mesh, rendered as the table of docs/architecture.md ("How the parts talk"): a
+    subject is found here, then its producer and consumer by name.
     """
 
     def __init__(self, run_id: str, policy: str = DEFAULT_POLICY) -> None:
@@ -113,8 +114,8 @@ class Subjects:
         note="chunks on the request's `stream_subject`",
     )
     def engine_generate(self) -> str:
-        """GenerateRequest -> GenerateChunk..., GenerateReply: gateway -> one engine worker
-        of the policy (request/reply, queue group ``ENGINE_QUEUE``)."""
+        """One engine worker of the policy answers each request: they share the queue
+        group ``ENGINE_QUEUE``."""
         return f"{self._root}.engine.{self.policy}.generate"
 
     @route(
@@ -126,28 +127,26 @@ class Subjects:
         note="chunks on the request's `stream_subject`",
     )
     def engine_generate_on(self, engine_id: str) -> str:
-        """GenerateRequest -> GenerateChunk..., GenerateReply: gateway -> this one engine
-        worker (request/reply, no queue group: a request it was rebalanced onto,
-        ``resume_on``)."""
+        """This one engine worker, outside the queue group: a request rebalanced onto it
+        (``GenerateReply.resume_on``) goes on here."""
         return f"{self._root}.engine.{self.policy}.direct.{check_token(engine_id, 'engine id')}"
 
     @route(
         ShedRequests, replies=ShedReport, by="tag-scheduler", to="engine", transport="request/reply"
     )
     def engine_shed(self, engine_id: str) -> str:
-        """ShedRequests -> ShedReport: tag-scheduler -> one engine worker (request/reply):
-        hand requests over to a freshly lent engine."""
+        """Rebalance on lend: the engine hands requests over to a freshly lent one."""
         return f"{self._root}.engine.shed.{check_token(engine_id, 'engine id')}"
 
     @route(AbortGeneration, by="gateway", to="engine", transport="core")
     def engine_abort(self) -> str:
-        """AbortGeneration: gateway -> every engine worker of the run (core broadcast);
-        the one running the request aborts it."""
+        """Every engine worker of the run hears it (no policy token); the one running the
+        request aborts it."""
         return f"{self._root}.engine.abort"
 
     @route(LoadWeights, by="weight-sync", to="engine", transport="core")
     def engine_load(self) -> str:
-        """LoadWeights: weight-sync -> the policy's engine workers (core broadcast)."""
+        """Every engine worker of the policy hears it."""
         return f"{self._root}.engine.{self.policy}.load"
 
     # trajectory (gateway -> trajectory, durable; run-wide)
@@ -159,10 +158,9 @@ class Subjects:
         stream="stream_trajectory",
     )
     def trajectory_event(self, session_id: str) -> str:
-        """SessionOpened, TurnRecorded, RewardReported, SessionFinished: gateway ->
-        trajectory (JetStream ``stream_trajectory``). The gateway reads them back too:
-        replayed on start-up (open sessions), and a session's newest before each call
-        with shared sessions (``SF_GATEWAY_SHARED_SESSIONS``)."""
+        """One subject per session. The gateway reads its sessions back on start-up (the
+        open ones), and with shared sessions (``SF_GATEWAY_SHARED_SESSIONS``) a session's
+        newest event before each call."""
         return f"{self._root}.traj.event.{check_token(session_id, 'session id')}"
 
     @route(
@@ -173,8 +171,8 @@ class Subjects:
         stream="stream_trajectory",
     )
     def trajectory_group_event(self, group_id: str) -> str:
-        """GroupClosed: trajectory -> itself and the gateway, both replaying it on
-        start-up (JetStream ``stream_trajectory``); never a session's subject."""
+        """Among the trajectory events (``trajectory_events_all`` covers it), but never a
+        session's subject."""
         return f"{self._root}.traj.event.group.{check_token(group_id, 'group id')}"
 
     def trajectory_events_all(self) -> str:
@@ -190,8 +188,7 @@ class Subjects:
         transport="request/reply",
     )
     def trajectory_export(self) -> str:
-        """SessionExportQuery -> SessionExport: ``seamlessflow export`` and the gateway's
-        export endpoint -> trajectory (request/reply)."""
+        """One session's samples; the gateway asks on behalf of its export endpoint."""
         return f"{self._root}.traj.export"
 
     # tasks (agent runner <-> trajectory; run-wide)
@@ -203,8 +200,7 @@ class Subjects:
         transport="request/reply",
     )
     def task_claim(self) -> str:
-        """TaskClaim -> TaskAssignment | NoTask: agent runner -> trajectory
-        (request/reply)."""
+        """An agent runner's next sample to roll out, or none for now."""
         return f"{self._root}.task.claim"
 
     # batches (trajectory -> the policy's trainer, durable)
@@ -216,15 +212,13 @@ class Subjects:
         stream="stream_batches",
     )
     def batch_ready(self) -> str:
-        """BatchReady: trajectory -> the policy's trainer (JetStream ``stream_batches``,
-        a durable pull consumer), and itself on start-up (the batches already formed);
-        sent once the payload is stored."""
+        """Sent once the batch's payload is stored (``batch_payload``); the trajectory
+        service reads it back on start-up for the batches already formed."""
         return f"{self._root}.batch.{self.policy}.ready"
 
     @route(BatchProgress, by="trajectory", to="tag-scheduler", transport="core")
     def batch_progress(self) -> str:
-        """BatchProgress: trajectory -> tag-scheduler (core, a hint): another group of
-        the next batch is ready."""
+        """A hint: another group of the policy's next batch is ready."""
         return f"{self._root}.batch.{self.policy}.progress"
 
     def batch_progress_all(self) -> str:
@@ -240,9 +234,7 @@ class Subjects:
         note="packed, in raw chunks read by sequence",
     )
     def batch_payload(self, batch_index: int) -> str:
-        """Raw chunks of one batch's payload, its TrainBatch packed
-        (``seamlessflow.batches``): trajectory -> the policy's trainer (JetStream
-        ``stream_batch_payloads``, read by sequence)."""
+        """One subject per batch; the chunks' format is ``seamlessflow.batches``'s."""
         if batch_index < 0:
             raise ProtocolError(f"batch index {batch_index} is negative")
         return f"{self._root}.batch.{self.policy}.payload.{batch_index}"
@@ -260,8 +252,8 @@ class Subjects:
         stream="stream_weights",
     )
     def weights_published(self) -> str:
-        """WeightsPublished: the policy's trainer -> weight-sync, and the trainer itself
-        on resume (JetStream ``stream_weights``); payloads in ``object_store_weights``."""
+        """The weights themselves are in ``object_store_weights``; a resuming trainer
+        reads its last published version back."""
         return f"{self._root}.weights.{self.policy}.published"
 
     @route(
@@ -272,8 +264,7 @@ class Subjects:
         transport="request/reply",
     )
     def weights_current(self) -> str:
-        """CurrentVersionQuery -> CurrentVersion: engine worker -> weight-sync
-        (request/reply): which version to serve now, and its chain."""
+        """Which version an engine is to serve now, and its chain."""
         return f"{self._root}.weights.{self.policy}.current"
 
     @route(
@@ -284,13 +275,12 @@ class Subjects:
         transport="request/reply",
     )
     def weights_group(self) -> str:
-        """WeightsGroupQuery -> WeightsGroupOffer: engine worker -> the policy's trainer
-        (request/reply): join its push group (NCCL id)."""
+        """Join the trainer's push group (its NCCL id)."""
         return f"{self._root}.weights.{self.policy}.group"
 
     @route(WeightsLoaded, by="engine", to="weight-sync", transport="core")
     def weights_loaded(self) -> str:
-        """WeightsLoaded: engine worker -> weight-sync (core): the version it now serves."""
+        """The version an engine now serves."""
         return f"{self._root}.weights.{self.policy}.loaded"
 
     # trainer progress (the policy's trainer -> observers, durable)
@@ -302,9 +292,8 @@ class Subjects:
         stream="stream_metrics",
     )
     def train_metrics(self) -> str:
-        """TrainStepMetrics: the policy's trainer -> trajectory (pacing) and observers
-        (the embedded run's display and report, ``seamlessflow track``), and the trainer
-        itself on start-up (its last recorded step) (JetStream ``stream_metrics``)."""
+        """One record per step: the trajectory service paces dispatch by it, a starting
+        trainer reads its last recorded step back, observers display and report it."""
         return f"{self._root}.train.{self.policy}.metrics"
 
     @route(
@@ -315,8 +304,8 @@ class Subjects:
         stream="stream_metrics",
     )
     def train_plan(self) -> str:
-        """TrainingPlanned: the policy's trainer, at each start -> trajectory (its step
-        budget and the run's seed) and observers (JetStream ``stream_metrics``)."""
+        """Sent at each trainer start: the policy's step budget, which the trajectory
+        service dispatches for, and the run's seed."""
         return f"{self._root}.train.{self.policy}.plan"
 
     @route(
@@ -327,8 +316,7 @@ class Subjects:
         stream="stream_metrics",
     )
     def train_finished(self) -> str:
-        """TrainingFinished: the policy's trainer -> trajectory and observers (JetStream
-        ``stream_metrics``)."""
+        """The policy reached its step budget."""
         return f"{self._root}.train.{self.policy}.finished"
 
     @route(
@@ -339,8 +327,7 @@ class Subjects:
         stream="stream_metrics",
     )
     def train_eval(self) -> str:
-        """TrainEvalMetrics: the policy's trainer -> observers (JetStream
-        ``stream_metrics``): its held-out evaluations."""
+        """The policy's held-out evaluations."""
         return f"{self._root}.train.{self.policy}.eval"
 
     def train_all(self) -> str:
@@ -358,9 +345,9 @@ class Subjects:
         stream="stream_metrics",
     )
     def data_batch_report(self) -> str:
-        """BatchFilterReport: trajectory -> itself on start-up (what was reported
-        dropped is not reported again) (JetStream ``stream_metrics``, where it stays for
-        whoever reads the run's record; no service follows it live)."""
+        """What the data filters dropped from each batch. Read back on start-up, so that
+        nothing is reported twice; it stays for whoever reads the run's record, and no
+        service follows it live."""
         return f"{self._root}.data.{self.policy}.batch"
 
     @route(
@@ -371,9 +358,8 @@ class Subjects:
         stream="stream_metrics",
     )
     def data_epoch_report(self) -> str:
-        """EpochFilterReport: trajectory -> itself on start-up (every epoch's prompt
-        order) (JetStream ``stream_metrics``, where it stays for whoever reads the run's
-        record; no service follows it live)."""
+        """Every epoch's prompt order, read back on start-up; it stays for whoever reads
+        the run's record, and no service follows it live."""
         return f"{self._root}.data.epoch"
 
     def data_reports_all(self) -> str:
@@ -389,13 +375,12 @@ class Subjects:
         transport="request/reply",
     )
     def sched_register(self) -> str:
-        """ResourceRegister -> RoleAssignment: engine workers and trainers
-        (``seamlessflow.resources``) -> tag-scheduler (request/reply)."""
+        """Engine workers and trainers register through ``seamlessflow.resources``."""
         return f"{self._root}.sched.register"
 
     @route(Heartbeat, by=("engine", "trainer"), to="tag-scheduler", transport="core")
     def sched_heartbeat(self, resource_id: str) -> str:
-        """Heartbeat: every registered resource -> tag-scheduler (core)."""
+        """One subject per registered resource."""
         return f"{self._root}.sched.heartbeat.{check_token(resource_id, 'resource id')}"
 
     def sched_heartbeat_all(self) -> str:
@@ -410,14 +395,12 @@ class Subjects:
         transport="request/reply",
     )
     def sched_assignment(self, resource_id: str) -> str:
-        """RoleAssignment -> RoleAck: tag-scheduler -> one resource (request/reply): lend
-        (``rollout``), reclaim (``idle``), or the role after a restart."""
+        """Lend (``rollout``), reclaim (``idle``), or the role after a restart."""
         return f"{self._root}.sched.assign.{check_token(resource_id, 'resource id')}"
 
     @route(PhaseChanged, by="tag-scheduler", to=("gateway", "weight-sync"), transport="core")
     def sched_phase(self) -> str:
-        """PhaseChanged: tag-scheduler -> gateway and weight-sync (core): phase changes,
-        deaths and NATS reconnects."""
+        """Phase changes, deaths and NATS reconnects."""
         return f"{self._root}.sched.phase"
 
     @route(
@@ -428,8 +411,7 @@ class Subjects:
         transport="request/reply",
     )
     def sched_claim(self) -> str:
-        """SlotsClaim -> SlotsGranted: trainer -> tag-scheduler (request/reply): a batch
-        is ready, give me my slots."""
+        """A batch is ready: the trainer wants its slots back."""
         return f"{self._root}.sched.claim"
 
     @route(
@@ -440,14 +422,13 @@ class Subjects:
         transport="request/reply",
     )
     def sched_release(self) -> str:
-        """SlotsReleased -> LendReport: trainer -> tag-scheduler (request/reply): step
-        published, my slots may be lent."""
+        """The step is published: the trainer's slots may be lent."""
         return f"{self._root}.sched.release"
 
     @route(CoresLent, by="tag-scheduler", to="trainer", transport="core")
     def sched_cores(self, trainer_id: str) -> str:
-        """CoresLent: tag-scheduler -> one trainer (core): the cores of idle rollout
-        engines on its host it may train on now (lending in the other direction)."""
+        """The cores of idle rollout engines on the trainer's host it may train on now
+        (lending in the other direction)."""
         return f"{self._root}.sched.cores.{check_token(trainer_id, 'trainer id')}"
 
     # JetStream streams, KV buckets and object stores. Run-level names are

@@ -39,7 +39,7 @@ class TaskAssignment(Message, tag="task.assignment"):
     """The task's policy (the run's first): ``reward_fn`` scores its last answer."""
     min_version: int = 0
     """Serve this sample's calls to ``policy`` with weights of at least this version
-    (0: any). Set in synchronous runs (``SF_TRAJECTORY_MAX_BATCHES_AHEAD=0``) to the
+    (0: any). Set in synchronous runs (``SF_MAX_BATCHES_AHEAD=0``) to the
     version the trainer last published, so no token of the batch is generated on the
     weights before it while an engine is still loading the new ones."""
 

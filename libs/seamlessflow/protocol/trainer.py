@@ -79,7 +79,7 @@ class TrainStepMetrics(Message, tag="train.metrics"):
 
 class TrainEvalMetrics(Message, tag="train.eval"):
     """trainer -> observers (JetStream): the policy of one version evaluated on a task's
-    held-out split (``SF_TRAINER_EVAL_EVERY``): greedy answers, mean reward."""
+    held-out split (``SF_EVAL_EVERY``): greedy answers, mean reward."""
 
     step: int
     """Steps taken when evaluated (the step that published ``version``)."""
@@ -101,7 +101,7 @@ class TrainEvalMetrics(Message, tag="train.eval"):
 
 class TrainingPlanned(Message, tag="train.plan"):
     """trainer -> trajectory and observers (JetStream), at each start: the policy's step
-    budget (``SF_TRAINER_STEPS``), which the trajectory service dispatches for, and the
+    budget (``SF_STEPS``), which the trajectory service dispatches for, and the
     run's seed (``SF_SEED``), which every service must share."""
 
     steps: int

@@ -135,7 +135,7 @@ class SessionFinished(Message, tag="traj.finished"):
 
 class GroupClosed(Message, tag="traj.group_closed"):
     """trajectory -> trajectory (replayed on every start): group ``group_id`` made no
-    progress for ``SF_TRAJECTORY_GROUP_TIMEOUT_S`` (e.g. its sessions were open on a
+    progress for ``SF_GROUP_TIMEOUT_S`` (e.g. its sessions were open on a
     gateway that restarted, or a claim's reply was lost). Every sample of it not
     finished yet is dropped (reason ``timed_out``); its session, if it opens or finishes
     later, is ignored. The group closes with the samples it has."""

@@ -121,7 +121,7 @@ def fraction_option(
 
 TASKS: Registry[Callable[[int], TaskSource]] = Registry(
     "task",
-    "SF_TRAJECTORY_TASK, --task",
+    "SF_TASK, --task",
     hint=(
         "or a data file: [jsonl:|parquet:]PATH[?reward=NAME] (PATH ending .jsonl / .parquet); "
         "or a reasoning-gym dataset: rg:DATASET[?key=value&...]; "

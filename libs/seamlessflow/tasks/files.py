@@ -1,7 +1,7 @@
 """Task sources from local data files: JSON Lines or Parquet, read with Hugging Face
 ``datasets`` (``load_dataset("json" | "parquet", data_files=..., split="train")``).
 
-**Naming a file task** (``SF_TRAJECTORY_TASK``, ``seamlessflow up --task``)::
+**Naming a file task** (``SF_TASK``, ``seamlessflow up --task``)::
 
     [jsonl:|parquet:]PATH[?reward=NAME][&eval_fraction=F]
 

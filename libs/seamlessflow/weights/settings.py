@@ -33,7 +33,7 @@ class WeightTransferSettings(RunFileSettings):
 
     dtype: str = ""
     """dtype the weights travel in (``bfloat16``, ``float32``); empty = the precision the
-    trainer computes in (``bfloat16`` when ``SF_TRAINER_PRECISION`` is or resolves to
+    trainer computes in (``bfloat16`` when ``SF_PRECISION`` is or resolves to
     ``bf16-mixed``, else its float32 weights): the same hardware rule as the trainer's.
     Low-precision transfer is where deltas pay: most bf16 words survive a step."""
 

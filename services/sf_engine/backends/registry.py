@@ -15,6 +15,7 @@ this module stays cheap); a new built-in backend adds its module to ``BUILTIN_BA
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 from pydantic_settings import BaseSettings
 
 from seamlessflow.assets.model_check import TRANSFORMERS_CAUSAL_LM, ArchitectureNeed
-from seamlessflow.plugins import Registry
+from seamlessflow.plugins import Registry, first_paragraph
 
 from .base import InferenceEngine
 
@@ -63,6 +64,18 @@ class EngineBackend:
     the others refuse such requests with a ValueError."""
     starts_slowly: bool = False
     """Its start takes tens of seconds (the contract tests mark it ``slow``)."""
+
+    @property
+    def summary(self) -> str:
+        """What it is (the configuration reference lists it): the first paragraph of its
+        module's docstring, the extra it needs and where its own settings are."""
+        summary = first_paragraph(sys.modules[self.build.__module__].__doc__)
+        if self.extra:
+            summary += f" Needs the ``{self.extra}`` extra."
+        if self.settings is not None:
+            prefix = self.settings.model_config.get("env_prefix", "")
+            summary += f" Its own settings: ``{prefix}*`` (``{self.settings.__name__}``)."
+        return summary
 
     def unavailable(self) -> str | None:
         """Why it cannot run here (an optional package does not import), or None."""

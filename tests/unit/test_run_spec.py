@@ -1,0 +1,227 @@
+"""One value, given once, reaches every process that uses it, whichever way the run
+starts (``sf_app.run.spec``): ``seamlessflow up`` (its options, the environment's
+shared variables, a run file), compose (the one-shot ``resolve`` and each container's
+environment as the compose file gives it) and a service started alone (a run file, or
+its environment). Each process's settings are built as that process builds them: its
+settings class, under its own environment."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from seamlessflow.runfile import RunShared, section_of, shared_fields, shared_variable
+from sf_app.cli import app
+from sf_app.run.config import RunConfig
+from sf_app.run.embedded import RESOLVED_FILE, EmbeddedRun
+from sf_app.service_table import settings_classes
+from tests.support import REPO_ROOT
+from tests.support.compose_render import render
+
+# a value unlike every default, of each shared key's type
+GIVEN: dict[str, Any] = {
+    "seed": 7,
+    "policies": ["solver", "verifier"],
+    "mode": "colocated",
+    "task": "counting",
+    "group_size": 3,
+    "groups_per_batch": 5,
+    "max_batches_ahead": 2,
+    "group_timeout_s": 42.5,
+    "steps": 11,
+    "checkpoint_every": 4,
+    "lr": 2.5e-5,
+    "eval_every": 3,
+    "precision": "fp32",
+    "max_tokens": 17,
+    "engine_batch_size": 12,
+    "agent": "multi_turn",
+    "agent_concurrency": 9,
+    "env_step_latency_ms": 25.0,
+    "env_latency_sigma": 0.25,
+}
+
+
+def test_every_shared_value_is_tried() -> None:
+    assert set(GIVEN) == set(RunShared.model_fields)
+    for key, value in GIVEN.items():
+        assert value != RunShared.model_fields[key].default, key
+
+
+def as_text(value: Any) -> str:
+    return ",".join(value) if isinstance(value, list) else str(value)
+
+
+@contextmanager
+def environment(env: Mapping[str, str]) -> Iterator[None]:
+    """The process's whole environment is ``env`` while its settings are read."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def caller_environment() -> dict[str, str]:
+    """This process's environment without any SF_ variable (the suite sets some)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SF_")}
+
+
+def seen_by_every_process(env: Mapping[str, str], key: str) -> dict[str, Any]:
+    """Each settings field that is the shared value ``key``, as its process reads it."""
+    seen: dict[str, Any] = {}
+    with environment(env):
+        for cls in settings_classes():
+            fields = [f for f, k in shared_fields(cls).items() if k == key]
+            if not fields:
+                continue
+            settings = cls()
+            section = section_of(str(cls.model_config.get("env_prefix", "")))
+            for field in fields:
+                seen[f"{section}.{field}"] = getattr(settings, field)
+    assert seen, f"no process uses {key}"
+    return seen
+
+
+def assert_everywhere(seen: Mapping[str, Any], key: str) -> None:
+    expected = as_text(GIVEN[key]) if key == "policies" else GIVEN[key]
+    wrong = {where: value for where, value in seen.items() if value != expected}
+    assert not wrong, f"{key}={expected!r} did not reach {wrong}"
+
+
+def embedded_process_env(tmp_path: Path, config: RunConfig) -> dict[str, str]:
+    """The environment ``seamlessflow up`` gives its processes, with the resolved file it
+    writes (``EmbeddedRun.write_spec``, ``service_env``)."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir(exist_ok=True)
+    with environment(caller_environment()):
+        run = EmbeddedRun(config)
+        return run.service_env(run.write_spec("nats://127.0.0.1:4222", model_dir, 8000))
+
+
+@pytest.mark.parametrize("key", sorted(GIVEN))
+def test_up_s_option_reaches_every_process(tmp_path: Path, key: str) -> None:
+    config = RunConfig(runs_dir=tmp_path, run_id="given", **{key: GIVEN[key]})
+    env = embedded_process_env(tmp_path, config)
+    assert env["SF_CONFIG"] == str(tmp_path / "given" / RESOLVED_FILE)
+    assert_everywhere(seen_by_every_process(env, key), key)
+
+
+@pytest.mark.parametrize("key", sorted(GIVEN))
+def test_a_run_file_reaches_every_process_of_up_and_every_service_alone(
+    tmp_path: Path, key: str
+) -> None:
+    run_file = tmp_path / "given.toml"
+    value = GIVEN[key]
+    run_file.write_text(f"[run]\n{key} = {tomllib_value(value)}\n")
+    # a service started alone on the user's file
+    alone = {**caller_environment(), "SF_CONFIG": str(run_file)}
+    assert_everywhere(seen_by_every_process(alone, key), key)
+    # seamlessflow up --config: the file's [run] table, resolved, then each process
+    config = up_config(["--config", str(run_file)])
+    assert getattr(config, key) == value
+    env = embedded_process_env(tmp_path, config.model_copy(update={"runs_dir": tmp_path}))
+    assert_everywhere(seen_by_every_process(env, key), key)
+
+
+@pytest.mark.parametrize("key", sorted(GIVEN))
+def test_an_environment_variable_reaches_every_process_of_up_and_every_service_alone(
+    tmp_path: Path, key: str
+) -> None:
+    variable = {shared_variable(key): as_text(GIVEN[key])}
+    alone = {**caller_environment(), **variable}
+    assert_everywhere(seen_by_every_process(alone, key), key)
+    config = up_config([], env=variable)
+    env = embedded_process_env(tmp_path, config.model_copy(update={"runs_dir": tmp_path}))
+    # up's processes read it from the resolved file: the variable itself is not passed on
+    assert shared_variable(key) not in env
+    assert_everywhere(seen_by_every_process(env, key), key)
+
+
+COMPOSE_FILE = REPO_ROOT / "compose" / "docker-compose.yml"
+COMPOSE_SECRETS = {"SF_NATS_TOKEN": "token", "SF_GATEWAY_API_KEYS": "key"}
+
+
+@pytest.mark.parametrize("key", sorted(set(GIVEN) - {"policies"}))
+def test_a_compose_variable_reaches_every_container(tmp_path: Path, key: str) -> None:
+    """Compose: the variable in .env or the shell, as the file interpolates it into the
+    ``resolve`` container; its resolved file read by each container under its own
+    environment (the runs volume's path mapped to a folder here)."""
+    variables = {**COMPOSE_SECRETS, shared_variable(key): as_text(GIVEN[key])}
+    services = render(COMPOSE_FILE, variables, profiles=["env"])["services"]
+    resolve = services["resolve"]
+    out = resolve["command"][resolve["command"].index("--out") + 1]
+    host_out = tmp_path / Path(out).relative_to("/")
+    resolve_env = {k: str(v) for k, v in resolve["environment"].items()}
+    result = CliRunner().invoke(
+        app, ["resolve", "--out", str(host_out)], env={**clear_sf(), **resolve_env}
+    )
+    assert result.exit_code == 0, result.output
+    seen: dict[str, Any] = {}
+    for name, service in services.items():
+        env = {k: str(v) for k, v in (service.get("environment") or {}).items()}
+        if env.get("SF_CONFIG") != out:
+            continue
+        env["SF_CONFIG"] = str(host_out)
+        for where, value in seen_by_every_process({**caller_environment(), **env}, key).items():
+            seen[f"{name}:{where}"] = value
+    assert {name.split(":")[0] for name in seen} >= {"trainer", "agents", "trajectory"} & {
+        name for name, svc in services.items() if svc.get("environment", {}).get("SF_CONFIG")
+    }
+    assert_everywhere(seen, key)
+
+
+def clear_sf() -> dict[str, str | None]:
+    """CliRunner's env: every SF_ variable of this process unset while it runs."""
+    return {name: None for name in os.environ if name.startswith("SF_")}
+
+
+def up_config(args: list[str], env: Mapping[str, str] | None = None) -> RunConfig:
+    """The ``RunConfig`` ``seamlessflow up ARGS`` would run, read through the CLI."""
+    import sf_app.run.embedded
+
+    captured: list[RunConfig] = []
+
+    def capture(config: RunConfig) -> None:
+        captured.append(config)
+        raise SystemExit(0)
+
+    saved = sf_app.run.embedded.run_embedded
+    sf_app.run.embedded.run_embedded = capture  # type: ignore[assignment]
+    try:
+        result = CliRunner().invoke(app, ["up", *args], env={**clear_sf(), **(env or {})})
+    finally:
+        sf_app.run.embedded.run_embedded = saved  # type: ignore[assignment]
+    assert captured, result.output
+    return captured[0]
+
+
+def tomllib_value(value: Any) -> str:
+    """``value`` as TOML (what a user writes in a run file)."""
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(f'"{item}"' for item in value) + "]"
+    return repr(value)
+
+
+def test_the_resolved_file_is_toml_that_up_itself_accepts(tmp_path: Path) -> None:
+    config = RunConfig(runs_dir=tmp_path, run_id="again", steps=5, task="counting")
+    env = embedded_process_env(tmp_path, config)
+    resolved = Path(env["SF_CONFIG"])
+    table = tomllib.loads(resolved.read_text())
+    assert table["run"]["steps"] == 5 and table["trainer"]["steps"] == 5
+    assert table["mesh"]["run_id"] == "again"
+    # the task's own completion budget, applied once, in every section that uses it
+    again = up_config(["--config", str(resolved)])
+    assert (again.steps, again.task, again.max_tokens) == (5, "counting", config.max_tokens)
