@@ -116,8 +116,10 @@ def test_the_gpu_profile_renders_a_resuming_trainer_on_every_gpu_with_pinned_pac
     assert {"engine-gpu", "trainer-gpu"} <= gpu.keys()
     assert not {"engine-gpu", "trainer-gpu", "engine-lend"} & default.keys()
     trainer, cpu_trainer = environment(gpu["trainer-gpu"]), environment(default["trainer"])
-    for key in ("SF_STEPS", "SF_TRAINER_RESUME", "SF_CHECKPOINT_EVERY"):
+    # the same run: the resolved file (steps, checkpoints), resuming from the latest
+    for key in ("SF_CONFIG", "SF_TRAINER_RESUME"):
         assert trainer[key] == cpu_trainer[key], key
+    assert "resolve" in gpu["trainer-gpu"]["depends_on"]
     assert trainer["SF_TRAINER_RESUME"] == "latest"
     assert not restarts_after(gpu["trainer-gpu"]["restart"], 0)
     assert restarts_after(gpu["trainer-gpu"]["restart"], 1)

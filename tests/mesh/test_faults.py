@@ -230,8 +230,8 @@ def pid_of(run: EmbeddedRun, label: str) -> int:
 
 async def sessions_open(run: EmbeddedRun, running: asyncio.Task) -> None:  # type: ignore[type-arg]
     """Until the run's gateway holds open sessions."""
-    port = run.launches["gateway"].env["SF_GATEWAY_PORT"]
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+    await eventually(lambda: getattr(run, "connection", None), 90, "the run's connection details")
+    async with httpx.AsyncClient(base_url=run.connection.gateway_url, timeout=5) as http:
         deadline = time.monotonic() + 90
         while not running.done():
             with contextlib.suppress(httpx.TransportError):

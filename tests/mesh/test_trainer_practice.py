@@ -289,7 +289,7 @@ def test_evaluation_scores_each_greedy_completion_once_against_its_reference(
     ]
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    task = f"{data}?reward=test_trainer_practice:recording_reward&eval_fraction=0.5"
+    task = f"{data}?reward={__name__}:recording_reward&eval_fraction=0.5"
     items = get_task_source(task).items("eval")
     assert len(items) > 16  # more than one generation batch
     policy = learner(base_model_dir, eval_every=1, eval_task=task, eval_items=0, eval_batch_size=16)
@@ -323,7 +323,7 @@ def test_several_eval_tasks_are_each_scored_by_their_own_reward_and_reported_apa
         rows = [{"prompt": f"{name} {n}?", "reference": f"{name}-{n}"} for n in range(count)]
         data = tmp_path / f"{name}.jsonl"
         data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        tasks.append(f"{data}?reward=test_trainer_practice:{reward}&eval_fraction=0.5")
+        tasks.append(f"{data}?reward={__name__}:{reward}&eval_fraction=0.5")
     policy = learner(
         base_model_dir, eval_every=1, eval_task=",".join(tasks), eval_items=4, eval_batch_size=3
     )
