@@ -54,7 +54,6 @@ from seamlessflow.protocol import (
     decode,
 )
 from seamlessflow.runfile import RUN_FILE_VARIABLE, RunShared, shared_variable, variable
-from seamlessflow.runfile import load as load_run_file
 from seamlessflow.settings import MeshSettings
 from seamlessflow.tasks import task_names
 from seamlessflow.weights.settings import WeightTransferSettings
@@ -180,15 +179,8 @@ class EmbeddedRun(Supervisor):
     # ---------------------------------------------------------------- processes
 
     def run_sets(self, nats_url: str, model_dir: Path, gateway_port: int) -> dict[str, dict]:
-        """What this run sets in the resolved file beside the shared section, by section:
-        where the run is (its id, directory, broker, model, gateway) and, where the run
-        file does not say otherwise, what an embedded run keeps: one more checkpoint than
-        the latest (what a restarted trainer resumes from), and weights through shared
-        memory where it has room (``local_weight_transport``)."""
-        c = self.config
-        user = {} if c.run_file is None else load_run_file(c.run_file)
-        trainer = {"keep_checkpoints": 2, **user.get("trainer", {})}
-        weights = {"transport": local_weight_transport(model_dir), **user.get("weights", {})}
+        """What this run decides in the resolved file beside the shared section, by
+        section: where the run is (its id, directory, broker, model, gateway)."""
         return {
             "mesh": {
                 "nats_url": nats_url,
@@ -198,15 +190,27 @@ class EmbeddedRun(Supervisor):
             },
             "gateway": {"port": gateway_port},
             "agents": {"gateway_url": f"http://127.0.0.1:{gateway_port}"},
-            "env": {"seed": c.seed},
-            "trainer": trainer,
-            "weights": weights,
+            "env": {"seed": self.config.seed},
+        }
+
+    @staticmethod
+    def run_defaults(model_dir: Path) -> dict[str, dict]:
+        """What an embedded run keeps unless its run file says otherwise: one more
+        checkpoint than the latest (what a restarted trainer resumes from), and weights
+        through shared memory where it has room (``local_weight_transport``)."""
+        return {
+            "trainer": {"keep_checkpoints": 2},
+            "weights": {"transport": local_weight_transport(model_dir)},
         }
 
     def write_spec(self, nats_url: str, model_dir: Path, gateway_port: int) -> Path:
         """Resolve the run once and write it into the run directory (``RESOLVED_FILE``)."""
-        sets = self.run_sets(nats_url, model_dir, gateway_port)
-        sections = resolved_sections(self.config, settings_classes(), sets)
+        sections = resolved_sections(
+            self.config,
+            settings_classes(),
+            run_sets=self.run_sets(nats_url, model_dir, gateway_port),
+            run_defaults=self.run_defaults(model_dir),
+        )
         return write_resolved(self.run_dir / RESOLVED_FILE, sections)
 
     def service_env(self, spec_path: Path) -> dict[str, str]:

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
-from pydantic import BaseModel
 from pydantic_settings import BaseSettings
 
 from seamlessflow.runfile import (
@@ -77,37 +76,29 @@ def resolved_sections(
     config: RunConfig,
     settings_classes: Iterable[type[BaseSettings]],
     run_sets: Mapping[str, Mapping[str, Any]] | None = None,
+    run_defaults: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every section of the resolved file: ``[run]`` (the shared section) and, for each
-    settings class, what the run file set for it (``config.run_file``'s section) and
-    what ``run_sets`` adds (the embedded run's own values: its run id, directory,
-    model), with each of its shared fields copied from ``[run]``."""
+    settings class, in rising precedence: ``run_defaults`` (what a run keeps unless its
+    file says otherwise), what the run file set for it (``config.run_file``'s section),
+    ``run_sets`` (what the run itself decides: its run id, directory, model), and each of
+    its shared fields copied from ``[run]``."""
     user = load(config.run_file) if config.run_file is not None else {}
     run = shared_values(config)
     sections: dict[str, dict[str, Any]] = {RUN_SECTION: run}
     for cls in settings_classes:
         section = section_of(str(cls.model_config.get("env_prefix", "")))
-        table: dict[str, Any] = {**user.get(section, {}), **(run_sets or {}).get(section, {})}
+        table: dict[str, Any] = {
+            **(run_defaults or {}).get(section, {}),
+            **user.get(section, {}),
+            **(run_sets or {}).get(section, {}),
+        }
         for field, key in shared_fields(cls).items():
             value = run[key]
             table[field] = ",".join(value) if isinstance(value, list) else value
         if table:
-            sections[section] = _plain(table)
+            sections[section] = table
     return sections
-
-
-def _plain(table: Mapping[str, Any]) -> dict[str, Any]:
-    """TOML values: paths as text, models as tables, None left out (the default)."""
-    out: dict[str, Any] = {}
-    for key, value in table.items():
-        if value is None:
-            continue
-        if isinstance(value, Path):
-            value = str(value)
-        elif isinstance(value, BaseModel):
-            value = value.model_dump(mode="json", exclude_none=True)
-        out[key] = value
-    return out
 
 
 def write_resolved(path: Path, sections: Mapping[str, Mapping[str, Any]]) -> Path:
