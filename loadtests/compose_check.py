@@ -67,6 +67,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from seamlessflow.assets.pretrained import BUILT_IN, packaged_model
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "compose" / "docker-compose.yml"
 LOCAL_IMAGES = ROOT / "compose" / "local-images"
@@ -515,6 +517,16 @@ print(json.dumps({
 """
 
 
+RUN_MODEL_AND_TASK = """
+import json, sys, tomllib
+from pathlib import Path
+info = json.loads(Path(sys.argv[2], "build_info.json").read_text())
+run = tomllib.loads(Path(sys.argv[1]).read_text())["run"]
+print(json.dumps({"model": info.get("name", "built-in"), "task": run["task"],
+                  "steps": run["steps"], "max_tokens": run["max_tokens"]}))
+"""
+
+
 class Stack:
     """The compose project: its CLI, variables, containers and volumes."""
 
@@ -614,6 +626,14 @@ class Stack:
             argv += ["--entrypoint", entrypoint]
         return run([*argv, SF_IMAGE, *args], timeout=300).stdout or ""
 
+    def run_model_and_task(self) -> dict[str, Any]:
+        """The model in the models volume (its build_info.json) and the task, steps and
+        completion budget the run resolved to (``run.toml`` in the runs volume)."""
+        spec = f"/runs/{self.run_id}/run.toml"
+        out = self.in_image("-c", RUN_MODEL_AND_TASK, spec, "/models/base", entrypoint="python")
+        result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+        return result
+
     def final(self) -> dict[str, Any]:
         final = f"/runs/{self.run_id}/checkpoints/final"
         out = self.in_image("-c", FINAL_STATE, final, "/models/base", entrypoint="python")
@@ -703,6 +723,21 @@ def kill_the_stream_leader(stack: Stack, summary: dict[str, Any]) -> None:
     summary["nats_node_killed"] = leader
 
 
+def model_and_task(stack: Stack) -> dict[str, Any]:
+    """What the stack trains is what the variables chose: SF_MODEL's model (compose's
+    default, the main job's SmolLM2-135M-Instruct, when unset), on that model's task
+    unless SF_TASK names another, for SF_STEPS steps."""
+    name = stack.variables.get("SF_MODEL") or COMPOSE_DEFAULT_MODEL
+    found = stack.run_model_and_task()
+    task = stack.variables.get("SF_TASK") or (
+        packaged_model(name).run_defaults["task"] if name != BUILT_IN else "arithmetic"
+    )
+    expected = {"model": name, "task": task, "steps": int(stack.variables["SF_STEPS"])}
+    if {key: found[key] for key in expected} != expected:
+        raise CheckFailed(f"the stack resolved {found}, not {expected}")
+    return {"run": found}
+
+
 def exercise(
     stack: Stack, steps: int, timings: dict[str, float], cluster: bool = False
 ) -> dict[str, Any]:
@@ -710,6 +745,9 @@ def exercise(
     summary: dict[str, Any] = {}
     with stage("gateway healthy", timings):
         wait_until("the gateway's /healthz", lambda: True if gateway_healthy() else None, 300)
+
+    with stage("the run's model and task", timings):
+        summary.update(model_and_task(stack))
 
     with stage("trainer killed after a checkpoint, restarted, resumed", timings):
         every = int(stack.variables["SF_CHECKPOINT_EVERY"])
@@ -857,14 +895,37 @@ NATS_CLUSTER_VARIABLES = {
 }
 
 
-# The check's runs test plumbing, not learning: the base model warms up 30 steps (the
-# suite's), not the recipe's 500 (about 90 s of a two-core machine per compose up).
-PLUMBING_SFT_STEPS = 30
+# What `docker compose up` trains when SF_MODEL is not set (compose/docker-compose.yml's
+# build-model and resolve): the main job's model, as `just up`.
+COMPOSE_DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# The checks' runs test plumbing, not learning, on either model:
+# - the real model (compose's default): the main job's model and task, on smaller batches
+#   and shorter answers than its measured defaults (a step of those takes ~40 s on two
+#   cores), no held-out evaluation;
+# - the built-in toy (`--model built-in`): its base model warmed up 30 steps (the
+#   suite's), not the recipe's 500 (about 90 s of a two-core machine per compose up).
+REAL_MODEL_RUN = {
+    "SF_GROUP_SIZE": "4",
+    "SF_GROUPS_PER_BATCH": "1",
+    "SF_MAX_TOKENS": "24",
+    "SF_EVAL_EVERY": "0",
+}
+REAL_MODEL_STEPS = 6
+TOY_RUN = {"SF_MODEL": "built-in", "SF_BASE_MODEL_SFT_STEPS": "30"}
+TOY_STEPS = 24
 
 
-def stack_variables(steps: int, images: dict[str, str], cluster: bool) -> dict[str, str]:
+def stack_variables(
+    steps: int, images: dict[str, str], cluster: bool, model: str = ""
+) -> dict[str, str]:
+    """The env file of a check: ``model`` "" (compose's default) or a name for SF_MODEL."""
+    if model == BUILT_IN:
+        run = TOY_RUN
+    else:
+        run = {**REAL_MODEL_RUN, **({"SF_MODEL": model} if model else {})}
     return {
-        "SF_BASE_MODEL_SFT_STEPS": str(PLUMBING_SFT_STEPS),
+        **run,
         **(NATS_CLUSTER_VARIABLES if cluster else {}),
         "SF_NATS_TOKEN": secrets.token_urlsafe(24),
         "SF_GATEWAY_API_KEYS": secrets.token_urlsafe(24),
@@ -934,7 +995,18 @@ def serve_locally() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=24, help="the run's SF_STEPS")
+    parser.add_argument(
+        "--model",
+        default="",
+        help="SF_MODEL: a pretrained model's name, or built-in for the toy; default: "
+        "none set, compose's default (the main job's SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help=f"the run's SF_STEPS (default: {REAL_MODEL_STEPS} on a pretrained model, "
+        f"{TOY_STEPS} on the built-in one)",
+    )
     parser.add_argument("--keep", action="store_true", help="leave the stack up (and its volumes)")
     parser.add_argument("--out", type=Path, help="also write the JSON summary here")
     parser.add_argument(
@@ -951,6 +1023,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="no checks: build on the local images and start the stack with compose/.env",
     )
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = TOY_STEPS if args.model == BUILT_IN else REAL_MODEL_STEPS
     if args.serve:
         try:
             return serve_locally()
@@ -983,6 +1057,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     **torch_variables,
                 },
                 cluster=args.nats_cluster,
+                model=args.model,
             )
             env_file.write_text("".join(f"{k}={v}\n" for k, v in variables.items()))
             env_file.chmod(0o600)

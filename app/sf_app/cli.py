@@ -11,6 +11,7 @@ import importlib
 import inspect
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn, get_args, get_origin
 
@@ -512,7 +513,7 @@ def build_model(
         typer.Option(
             "--from",
             help="Convert a pretrained model shipped in a package (smollm2-135m-instruct) "
-            "instead of building the built-in one.",
+            "instead of building the built-in one (empty or built-in: the built-in one).",
         ),
     ] = "",
     cache_dir: Annotated[
@@ -534,24 +535,32 @@ def build_model(
 ) -> None:
     """Build the base model and tokenizer, or convert a packaged pretrained model (no
     downloads); skip if up to date."""
+    from seamlessflow.assets.pretrained import BUILT_IN
     from seamlessflow.bus import Unrecoverable
 
-    if from_pretrained:
-        from seamlessflow.assets.pretrained import convert_pretrained, ensure_pretrained
+    if from_pretrained and from_pretrained != BUILT_IN:
+        from seamlessflow.assets.pretrained import ensure_converted, ensure_pretrained
 
         try:
             if out is None:
                 path = ensure_pretrained(from_pretrained, cache_dir, force=force)
             else:
-                path = convert_pretrained(from_pretrained, out)
+                path = ensure_converted(from_pretrained, out, force=force)
         except Unrecoverable as exc:
             fail(str(exc))
         typer.echo(str(path))
         return
     if out is None:
         fail("--out is required to build the built-in model")
+    from seamlessflow.assets.pretrained import BUILD_INFO
     from sf_app.base_model import build_base_model, ensure_base_model, sized_config
 
+    info = out / BUILD_INFO
+    if info.is_file() and "source_sha256" in json.loads(info.read_text()):
+        # a converted pretrained model (compose's models volume after SF_MODEL changed):
+        # the built-in build writes over a directory, and would keep the other's extra
+        # files (its generation config, its chat template)
+        shutil.rmtree(out)
     build = build_base_model if force else ensure_base_model
     config = sized_config(task, size)
     if sft_steps is not None:

@@ -16,7 +16,8 @@ leak in), in dependency order, with what a container engine would provide emulat
   ``jaeger`` is an OTLP/HTTP sink that counts the span exports it receives;
 - ``depends_on`` conditions and healthchecks are waited for as Compose waits.
 
-The run trains the built-in task for a few steps and must leave ``final`` with those
+The run trains the built-in toy (``SF_MODEL=built-in``) on its task for a few steps and
+must leave ``final`` with those
 steps; then the trainer is started again as ``docker compose up`` would start it after
 it exited 0, and ``final`` must stay as it was.
 """
@@ -69,7 +70,10 @@ VARIABLES = {
     "SF_NATS_TOKEN": "-" + secrets.token_urlsafe(16),
     "SF_GATEWAY_API_KEYS": secrets.token_urlsafe(16),
     "SF_STEPS": str(STEPS),
-    # plumbing, not learning: the suite's 30 warm-up steps, not the recipe's 500
+    # plumbing, not learning: the built-in toy (`just compose-test` runs compose's
+    # default, the main job's real model, in containers), warmed up 30 steps (the
+    # suite's), not the recipe's 500
+    "SF_MODEL": "built-in",
     "SF_BASE_MODEL_SFT_STEPS": "30",
     "SF_GROUP_SIZE": "4",
     "SF_GROUPS_PER_BATCH": "2",

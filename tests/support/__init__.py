@@ -45,6 +45,7 @@ __all__ = [
     "free_port",
     "free_ports",
     "load_loadtest",
+    "main_job_model",
     "publish_perturbed_version",
     "recorded_turns",
     "rollout_gateway",
@@ -54,6 +55,15 @@ __all__ = [
     "start_rollout",
     "trajectory_events",
 ]
+
+
+def main_job_model() -> str:
+    """The pretrained model the main job trains (the justfile's ``up`` recipe's
+    ``--model``), which compose trains by default too."""
+    justfile = (REPO_ROOT / "justfile").read_text()
+    recipe = justfile.split("\nup *ARGS:", 1)[1].split("\n\n")[0]
+    return recipe.split("--model", 1)[1].split()[0]
+
 
 SUPPORT_DIR = Path(__file__).resolve().parent
 """tests/support/: the helper modules and the scripts tests run as processes

@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, main_job_model
 
 ROOT = REPO_ROOT
 COMPOSE_DIR = ROOT / "compose"
@@ -494,6 +494,30 @@ def test_dockerfile() -> None:
     at, entry = entrypoints[-1]
     assert yaml.safe_load(entry) == ["seamlessflow"], entry
     assert last_user_at < at
+
+
+def test_the_image_holds_the_main_job(services: dict[str, dict[str, Any]]) -> None:
+    """``docker compose up`` trains the main job: the model compose converts by default
+    (build-model's ``--from``, resolve's ``--model``) is the justfile's ``up`` model, and
+    the image installs its packages at the release the code converts, and the ``run``
+    extra (reasoning-gym's tasks, the GGUF reader) as README command 1 does."""
+    from seamlessflow.assets.pretrained import packaged_model
+
+    main_model = main_job_model()
+    build = command_of(BUILD_MODEL, services[BUILD_MODEL])
+    resolve = command_of(RESOLVE, services[RESOLVE])
+    # SF_MODEL unset (tests/unit/test_run_spec.py sets it)
+    assert build[build.index("--from") + 1] == main_model, build
+    assert resolve[resolve.index("--model") + 1] == main_model, resolve
+    args = {
+        key.strip(): default.strip().strip('"')
+        for instr, rest in dockerfile_instructions()
+        if instr == "ARG"
+        for key, eq, default in [rest.partition("=")]
+        if eq
+    }
+    assert args["PRETRAINED_PACKAGES"].split() == list(packaged_model(main_model).packages)
+    assert "['optional-dependencies']['run']" in DOCKERFILE.read_text()
 
 
 # --------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from sf_app.cli import app
 from sf_app.run.config import RunConfig
 from sf_app.run.embedded import RESOLVED_FILE, EmbeddedRun
 from sf_app.service_table import settings_classes
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, main_job_model
 from tests.support.compose_render import render
 
 # a value unlike every default, of each shared key's type
@@ -159,14 +159,7 @@ def test_a_compose_variable_reaches_every_container(tmp_path: Path, key: str) ->
     environment (the runs volume's path mapped to a folder here)."""
     variables = {**COMPOSE_SECRETS, shared_variable(key): as_text(GIVEN[key])}
     services = render(COMPOSE_FILE, variables, profiles=["env"])["services"]
-    resolve = services["resolve"]
-    out = resolve["command"][resolve["command"].index("--out") + 1]
-    host_out = tmp_path / Path(out).relative_to("/")
-    resolve_env = {k: str(v) for k, v in resolve["environment"].items()}
-    result = CliRunner().invoke(
-        app, ["resolve", "--out", str(host_out)], env={**clear_sf(), **resolve_env}
-    )
-    assert result.exit_code == 0, result.output
+    out, host_out = compose_resolve(services, tmp_path)
     seen: dict[str, Any] = {}
     for name, service in services.items():
         env = {k: str(v) for k, v in (service.get("environment") or {}).items()}
@@ -179,6 +172,40 @@ def test_a_compose_variable_reaches_every_container(tmp_path: Path, key: str) ->
         name for name, svc in services.items() if svc.get("environment", {}).get("SF_CONFIG")
     }
     assert_everywhere(seen, key)
+
+
+def compose_resolve(services: Mapping[str, Any], tmp_path: Path) -> tuple[str, Path]:
+    """Run compose's one-shot ``resolve`` as its container would (its rendered command
+    and environment), the runs volume's path mapped into ``tmp_path``: the file's path
+    in the containers, and here."""
+    resolve = services["resolve"]
+    command = [str(part) for part in resolve["command"]]
+    out = command[command.index("--out") + 1]
+    host_out = tmp_path / Path(out).relative_to("/")
+    command[command.index("--out") + 1] = str(host_out)
+    resolve_env = {k: str(v) for k, v in resolve["environment"].items()}
+    result = CliRunner().invoke(app, command, env={**clear_sf(), **resolve_env})
+    assert result.exit_code == 0, result.output
+    return out, host_out
+
+
+@pytest.mark.parametrize("model", ["", "built-in"])
+def test_compose_up_resolves_the_main_job_and_the_toy_one_variable_away(
+    tmp_path: Path, model: str
+) -> None:
+    """With nothing set, ``docker compose up`` resolves the run ``just up`` runs (the
+    main job: its pretrained model's measured defaults, its task's budget); with
+    ``SF_MODEL=built-in`` the one ``just up-toy`` runs. Every shared value is compared."""
+    variables = {**COMPOSE_SECRETS, **({"SF_MODEL": model} if model else {})}
+    services = render(COMPOSE_FILE, variables)["services"]
+    _, host_out = compose_resolve(services, tmp_path)
+    resolved = tomllib.loads(host_out.read_text())["run"]
+    expected = up_config(["--model", main_job_model()] if not model else [])
+    assert resolved == {key: getattr(expected, key) for key in RunShared.model_fields}
+    if not model:  # the main job's values, not the toy's
+        assert (resolved["task"], resolved["lr"]) != (RunConfig().task, RunConfig().lr)
+    build = [str(part) for part in services["build-model"]["command"]]
+    assert build[build.index("--from") + 1] == (model or main_job_model())
 
 
 def clear_sf() -> dict[str, str | None]:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from seamlessflow.protocol import DEFAULT_POLICY, check_policy
 from seamlessflow.runfile import RunShared
@@ -43,7 +43,7 @@ class RunConfig(RunShared):
     model: str = ""
     """A pretrained model by name (``seamlessflow.assets.pretrained``, e.g.
     ``smollm2-135m-instruct``), converted once into the cache directory from the package
-    that ships it; empty: ``model_dir`` or the built-in model."""
+    that ships it; empty (or ``built-in``): ``model_dir`` or the built-in model."""
     model_size: str = "small"
     """Size of the built-in model (``sf_app.base_model.MODEL_SIZES``):
     ``small`` (the task's recipe) or ``medium`` (~25M parameters, a warm-up scaled to it)."""
@@ -157,6 +157,14 @@ class RunConfig(RunShared):
                 f"unknown model size {self.model_size!r}; known sizes: {', '.join(MODEL_SIZES)}"
             )
         return self
+
+    @field_validator("model")
+    @classmethod
+    def _built_in_is_none(cls, model: str) -> str:
+        """``built-in`` names the built-in model (compose's ``SF_MODEL``): no pretrained."""
+        from seamlessflow.assets.pretrained import BUILT_IN
+
+        return "" if model == BUILT_IN else model
 
     @model_validator(mode="after")
     def _one_model(self) -> RunConfig:

@@ -195,6 +195,11 @@ class PretrainedUnavailable(Unrecoverable):
     """A named pretrained model that is unknown, or whose package is not installed."""
 
 
+BUILT_IN = "built-in"
+"""The name that chooses no pretrained model but the built-in one (``up --model``,
+``build-model --from``, compose's ``SF_MODEL``): the toy, built locally."""
+
+
 def pretrained_names() -> list[str]:
     return sorted(PRETRAINED)
 
@@ -320,9 +325,17 @@ def converted_dir(name: str, cache_dir: Path) -> Path:
 def ensure_pretrained(name: str, cache_dir: Path, force: bool = False) -> Path:
     """The converted model ``name`` in ``cache_dir/models/<name>``, converted if it is
     missing, was converted from another file, or ``force``."""
+    return ensure_converted(name, converted_dir(name, cache_dir), force=force)
+
+
+def ensure_converted(name: str, out: Path, force: bool = False) -> Path:
+    """The converted model ``name`` in ``out``, converted if ``out`` holds no finished
+    conversion of its release's file (nothing, a half-written one, another model, the
+    built-in one), or ``force``: compose's one-shot ``build-model`` runs at every ``up``
+    and converts once per model volume."""
     model = packaged_model(name)
     gguf_files(model)  # not installed: say so before taking the lock
-    out = converted_dir(name, cache_dir)
+    out = Path(out)
     with _converting(out):
         # a finished conversion records the sha256 it was checked against, the release's
         if not force and is_converted(out, model.sha256):
