@@ -43,7 +43,8 @@ test *ARGS: _cpu-only trace-store pretrained
     env -u PYTHONDONTWRITEBYTECODE {{bin}}/pytest -q -n auto --maxprocesses 4 --dist worksteal {{ARGS}}
 
 # the pure units alone (no nats-server, no built model, no other process; tests/conftest.py
-# marks the rest `integration`): about 45 s on two cores, for a quick check while working
+# marks the rest `integration`): about 110 s in one process on two cores, for a quick
+# check while working
 test-units *ARGS: _cpu-only
     {{bin}}/pytest -q -m "not integration" {{ARGS}}
 

@@ -730,7 +730,7 @@ def part_mesh(ctx: Context) -> dict[str, Any]:
     else:
         command += ["--group-size", "2", "--groups-per-batch", "2"]
     env = dict(os.environ)
-    env |= {"SF_TRAINER_DEVICE": ctx.device, "SF_ENGINE_DEVICE": ctx.device}
+    env |= {"SF_TRAINER_DEVICE": ctx.device, "SF_ENGINE_HF_DEVICE": ctx.device}
     env |= {"SF_ENGINE_DTYPE": "float32", "SF_TRAINER_TORCH_THREADS": "4"}
     started = time.perf_counter()
     done = subprocess.run(

@@ -59,7 +59,7 @@ PEER_RATIOS = (
 """The ratios every ``peer_compare.py`` result has, the list it computes them from (the
 committed peer baseline must have each); a result is compared on the ratios its own
 baseline has, whatever the kind."""
-CHECKED = PEER_RATIOS  # the name tests/mesh/test_peer_compare.py reads
+CHECKED = PEER_RATIOS  # the name tests/unit/test_peer_compare_pieces.py reads
 MOMENTARY_MACHINE_KEYS = ("loadavg_at_start",)
 """Describe the moment, not the machine: never a note."""
 

@@ -126,6 +126,8 @@ SHARED_SETTINGS: dict[str, str] = {
     "every service": "seamlessflow.settings:MeshSettings",
     "stream retention": "seamlessflow.settings:RetentionSettings",
     "weight transfer": "seamlessflow.weights.settings:WeightTransferSettings",
+    "hf engine backend": "sf_engine.settings:HfSettings",
+    "vllm engine backend": "sf_engine.settings:VllmSettings",
     "scripted engine (load tests)": "sf_engine.backends.scripted_engine:ScriptedSettings",
     "code sandbox (reward code_tests)": "seamlessflow.rewards.sandbox:SandboxSettings",
 }

@@ -25,7 +25,7 @@ array (a MessagePack extension): ints in the narrowest of int8/16/32/64 that hol
 floats as float32 where that is exact (behaviour logprobs computed in float32 are) and
 float64 otherwise. No field is named: a field added to ``TrainSample`` is carried (and
 packed, if it is such a list) without a change here, and every value decodes to
-exactly what was encoded (checked in tests/service/test_batches.py).
+exactly what was encoded (checked in tests/unit/test_batch_encoding.py).
 """
 
 from __future__ import annotations

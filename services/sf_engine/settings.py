@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -10,12 +11,35 @@ from seamlessflow.plugins import ChosenFrom
 from seamlessflow.runfile import RunFileSettings, shared
 
 
+def _moved(field: str, backend: str, new_field: str = "") -> str:
+    """The line that refuses an engine setting that is now ``backend``'s own."""
+    prefix = f"SF_ENGINE_{backend.upper()}_"
+    new_field = new_field or field
+    return (
+        f"SF_ENGINE_{field.upper()} ([engine] {field}) is no longer read: the {backend} "
+        f"backend's own setting is {prefix}{new_field.upper()} ([engine_{backend}] "
+        f"{new_field})"
+    )
+
+
 class EngineSettings(RunFileSettings):
-    """engine-worker settings (env prefix ``SF_ENGINE_``)."""
+    """engine-worker settings (env prefix ``SF_ENGINE_``), those of every backend; each
+    backend's own are its settings class (``SF_ENGINE_<BACKEND>_``: ``HfSettings``,
+    ``VllmSettings``, the scripted engine's ``ScriptedSettings``)."""
 
     model_config = SettingsConfigDict(
         env_prefix="SF_ENGINE_", extra="ignore", use_attribute_docstrings=True
     )
+
+    retired: ClassVar[Mapping[str, str]] = {
+        "device": _moved("device", "hf"),
+        "prefix_cache_mb": _moved("prefix_cache_mb", "hf"),
+        "tensor_parallel": _moved("tensor_parallel", "vllm"),
+        "cuda_graphs": _moved("cuda_graphs", "vllm"),
+    }
+    """Settings that became a backend's own (``SF_ENGINE_VLLM_SLEEP_MODE`` kept its
+    variable; in a run file it moved from ``[engine] vllm_sleep_mode`` to
+    ``[engine_vllm] sleep_mode``)."""
 
     engine_id: str = ""
     """Unique id of this worker; default ``engine-<host>-<pid>``."""
@@ -29,26 +53,13 @@ class EngineSettings(RunFileSettings):
     max_context: int = 1024
     """Prompt plus completion tokens per request."""
 
-    prefix_cache_mb: int = Field(default=1024, ge=0)
-    """``hf`` backend: MiB of finished requests' KV cache kept so that the next turn of
-    a conversation (its prompt starts with the last turn's prompt and answer) prefills
-    only its new tokens; cleared by every weight load. 0 turns reuse off. Size it to
-    hold every concurrent conversation: sessions x context tokens x (layers x 2 x KV
-    heads x head dim x dtype bytes), e.g. 64 x 500 x 46 KB = 1.5 GB for SmolLM2-135M in
-    float32; the engine logs its hit rate at each weight load. (The ``vllm`` backend
-    runs without prefix caching.)"""
-
     dtype: str = "auto"
     """Weights dtype of the engine: a torch dtype name, or ``auto``
     (``seamlessflow.machine.engine_dtype``, resolved when the settings are read):
     ``bfloat16`` on a CUDA device that computes it natively (the ``hf`` backend's
-    ``device``; vLLM's GPU), ``float32`` on every CPU (float32 keeps logprobs comparable
-    with the trainer, and an AVX2-only CPU computes bf16 ~40x slower)."""
-
-    device: str = "cpu"
-    """torch device of the ``hf`` backend's model (``cpu``, ``cuda``, ``cuda:1``); vLLM
-    places itself. Several engines may share one GPU with the trainer: each process
-    allocates only what its model and KV cache need."""
+    ``SF_ENGINE_HF_DEVICE``; vLLM's GPU), ``float32`` on every CPU (float32 keeps
+    logprobs comparable with the trainer, and an AVX2-only CPU computes bf16 ~40x
+    slower)."""
 
     torch_threads: int = 1
     """torch intra-op threads (processes share a few cores in embedded mode)."""
@@ -64,21 +75,6 @@ class EngineSettings(RunFileSettings):
     """Audit mode: put the prompt and completion token ids on each ``engine.generate``
     span, so what the engine consumed and produced can be checked offline."""
 
-    tensor_parallel: int = Field(default=1, ge=1)
-    """``vllm`` backend: GPUs one engine spans, its weights split across them (vLLM's
-    ``tensor_parallel_size``): a model too large for one GPU, or a faster decode of a
-    large one. Only vLLM splits a model; the other backends refuse more than 1."""
-
-    cuda_graphs: bool = False
-    """``vllm`` backend on a GPU: compile the model and capture CUDA graphs (vLLM without
-    ``enforce_eager``): faster decode steps, a slower start (measured on this project's
-    CPU machine for the test model: ~18 s eager against ~56 s compiled, cold). Off, the
-    engine runs eagerly, which is what vLLM's CPU backend does anyway."""
-
-    vllm_sleep_mode: bool = False
-    """GPU + vLLM: put the engine to sleep (weights to host, KV cache freed) while its
-    slot is lent to training (``enable_sleep_mode``). No effect on CPU."""
-
     release_timeout_s: float = 10.0
     """Reclaimed: longest wait for the replies of the requests it handed back before it
     frees its slot anyway (the gateway's first-chunk and reply time-outs cover them)."""
@@ -91,22 +87,74 @@ class EngineSettings(RunFileSettings):
     """How often to ask weight-sync for the current version (catches missed broadcasts)."""
 
     @model_validator(mode="after")
-    def _only_vllm_splits_a_model(self) -> EngineSettings:
-        if self.tensor_parallel > 1 and self.backend != "vllm":
-            raise ValueError(
-                f"SF_ENGINE_TENSOR_PARALLEL={self.tensor_parallel} needs "
-                f"SF_ENGINE_BACKEND=vllm (the {self.backend} backend runs a model whole)"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _dtype_from_the_hardware(self) -> EngineSettings:
         # resolved once, here: backends see a torch dtype name, never "auto"
         if self.dtype == "auto":
-            device = self.device
-            if self.backend == "vllm":  # vLLM places itself: on the GPU where there is one
-                import torch
-
-                device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.dtype = engine_dtype("auto", device)
+            own = BACKEND_SETTINGS.get(self.backend)
+            self.dtype = engine_dtype("auto", own().model_device() if own else "cpu")
         return self
+
+
+class HfSettings(RunFileSettings):
+    """The ``hf`` backend's own settings (env prefix ``SF_ENGINE_HF_``; the backend is
+    ``sf_engine.backends.hf_engine``, which imports torch and transformers: its settings
+    live here, where reading them imports neither)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SF_ENGINE_HF_", extra="ignore", use_attribute_docstrings=True
+    )
+
+    device: str = "cpu"
+    """torch device of the model (``cpu``, ``cuda``, ``cuda:1``). Several engines may
+    share one GPU with the trainer: each process allocates only what its model and KV
+    cache need."""
+
+    prefix_cache_mb: int = Field(default=1024, ge=0)
+    """MiB of finished requests' KV cache kept so that the next turn of a conversation
+    (its prompt starts with the last turn's prompt and answer) prefills only its new
+    tokens; cleared by every weight load. 0 turns reuse off. Size it to
+    hold every concurrent conversation: sessions x context tokens x (layers x 2 x KV
+    heads x head dim x dtype bytes), e.g. 64 x 500 x 46 KB = 1.5 GB for SmolLM2-135M in
+    float32; the engine logs its hit rate at each weight load. (The ``vllm`` backend
+    runs without prefix caching.)"""
+
+    def model_device(self) -> str:
+        """Where the model computes (what ``dtype = "auto"`` is resolved for)."""
+        return self.device
+
+
+class VllmSettings(RunFileSettings):
+    """The ``vllm`` backend's own settings (env prefix ``SF_ENGINE_VLLM_``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SF_ENGINE_VLLM_", extra="ignore", use_attribute_docstrings=True
+    )
+
+    tensor_parallel: int = Field(default=1, ge=1)
+    """GPUs one engine spans, its weights split across them (vLLM's
+    ``tensor_parallel_size``): a model too large for one GPU, or a faster decode of a
+    large one. Only vLLM splits a model: the other backends have no such setting."""
+
+    cuda_graphs: bool = False
+    """On a GPU: compile the model and capture CUDA graphs (vLLM without
+    ``enforce_eager``): faster decode steps, a slower start (measured on this project's
+    CPU machine for the test model: ~18 s eager against ~56 s compiled, cold). Off, the
+    engine runs eagerly, which is what vLLM's CPU backend does anyway."""
+
+    sleep_mode: bool = False
+    """GPU + vLLM: put the engine to sleep (weights to host, KV cache freed) while its
+    slot is lent to training (``enable_sleep_mode``). No effect on CPU."""
+
+    def model_device(self) -> str:
+        """vLLM places itself: on the GPU where there is one."""
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+BACKEND_SETTINGS: dict[str, type[HfSettings] | type[VllmSettings]] = {
+    "hf": HfSettings,
+    "vllm": VllmSettings,
+}
+"""The built-in backends' own settings that decide where their model computes (the
+backends declare them too: ``EngineBackend.settings``)."""

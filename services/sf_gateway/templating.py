@@ -50,7 +50,7 @@ class ChatTokenizer:
         from its markers)."""
         self.model_type = _model_type(model_dir)
         # A fast tokenizer's own encoder gives the ids transformers' ``__call__`` gives
-        # (``tests/service/test_gateway_api.py``), without its per-call Python bookkeeping.
+        # (``tests/unit/test_gateway_api_shapes.py``), without its per-call Python bookkeeping.
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         self._backend_encode = backend.encode if self.tokenizer.is_fast and backend else None
 

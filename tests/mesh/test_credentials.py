@@ -39,6 +39,7 @@ def command_line(pid: int) -> bytes:
     return Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
+@pytest.mark.integration  # a nats-server of its own
 async def test_a_nats_server_with_a_token_refuses_clients_without_it(tmp_path: Path) -> None:
     token = "t0ken-" + os.urandom(8).hex()
     server = EmbeddedNats(tmp_path / "store", token=token)

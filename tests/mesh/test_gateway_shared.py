@@ -1,7 +1,8 @@
 """Several gateway processes serving the same sessions (``SF_GATEWAY_SHARED_SESSIONS``,
 ``SF_GATEWAY_REUSE_PORT``): a session opened on one continues on another turn by turn,
 from the exact ids the other stored, and outlives the process that opened it. Each
-gateway here has its own connection and state (its own process, as far as state goes)."""
+gateway here has its own connection and state (its own process, as far as state goes).
+The settings' own check is tests/unit/test_gateway_shared_settings.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from typing import Any
 import httpx
 import pytest
 from openai import AsyncOpenAI
-from pydantic import ValidationError
 
 from seamlessflow.bus import Bus
 from sf_engine.service import EngineService
@@ -183,11 +183,6 @@ async def test_processes_with_reuse_port_listen_on_one_port(
     finally:
         for mesh in meshes:
             await mesh.stop()
-
-
-def test_reuse_port_needs_a_fixed_port() -> None:
-    with pytest.raises(ValidationError, match="fixed SF_GATEWAY_PORT"):
-        GatewaySettings(port=0, reuse_port=True)
 
 
 async def test_a_process_behind_on_the_stream_waits_for_the_session_it_is_asked_about(

@@ -98,6 +98,7 @@ def test_gateway_processes_on_one_port_are_measured_per_count(
         assert level["chat_requests"] == 2 * level["sessions_completed"] > 0
 
 
+@pytest.mark.integration  # its own nats-server and an embedded run's processes
 def test_the_broker_load_counts_messages_and_bytes_per_turn_and_step(tmp_path: Path) -> None:
     """loadtests/broker_load.py: one step of the single-turn workload against its own
     server; what it reports adds up (the turns are the run's, the weights went through

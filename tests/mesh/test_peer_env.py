@@ -1,6 +1,7 @@
 """The TRL side of the environment comparison (loadtests/peer_env.py): GRPOTrainer with a
 rollout_func plays guess_number episodes against the real environment server
-(``python -m sf_envs``), turn by turn, and trains on the model's tokens only."""
+(``python -m sf_envs``), turn by turn, and trains on the model's tokens only. The
+settings it refuses are tests/unit/test_peer_env_settings.py."""
 
 from __future__ import annotations
 
@@ -136,17 +137,3 @@ def test_an_environment_turn_is_what_the_chat_template_renders(
         conversation, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     assert ids == list(expected)
-
-
-def test_the_comparison_refuses_bad_settings(peer_env: ModuleType) -> None:
-    args = peer_env.parse_args(["--step-latency-ms", "0,100", "--sides", "trl"])
-    assert args.step_latency_ms == [0.0, 100.0] and args.sides == ["trl"]
-    for argv in (
-        ["--step-latency-ms", "100,100"],
-        ["--step-latency-ms", "-1"],
-        ["--sides", "trl,vllm"],
-        ["--group-size", "1"],
-        ["--env-url", "http://127.0.0.1:1", "--step-latency-ms", "0,100"],
-    ):
-        with pytest.raises(SystemExit):
-            peer_env.parse_args(argv)

@@ -2,7 +2,8 @@
 
 The reference for every multi-rank result is one process taking the same steps on the
 same batches: two ranks must produce the same weights, optimizer state and metrics (up
-to float summation order). The plain planning functions are tested in-process.
+to float summation order). The plain planning functions are tested in process in
+tests/unit/test_rank_planning.py.
 """
 
 from __future__ import annotations
@@ -18,22 +19,10 @@ import torch
 
 from seamlessflow.assets.families import build_family_model
 from seamlessflow.bus import Bus
-from seamlessflow.protocol import (
-    TrainingFinished,
-    TrainSample,
-    TrainStepMetrics,
-    WeightsPublished,
-    decode,
-)
+from seamlessflow.protocol import TrainingFinished, TrainStepMetrics, WeightsPublished, decode
 from seamlessflow.weights import ObjectStorePayloads, WeightMirror
-from sf_trainer.checkpoint import (
-    load_model_state,
-    load_optimizer_state,
-    read_state,
-)
-from sf_trainer.distributed import partition_by_tokens
-from sf_trainer.sharded_loading import own_rows
-from sf_trainer.step import micro_batches, plan_micro_batches, trained_token_count
+from sf_trainer.checkpoint import load_model_state, load_optimizer_state, read_state
+from sf_trainer.step import plan_micro_batches
 from tests.support import InProcessMesh
 from tests.support.ranks import (
     BATCH_FIGURES,
@@ -48,58 +37,6 @@ from tests.support.ranks import (
     spec,
 )
 from tests.support.trainer_batches import make_batch
-
-
-def sample(length: int, trained: int) -> TrainSample:
-    return TrainSample(
-        session_id=f"s{length}-{trained}",
-        token_ids=[1] * length,
-        loss_mask=[0] * (length - trained) + [1] * trained,
-        behaviour_logprobs=[0.0] * length,
-        versions=[0] * length,
-        reward=0.0,
-    )
-
-
-# plain functions ---------------------------------------------------------------------
-
-
-def test_partition_balances_tokens_covers_every_sample_and_is_deterministic() -> None:
-    lengths = [40, 4, 4, 4, 4, 4, 4, 4, 4, 30, 12, 9]
-    parts = partition_by_tokens(lengths, 3)
-    assert sorted(i for part in parts for i in part) == list(range(len(lengths)))
-    loads = [sum(lengths[i] for i in part) for part in parts]
-    assert max(loads) - min(loads) <= max(lengths)
-    assert loads == [40, 42, 41]  # longest first, each to the lightest part (by hand)
-    assert parts == partition_by_tokens(lengths, 3)
-    assert partition_by_tokens([5, 5], 1) == [[0, 1]]
-    assert partition_by_tokens([5], 2) == [[0], []]
-
-
-def test_every_rank_gets_the_same_number_of_passes_padded_with_untrained_ones() -> None:
-    samples = [sample(40, 20)] + [sample(4, 2) for _ in range(8)]
-    plans = plan_micro_batches(samples, world_size=2, token_budget=8)
-    trained = [[m for m in plan if m.trained] for plan in plans]
-    # the long sample alone on one rank (1 pass), the 8 short ones on the other (4 passes)
-    assert [len(t) for t in trained] == [1, 4]
-    assert [len(plan) for plan in plans] == [4, 4]
-    padding = [m for m in plans[0] if not m.trained]
-    assert all(m.indices == [1] for m in padding)  # the shortest sample
-    covered = sorted(i for t in trained for m in t for i in m.indices)
-    assert covered == list(range(9))
-
-
-def test_one_rank_plans_exactly_the_budgeted_micro_batches() -> None:
-    samples = [sample(n, 1) for n in (3, 9, 4, 7, 2)]
-    (plan,) = plan_micro_batches(samples, world_size=1, token_budget=12)
-    assert [m.indices for m in plan] == micro_batches(samples, token_budget=12)
-    assert all(m.trained for m in plan)
-    assert plan_micro_batches([], world_size=2, token_budget=12) == [[], []]
-
-
-def test_the_normalizer_counts_trained_tokens_of_the_whole_batch() -> None:
-    assert trained_token_count([sample(10, 4), sample(6, 6), sample(3, 0)]) == 10
-
 
 # two gloo ranks ----------------------------------------------------------------------
 
@@ -169,6 +106,7 @@ def test_two_ranks_resume_a_one_process_checkpoint_and_continue_identically(
     assert_same_checkpoint(tmp_path / "resumed" / "checkpoint", tmp_path / "straight")
 
 
+@pytest.mark.integration  # rank processes
 @pytest.mark.parametrize("family", ["qwen3", "llama3-tied"])
 def test_each_rank_reads_only_its_shard_and_the_ranks_step_as_one_process(
     family: str, tmp_path: Path
@@ -217,18 +155,6 @@ def test_bf16_master_weights_train_and_checkpoint_in_bf16_on_one_and_two_ranks(
         assert all(torch.isfinite(torch.tensor(r["loss"])) for r in results), run
     # the same batches, split over the ranks: the same tokens trained
     assert [r["tokens_trained"] for r in ranks] == [r["tokens_trained"] for r in alone]
-
-
-def test_rows_split_as_fsdp2_splits_them() -> None:
-    # torch.chunk's split: ceil(n / ranks) rows each, the last ranks fewer or none
-    assert [own_rows(10, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
-    assert [own_rows(2, r, 4) for r in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
-    for total, ranks in [(10, 4), (7, 3), (1, 2), (151936, 2), (5, 8)]:
-        chunks = torch.arange(total).chunk(ranks)
-        for rank in range(ranks):
-            start, end = own_rows(total, rank, ranks)
-            expected = chunks[rank].tolist() if rank < len(chunks) else []
-            assert list(range(start, end)) == expected, (total, ranks, rank)
 
 
 # the service, launched as documented ---------------------------------------------------

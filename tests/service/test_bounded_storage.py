@@ -1,7 +1,8 @@
 """Bounded storage on a real nats-server: the weights object store gives deleted versions
 back to the disk, the durable streams carry the retention settings, the pull stores
 refuse a manifest whose sizes are not those of the stored payload, and weight-sync's set
-of engines holds only engines heard from lately."""
+of engines holds only engines heard from lately. The retention settings' own check and a
+publisher's deletion that fails are tests/unit/test_retention_and_pruning.py."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from seamlessflow.weights import (
 from seamlessflow.weights.stores import OBJECT_CHUNK_BYTES
 from sf_weight_sync.service import WeightSyncService
 from sf_weight_sync.settings import WeightSyncSettings
+from tests.support.weight_states import one_tensor_state
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -55,6 +57,7 @@ def bytes_on_disk(directory: Path) -> int:
     return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
 
 
+@pytest.mark.integration  # a nats-server of its own
 async def test_the_weights_store_gives_deleted_versions_back_to_the_disk(
     own_server: tuple[EmbeddedNats, Bus],
 ) -> None:
@@ -192,15 +195,6 @@ async def test_the_retention_settings_reach_the_streams(
     assert (config.max_age, config.max_bytes) == (1.5 * 3600, -1)
 
 
-def test_batches_may_not_be_dropped_before_the_events_of_their_sessions() -> None:
-    with pytest.raises(ValueError, match="BATCHES_MAX_AGE_H"):
-        RetentionSettings(trajectory_max_age_h=48, batches_max_age_h=24)
-    with pytest.raises(ValueError, match="BATCHES_MAX_AGE_H"):
-        RetentionSettings(trajectory_max_age_h=0, batches_max_age_h=24)
-    with pytest.raises(ValueError, match="0 \\(none\\) or positive"):
-        RetentionSettings(metrics_max_gb=-1)
-
-
 async def test_a_stream_over_its_byte_limit_drops_its_oldest_messages(bus: Bus) -> None:
     limit = 64 * 1024
     await bus.ensure_streams(retention=RetentionSettings(trajectory_max_gb=limit / GiB))
@@ -224,47 +218,16 @@ async def test_a_restarted_publisher_deletes_what_the_previous_process_stored(
     encoder = WeightEncoder(bucket_bytes=1 << 20)  # every version a full payload
     for store in (ObjectStorePayloads(bus), SharedMemoryPayloads("restart", tmp_path)):
         first = WeightPublisher(store, encoder, keep_chains=1)
-        old = [await first.publish(v, small_state(v)) for v in (1, 2, 3)]
+        old = [await first.publish(v, one_tensor_state(v)) for v in (1, 2, 3)]
         for pruned in old[:2]:
             with pytest.raises(PayloadMissing):
                 await store.fetch(pruned)
         restarted = WeightPublisher(store, encoder, keep_chains=1)  # the trainer again
-        new = [await restarted.publish(v, small_state(v)) for v in (4, 5)]
+        new = [await restarted.publish(v, one_tensor_state(v)) for v in (4, 5)]
         for gone in (old[2], new[0]):
             with pytest.raises(PayloadMissing):
                 await store.fetch(gone)
         assert len(await store.fetch(new[1])) == new[1].payload_bytes
-
-
-async def test_a_broker_away_while_old_payloads_are_deleted_fails_no_version(
-    tmp_path: Path,
-) -> None:
-    """Deleting old payloads is housekeeping: a broker error then (a NATS restart) is
-    logged and the deletion is retried at the next publish; the new version stands."""
-
-    class BrokerAwayOnce(SharedMemoryPayloads):
-        failures = 1
-
-        async def delete(self, manifest: WeightManifest) -> None:
-            if self.failures:
-                self.failures -= 1
-                raise TimeoutError("the broker restarts")
-            await super().delete(manifest)
-
-    store = BrokerAwayOnce("away", tmp_path)
-    publisher = WeightPublisher(store, WeightEncoder(bucket_bytes=1 << 20), keep_chains=1)
-    first, second = [await publisher.publish(v, small_state(v)) for v in (1, 2)]
-    assert len(await store.fetch(first)) == first.payload_bytes  # its delete failed
-    assert len(await store.fetch(second)) == second.payload_bytes
-    third = await publisher.publish(3, small_state(3))
-    for pruned in (first, second):
-        with pytest.raises(PayloadMissing):
-            await store.fetch(pruned)
-    assert len(await store.fetch(third)) == third.payload_bytes
-
-
-def small_state(seed: int) -> dict[str, torch.Tensor]:
-    return {"w": torch.randn(1000, generator=torch.Generator().manual_seed(seed))}
 
 
 async def test_a_byte_limit_the_server_cannot_reserve_is_one_clear_error(bus: Bus) -> None:

@@ -202,6 +202,7 @@ async def test_a_bus_drains_at_once_past_a_follower_left_with_unread_messages(
     assert drain_s < 2.0, f"the drain waited {drain_s:.1f}s on an unread queue"
 
 
+@pytest.mark.integration  # a nats-server of its own, restarted
 async def test_reconnect_callbacks_run_once_the_broker_is_back(tmp_path: Path) -> None:
     """A broker restart is reported to whoever waits for core NATS replies (the
     gateway re-routes its engine calls then: a reply sent meanwhile may be lost)."""
@@ -234,6 +235,7 @@ async def test_reconnect_callbacks_run_once_the_broker_is_back(tmp_path: Path) -
             await bus.drain()
 
 
+@pytest.mark.integration  # a nats-server of its own, restarted
 async def test_an_object_stored_right_after_a_broker_restart_is_stored(tmp_path: Path) -> None:
     """The broker answers JetStream requests only once it recovered its streams; a put
     meanwhile waits for it (``OBJECT_PUT_RETRY``) instead of failing the publisher."""

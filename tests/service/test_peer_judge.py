@@ -17,6 +17,8 @@ import pytest
 from seamlessflow.rewards import integer_match
 from tests.support import LOADTESTS, load_loadtest
 
+pytestmark = pytest.mark.integration  # the judge server is a process of its own
+
 
 @pytest.fixture
 def judge(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:

@@ -1,141 +1,26 @@
-"""Every request parameter of chat completions and completions is honoured or refused.
-
-The parameter tables (`sf_gateway.openai_api.CHAT_PARAMS` / `COMPLETION_PARAMS`) are
-checked against the ``openai`` package's own request types, so a field a new SDK adds
-fails here until the table says what the gateway does with it. Refusals are checked
-through the real gateway, with the official SDK as the client: a 400 naming the field,
-and nothing stored.
+"""Every request parameter of chat completions and completions is honoured or refused,
+through the real gateway with the official SDK as the client: a refused or unknown
+parameter is a 400 naming the field, and nothing is stored; null, neutral values and
+parameters without effect are accepted. The tables themselves are checked against the
+``openai`` package's request types in tests/unit/test_request_param_tables.py; the
+values sent are tests/support/request_params.py's.
 """
 
 from __future__ import annotations
 
-import typing
 from typing import Any
 
 import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError
-from openai.types import completion_create_params as completion_types
-from openai.types.chat import completion_create_params as chat_types
 
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import TurnRecorded
-from sf_gateway.openai_api import (
-    CHAT_PARAMS,
-    COMPLETION_PARAMS,
-    VLLM_CHAT_EXTRAS,
-    VLLM_EXTRAS,
-    Param,
-)
+from sf_gateway.openai_api import CHAT_PARAMS, COMPLETION_PARAMS
 from tests.support import GATEWAY_MAX_CONTEXT, trajectory_events
+from tests.support.request_params import NEUTRAL_VALUES, NO_EFFECT_VALUES, REFUSED_VALUES, refused
 
 MAX_CONTEXT = GATEWAY_MAX_CONTEXT  # the context of the gateway_url fixture
-
-
-def sdk_fields(module: Any) -> set[str]:
-    """Every top-level field of an API's request, streaming or not, as the SDK types it."""
-    return set(typing.get_type_hints(module.CompletionCreateParamsNonStreaming)) | set(
-        typing.get_type_hints(module.CompletionCreateParamsStreaming)
-    )
-
-
-TABLES = [(chat_types, CHAT_PARAMS), (completion_types, COMPLETION_PARAMS)]
-
-
-@pytest.mark.parametrize(("sdk", "table"), TABLES, ids=["chat", "completions"])
-def test_the_table_lists_every_sdk_field_and_nothing_else(
-    sdk: Any, table: dict[str, Param]
-) -> None:
-    fields = sdk_fields(sdk)
-    assert {"model", "temperature", "stream"} <= fields  # the SDK's types were read
-    assert fields - set(table) == set(), "fields of the openai SDK the gateway does not list"
-    extras = set(VLLM_EXTRAS) | set(VLLM_CHAT_EXTRAS)
-    assert set(table) - fields - extras == set(), "listed fields no API has"
-    for name, param in table.items():
-        assert param.effect in ("honoured", "no_effect", "refused") and param.why, name
-
-
-# A value each refused parameter cannot take (not null, not its neutral value). The
-# test below fails for a refused parameter without one, so each gets a request.
-REFUSED_VALUES: dict[str, Any] = {
-    "frequency_penalty": 0.5,
-    "presence_penalty": -0.5,
-    "logit_bias": {"5": 10},
-    "min_p": 0.1,
-    "repetition_penalty": 1.2,
-    "min_tokens": 2,
-    "ignore_eos": True,
-    "skip_special_tokens": False,
-    "include_stop_str_in_output": True,
-    "guided_json": {"type": "object"},
-    "guided_regex": "[0-9]+",
-    "guided_choice": ["a", "b"],
-    "guided_grammar": "root ::= 'a'",
-    "structured_outputs": {"json": {"type": "object"}},
-    "parallel_tool_calls": False,
-    "functions": [{"name": "add", "parameters": {"type": "object"}}],
-    "function_call": "auto",
-    "audio": {"voice": "alloy", "format": "wav"},
-    "modalities": ["text", "audio"],
-    "moderation": {"policy": {"input": {"mode": "block"}}},
-    "web_search_options": {},
-    "reasoning_effort": "low",
-    "verbosity": "low",
-    "chat_template_kwargs": {"enable_thinking": False},
-    "echo": True,
-    "suffix": " the end",
-    "best_of": 3,
-}
-
-# The neutral value of each refused parameter: asks for what the gateway does anyway.
-NEUTRAL_VALUES: dict[str, Any] = {
-    "frequency_penalty": 0,
-    "presence_penalty": 0.0,
-    "logit_bias": {"5": 0},
-    "min_p": 0,
-    "repetition_penalty": 1.0,
-    "min_tokens": 0,
-    "ignore_eos": False,
-    "skip_special_tokens": True,
-    "include_stop_str_in_output": False,
-    "parallel_tool_calls": True,
-    "modalities": ["text"],
-    "chat_template_kwargs": {},
-    "echo": False,
-    "suffix": "",
-    "best_of": 1,
-}
-
-NO_EFFECT_VALUES: dict[str, Any] = {
-    "user": "agent-7",
-    "metadata": {"run": "x"},
-    "store": False,
-    "service_tier": "auto",
-    "safety_identifier": "u-1",
-    "prompt_cache_key": "k",
-    "prompt_cache_retention": "24h",
-    "prompt_cache_options": {},
-    "prediction": {"type": "content", "content": "4"},
-}
-
-
-def refused(table: dict[str, Param]) -> list[str]:
-    return sorted(name for name, param in table.items() if param.effect == "refused")
-
-
-def no_effect(table: dict[str, Param]) -> list[str]:
-    return sorted(name for name, param in table.items() if param.effect == "no_effect")
-
-
-@pytest.mark.parametrize("table", [CHAT_PARAMS, COMPLETION_PARAMS], ids=["chat", "completions"])
-def test_every_refused_or_ignored_parameter_is_exercised(table: dict[str, Param]) -> None:
-    assert set(refused(table)) <= set(REFUSED_VALUES)
-    assert set(no_effect(table)) <= set(NO_EFFECT_VALUES)
-    for name, value in NEUTRAL_VALUES.items():
-        if name in table:
-            assert table[name].neutral(value, {name: value}), name
-    for name in refused(table):
-        assert not table[name].neutral(REFUSED_VALUES[name], {name: REFUSED_VALUES[name]}), name
 
 
 async def open_client(http: httpx.AsyncClient) -> tuple[dict[str, Any], AsyncOpenAI]:

@@ -22,7 +22,7 @@ from seamlessflow.bus import Bus
 from sf_gateway.service import GatewayService
 from sf_gateway.settings import GatewaySettings
 from tests.support import InProcessMesh, session_auth, session_turns
-from tests.support.tool_script import scripted_reply, tool_script_gateway
+from tests.support.tool_script import tool_script_gateway
 
 pytestmark = pytest.mark.usefixtures("openai_shapes")
 
@@ -223,18 +223,6 @@ async def test_unsupported_fields_are_400s_naming_them_and_store_nothing(
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == param
     assert await session_turns(bus, session["session_id"]) == []
-
-
-def test_the_scripted_model_calls_the_offered_tool() -> None:
-    tool = {"type": "function", "function": {"name": "mul", "parameters": {"properties": {
-        "x": {}, "y": {}}}}}  # fmt: skip
-    prompt = (
-        f"<|im_start|>system\n# Tools\n<tools>\n{json.dumps(tool)}\n</tools><|im_end|>\n"
-        "<|im_start|>user\nWhat is 3 * 4?<|im_end|>\n<|im_start|>assistant\n"
-    )
-    assert scripted_reply(prompt) == (
-        '<tool_call>\n{"name": "mul", "arguments": {"x": 3, "y": 4}}\n</tool_call>'
-    )
 
 
 async def test_a_text_answer_sent_back_as_its_message_item_continues_the_branch(

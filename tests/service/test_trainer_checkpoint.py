@@ -1,13 +1,13 @@
 """Checkpoint and resume: what a checkpoint holds, that a resumed trainer continues as
 an uninterrupted one would, and that the service never trains a batch twice nor reuses a
-version number."""
+version number. Choosing the checkpoint to resume from and pruning, from the files
+alone, are tests/unit/test_checkpoint_resume_and_prune.py."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
-import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -30,6 +30,7 @@ from sf_trainer.learner import Learner
 from sf_trainer.service import TrainerService
 from sf_trainer.settings import TrainerSettings
 from tests.support import InProcessMesh
+from tests.support.checkpoint_files import write_checkpoint_files
 from tests.support.trainer_batches import make_batch
 
 SETTINGS = TrainerSettings(lr=1e-3, micro_batch_tokens=48)
@@ -99,39 +100,6 @@ def test_a_resumed_learner_takes_the_step_an_uninterrupted_one_takes(
     weights_only.step(BATCHES[1], version=1)
     moved = weights(weights_only)
     assert any(not torch.equal(moved[k], v) for k, v in weights(uninterrupted).items())
-
-
-def write_checkpoint_files(path: Path, step: int, optimizer: bool = True) -> None:
-    path.mkdir(parents=True)
-    state = TrainerState(step=step, version=step, data_position=step - 1)
-    (path / checkpoint.STATE_FILE).write_bytes(msgspec.json.encode(state))
-    if optimizer:
-        torch.save({}, path / checkpoint.OPTIMIZER_FILE)
-
-
-def test_resume_latest_takes_the_most_trained_complete_checkpoint(tmp_path: Path) -> None:
-    root = tmp_path / "checkpoints"
-    assert checkpoint.resolve_resume("latest", tmp_path) is None  # first start: base model
-    assert checkpoint.resolve_resume("", tmp_path) is None
-    write_checkpoint_files(root / "step-2", 2)
-    write_checkpoint_files(root / "step-4", 4)
-    write_checkpoint_files(root / ".final.saving", 9)  # an interrupted save
-    write_checkpoint_files(root / "step-6", 6, optimizer=False)  # written before optimizers
-    assert checkpoint.resolve_resume("latest", tmp_path) == root / "step-4"
-    assert checkpoint.resolve_resume(str(root / "step-2"), tmp_path) == root / "step-2"
-    with pytest.raises(FileNotFoundError, match=r"optimizer\.pt"):
-        checkpoint.resolve_resume(str(root / "step-6"), tmp_path)
-    with pytest.raises(ValueError, match="SF_RUN_DIR"):
-        checkpoint.resolve_resume("latest", None)
-
-
-def test_pruning_keeps_the_newest_periodic_checkpoints_and_final(tmp_path: Path) -> None:
-    for step in (1, 2, 10, 11):
-        write_checkpoint_files(tmp_path / f"step-{step}", step)
-    write_checkpoint_files(tmp_path / "final", 11)
-    removed = checkpoint.prune(tmp_path, keep=2)
-    assert sorted(p.name for p in removed) == ["step-1", "step-2"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "step-10", "step-11"]
 
 
 def test_saving_again_under_a_name_replaces_the_checkpoint(

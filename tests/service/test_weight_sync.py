@@ -1,6 +1,7 @@
 """Weight sync on a real nats-server: both pull stores, pruning, and engines that follow
 full and delta versions, join late, refuse corrupted payloads and survive a weight-sync
-restart."""
+restart. Shared memory's store and a publisher's pruning on their own are
+tests/unit/test_shared_memory_weights.py."""
 
 from __future__ import annotations
 
@@ -32,21 +33,7 @@ from sf_engine.service import EngineService
 from sf_engine.settings import EngineSettings
 from sf_tag_scheduler.service import TagSchedulerService
 from sf_weight_sync.service import WeightSyncService
-
-
-def small_state(seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        "a": torch.randn(512, 33, generator=generator),
-        "b": torch.randn(5, generator=generator),
-    }
-
-
-async def round_trip(store, encoded: EncodedWeights) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
-    manifest = await store.put(encoded)
-    mirror = WeightMirror()
-    mirror.apply(manifest, await store.fetch(manifest))
-    return mirror.tensors()
+from tests.support.weight_states import round_trip, small_state
 
 
 async def test_object_store_moves_a_payload_in_buckets_and_loses_it_on_delete(bus: Bus) -> None:
@@ -61,65 +48,6 @@ async def test_object_store_moves_a_payload_in_buckets_and_loses_it_on_delete(bu
     await store.delete(manifest)
     with pytest.raises(PayloadMissing):
         await store.fetch(manifest)
-
-
-async def test_shared_memory_is_written_whole_and_read_in_place(tmp_path: Path) -> None:
-    store = SharedMemoryPayloads("shm-test", tmp_path)
-    state = small_state(1)
-    encoded = WeightEncoder(bucket_bytes=10_000).encode(3, state)
-    got = await round_trip(store, encoded)
-    assert all(torch.equal(got[name], state[name]) for name in state)
-    assert os.listdir(tmp_path) == ["seamlessflow-shm-test-policy-weights-v00000003-full"]
-    manifest = await store.put(encoded)
-    other_run = SharedMemoryPayloads("other-run", tmp_path)
-    with pytest.raises(PayloadMissing):
-        await other_run.fetch(manifest)
-    await store.delete(manifest)
-    with pytest.raises(PayloadMissing):
-        await store.fetch(manifest)
-
-
-async def test_two_policies_of_a_run_publish_the_same_version_at_once_apart(
-    tmp_path: Path,
-) -> None:
-    """A solver and a verifier publish version 1 at the same moment: before each policy
-    had its own names, one trainer's rename took the other's file and it crashed (seen
-    in a fresh CI), and one policy's pruning removed the other's versions."""
-    stores = {policy: SharedMemoryPayloads("run", tmp_path, policy) for policy in ("a", "b")}
-    states = {policy: small_state(seed) for seed, policy in enumerate(stores)}
-    encoded = {p: WeightEncoder(bucket_bytes=10_000).encode(1, states[p]) for p in stores}
-    manifests = dict(
-        zip(stores, await asyncio.gather(*(stores[p].put(encoded[p]) for p in stores)), strict=True)
-    )
-    for policy, store in stores.items():
-        mirror = WeightMirror()
-        mirror.apply(manifests[policy], await store.fetch(manifests[policy]))
-        got = mirror.tensors()
-        assert all(torch.equal(got[k], states[policy][k]) for k in states[policy])
-    with pytest.raises(PayloadMissing):  # an engine of b never serves a's weights
-        await stores["b"].fetch(manifests["a"])
-    await stores["a"].delete_before(2)  # a prunes its own versions only
-    assert sorted(os.listdir(tmp_path)) == ["seamlessflow-run-b-weights-v00000001-full"]
-
-
-async def test_the_publisher_keeps_only_its_latest_chains(tmp_path: Path) -> None:
-    store = SharedMemoryPayloads("prune", tmp_path)
-    encoder = WeightEncoder(bucket_bytes=1 << 20, deltas=True, full_every=2)
-    publisher = WeightPublisher(store, encoder, keep_chains=1, dtype=torch.bfloat16)
-    state = small_state(2)
-    manifests = []
-    for version in (1, 2, 3):
-        state = {k: v + (0.5 if k == "b" else 0.0) for k, v in state.items()}
-        manifests.append(await publisher.publish(version, state))
-    assert [m.kind for m in manifests] == ["full", "delta", "full"]
-    assert manifests[1].payload_bytes < manifests[0].payload_bytes / 10
-    assert manifests[0].layout[0].dtype == "bfloat16"
-    for pruned in manifests[:2]:
-        with pytest.raises(PayloadMissing):
-            await store.fetch(pruned)
-    assert len(await store.fetch(manifests[2])) == manifests[2].payload_bytes
-    await publisher.close()  # shared memory is RAM: nothing outlives the publisher
-    assert os.listdir(tmp_path) == []
 
 
 async def test_a_streamed_version_is_stored_bucket_by_bucket_or_not_at_all(

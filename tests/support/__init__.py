@@ -5,13 +5,18 @@ embedded run, loading a loadtest script, and a TCP proxy that loses what crosses
 
 The suite is a package (``tests``): every test imports its helpers from
 ``tests.support`` and its modules, never from another test module. The modules here:
-``compose_render`` (compose files read as compose reads them), ``envserver`` (an
-OpenEnv server in a thread), ``openai_shapes`` (OpenAI's documented response shapes),
-``ranks`` (trainer ranks started as processes, their results compared),
-``scripted_replies`` and ``tool_script`` (engines and gateways that answer from a
-script), ``store`` (a run's JetStream store read back), ``tiny_models`` (small real
-torch policies), ``trainer_batches`` and ``trainer_rank`` (the script each rank runs),
-``wandb_records``.
+``bench_results`` (a bench's result file), ``checkpoint_files`` (a checkpoint's files
+written by hand), ``compose_render`` (compose files read as compose reads them),
+``engines`` (engines started for a test, the fp32 tolerance), ``envserver`` (an OpenEnv
+server in a thread), ``openai_shapes`` (OpenAI's documented response shapes), ``ranks``
+(trainer ranks started as processes, their results compared), ``request_params`` (the
+request parameters refused or without effect), ``run_files`` (run files written for a
+test), ``scripted_replies`` and ``tool_script`` (engines and gateways that answer from
+a script), ``store`` (a run's JetStream store read back), ``tiny_models`` (small real
+torch policies), ``token_texts`` (text split across tokens), ``tracking_steps`` (steps
+as the trackers record them), ``trainer_batches`` and ``trainer_rank`` (the script each
+rank runs), ``wandb_records``, ``weight_states`` (small weight states and their round
+trip).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Small real torch models for trainer tests: a Qwen2 of a few thousand weights (tied
-or not), a one-layer policy with a rewarded batch of one-token answers, and the float32
-round-off bound ``gamma`` that tolerances are derived from."""
+or not), a one-layer policy with a rewarded batch of one-token answers, the float32
+round-off bound ``gamma`` that tolerances are derived from, and
+``FLOAT64_REORDERING``, how far two float64 summation orders of the tests' gradients may
+differ."""
 
 from __future__ import annotations
 
@@ -11,6 +13,15 @@ from seamlessflow.assets.loading import causal_lm_from_config
 from seamlessflow.protocol import SampleGroup, TrainBatch, TrainSample
 
 FP32_UNIT_ROUNDOFF = torch.finfo(torch.float32).eps / 2
+
+FLOAT64_REORDERING = 1e-9
+"""Relative to a gradient's largest entry: in float64 two summation orders of n terms
+differ by at most 2 n u sum|terms| (u = 1.1e-16); the longest sums of the chunked
+logprobs' tests (tests/unit/test_chunked_logprobs_head.py,
+tests/service/test_chunked_logprobs.py) have n < 10^4 terms (tokens x vocabulary
+chunks, hidden sizes), so 1e-9 leaves the terms' magnitudes
+room to exceed the gradient's by 10^2 through cancellation. A wrong position,
+temperature or a missing gradient path moves gradients by far more (> 1e-3)."""
 
 
 def gamma(terms: int, unit: float = FP32_UNIT_ROUNDOFF) -> float:

@@ -1,5 +1,6 @@
-"""The engine's size from its settings: tensor parallelism and CUDA graphs reach vLLM's
-engine arguments; a backend that cannot split a model refuses to be asked to."""
+"""The engine's size from its settings: tensor parallelism and CUDA graphs, the vllm
+backend's own settings (``VllmSettings``, ``SF_ENGINE_VLLM_``), reach vLLM's engine
+arguments; the engine settings they used to be refuse their old spelling."""
 
 from __future__ import annotations
 
@@ -9,13 +10,11 @@ import pytest
 from pydantic import ValidationError
 
 from sf_engine.backends.vllm_engine import BACKEND, VllmEngine
-from sf_engine.settings import EngineSettings
+from sf_engine.settings import EngineSettings, HfSettings, VllmSettings
 
 
-def vllm_args(tmp_path: Path, **settings: object) -> dict[str, object]:
-    engine = BACKEND.build(
-        EngineSettings(backend="vllm", dtype="float32", **settings), str(tmp_path)
-    )
+def vllm_args(tmp_path: Path) -> dict[str, object]:
+    engine = BACKEND.build(EngineSettings(backend="vllm", dtype="float32"), str(tmp_path))
     assert isinstance(engine, VllmEngine)
     return engine.engine_args()  # what start() hands vLLM (no vLLM import needed)
 
@@ -26,17 +25,39 @@ def test_by_default_one_gpu_runs_eagerly(tmp_path: Path) -> None:
     assert args["enforce_eager"] is True
 
 
-def test_tensor_parallelism_and_cuda_graphs_are_settings(tmp_path: Path) -> None:
-    args = vllm_args(tmp_path, tensor_parallel=4, cuda_graphs=True)
+def test_tensor_parallelism_and_cuda_graphs_are_the_backends_own_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SF_ENGINE_VLLM_TENSOR_PARALLEL", "4")
+    monkeypatch.setenv("SF_ENGINE_VLLM_CUDA_GRAPHS", "true")
+    args = vllm_args(tmp_path)
     assert args["tensor_parallel_size"] == 4
     assert args["enforce_eager"] is False
-
-
-@pytest.mark.parametrize("backend", ["hf", "scripted"])
-def test_a_backend_that_runs_a_model_whole_refuses_tensor_parallelism(backend: str) -> None:
-    with pytest.raises(
-        ValidationError, match="SF_ENGINE_TENSOR_PARALLEL=2 needs SF_ENGINE_BACKEND=vllm"
-    ):
-        EngineSettings(backend=backend, dtype="float32", tensor_parallel=2)
+    assert BACKEND.settings is VllmSettings
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
-        EngineSettings(backend="vllm", dtype="float32", tensor_parallel=0)
+        VllmSettings(tensor_parallel=0)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("SF_ENGINE_TENSOR_PARALLEL", "SF_ENGINE_VLLM_TENSOR_PARALLEL"),
+        ("SF_ENGINE_CUDA_GRAPHS", "SF_ENGINE_VLLM_CUDA_GRAPHS"),
+        ("SF_ENGINE_DEVICE", "SF_ENGINE_HF_DEVICE"),
+        ("SF_ENGINE_PREFIX_CACHE_MB", "SF_ENGINE_HF_PREFIX_CACHE_MB"),
+    ],
+)
+def test_a_setting_that_became_a_backends_own_names_its_new_variable(
+    old: str, new: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(old, "1")
+    with pytest.raises(ValidationError, match=f"{old} .* is no longer read: .* is {new}"):
+        EngineSettings(dtype="float32")
+
+
+def test_the_hf_backends_device_decides_what_auto_computes_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SF_ENGINE_HF_DEVICE", "cpu")
+    assert HfSettings().model_device() == "cpu"
+    assert EngineSettings(backend="hf").dtype == "float32"  # every CPU computes in fp32

@@ -76,7 +76,7 @@ def test_the_heads_entropy_in_float32_is_the_softmax_entropy_within_its_rounding
     """Whole logits and chunks (float32, as the trainer runs) against float64 exact.
     The float32 log-probabilities are off by at most e_l = 2 delta + 8 eps (the row's
     largest |z / T| + log V), delta the largest scaled logit error of the GEMM (gamma_H
-    |h| |W| / T) (the bound of test_chunked_logprobs). H = -sum e^l l moves by sum p |l +
+    |h| |W| / T) (the bound of test_chunked_logprobs_head). H = -sum e^l l moves by sum p |l +
     1| e_l <= (H + 1) e_l; rounding e^l and -p log p adds (H + 1) 2 eps, summing the V
     non-negative terms gamma_V H."""
     generator = torch.Generator().manual_seed(3)

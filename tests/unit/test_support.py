@@ -1,14 +1,17 @@
 """The shared test helpers of tests/support/ that every other test leans on: ports
-that differ, and ``eventually`` (a poll with a deadline naming what never came)."""
+that differ, ``eventually`` (a poll with a deadline naming what never came), and the
+tool-script engine's choice of answer (a call of the offered tool)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 
 import pytest
 
 from tests.support import REPO_ROOT, SUPPORT_DIR, TESTS_DIR, eventually, free_port, free_ports
+from tests.support.tool_script import scripted_reply
 
 
 def test_free_ports_differ_and_can_be_bound() -> None:
@@ -45,3 +48,15 @@ async def test_eventually_returns_the_first_truthy_value_of_a_function_or_corout
 async def test_eventually_fails_naming_what_never_happened() -> None:
     with pytest.raises(AssertionError, match=r"not within 0\.05 s: the sky falls"):
         await eventually(lambda: False, 0.05, "the sky falls", interval_s=0.01)
+
+
+def test_the_scripted_model_calls_the_offered_tool() -> None:
+    tool = {"type": "function", "function": {"name": "mul", "parameters": {"properties": {
+        "x": {}, "y": {}}}}}  # fmt: skip
+    prompt = (
+        f"<|im_start|>system\n# Tools\n<tools>\n{json.dumps(tool)}\n</tools><|im_end|>\n"
+        "<|im_start|>user\nWhat is 3 * 4?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert scripted_reply(prompt) == (
+        '<tool_call>\n{"name": "mul", "arguments": {"x": 3, "y": 4}}\n</tool_call>'
+    )

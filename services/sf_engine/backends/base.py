@@ -2,7 +2,7 @@
 
 Over 400 lines: the interface, its data types, their validation (`SamplingParams`,
 `check_request`) and the stream every implementation returns form one contract, the one
-`tests/service/test_engine_contract.py` checks.
+`tests/unit/test_engine_contract.py` checks.
 
 An engine turns (prompt token ids, sampling params) into a stream of generated tokens,
 each carrying its token id, its behaviour logprob and the weight version that produced

@@ -35,8 +35,9 @@ count real tokens only, so a row's logits do not depend on its batch mates (up t
 rounding), and seeded requests give the same tokens batched or alone.
 
 Declared as the ``hf`` backend (``SF_ENGINE_BACKEND=hf``, the default) at the end of this
-module: built from ``SF_ENGINE_DTYPE``, ``SF_ENGINE_DEVICE`` and
-``SF_ENGINE_PREFIX_CACHE_MB``; it runs a transformers causal LM.
+module: built from ``SF_ENGINE_DTYPE`` and its own settings (``HfSettings``:
+``SF_ENGINE_HF_DEVICE``, ``SF_ENGINE_HF_PREFIX_CACHE_MB``); it runs a transformers
+causal LM.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from transformers.cache_utils import DynamicLayer
 
 from seamlessflow.assets.loading import load_causal_lm
 from seamlessflow.weights.tied import tied_aliases
+from sf_engine.settings import HfSettings
 
 from .base import (
     GeneratedToken,
@@ -504,14 +506,15 @@ def _invert_cdf(probs: torch.Tensor, rows: list[_Request]) -> torch.Tensor:
 
 
 def _build(settings: EngineSettings, model_dir: str) -> TransformersEngine:
+    own = HfSettings()
     return TransformersEngine(
         model_dir,
         dtype=getattr(torch, settings.dtype),
-        device=settings.device,
+        device=own.device,
         max_batch_size=settings.max_batch_size,
         max_context=settings.max_context,
-        prefix_cache_bytes=settings.prefix_cache_mb * 2**20,
+        prefix_cache_bytes=own.prefix_cache_mb * 2**20,
     )
 
 
-BACKEND = declare(EngineBackend(name="hf", build=_build))
+BACKEND = declare(EngineBackend(name="hf", build=_build, settings=HfSettings))

@@ -5,7 +5,7 @@ name, the builder of its engine, what it needs of a model, its own settings, the
 optional packages it needs, and what it does not do of the ``InferenceEngine`` contract.
 Nothing outside that module names the backend: the worker builds it through
 ``ENGINE_BACKENDS``, the model check reads its ``architecture``, and the contract tests
-(``tests/service/test_engine_contract.py``) run every registered backend, skipping one whose
+(``tests/unit/test_engine_contract.py``) run every registered backend, skipping one whose
 optional packages do not import with the reason ``unavailable`` gives.
 
 ``ENGINE_BACKENDS`` imports the built-in backend modules on its first lookup (importing

@@ -68,8 +68,8 @@ live when `pause("abort")` was called finish with "abort" when it returns.
 
 Declared as the ``vllm`` backend (``SF_ENGINE_BACKEND=vllm``) at the end of this module:
 it needs the ``vllm`` extra, a model whose architecture vLLM's registry runs (beside
-transformers'), sleeps with ``SF_ENGINE_VLLM_SLEEP_MODE``, and is the one backend with
-structured outputs.
+transformers'), and is the one backend with structured outputs. Its own settings are
+``VllmSettings`` (``SF_ENGINE_VLLM_``: tensor parallelism, CUDA graphs, sleep mode).
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from seamlessflow.assets.model_check import ArchitectureNeed, one_line
+from sf_engine.settings import VllmSettings
 
 from .base import (
     EngineError,
@@ -704,14 +705,15 @@ def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
 
 
 def _build(settings: EngineSettings, model_dir: str) -> VllmEngine:
+    own = VllmSettings()
     return VllmEngine(
         model_dir,
         dtype=settings.dtype,
         max_batch_size=settings.max_batch_size,
         max_context=settings.max_context,
-        enforce_eager=not settings.cuda_graphs,
-        tensor_parallel=settings.tensor_parallel,
-        engine_kwargs={"enable_sleep_mode": True} if settings.vllm_sleep_mode else None,
+        enforce_eager=not own.cuda_graphs,
+        tensor_parallel=own.tensor_parallel,
+        engine_kwargs={"enable_sleep_mode": True} if own.sleep_mode else None,
     )
 
 
@@ -735,6 +737,7 @@ BACKEND = declare(
         architecture=ArchitectureNeed(extra_problems=_architecture_problems),
         optional_packages=("vllm",),
         extra="vllm",
+        settings=VllmSettings,
         structured_output=True,
         starts_slowly=True,
     )

@@ -531,12 +531,15 @@ async def test_bad_input_raises_value_error_and_changes_nothing(
 
 
 @pytest.mark.gpu
-async def test_vllm_sleep_mode_frees_and_restores_the_gpu(model_dir: Path) -> None:
+async def test_vllm_sleep_mode_frees_and_restores_the_gpu(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """GPU only: with sleep mode a lent vLLM engine gives its device memory back while
     its slot trains, and serves the same answers after waking."""
     vllm = ENGINE_BACKENDS.get("vllm")
     _available_or_skip(vllm)
-    settings = EngineSettings(max_context=MAX_CONTEXT, vllm_sleep_mode=True)
+    monkeypatch.setenv("SF_ENGINE_VLLM_SLEEP_MODE", "true")  # the backend's own setting
+    settings = EngineSettings(max_context=MAX_CONTEXT)
     prompt, params = [5, 6, 7], SamplingParams(max_tokens=12, temperature=0)
     async with vllm.build(settings, str(model_dir)) as eng:
         before = await eng.generate("gpu-before", prompt, params)
