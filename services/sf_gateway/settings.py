@@ -1,6 +1,9 @@
+from typing import Annotated
+
 from pydantic import SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from seamlessflow.plugins import ChosenFrom
 from seamlessflow.runfile import RunFileSettings
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
@@ -58,12 +61,10 @@ class GatewaySettings(RunFileSettings):
     engine_wait_s: float = 60.0
     """How long a request waits for any engine to come up before failing with 503."""
 
-    tool_parser: str = "auto"
-    """How tool calls are read from chat answers: ``hermes`` (alias ``qwen``;
-    ``<tool_call>{json}</tool_call>`` blocks, Qwen2.5/Qwen3), ``llama3_json`` (Llama
-    3.1/3.2: the answer is ``{"name", "parameters"}`` JSON), ``none`` (not parsed), another
-    name registered in ``sf_gateway.tool_parsers``, or ``auto``: from the model's chat
-    template (its tool-call markers), else its ``model_type``."""
+    tool_parser: Annotated[str, ChosenFrom("sf_gateway.tool_parsers:TOOL_PARSERS")] = "auto"
+    """How tool calls are read from chat answers: a tool parser registered in
+    ``sf_gateway.tool_parsers``, by name; ``none`` (not parsed); or ``auto``: from the
+    model's chat template (its tool-call markers), else its ``model_type``."""
 
     reasoning_parser: str = "auto"
     """How a thinking model's reasoning is split off its answer (``reasoning_content``):

@@ -108,9 +108,6 @@ class ForcesCalls(Protocol):
 
 TOOL_PARSERS: Registry[Callable[[], ToolParser]] = Registry("tool parser", "SF_GATEWAY_TOOL_PARSER")
 
-TOOL_PARSER_CHOICES = ("auto", "hermes", "qwen", "llama3_json", "none")
-"""What ``SF_GATEWAY_TOOL_PARSER`` may name (plus any parser registered later)."""
-
 
 register_tool_parser = TOOL_PARSERS.register
 
