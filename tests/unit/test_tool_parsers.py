@@ -7,7 +7,12 @@ import json
 import pytest
 
 from sf_gateway.choice import Choice
-from sf_gateway.tool_parsers import QwenToolParser, get_tool_parser, register_tool_parser
+from sf_gateway.tool_parsers import (
+    TOOL_PARSERS,
+    QwenToolParser,
+    get_tool_parser,
+    register_tool_parser,
+)
 
 
 def parse(text: str):  # type: ignore[no-untyped-def]
@@ -110,9 +115,12 @@ def test_whitespace_only_content_is_none() -> None:
     assert parse(' \n<tool_call>{"name": "f"}</tool_call>\n').content is None
 
 
-def test_registry_by_name() -> None:
+def test_registry_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="known"):
         get_tool_parser("nope")
+    # registered into a copy of the registry that the test takes back: the configuration
+    # reference lists what is registered (tests/unit/test_cli_and_service_table.py)
+    monkeypatch.setattr(TOOL_PARSERS, "_plugins", dict(TOOL_PARSERS._plugins))
 
     @register_tool_parser("test-upper")
     class Upper(QwenToolParser):
