@@ -76,6 +76,15 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No SF_* variable of the caller's shell reaches the settings under test."""
+    for name in list(os.environ):
+        if name.startswith("SF_"):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+@pytest.fixture
 def run_id() -> str:
     """A fresh run id per test: subjects, streams and buckets never collide."""
     return "t" + uuid.uuid4().hex[:12]

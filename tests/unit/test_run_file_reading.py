@@ -27,17 +27,6 @@ ROOT = REPO_ROOT
 EXAMPLES = sorted((ROOT / "examples" / "run_files").glob("*.toml"))
 
 
-@pytest.fixture
-def clean_environment(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """No SF_* variable of the caller's shell reaches the settings under test."""
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("SF_"):
-            monkeypatch.delenv(name)
-    return monkeypatch
-
-
 def test_a_process_reads_its_section_and_the_run_keys_it_owns(
     tmp_path: Path, clean_environment: pytest.MonkeyPatch
 ) -> None:

@@ -27,15 +27,6 @@ from sf_trainer.step import train_step
 from tests.support.tiny_models import BAD, GOOD, next_token_logprob, rewarded_batch, tiny_policy
 
 
-@pytest.fixture
-def clean_environment(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    """No SF_* variable of the caller's shell reaches the settings under test."""
-    for name in list(os.environ):
-        if name.startswith("SF_"):
-            monkeypatch.delenv(name)
-    return monkeypatch
-
-
 def run_file(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "run.toml"
     path.write_text(textwrap.dedent(text))
