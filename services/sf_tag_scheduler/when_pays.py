@@ -27,14 +27,25 @@ step period, where a share above 0 must beat keeping the slots by ``lend_margin`
 (ties go to the smaller share). The default ``(1.0,)`` is all or nothing.
 
 Exploration: one block lends all to measure ``period_lent``, the next keeps the slots to
-measure ``period_alone``, then one block per other share, largest first; after that each
-block is decided by the rule, and after ``reprobe_after`` blocks alike the share
-measured longest ago is taken for one block to refresh its measurement, because the
-workload changes over a run. Each re-measuring block costs what the choice it tries
-loses, so the interval backs off: a re-measurement that confirms the choice doubles it
-(up to ``reprobe_backoff_max`` x ``reprobe_after``), a switch sets it back. A run whose
-choice holds pays less and less for checking it; once it switches, it is re-measured
-at the base interval again.
+measure ``period_alone``, then one block per other share, largest first, then lend all
+again; after that each block is decided by the rule, and after ``reprobe_after`` blocks
+alike the share measured longest ago is taken for one block to refresh its measurement,
+because the workload changes over a run. Each re-measuring block costs what the choice
+it tries loses, so the interval backs off: a re-measurement that confirms the choice
+doubles it (up to ``reprobe_backoff_max`` x ``reprobe_after``), a switch sets it back. A
+run whose choice holds pays less and less for checking it; once it switches, it is
+re-measured at the base interval again.
+
+Brackets: a run's step periods drift (answers grow or shrink as the policy learns, the
+first versions differ from later ones), so a choice measured only before another is
+favoured or penalised by the drift, not by what it does. Measuring therefore brackets:
+the exploration ends with a second block lending all, and a re-measuring block is
+followed by one block of the rule's choice before the rule decides again. With the
+default ``ewma_alpha`` of 0.5 the bracketing choice's estimate is then the mean of the
+blocks on either side, which cancels a drift that is linear over the three blocks. (On
+SmolLM2 at 10 steps, unbracketed exploration measured "lent 23.9 s >= alone 20.8 s" and
+kept the slots, while lending at every wait was the faster fixed mode:
+docs/benchmarks.md, "auto against the fixed modes".)
 
 Switches: the rule's choice (exploration and re-measuring blocks aside) is the run's
 lending state. Its first value, and every later change of it, is a :class:`Switch`:
@@ -111,7 +122,10 @@ class WhenPays:
         self.reprobe_interval = reprobe_after
         """Blocks alike before the next re-measurement (backs off while confirmed)."""
         self._reprobing = False
-        """The block under way re-measures a choice other than the rule's."""
+        """The block under way re-measures a choice other than the rule's, or is the
+        block of the rule's choice that brackets such a block (``_bracketing``)."""
+        self._bracketing = False
+        """The block under way follows a re-measuring block with the rule's choice."""
         self.lend_margin = lend_margin
         self.shares = (0.0, *sorted(set(lend_shares)))
         """Every lending choice of a block, as a share of the lendable engines."""
@@ -185,12 +199,19 @@ class WhenPays:
         for share in (1.0, 0.0, *sorted(self.shares[1:], reverse=True)):
             if self.periods[share].samples == 0:
                 return share, f"steps/s not measured yet: a block of {n} {choice_in_words(share)}"
+        if self.periods[1.0].samples == 1:  # close the bracket around the other choices
+            why = "lending measured again, after the other choices (a bracket)"
+            return 1.0, f"{why}: a block of {n} {choice_in_words(1.0)}"
+        if self._reprobing and not self._bracketing and self.ruled is not None:
+            self._bracketing = True
+            why = "after re-measuring, the rule's choice again before deciding (a bracket)"
+            return self.ruled, f"{why}: a block of {n} {choice_in_words(self.ruled)}"
         period = {share: self.periods[share].value or 0.0 for share in self.shares}
         margin = 1 + self.lend_margin
         # a lending share must beat keeping the slots by the margin; ties: the smaller
         best = min(self.shares, key=lambda s: (period[s] * (margin if s else 1.0), s))
-        if self._reprobing:  # the re-measuring block closed: did it confirm the choice?
-            self._reprobing = False
+        if self._reprobing:  # the bracketed re-measurement closed: did it confirm?
+            self._reprobing = self._bracketing = False
             confirmed = best == self.ruled
             longest = self.reprobe_after * self.reprobe_backoff_max
             self.reprobe_interval = (

@@ -61,10 +61,11 @@ def test_the_simulators_policy_is_the_production_object(monkeypatch: pytest.Monk
 
 
 def test_lending_decisions_come_from_the_policy() -> None:
-    """The policy measures steps/s over a block that lends and a block that keeps the
-    slots on the simulated run, then decides block by block; a margin no gain can beat
+    """The policy measures steps/s over a block that lends, a block that keeps the slots
+    and a block that lends again (the bracket) on the simulated run, then decides block
+    by block; a margin no gain can beat
     makes it keep the slots after the measuring blocks, and the simulation follows."""
-    config = replace(SMALL, steps=10, deployment=auto(0.5))
+    config = replace(SMALL, steps=13, deployment=auto(0.5))
     eager_sim = Simulation(config)
     eager = eager_sim.run()
     policy = eager_sim.policy
@@ -73,13 +74,14 @@ def test_lending_decisions_come_from_the_policy() -> None:
     assert "fills the pipeline" in waits[0]
     assert f"not measured yet: a block of {block} lends" in waits[1]
     assert f"not measured yet: a block of {block} keeps" in waits[1 + block]
-    assert "alone" in waits[1 + 2 * block]  # the measurements decide
-    assert policy.period_lent.samples == 1 and policy.period_alone.samples == 1
+    assert f"(a bracket): a block of {block} lends" in waits[1 + 2 * block]
+    assert "alone" in waits[1 + 3 * block]  # the measurements decide
+    assert policy.period_lent.samples == 2 and policy.period_alone.samples == 1
     lend_decisions = sum(1 for d in waits if not d.startswith("wait: lend 0 "))
     assert eager.lends == 4 * lend_decisions
     reluctant = simulate(replace(config, lend_margin=1e9))
-    assert reluctant.lends == reluctant.reclaims == (1 + block) * 4  # fill, measure
-    assert reluctant.declined == config.steps - 1 - block
+    assert reluctant.lends == reluctant.reclaims == (1 + 2 * block) * 4  # fill, measure
+    assert reluctant.declined == config.steps - 1 - 2 * block
     # multiplexed lends at every wait, whatever a margin says
     always = simulate(replace(config, deployment=multiplexed(0.5), lend_margin=1e9))
     assert always.lends == config.steps * 4 and always.declined == 0

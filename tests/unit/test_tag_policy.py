@@ -116,8 +116,9 @@ def test_auto_declines_when_lending_does_not_raise_steps_per_second() -> None:
     """The lent engine may look busy and the wait may even be shorter, but if the step
     period is not (the reclaim, a catch-up, re-prefills elsewhere ate it), it declines."""
     p = auto_pair(block_steps=3)
-    lent, _ = run_steps(p, 1 + 3 + 3 + 3, steady(lent_s=8.2, alone_s=8.0))
-    assert lent == [True, *[True] * 3, *[False] * 6]
+    lent, _ = run_steps(p, 1 + 3 + 3 + 3 + 3, steady(lent_s=8.2, alone_s=8.0))
+    # fill, lend, keep, lend again (the bracket), then the rule keeps the slots
+    assert lent == [True, *[True] * 3, *[False] * 3, *[True] * 3, *[False] * 3]
     assert p.stats.declined == 6 and p.role_of("lend").role == "idle"
     assert "keeps" in p.stats.decisions[-2] or "keep the slots" in p.stats.decisions[-2]
 
@@ -139,11 +140,12 @@ def test_after_many_alike_blocks_the_other_choice_is_measured_again() -> None:
     """Early on lending did not pay; later the workload changed and it does (a lent
     step now takes 2 s). Only re-measuring finds that out."""
     p = auto_pair(block_steps=2, reprobe_after=2)
-    lent, now = run_steps(p, 1 + 2 + 2 + 2, steady(lent_s=8.5, alone_s=8.0))
-    assert lent == [True, True, True, False, False, False, False]
-    more, _ = run_steps(p, 2 + 2, steady(lent_s=2.0, alone_s=8.0), now)
-    # two blocks kept: the next one lends to re-measure; it pays now, so lending stays
-    assert more == [True, True, True, True]
+    lent, now = run_steps(p, 1 + 2 + 2 + 2 + 2, steady(lent_s=8.5, alone_s=8.0))
+    assert lent == [True, True, True, False, False, True, True, False, False]
+    more, _ = run_steps(p, 2 + 2 + 2 + 2, steady(lent_s=2.0, alone_s=8.0), now)
+    # two blocks kept: the next one lends to re-measure, one keeps to bracket it; lending
+    # pays now, so the rule lends
+    assert more == [False, False, True, True, False, False, True, True]
     assert any("re-measure" in d for d in p.stats.decisions)
     assert p.expected_gain() == pytest.approx(6.0)
     # the rule's choice: keep the slots once both were measured, then lend once the
@@ -185,8 +187,9 @@ def test_only_the_wait_that_begins_a_switched_block_carries_the_switch() -> None
         switched.append(plan.switch is not None)
         p.trainer_claims(now)
         now += 5.0 if plan.lend else 8.0
-    # fill, a block lending, a block keeping (exploring), then the rule lends: one switch
-    assert switched == [False, False, False, False, False, True, False, False, False]
+    # fill, a block lending, a block keeping, a block lending (exploring and its
+    # bracket), then the rule lends: one switch
+    assert switched == [False, False, False, False, False, False, False, True, False]
 
 
 def test_multiplexed_lends_at_every_wait_whatever_it_measures() -> None:
@@ -198,8 +201,8 @@ def test_multiplexed_lends_at_every_wait_whatever_it_measures() -> None:
     assert lent == [True] * 10 and p.stats.declined == 0 and not p.when_pays.switches
     # auto, on the same steps, stops lending once it has measured both
     a = auto_pair(block_steps=3)
-    lent, _ = run_steps(a, 10, steady(lent_s=9.0, alone_s=8.0))
-    assert lent == [True, *[True] * 3, *[False] * 6]
+    lent, _ = run_steps(a, 13, steady(lent_s=9.0, alone_s=8.0))
+    assert lent == [True, *[True] * 3, *[False] * 3, *[True] * 3, *[False] * 3]
 
 
 @pytest.mark.parametrize(
@@ -249,8 +252,8 @@ def test_a_late_lendable_engine_is_lent_while_the_trainer_waits() -> None:
 
 def test_losing_the_last_dedicated_engine_lends_the_rest() -> None:
     p = auto_pair(lend_margin=100.0, block_steps=1)
-    lent, now = run_steps(p, 3, steady(lent_s=1.0, alone_s=1.5))
-    assert lent == [True, True, False]
+    lent, now = run_steps(p, 4, steady(lent_s=1.0, alone_s=1.5))
+    assert lent == [True, True, False, True]
     assert p.trainer_waiting(now).lend == ()  # margin 100: not worth it
     p.remove("dedicated")
     plan = p.rebalance(now + 1)  # without it, lending is all the rollout there is
@@ -283,14 +286,15 @@ def test_lending_part_of_the_lendable_engines_when_that_is_fastest() -> None:
     p = auto_quad(block_steps=2, lend_shares=(0.5, 1.0))
     periods = {0: 9.0, 2: 5.0, 4: 7.0}  # step period by engines lent
     now, lent = 0.0, []
-    for _ in range(1 + 2 * 3 + 4):
+    for _ in range(1 + 2 * 4 + 4):
         plan = p.trainer_waiting(now)
         lent.append(len(p.lent))
         assert len(plan.lend) == len(p.lent)  # nothing was left lent from before
         p.trainer_claims(now)
         now += periods[lent[-1]]
-    # fill (all, not measured), then all, none, half measured, then half: fastest
-    assert lent == [4, 4, 4, 0, 0, 2, 2, 2, 2, 2, 2]
+    # fill (all, not measured), then all, none, half, all again (the bracket) measured,
+    # then half: fastest
+    assert lent == [4, 4, 4, 0, 0, 2, 2, 4, 4, 2, 2, 2, 2]
     assert p.periods[0.5].value == pytest.approx(5.0)
     assert p.period_lent.value == pytest.approx(7.0)
     assert p.period_alone.value == pytest.approx(9.0)
@@ -304,12 +308,12 @@ def test_a_share_must_beat_keeping_the_slots_by_the_margin() -> None:
     p = auto_quad(block_steps=1, lend_shares=(0.5, 1.0), lend_margin=0.5)
     periods = {0: 9.0, 2: 7.0, 4: 6.5}  # lending is faster, but not by 50%
     now, lent = 0.0, []
-    for _ in range(1 + 3 + 3):
+    for _ in range(1 + 4 + 3):
         p.trainer_waiting(now)
         lent.append(len(p.lent))
         p.trainer_claims(now)
         now += periods[lent[-1]]
-    assert lent == [4, 4, 0, 2, 0, 0, 0]
+    assert lent == [4, 4, 0, 2, 4, 0, 0, 0]
 
 
 @pytest.mark.parametrize("shares", [(), (0.0, 1.0), (0.5,), (1.5, 1.0)])
