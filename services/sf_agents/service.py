@@ -101,6 +101,16 @@ minutes of a run that never trained a step). Failures of the environment or of t
 gateway are not the agent's bug and do not count."""
 
 
+ENV_FAILURES_IN_A_ROW = 256
+"""Episodes the environment failed in a row (at least eight times the runner's
+concurrency), none completing in between, stop the run with one line. One failure is
+the environment's and drops only its sample, but a run where every episode fails makes
+no progress: an environment that refuses the agent's protocol (an ``env_error`` on
+every episode: 41,602 of them in 14 minutes of a test run that trained nothing), or one
+that is gone for good (each episode first retries ``env_unreachable`` for a minute, so
+a restarting environment does not get near this)."""
+
+
 class AgentRunner:
     name = "agents"
 
@@ -112,6 +122,8 @@ class AgentRunner:
         self.failed = 0
         self.errors_in_a_row = 0
         """The agent's own errors since the last sample it completed."""
+        self.env_failures_in_a_row = 0
+        """Episodes the environment failed since the last sample completed."""
 
     async def run(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
@@ -247,6 +259,7 @@ class AgentRunner:
             env_url=self.settings.env_url,
             env_step_timeout_s=self.settings.env_step_timeout_s,
             env_max_steps=self.settings.env_max_steps,
+            env_hidden_tools=tuple(self.settings.env_hidden_tools),
         )
         finish_body: dict[str, object] | None = None
         try:
@@ -257,7 +270,7 @@ class AgentRunner:
                 if status != 200:
                     raise GatewayRefused(f"reward: HTTP {status} {answer[:200]!r}")
             self.completed += 1
-            self.errors_in_a_row = 0
+            self.errors_in_a_row = self.env_failures_in_a_row = 0
             outcome = "completed"
         except asyncio.CancelledError:
             raise
@@ -269,6 +282,7 @@ class AgentRunner:
             finish_body = {"failure": exc.reason}
             log.warning("episode of %s failed (session %s): %s", assignment.task_id,
                         session_id, exc)  # fmt: skip
+            self._count_env_failure(exc)
         except APIConnectionError as exc:
             # the gateway went away mid-conversation and the client's retries are spent:
             # not the agent's fault, so one line each, no traceback (the session is
@@ -302,6 +316,20 @@ class AgentRunner:
                 f"the agent {self.settings.agent!r} raised on {self.errors_in_a_row} samples "
                 f"in a row, none completed ({type(exc).__name__}: {first_line}): fix the "
                 "agent (the agents' log has each traceback)"
+            ) from exc
+
+    def _count_env_failure(self, exc: EpisodeFailed) -> None:
+        """Stop the run once ``ENV_FAILURES_IN_A_ROW`` episodes failed in a row in the
+        environment (raised after this sample's session is finished)."""
+        self.env_failures_in_a_row += 1
+        limit = max(ENV_FAILURES_IN_A_ROW, 8 * self.settings.concurrency)
+        if self.env_failures_in_a_row >= limit:
+            first_line = (str(exc).splitlines() or [""])[0][:300]
+            raise Unrecoverable(
+                f"the environment {self.settings.env_url or '(none set)'} failed "
+                f"{self.env_failures_in_a_row} episodes in a row, none completed "
+                f"({first_line}): check that it runs and speaks what the agent "
+                f"{self.settings.agent!r} sends (the agents' log has each failure)"
             ) from exc
 
     async def _post(

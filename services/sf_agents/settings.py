@@ -52,6 +52,11 @@ class AgentRunnerSettings(RunFileSettings):
     """Steps after which an episode the environment has not ended is cut (it keeps the
     rewards it got)."""
 
+    env_hidden_tools: list[str] = Field(default_factory=list)
+    """Tools of an MCP environment the ``openenv_tools`` agent does not offer the model
+    (a JSON list of names): the harness's own, e.g. ``["new_game"]`` for TextArena's
+    server, whose ``new_game`` would let the model leave the game it is scored on."""
+
     gateway_key: SecretStr = SecretStr("")
     """Operator key for opening sessions at the gateway (one of its
     ``SF_GATEWAY_API_KEYS``); empty if the gateway needs none. Each agent's OpenAI

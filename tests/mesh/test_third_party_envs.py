@@ -1,7 +1,8 @@
 """Third-party environments as their packages ship them, each served from its own
 virtual environment (``just env-venv NAME``) by OpenEnv's current server (openenv 0.10):
 TextArena's games, played over OpenEnv's WebSocket protocol by the project's own client
-and over MCP by a JSON-RPC client; SkyRL-Gym's multi-turn math environment and a
+over MCP by a JSON-RPC client, and through its MCP tools by the ``openenv_tools``
+agent; SkyRL-Gym's multi-turn math environment and a
 verifiers environment run by its own rollout loop, each scored against answers computed
 here. Each is trained in by ``seamlessflow up --env URL``.
 
@@ -13,14 +14,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
+from openai import AsyncOpenAI
 from transformers import AutoTokenizer
 
+from seamlessflow.agents import AgentTask, EpisodeReturn, get_agent
 from seamlessflow.envs.openenv_client import EnvFailed, OpenEnvSession, observation_text
 from seamlessflow.protocol import TurnRecorded
 from tests.support import load_loadtest, small_embedded_run
@@ -118,6 +123,123 @@ async def test_a_textarena_game_over_openenv_websocket_and_mcp(textarena_url: st
             assert await play_by_bisection(mcp_move, rules["prompt"]) == plays[0]
 
 
+class BisectingModel:
+    """A real OpenAI-compatible HTTP server in the model's place, which plays
+    GuessTheNumber through the tools it is offered: first a call of ``new_game`` (which
+    the agent hides), then ``move`` by bisection, read from the tool messages. What it
+    was asked is kept (``requests``)."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.low, self.high, self.guess = 1, 20, 0
+        self.guesses: list[int] = []
+
+    async def chat(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        last = body["messages"][-1]
+        if last["role"] == "user":  # the game's rules: try a tool it was not offered
+            name, arguments = "new_game", {"seed": 3}
+        else:
+            assert last["role"] == "tool", last
+            if "higher" in last["content"]:
+                self.low = self.guess + 1
+            elif "lower" in last["content"]:
+                self.high = self.guess - 1
+            self.guess = (self.low + self.high) // 2
+            self.guesses.append(self.guess)
+            name, arguments = "move", {"action": f"I guess [{self.guess}]"}
+        call = {"id": f"call_{len(self.requests)}", "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments)}}  # fmt: skip
+        message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        return web.json_response(
+            {
+                "id": f"chatcmpl-{len(self.requests)}",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
+
+
+async def test_the_openenv_tools_agent_plays_a_textarena_game_through_its_mcp_tools(
+    textarena_url: str,
+) -> None:
+    """The ``openenv_tools`` agent against TextArena's server: the environment's MCP tools
+    (less the hidden ``new_game``) offered as OpenAI tools with a call required, each
+    call one ``call_tool`` step on the episode's session, a call of a tool not offered
+    answered with an error the model reads, and the game's own reward as the return."""
+    model = BisectingModel()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", model.chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        task = AgentTask(
+            task_id="episode-11",
+            messages=[{"role": "system", "content": "Play the game with your tools."}],
+            model="policy",
+            reference="11",
+            max_tokens=32,
+            temperature=1.0,
+            env_url=textarena_url,
+            env_hidden_tools=("new_game",),
+        )
+        base_url = f"http://127.0.0.1:{port}/v1"
+        async with AsyncOpenAI(base_url=base_url, api_key="unused") as client:
+            played = await get_agent("openenv_tools")(client, task)
+    finally:
+        await runner.cleanup()
+    assert isinstance(played, EpisodeReturn)
+    # the yardstick: the same seed played by bisection over plain /ws messages
+    async with aiohttp.ClientSession() as http, OpenEnvSession(textarena_url, http=http) as env:
+        reset = await env.reset(seed=11)
+
+        async def move(text: str) -> tuple[str, float, bool]:
+            step = await env.step({"message": text})
+            return observation_text(step.observation), float(step.reward or 0), step.done
+
+        guesses, reward, _ = await play_by_bisection(move, observation_text(reset.observation))
+    assert model.guesses == guesses and reward == 1.0
+    assert played.reward == 1.0 and played.step_rewards == (0.0,) * (len(guesses) - 1) + (1.0,)
+    assert all(r["tool_choice"] == "required" for r in model.requests)
+    assert all([t["function"]["name"] for t in r["tools"]] == ["move"] for r in model.requests)
+    first = model.requests[0]["messages"]
+    assert "between 1 and 20" in first[-1]["content"]  # the game's rules, from the reset
+    refused = model.requests[1]["messages"][-1]
+    assert refused["role"] == "tool" and "there is no tool 'new_game'" in refused["content"]
+    assert len(model.requests) == 1 + len(guesses)  # the episode ended with the game
+
+
+@pytest.mark.slow
+async def test_a_run_trains_through_textarena_s_mcp_tools(
+    textarena_url: str,
+    base_model_dir: Path,
+    tmp_path: Path,
+    run_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``seamlessflow up --env URL --agent openenv_tools``: the model's answers are forced
+    tool calls through the real gateway (the test model writes them malformed, and the
+    agent answers each with an error), every episode is played to its cut, recorded
+    with its tool-call errors, and trained."""
+    monkeypatch.setenv("SF_AGENTS_ENV_HIDDEN_TOOLS", '["new_game"]')
+    monkeypatch.setenv("SF_AGENTS_ENV_MAX_STEPS", "3")
+    turns, first_prompt = await two_steps(
+        textarena_url, base_model_dir, tmp_path, run_id, 1.0, agent="openenv_tools"
+    )
+    assert "You are playing Guess The Number" in first_prompt
+    assert '"move"' in first_prompt and "new_game" not in first_prompt  # the tools offered
+    per_session = Counter(t.session_id for t in turns)
+    assert len(per_session) >= 16  # 2 steps x 2 groups x 4 episodes, and any in flight
+    assert set(per_session.values()) <= {1, 2, 3}  # cut after SF_AGENTS_ENV_MAX_STEPS
+
+
 @pytest.mark.slow
 async def test_a_run_trains_in_a_textarena_game(
     textarena_url: str, base_model_dir: Path, tmp_path: Path, run_id: str
@@ -130,12 +252,12 @@ async def test_a_run_trains_in_a_textarena_game(
 
 
 async def two_steps(
-    url: str, model_dir: Path, tmp_path: Path, run_id: str, max_return: float
+    url: str, model_dir: Path, tmp_path: Path, run_id: str, max_return: float, **config: object
 ) -> tuple[list[TurnRecorded], str]:
     """A 2-step ``seamlessflow up --env URL`` run (two groups of four episodes a step)
     that finishes with returns within 0 and ``max_return``, every episode played to its
-    end; its turns and the first one's prompt as text."""
-    run = small_embedded_run(run_id, tmp_path, model_dir, steps=2, env=url, max_tokens=8)
+    end; its turns and the first one's prompt as text. ``config``: more run fields."""
+    run = small_embedded_run(run_id, tmp_path, model_dir, steps=2, env=url, max_tokens=8, **config)
     summary = await run.run()
     assert summary.status == "finished", summary.status
     metrics = run.state.metrics

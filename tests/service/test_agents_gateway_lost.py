@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from seamlessflow.agents import EpisodeFailed
 from seamlessflow.bus import Bus
 from seamlessflow.protocol import SessionFinished, TrajectoryEvent, decode
 from seamlessflow.service import unrecoverable_cause
@@ -84,22 +85,9 @@ async def test_an_agent_that_raises_on_every_sample_stops_the_run_with_one_line(
     async def misreads_its_answers(client: object, task: object) -> float:
         raise TypeError("the answer is not a float")
 
-    await announce_plan(bus, steps=1)
-    mesh = InProcessMesh(nats_url, run_id, base_model_dir)
-    try:
-        await mesh.start(TrajectoryService(TrajectorySettings(group_size=2, groups_per_batch=1)))
-        gateway = await mesh.start(GatewayService(GatewaySettings(port=0)))
-        async with asyncio.timeout(60):
-            await gateway.ready.wait()
-        url = f"http://127.0.0.1:{gateway.bound_port}"
-        runner = AgentRunner(AgentRunnerSettings(gateway_url=url, concurrency=2, max_tokens=4))
-        runner.agent = misreads_its_answers
-        await mesh.start(runner)
-        (_, _, running) = mesh.running.pop()  # it ends by itself: nothing to stop
-        async with asyncio.timeout(120):
-            ended = (await asyncio.gather(running, return_exceptions=True))[0]
-    finally:
-        await mesh.stop()
+    runner, ended = await run_until_it_stops(
+        misreads_its_answers, nats_url, run_id, base_model_dir, bus
+    )
     # what the service skeleton finds and exits with (EXIT_UNRECOVERABLE, one line)
     stopped = unrecoverable_cause(ended)
     assert stopped is not None, ended
@@ -111,6 +99,56 @@ async def test_an_agent_that_raises_on_every_sample_stops_the_run_with_one_line(
     reasons = list((await finish_reasons(bus)).values())
     assert reasons.count("agent_error") == runner.failed
     assert set(reasons) <= {"agent_error", ""}
+
+
+async def test_an_environment_that_fails_every_episode_stops_the_run_with_one_line(
+    nats_url: str,
+    run_id: str,
+    base_model_dir: Path,
+    bus: Bus,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every episode failed by the environment (here: it refuses what the agent sends):
+    the runner stops after ``ENV_FAILURES_IN_A_ROW`` (at least eight times its
+    concurrency) with one line naming the environment and its last failure."""
+    monkeypatch.setattr(agent_runner, "ENV_FAILURES_IN_A_ROW", 4)
+
+    async def refused(client: object, task: object) -> float:
+        raise EpisodeFailed("env_error", "VALIDATION_ERROR: Field required")
+
+    runner, ended = await run_until_it_stops(refused, nats_url, run_id, base_model_dir, bus)
+    stopped = unrecoverable_cause(ended)
+    assert stopped is not None, ended
+    message = str(stopped)
+    assert "failed 16 episodes in a row, none completed" in message  # 8 x concurrency 2
+    assert "env_error: VALIDATION_ERROR: Field required" in message
+    assert runner.completed == 0 and runner.failed in (16, 17)
+    reasons = list((await finish_reasons(bus)).values())
+    assert reasons.count("env_error") == runner.failed
+
+
+async def run_until_it_stops(
+    agent: object, nats_url: str, run_id: str, model_dir: Path, bus: Bus
+) -> tuple[AgentRunner, BaseException | None]:
+    """A runner (concurrency 2) with ``agent`` against the real gateway and trajectory
+    service, until it ends by itself; the runner, and what it ended with."""
+    await announce_plan(bus, steps=1)
+    mesh = InProcessMesh(nats_url, run_id, model_dir)
+    try:
+        await mesh.start(TrajectoryService(TrajectorySettings(group_size=2, groups_per_batch=1)))
+        gateway = await mesh.start(GatewayService(GatewaySettings(port=0)))
+        async with asyncio.timeout(60):
+            await gateway.ready.wait()
+        url = f"http://127.0.0.1:{gateway.bound_port}"
+        runner = AgentRunner(AgentRunnerSettings(gateway_url=url, concurrency=2, max_tokens=4))
+        runner.agent = agent  # type: ignore[assignment]
+        await mesh.start(runner)
+        (_, _, running) = mesh.running.pop()  # it ends by itself: nothing to stop
+        async with asyncio.timeout(120):
+            ended = (await asyncio.gather(running, return_exceptions=True))[0]
+    finally:
+        await mesh.stop()
+    return runner, ended
 
 
 async def finish_reasons(bus: Bus) -> dict[str, str]:

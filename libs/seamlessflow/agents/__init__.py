@@ -5,7 +5,7 @@ It uses ``client`` exactly as it would use OpenAI (the client's ``base_url`` is 
 session's); it returns a reward, or None to let the task's verifier score the last
 answer of the task's policy. A multi-policy agent picks a policy per call by the
 request's ``model`` (``task.policies``) and returns a reward per policy (a dict). An
-agent that plays an episode in an environment (``openenv``) returns an
+agent that plays an episode in an environment (``openenv``, ``openenv_tools``) returns an
 :class:`EpisodeReturn`, or raises :class:`EpisodeFailed` when the environment fails it.
 Agents are registered by name or given as a dotted path (``package.module:function``);
 they never import anything from seamlessflow's training side.
@@ -47,6 +47,9 @@ class AgentTask:
     """How long an agent waits for one reset or step of that environment."""
     env_max_steps: int = 64
     """Steps after which an agent ends an episode its environment has not ended."""
+    env_hidden_tools: tuple[str, ...] = ()
+    """Tools of the environment an agent does not offer the model (``openenv_tools``):
+    the harness's own, such as one that starts a new game."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ AGENTS: Registry[AgentFn] = Registry(
         "seamlessflow.agents.builtin",
         "seamlessflow.agents.tool_agent",
         "seamlessflow.agents.openenv_agent",
+        "seamlessflow.agents.openenv_tools_agent",
     ),
 )
 register_agent = AGENTS.register

@@ -5,9 +5,13 @@ client sends JSON text messages and gets one reply to each, in order::
 
     {"type": "reset", "data": {"seed": 3}}         -> {"type": "observation", "data": R}
     {"type": "step", "data": {"message": "500"}}   -> {"type": "observation", "data": R}
+    {"type": "mcp", "data": {"jsonrpc": "2.0", "id": 1, "method": "tools/list", ...}}
+                                                   -> {"type": "mcp", "data": JSON-RPC reply}
     {"type": "close"}                              (no reply: the server ends the session)
 
-where ``R`` is ``{"observation": {...}, "reward": float | null, "done": bool}``. Anything
+where ``R`` is ``{"observation": {...}, "reward": float | null, "done": bool}``; ``mcp``
+(openenv-core 0.3 and openenv 0.10) reaches the MCP tools of the session's own
+environment (``OpenEnvSession.mcp``). Anything
 the server refuses is answered ``{"type": "error", "data": {"message": ..., "code":
 ...}}``, and the session stays open. Each session has its own environment instance on
 the server, so an episode's state lives exactly as long as its connection.
@@ -125,6 +129,8 @@ class OpenEnvSession:
         self._in_flight = asyncio.Lock()
         self._frames: asyncio.Queue[aiohttp.WSMessage] = asyncio.Queue()
         self._reader: asyncio.Task[None] | None = None
+        self._mcp_calls = 0
+        """JSON-RPC ids of this session's MCP requests."""
 
     async def __aenter__(self) -> Self:
         try:
@@ -195,7 +201,26 @@ class OpenEnvSession:
         """Play ``action`` (shaped as the environment's action schema says)."""
         return await self._request({"type": "step", "data": action})
 
+    async def mcp(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        """A JSON-RPC request to the MCP server of this session's environment (openenv
+        0.3+: ``{"type": "mcp", "data": request}``, answered ``{"type": "mcp", "data":
+        response}``): the response, ``result`` or ``error`` as the server wrote it. The
+        session's environment is the one ``reset`` and ``step`` play, whatever action
+        class the server declares."""
+        self._mcp_calls += 1
+        request = {"jsonrpc": "2.0", "id": self._mcp_calls, "method": method, "params": params}
+        reply = await self._send({"type": "mcp", "data": request})
+        data = reply.get("data")
+        if reply.get("type") == "error" or not isinstance(data, dict):
+            parse_observation_reply(reply)  # raises env_error with the server's message
+        if reply.get("type") != "mcp" or not isinstance(data, dict):
+            raise EnvFailed("env_error", f"unexpected reply to mcp: {json.dumps(reply)[:200]}")
+        return data
+
     async def _request(self, message: dict[str, Any]) -> EnvStep:
+        return parse_observation_reply(await self._send(message))
+
+    async def _send(self, message: dict[str, Any]) -> dict[str, Any]:
         async with self._in_flight:
             if self._broken is not None:
                 raise EnvFailed(self._broken.reason, f"session closed after: {self._broken}")
@@ -210,7 +235,7 @@ class OpenEnvSession:
                     self._broken = failure
                     await self.close()
                 raise
-        return parse_observation_reply(reply)
+        return reply
 
     async def _exchange(
         self, ws: aiohttp.ClientWebSocketResponse, message: dict[str, Any]
