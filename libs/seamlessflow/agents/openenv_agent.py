@@ -27,6 +27,7 @@ as one sample.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -62,24 +63,32 @@ def reset_arguments(task: AgentTask) -> dict[str, Any]:
 @register_agent("openenv")
 async def openenv_episode(client: AsyncOpenAI, task: AgentTask) -> EpisodeReturn:
     """Play one episode of the environment at ``task.env_url`` (see the module)."""
+    return await episode_in_session("openenv", play, client, task)
+
+
+Play = Callable[[AsyncOpenAI, AgentTask, OpenEnvSession], Awaitable[EpisodeReturn]]
+"""An episode played on an open session (the ``openenv`` and ``openenv_tools`` agents)."""
+
+
+async def episode_in_session(
+    agent: str, play: Play, client: AsyncOpenAI, task: AgentTask
+) -> EpisodeReturn:
+    """``play`` on a session with the environment at ``task.env_url``, closed after; a
+    failure of the environment fails the episode with its reason (``EpisodeFailed``)."""
     if not task.env_url:
         raise ValueError(
-            "the openenv agent plays in an environment server: set SF_AGENTS_ENV_URL "
+            f"the {agent} agent plays in an environment server: set SF_AGENTS_ENV_URL "
             "(seamlessflow up --env URL or a built-in environment's name)"
         )
     try:
-        return await play_episode(client, task)
+        async with aiohttp.ClientSession() as http:
+            env = await open_session(task, http)
+            try:
+                return await play(client, task, env)
+            finally:
+                await env.close()
     except EnvFailed as exc:  # the environment's failure, not the agent's: the reason
         raise EpisodeFailed(exc.reason, exc.detail) from None
-
-
-async def play_episode(client: AsyncOpenAI, task: AgentTask) -> EpisodeReturn:
-    async with aiohttp.ClientSession() as http:
-        env = await open_session(task, http)
-        try:
-            return await play(client, task, env)
-        finally:
-            await env.close()
 
 
 async def open_session(task: AgentTask, http: aiohttp.ClientSession) -> OpenEnvSession:

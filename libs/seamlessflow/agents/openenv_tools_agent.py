@@ -45,11 +45,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import aiohttp
 from openai import AsyncOpenAI, BadRequestError
 
 from seamlessflow.agents import AgentTask, EpisodeFailed, EpisodeReturn, register_agent
-from seamlessflow.agents.openenv_agent import open_session, reset_arguments
+from seamlessflow.agents.openenv_agent import episode_in_session, reset_arguments
 from seamlessflow.agents.tool_agent import assistant_message
 from seamlessflow.envs.openenv_client import EnvFailed, OpenEnvSession, observation_text
 
@@ -115,20 +114,7 @@ def tool_outcome(reply: dict[str, Any]) -> tuple[str, float, bool]:
 @register_agent("openenv_tools")
 async def openenv_tools_episode(client: AsyncOpenAI, task: AgentTask) -> EpisodeReturn:
     """Play one episode at ``task.env_url`` through its MCP tools (see the module)."""
-    if not task.env_url:
-        raise ValueError(
-            "the openenv_tools agent plays in an environment server: set SF_AGENTS_ENV_URL "
-            "(seamlessflow up --env URL)"
-        )
-    try:
-        async with aiohttp.ClientSession() as http:
-            env = await open_session(task, http)
-            try:
-                return await play(client, task, env)
-            finally:
-                await env.close()
-    except EnvFailed as exc:  # the environment's failure, not the agent's: the reason
-        raise EpisodeFailed(exc.reason, exc.detail) from None
+    return await episode_in_session("openenv_tools", play, client, task)
 
 
 async def play(client: AsyncOpenAI, task: AgentTask, env: OpenEnvSession) -> EpisodeReturn:
