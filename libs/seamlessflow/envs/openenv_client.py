@@ -210,9 +210,9 @@ class OpenEnvSession:
         self._mcp_calls += 1
         request = {"jsonrpc": "2.0", "id": self._mcp_calls, "method": method, "params": params}
         reply = await self._send({"type": "mcp", "data": request})
-        data = reply.get("data")
-        if reply.get("type") == "error" or not isinstance(data, dict):
+        if reply.get("type") == "error":
             parse_observation_reply(reply)  # raises env_error with the server's message
+        data = reply.get("data")
         if reply.get("type") != "mcp" or not isinstance(data, dict):
             raise EnvFailed("env_error", f"unexpected reply to mcp: {json.dumps(reply)[:200]}")
         return data
