@@ -19,7 +19,10 @@ encodes and broadcasts, rank 1 receives and applies (the broadcast is both put a
 shown as ``put``; the receiver hashes each bucket as it lands); ``streamed`` is the same
 pair with the trainer's publish (``WeightPublisher.publish_streamed``: each bucket
 broadcast while the next is encoded, so ``put`` holds the encode; a store that keeps
-nothing, so the push alone is timed). Each figure is the best
+nothing, so the push alone is timed); ``ring`` is ``streamed`` with the pair's buckets
+through the same-host shared-memory ring the push group picks when both ends map it
+(``weights.ring``: the encoder fills the ring's slots, the engine copies each out and
+hashes it; only control messages on the socket). Each figure is the best
 of ``--repeats`` trials. Every trial is a steady-state version, as from the third on:
 the engine already holds a version of the same size (applied untimed), the encoder
 reuses the buffer of two versions ago and the push receiver one of its two buffers, so
@@ -28,7 +31,8 @@ no trial pays for allocating (and faulting in) a buffer.
 Bounds, measured in the same run on the same number of bytes, best of ``--repeats``:
 ``memcpy`` (``torch.Tensor.copy_`` of a uint8 tensor, the bound of ``shm``) and
 ``loopback TCP`` (one socket on 127.0.0.1 with large buffers, a sender thread and a
-receiver, the bound of ``object``, ``collective`` and ``streamed``); the payload digest
+receiver, the bound of ``object``, ``collective`` and ``streamed``; ``ring``'s is
+``memcpy``, one copy); the payload digest
 (XXH3-128) and ``sha256`` (``hashlib``, the digest before) are shown too because every
 sync hashes the payload twice. ``sync/bound`` is the whole sync's bandwidth over the
 bound's, ``move/bound`` that of put + fetch alone.
@@ -95,6 +99,7 @@ from seamlessflow.weights import (
 )
 from seamlessflow.weights.codec import BucketSink
 from seamlessflow.weights.layout import digest_of, plan_layout
+from seamlessflow.weights.ring import RingCollective, same_host_ring
 from seamlessflow.weights.settings import WeightTransferSettings
 from sf_app.base_model import IM_END, TASK, ensure_base_model
 from sf_trainer.grpo import token_logprobs
@@ -110,6 +115,7 @@ TRANSPORT_BOUNDS = {
     "object": "loopback_tcp",
     "collective": "loopback_tcp",
     "streamed": "loopback_tcp",
+    "ring": "memcpy",
 }
 PROMPTS_PER_STEP = 8
 SAMPLES_PER_PROMPT = 8
@@ -366,7 +372,7 @@ class KeptNowhere:
 
 
 def streamed_send_trials(
-    group: collective.TorchCollective,
+    group: collective.Collective,
     state: dict[str, torch.Tensor],
     bucket_bytes: int,
     repeats: int,
@@ -396,7 +402,7 @@ def streamed_send_trials(
 
 
 def receive_trials(
-    group: collective.TorchCollective, mirror: WeightMirror, repeats: int
+    group: collective.Collective, mirror: WeightMirror, repeats: int
 ) -> list[dict[str, float]]:
     import torch.distributed as dist
 
@@ -428,20 +434,27 @@ def collective_rank(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=10))
     group = collective.TorchCollective()
-    seconds: dict[int, list[dict[str, float]]] = {}
+    ring = same_host_ring(group, Path("/dev/shm"), bucket_bytes, timeout_s=600)
+    assert isinstance(ring, RingCollective), "both ends of the pair map /dev/shm"
+    seconds: dict[str, list[dict[str, float]]] = {}
     try:
         for megabytes in sizes:
             # rank 1 builds the state only to hold a version of its size, then drops it
             state = synthetic_state(megabytes, seed=megabytes)
             if rank == 0:
-                seconds[megabytes] = send_trials(group, state, bucket_bytes, repeats)
-                seconds[-megabytes] = streamed_send_trials(group, state, bucket_bytes, repeats)
+                seconds[f"collective {megabytes}"] = send_trials(
+                    group, state, bucket_bytes, repeats
+                )
+                for name, pair in (("streamed", group), ("ring", ring)):
+                    seconds[f"{name} {megabytes}"] = streamed_send_trials(
+                        pair, state, bucket_bytes, repeats
+                    )
                 del state
             else:
                 mirror = engine_mirror(state, bucket_bytes)
                 del state
-                seconds[megabytes] = receive_trials(group, mirror, repeats)
-                seconds[-megabytes] = receive_trials(group, mirror, repeats)
+                for name, pair in (("collective", group), ("streamed", group), ("ring", ring)):
+                    seconds[f"{name} {megabytes}"] = receive_trials(pair, mirror, repeats)
                 del mirror
             gc.collect()  # nothing of this size outlives its trials
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(seconds))
@@ -452,8 +465,8 @@ def collective_rank(
 def measure_collective(
     sizes: list[int], bucket_bytes: int, repeats: int
 ) -> dict[int, dict[str, list[Trial]]]:
-    """``collective`` (a whole payload encoded, then sent) and ``streamed`` (sent as it
-    is encoded) per size; a rank keys the streamed trials of a size by its negative."""
+    """``collective`` (a whole payload encoded, then sent), ``streamed`` (sent as it is
+    encoded) and ``ring`` (streamed through shared memory) per size."""
     with tempfile.TemporaryDirectory(prefix="sf-weight-bench-") as out_dir:
         mp.spawn(
             collective_rank,
@@ -465,14 +478,16 @@ def measure_collective(
             json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in (0, 1)
         )
 
-    def trials(key: int) -> list[Trial]:
+    def trials(key: str) -> list[Trial]:
         return [
             Trial(encode=sent["encode"], put=got["put"], fetch=0.0, apply=got["apply"])
-            for sent, got in zip(sender[str(key)], receiver[str(key)], strict=True)
+            for sent, got in zip(sender[key], receiver[key], strict=True)
         ]
 
     return {
-        megabytes: {"collective": trials(megabytes), "streamed": trials(-megabytes)}
+        megabytes: {
+            name: trials(f"{name} {megabytes}") for name in ("collective", "streamed", "ring")
+        }
         for megabytes in sizes
     }
 

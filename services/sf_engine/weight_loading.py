@@ -36,7 +36,7 @@ from seamlessflow.resources import ResourceMembership
 from seamlessflow.retry import RetryPolicy, retry
 from seamlessflow.weights import VersionGap
 from seamlessflow.weights.collective import Received
-from seamlessflow.weights.group import PushListener, join_as_engine
+from seamlessflow.weights.group import PushListener, how_buckets_travel, join_as_engine
 from seamlessflow.weights.settings import WeightTransferSettings
 from sf_engine.backends import InferenceEngine
 from sf_engine.in_flight import InFlight
@@ -173,8 +173,9 @@ class WeightLoader:
             return
         listener = PushListener(group, self.pushed, asyncio.get_running_loop())
         listener.start()
-        log.info("%s joined the %s push group as rank %d", self.engine_id,
-                 transfer.group_backend, transfer.group_rank)  # fmt: skip
+        log.info("%s joined the %s push group as rank %d (%s)", self.engine_id,
+                 transfer.group_backend, transfer.group_rank,
+                 how_buckets_travel(group))  # fmt: skip
 
     async def catch_up(self, min_version: int = 0) -> None:
         """Ask weight-sync for the current version until it answers, then load it.

@@ -79,7 +79,7 @@ from seamlessflow.protocol import (
 from seamlessflow.resources import ResourceMembership
 from seamlessflow.service import ServiceContext
 from seamlessflow.settings import checkpoints_dir
-from seamlessflow.weights.group import form_as_trainer
+from seamlessflow.weights.group import form_as_trainer, how_buckets_travel
 from seamlessflow.weights.settings import WeightTransferSettings, publisher
 from sf_trainer import checkpoint, history
 from sf_trainer.checkpoint import TrainerState
@@ -168,6 +168,9 @@ class TrainerService:
             if transfer.group_backend:
                 # blocks until every engine of the group joined (SF_WEIGHTS_GROUP_TIMEOUT_S)
                 self.publisher.push = await form_as_trainer(ctx.bus, transfer)
+                log.info("formed the %s push group of %d (%s)", transfer.group_backend,
+                         transfer.group_size,
+                         how_buckets_travel(self.publisher.push))  # fmt: skip
             self.slots = TrainingSlots(
                 ctx.bus, self.trainer_id, self.policy, self.settings.claim_timeout_s
             )

@@ -1,7 +1,9 @@
 """The collective (push) transport on CPU: three gloo processes, rank 0 the trainer.
 
 Exactly the code the NCCL path runs (handshake, bucketing, receiver checks), over
-``torch.distributed`` gloo; only ``CupyNcclCollective`` is left to the GPU test.
+``torch.distributed`` gloo, with the buckets on the sockets or through the same-host
+shared-memory ring (``weights.ring``); only ``CupyNcclCollective`` is left to the GPU
+test.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from seamlessflow.weights import (
 )
 from seamlessflow.weights.codec import EncodedWeights
 from seamlessflow.weights.layout import plan_layout
+from seamlessflow.weights.ring import RingCollective, same_host_ring
 from tests.support import free_port
 
 # other processes (services, servers, ranks or tools started as commands): see conftest
@@ -57,19 +60,25 @@ async def publish_streamed(group: collective.Collective, out: Path, version: int
     whole = WeightEncoder(bucket_bytes=BUCKET).encode(version, state)
     assert bytes(await store.fetch(manifest)) == bytes(whole.payload)
     assert publisher.push is group  # nothing broke on the way
-    (out / "streamed.log").write_text(f"{manifest.transport} {len(manifest.bucket_digests)}")
+    lent = group.bytes_lent if isinstance(group, RingCollective) else 0
+    (out / "streamed.log").write_text(
+        f"{manifest.transport} {len(manifest.bucket_digests)} {manifest.payload_bytes} lent {lent}"
+    )
     publisher.push = None  # the caller sends the stop, after this version
     await publisher.close()
 
 
-def run_rank(rank: int, port: int, out: str) -> None:
+def run_rank(rank: int, port: int, out: str, ring: bool) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        group = collective.TorchCollective()
+        group: collective.Collective = collective.TorchCollective()
+        if ring:  # headers stay on the sockets, buckets and manifests go through the ring
+            group = same_host_ring(group, Path(out), BUCKET, timeout_s=60, inline_bytes=64)
+            assert isinstance(group, RingCollective)
         if rank == 0:
             encoder = WeightEncoder(bucket_bytes=BUCKET, deltas=True, full_every=10)
             for version in (1, 2, 3):
@@ -96,16 +105,21 @@ def run_rank(rank: int, port: int, out: str) -> None:
             same = all(torch.equal(got[k], v) for k, v in state_at(manifest.version).items())
             log.append(f"{manifest.kind} {manifest.version} {'exact' if same else 'WRONG'}")
         log.append(f"holding {mirror.version}")
+        if isinstance(group, RingCollective):
+            log.append(f"ring consumed {int(group.ring.consumed[rank])}")
         Path(out, f"rank{rank}.log").write_text("\n".join(log))
     finally:
         dist.destroy_process_group()
 
 
-def test_three_gloo_ranks_receive_every_version_and_refuse_a_damaged_one(tmp_path: Path) -> None:
-    mp.spawn(run_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+@pytest.mark.parametrize("ring", [False, True], ids=["sockets", "shared-memory ring"])
+def test_three_gloo_ranks_receive_every_version_and_refuse_a_damaged_one(
+    tmp_path: Path, ring: bool
+) -> None:
+    mp.spawn(run_rank, args=(free_port(), str(tmp_path), ring), nprocs=WORLD, join=True)
     for rank in (1, 2):
         log = (tmp_path / f"rank{rank}.log").read_text().splitlines()
-        assert log == [
+        assert log[:6] == [
             "full 1 exact",
             "delta 2 exact",
             "delta 3 exact",
@@ -113,5 +127,12 @@ def test_three_gloo_ranks_receive_every_version_and_refuse_a_damaged_one(tmp_pat
             "full 5 exact",
             "holding 5",
         ], rank
-    # 40 kB of bf16 and 12 bytes of float32, aligned, in 4 kB buckets
-    assert (tmp_path / "streamed.log").read_text() == "shm 10"
+        if ring:  # every broadcast through the ring was copied out, the last included
+            assert log[6].startswith("ring consumed ") and int(log[6].split()[-1]) > 10
+    # 40 kB of bf16 and 12 bytes of float32, aligned, in 4 kB buckets; through the ring
+    # every byte of the streamed version left from the encoder's lent slots
+    payload = 40_064
+    lent = payload if ring else 0
+    assert (tmp_path / "streamed.log").read_text() == f"shm 10 {payload} lent {lent}"
+    if ring:  # unlinked once every member had mapped it
+        assert not list(tmp_path.glob("sf-push-ring-*"))

@@ -334,14 +334,21 @@ def test_a_state_streamed_tensor_by_tensor_encodes_as_the_whole_dict() -> None:
 class KeepingSink:
     """A ``BucketSink`` that copies each bucket and remembers which memory it came in."""
 
-    def __init__(self) -> None:
+    def __init__(self, lends: bool = False) -> None:
         self.sizes: tuple[int, int] | None = None
         self.buckets: list[bytes] = []
         self.memory: set[int] = set()
         self.ended = False
+        self.lends = lends
+        self.lent: list[torch.Tensor] = []
 
-    def begin(self, payload_bytes: int, bucket_bytes: int) -> None:
+    def begin(self, payload_bytes: int, bucket_bytes: int) -> list[torch.Tensor] | None:
+        """Lends two buffers of its own (as a push ring lends its slots) when asked to."""
         self.sizes = (payload_bytes, bucket_bytes)
+        if not self.lends:
+            return None
+        self.lent = [torch.full((bucket_bytes,), 0xAB, dtype=torch.uint8) for _ in range(2)]
+        return self.lent
 
     def put(self, index: int, bucket: memoryview) -> None:
         assert index == len(self.buckets)
@@ -387,6 +394,24 @@ def test_a_version_streamed_bucket_by_bucket_has_the_buckets_of_the_whole_payloa
     ):
         with pytest.raises(LayoutMismatch, match=problem):
             encoder.encode_buckets(5, layout, iter(stream), KeepingSink())
+
+
+def test_a_version_streams_into_the_buffers_its_sink_lends() -> None:
+    """A sink that lends its memory (a same-host push ring's slots) gets every bucket in
+    that memory, the same bytes as in the encoder's own buffers; the encoder allocates
+    none of its own."""
+    from seamlessflow.weights.layout import layout_of
+
+    state = model_state()
+    layout = layout_of((name, t.dtype, list(t.shape)) for name, t in state.items())
+    whole = WeightEncoder(bucket_bytes=1000).encode(3, state)
+    encoder = WeightEncoder(bucket_bytes=1000)
+    sink = KeepingSink(lends=True)
+    manifest = encoder.encode_buckets(3, layout, iter(state.items()), sink)
+    assert manifest == whole.manifest
+    assert b"".join(sink.buckets) == bytes(whole.payload)
+    assert sink.memory == {buffer.data_ptr() for buffer in sink.lent}
+    assert encoder._bucket_buffers == []
 
 
 def test_an_encoder_with_deltas_does_not_stream() -> None:

@@ -64,8 +64,11 @@ holds the one before."""
 class BucketSink(Protocol):
     """Where ``WeightEncoder.encode_buckets`` hands a version, from a worker thread."""
 
-    def begin(self, payload_bytes: int, bucket_bytes: int) -> None:
-        """A version of ``payload_bytes`` in buckets of ``bucket_bytes`` starts."""
+    def begin(self, payload_bytes: int, bucket_bytes: int) -> list[torch.Tensor] | None:
+        """A version of ``payload_bytes`` in buckets of ``bucket_bytes`` starts. Returns
+        ``BUCKET_BUFFERS`` buffers of ``bucket_bytes`` to fill the buckets in (memory the
+        sink sends without copying it: a same-host push ring's slots), or None: the
+        encoder fills its own."""
         ...
 
     def put(self, index: int, bucket: memoryview) -> None:
@@ -148,13 +151,15 @@ class WeightEncoder:
         if not self.streams:
             raise ValueError("an encoder that sends deltas needs whole versions: encode_stream")
         payload_bytes = layout_bytes(layout)
-        if len(self._bucket_buffers) != BUCKET_BUFFERS:
-            self._bucket_buffers = [
-                torch.empty(self.bucket_bytes, dtype=torch.uint8) for _ in range(BUCKET_BUFFERS)
-            ]
-        sink.begin(payload_bytes, self.bucket_bytes)
+        buffers = sink.begin(payload_bytes, self.bucket_bytes)
+        if buffers is None:
+            if len(self._bucket_buffers) != BUCKET_BUFFERS:
+                self._bucket_buffers = [
+                    torch.empty(self.bucket_bytes, dtype=torch.uint8) for _ in range(BUCKET_BUFFERS)
+                ]
+            buffers = self._bucket_buffers
         digests: list[str] = []
-        for index, bucket in enumerate(stream_buckets(tensors, layout, self._bucket_buffers)):
+        for index, bucket in enumerate(stream_buckets(tensors, layout, buffers)):
             digests.append(digest_of(bucket))
             sink.put(index, bucket)
         sink.end()

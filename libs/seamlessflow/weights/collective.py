@@ -35,7 +35,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 import torch
@@ -74,6 +74,14 @@ class Collective(Protocol):
         """``broadcast``, started: ``tensor`` is ``src``'s once the result's ``wait``
         returns, and neither side touches it before. Every rank starts the same
         broadcasts in the same order."""
+        ...
+
+
+@runtime_checkable
+class LendsSendMemory(Protocol):
+    def lend(self, count: int, nbytes: int) -> list[torch.Tensor] | None:
+        """``count`` buffers of ``nbytes`` that this rank broadcasts without a copy, or
+        None. A lent buffer may be written again once its broadcast was waited for."""
         ...
 
 
@@ -186,10 +194,18 @@ class StreamSend:
         self.collective, self.src = collective, src
         self.in_flight = in_flight
         self._ranges = list(bucket_ranges(payload_bytes, bucket_bytes))
+        self._bucket_bytes = bucket_bytes
         self._sent = 0
         self._pending: deque[Pending] = deque()
         self._staging = _staging(collective, bucket_bytes, in_flight)
         _header(collective, src, (MORE, payload_bytes, bucket_bytes))
+
+    def lent_buffers(self, count: int) -> list[torch.Tensor] | None:
+        """``count`` bucket buffers the collective sends without a copy (a same-host
+        ring's slots: ``ring.RingCollective``), or None: fill buckets anywhere."""
+        if not isinstance(self.collective, LendsSendMemory):
+            return None
+        return self.collective.lend(count, self._bucket_bytes)
 
     def bucket(self, data: memoryview) -> None:
         """The next bucket: exactly the size its place in the payload has."""

@@ -2,8 +2,10 @@
 
 - The trainer (rank 0) forms the group (``form_as_trainer``): with ``nccl`` it serves
   the NCCL unique id on ``weights.group`` so engines can build their communicators;
-  with ``gloo`` it hosts the TCP rendezvous. Forming blocks until every member joined
-  (``group_timeout_s``), so the trainer forms it before its first step.
+  with ``gloo`` it hosts the TCP rendezvous, and when every member maps the ring it
+  makes in shared memory, buckets go through that (``ring``, ``group_shared_memory``).
+  Forming blocks until every member joined (``group_timeout_s``), so the trainer
+  forms it before its first step.
 - Each engine in the group (``join_as_engine``) gets the id over NATS, joins, and runs
   ``PushListener`` in a thread: every payload received is handed to the engine's event
   loop and applied through the same ``WeightReceiver`` as pulled payloads.
@@ -29,6 +31,7 @@ from seamlessflow.protocol import WeightsGroupOffer, WeightsGroupQuery
 from seamlessflow.retry import RetryPolicy, retry
 from seamlessflow.weights import collective
 from seamlessflow.weights.collective import Collective, Received
+from seamlessflow.weights.ring import RingCollective, same_host_ring
 from seamlessflow.weights.settings import WeightTransferSettings
 
 log = logging.getLogger(__name__)
@@ -54,7 +57,10 @@ def _gloo(settings: WeightTransferSettings) -> Collective:
         world_size=settings.group_size,
         timeout=timedelta(seconds=settings.group_timeout_s),
     )
-    return collective.TorchCollective()
+    group = collective.TorchCollective()
+    if settings.group_shared_memory == "off":
+        return group
+    return same_host_ring(group, settings.shm_dir, settings.bucket_bytes, settings.group_timeout_s)
 
 
 async def form_as_trainer(bus: Bus, settings: WeightTransferSettings) -> Collective:
@@ -92,6 +98,13 @@ async def join_as_engine(bus: Bus, settings: WeightTransferSettings) -> Collecti
     return await in_daemon_thread(
         lambda: collective.CupyNcclCollective(offer.size, rank, unique_id)
     )
+
+
+def how_buckets_travel(group: Collective) -> str:
+    """For the logs of both ends."""
+    if isinstance(group, RingCollective):
+        return "buckets through shared memory"
+    return "buckets over the group's connections"
 
 
 Apply = Callable[[Received], Coroutine[Any, Any, None]]

@@ -82,6 +82,12 @@ class WeightTransferSettings(RunFileSettings):
     group_timeout_s: float = 600.0
     """How long forming the group and each broadcast may wait for the other members."""
 
+    group_shared_memory: Literal["auto", "off"] = "auto"
+    """``auto``: when every member of a ``gloo`` push group maps the same file in
+    ``shm_dir`` (one host, the directory shared), buckets go through that shared memory
+    and only small control messages over the sockets (``weights.ring``; checked when the
+    group forms, else the sockets carry everything). ``off``: always the sockets."""
+
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_mb * 1024 * 1024))

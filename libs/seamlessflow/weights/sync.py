@@ -25,7 +25,13 @@ import torch
 from seamlessflow.bus import BROKER_ERRORS
 from seamlessflow.protocol import WeightManifest
 from seamlessflow.weights import collective
-from seamlessflow.weights.codec import BucketSink, EncodedWeights, WeightEncoder, WeightMirror
+from seamlessflow.weights.codec import (
+    BUCKET_BUFFERS,
+    BucketSink,
+    EncodedWeights,
+    WeightEncoder,
+    WeightMirror,
+)
 from seamlessflow.weights.collective import Collective, Received
 from seamlessflow.weights.stores import PayloadMissing, PayloadStore, PayloadWriter
 
@@ -177,14 +183,17 @@ class _StreamedVersion:
         self.sending: collective.StreamSend | None = None
         self._pending: concurrent.futures.Future[None] | None = None
 
-    def begin(self, payload_bytes: int, bucket_bytes: int) -> None:
+    def begin(self, payload_bytes: int, bucket_bytes: int) -> list[torch.Tensor] | None:
         group = self.publisher.push
         if group is None:
-            return
+            return None
         try:
             self.sending = collective.StreamSend(group, payload_bytes, bucket_bytes, in_flight=1)
+            return self.sending.lent_buffers(BUCKET_BUFFERS)
         except Exception as exc:  # a member died: the store still has every payload
+            self.sending = None
             self.loop.call_soon_threadsafe(self.publisher._push_broken, exc)
+            return None
 
     def put(self, index: int, bucket: memoryview) -> None:
         self._wait()
