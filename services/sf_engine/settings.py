@@ -50,8 +50,10 @@ class EngineSettings(RunFileSettings):
     max_batch_size: int = shared("engine_batch_size")
     """Requests decoded together."""
 
-    max_context: int = 1024
-    """Prompt plus completion tokens per request."""
+    max_context: int = 0
+    """Prompt plus completion tokens per request; 0: the model's context (config.json),
+    which the vLLM backend on a CPU lowers to one sequence of what its KV cache holds
+    (``VLLM_CPU_KVCACHE_SPACE``, 1 GiB unless set)."""
 
     dtype: str = "auto"
     """Weights dtype of the engine: a torch dtype name, or ``auto``

@@ -72,7 +72,12 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from seamlessflow.assets.model_check import ModelNeeds, check_model, context_need
+from seamlessflow.assets.model_check import (
+    ModelNeeds,
+    check_model,
+    context_need,
+    model_context,
+)
 from seamlessflow.bus import Unrecoverable
 from seamlessflow.protocol import PhaseChanged
 from seamlessflow.service import ServiceContext
@@ -126,6 +131,10 @@ class GatewayService:
             ctx.mesh.model_dir,
             ModelNeeds(weights=False, **context_need(self.settings, "SF_GATEWAY_MAX_CONTEXT")),
         )
+        if not self.settings.max_context:  # the model's own, unless set
+            context = model_context(ctx.mesh.model_dir, "SF_GATEWAY_MAX_CONTEXT")
+            self.settings = self.settings.model_copy(update={"max_context": context})
+            log.info("context: %d tokens (the model's config.json)", context)
         tokenizer = await asyncio.to_thread(ChatTokenizer, ctx.mesh.model_dir)
         self.gateway = Gateway(self.settings, ctx.bus, tokenizer, ctx.mesh.policy_names())
         await self.gateway.session_table.restore()

@@ -44,8 +44,11 @@ class GatewaySettings(RunFileSettings):
     after dropping their conversation; older ones answer 404. Their records live on in
     JetStream and their exports in the trajectory service."""
 
-    max_context: int = 1024
-    """Prompt plus completion tokens may not exceed this (the model's context)."""
+    max_context: int = 0
+    """Prompt plus completion tokens may not exceed this; 0: the model's context, from its
+    config.json (``max_position_embeddings`` or the like). An engine that holds less
+    (``SF_ENGINE_MAX_CONTEXT``, or vLLM's cap on a CPU) refuses what exceeds its own
+    with a 400 naming its limit."""
 
     default_max_tokens: int = 64
     """Completion budget when a request gives none."""

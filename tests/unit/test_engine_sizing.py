@@ -61,3 +61,19 @@ def test_the_hf_backends_device_decides_what_auto_computes_in(
     monkeypatch.setenv("SF_ENGINE_HF_DEVICE", "cpu")
     assert HfSettings().model_device() == "cpu"
     assert EngineSettings(backend="hf").dtype == "float32"  # every CPU computes in fp32
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_a_cpu_vllm_s_default_context_is_one_sequence_of_its_kv_cache(dtype: str) -> None:
+    """Qwen2.5-1.5B's 32k context does not fit 1 GiB of KV cache in float32 (keys and
+    values of 28 layers x 2 heads x 128 dims: 57,344 bytes a token), so the engine's
+    default context is what fits, in whole 16-token blocks; in bf16 twice as many tokens
+    fit, the whole context among them."""
+    from seamlessflow.assets.shapes import SHAPES
+    from sf_engine.backends.vllm_engine import kv_cache_tokens
+
+    qwen = SHAPES["qwen2.5-1.5b"]  # its config.json
+    per_token = 2 * 28 * 2 * 128 * (4 if dtype == "float32" else 2)
+    held = kv_cache_tokens(qwen, dtype, 1.0)
+    assert held % 16 == 0 and held * per_token <= 2**30 < (held + 16) * per_token
+    assert (held < qwen["max_position_embeddings"]) == (dtype == "float32")

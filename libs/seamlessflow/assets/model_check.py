@@ -169,6 +169,26 @@ def task_context_tokens(model_dir: Path, task: str, seed: int, max_tokens: int) 
     return longest + max_tokens
 
 
+def model_context(model_dir: Path, setting: str) -> int:
+    """The model's context length from ``model_dir``'s config.json: what a service whose
+    ``max_context`` is 0 (the default) allows. A config that states none is an error
+    naming ``setting``, which the user then sets."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelUnfit(Path(model_dir), [f"config.json unreadable ({exc})"]) from None
+    context = context_length(config)
+    if context is None:
+        raise ModelUnfit(
+            Path(model_dir),
+            [
+                f"config.json states no context length (one of {', '.join(CONTEXT_KEYS)}): "
+                f"set {setting}"
+            ],
+        )
+    return context
+
+
 def context_length(config: dict[str, Any]) -> int | None:
     """The model's context length from its config.json (a multimodal config's text part)."""
     text = config.get("text_config") or config

@@ -275,6 +275,15 @@ class VllmEngine(InferenceEngine):
         self._vocab_size = int(text["vocab_size"])
         model_max = int(text["max_position_embeddings"])
         self._max_context = min(self._max_context_arg or model_max, model_max)
+        import torch
+
+        if not self._max_context_arg and not torch.cuda.is_available():
+            held = kv_cache_tokens(text, self._dtype, float(os.environ["VLLM_CPU_KVCACHE_SPACE"]))
+            if held < self._max_context:
+                # vLLM refuses to start when one sequence of max_model_len does not fit
+                log.info("context: %d of the model's %d tokens, what the CPU KV cache "
+                         "(VLLM_CPU_KVCACHE_SPACE) holds", held, model_max)  # fmt: skip
+                self._max_context = held
         if self._max_context_arg and self._max_context_arg > model_max:
             # vLLM refuses a max_model_len beyond the model's positions.
             log.warning(
@@ -687,6 +696,26 @@ def _untie(
                 f"tied weights {head!r} and {embed!r} differ; the model has one matrix for both"
             )
     return untied
+
+
+KV_BLOCK_TOKENS = 16
+"""vLLM's KV cache block on the CPU: a context is a whole number of blocks here."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_cache_tokens(text_config: Mapping[str, Any], dtype: str, space_gib: float) -> int:
+    """Tokens of one sequence a KV cache of ``space_gib`` holds for this model in
+    ``dtype``: keys and values of every layer's key/value heads (an upper bound for
+    models with sliding-window layers, whose cache vLLM keeps shorter)."""
+    heads = int(text_config.get("num_key_value_heads") or text_config["num_attention_heads"])
+    head_dim = int(
+        text_config.get("head_dim")
+        or int(text_config["hidden_size"]) // int(text_config["num_attention_heads"])
+    )
+    element = DTYPE_BYTES[dtype]
+    per_token = 2 * int(text_config["num_hidden_layers"]) * heads * head_dim * element
+    tokens = int(space_gib * 2**30) // per_token
+    return tokens // KV_BLOCK_TOKENS * KV_BLOCK_TOKENS
 
 
 def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:

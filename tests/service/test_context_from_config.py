@@ -1,0 +1,45 @@
+"""With ``max_context`` left at 0 (the default), the gateway and the engine both allow the
+model's own context, read from its config.json: no 1024-token cap."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, BadRequestError
+
+from sf_engine.settings import EngineSettings
+from tests.support import InProcessMesh, start_rollout
+
+
+async def test_the_gateway_and_the_engine_take_the_model_s_context(
+    mesh: InProcessMesh, base_model_dir: Path
+) -> None:
+    context = json.loads((base_model_dir / "config.json").read_text())["max_position_embeddings"]
+    assert context != 1024  # the old default would not pass for the model's
+    url = await start_rollout(mesh, EngineSettings(engine_id="engine-c"), max_context=0)
+    engine = mesh.running[2][0].engine  # scheduler, weight-sync, engine, gateway
+    assert engine.max_context == context
+    async with httpx.AsyncClient(base_url=url) as http:
+        counted = await http.post("/tokenize", json={"prompt": "What is 2 + 2?"})
+        assert counted.status_code == 200, counted.text
+        assert counted.json()["max_model_len"] == context
+        session = (await http.post("/sessions", json={})).json()
+    async with AsyncOpenAI(
+        base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+    ) as client:
+        with pytest.raises(BadRequestError) as refused:
+            await client.chat.completions.create(
+                model="policy",
+                messages=[{"role": "user", "content": "What is 2 + 2?"}],
+                max_tokens=context,
+            )
+        error = refused.value.body
+        assert isinstance(error, dict) and error["code"] == "context_length_exceeded", error
+        assert f"the context is {context} tokens" in error["message"]
+        answer = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "What is 2 + 2?"}], max_tokens=4
+        )
+        assert answer.choices[0].message.content is not None
