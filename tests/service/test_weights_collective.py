@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,52 @@ def test_three_gloo_ranks_receive_every_version_and_refuse_a_damaged_one(
     assert (tmp_path / "streamed.log").read_text() == f"shm 10 {payload} lent {lent}"
     if ring:  # unlinked once every member had mapped it
         assert not list(tmp_path.glob("sf-push-ring-*"))
+
+
+def trainer_rank_or_engine(process: int, ports: tuple[int, int], out: str) -> None:
+    """Processes 0 and 1 are a trainer's two ranks (their own torch.distributed world);
+    process 0 also forms the push group with process 2, an engine, as the mesh does
+    (``GlooGroup``, then the ring)."""
+    import torch.distributed as dist
+
+    from seamlessflow.weights.group import how_buckets_travel
+
+    torch.set_num_threads(1)
+    world, push = ports
+    if process < 2:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(world))
+        dist.init_process_group("gloo", rank=process, world_size=2)
+        total = torch.ones(1)
+        dist.all_reduce(total)  # the trainer's world works
+        if process == 1:
+            dist.barrier()
+            dist.destroy_process_group()
+            return
+    rank = 0 if process == 0 else 1
+    group: collective.Collective = collective.GlooGroup(
+        f"127.0.0.1:{push}", rank, 2, timedelta(seconds=60)
+    )
+    group = same_host_ring(group, Path(out), BUCKET, timeout_s=60)
+    if rank == 0:
+        asyncio.run(publish_streamed(group, Path(out), version=6))
+        collective.send_stop(group)
+        Path(out, "trainer.log").write_text(f"{int(total)} ranks; {how_buckets_travel(group)}")
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    mirror = WeightMirror()
+    reused = collective.new_buffer(1 << 20)
+    while (received := collective.receive(group, buffer=lambda n: reused[:n])) is not None:
+        mirror.apply(received.manifest, received.payload, received.bucket_digests)
+    got = mirror.tensors()
+    exact = all(torch.equal(got[k], v) for k, v in state_at(6).items())
+    Path(out, "engine.log").write_text(f"version {mirror.version} {'exact' if exact else 'WRONG'}")
+
+
+def test_a_trainer_rank_in_its_own_world_pushes_to_an_engine_beside_it(tmp_path: Path) -> None:
+    """The push group is a gloo group of its own, so a trainer of several ranks (a
+    torch.distributed world already) pushes its versions too; through the ring here."""
+    ports = (free_port(), free_port())
+    mp.spawn(trainer_rank_or_engine, args=(ports, str(tmp_path)), nprocs=3, join=True)
+    assert (tmp_path / "trainer.log").read_text() == "2 ranks; buckets through shared memory"
+    assert (tmp_path / "engine.log").read_text() == "version 6 exact"

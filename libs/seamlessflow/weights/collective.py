@@ -3,8 +3,9 @@
 The handshake and bucketing are written once here, over a minimal ``Collective`` (a
 rank, a world size, an in-place ``broadcast``). Two thin implementations:
 
-- ``TorchCollective``: a ``torch.distributed`` process group (gloo on CPU, which the
-  tests run with several processes; nccl on GPUs);
+- ``GlooGroup``: a gloo process group of its own (the mesh's push group on CPU: beside
+  any torch.distributed world of a trainer's ranks); ``TorchCollective``: a group of
+  torch.distributed's world (the tests and benchmarks run it with several processes);
 - ``CupyNcclCollective``: NCCL through CuPy (``cupy.cuda.nccl``), GPU only, with the
   NCCL unique id handed out by rank 0 (over NATS in the mesh).
 
@@ -35,6 +36,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
@@ -122,6 +124,33 @@ class TorchCollective:
         source = self._dist.get_global_rank(self.group, src) if self.group is not None else src
         work = self._dist.broadcast(tensor, source, group=self.group, async_op=True)
         assert work is not None  # async_op=True always returns the work
+        return work
+
+
+class GlooGroup:
+    """A gloo process group of its own, rendezvousing through a TCP store that rank 0
+    hosts at ``address`` (``host:port``). It is not torch.distributed's default world and
+    needs none: a trainer whose ranks train over their own world forms the push group with
+    its engines beside it."""
+
+    def __init__(self, address: str, rank: int, world_size: int, timeout: timedelta) -> None:
+        import torch.distributed as dist
+
+        host, port = address.rsplit(":", 1)
+        # rank 0's store waits (up to ``timeout``) until every member has connected
+        self._store = dist.TCPStore(host, int(port), world_size, rank == 0, timeout)
+        self._group = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
+        self._options = dist.BroadcastOptions
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cpu")
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.start_broadcast(tensor, src).wait()
+
+    def start_broadcast(self, tensor: torch.Tensor, src: int) -> Pending:
+        options = self._options()
+        options.rootRank, options.rootTensor = src, 0
+        work: Pending = self._group.broadcast([tensor], options)  # type: ignore[attr-defined]
         return work
 
 

@@ -43,21 +43,12 @@ forms the group, is up and answers."""
 
 
 def _gloo(settings: WeightTransferSettings) -> Collective:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        raise RuntimeError(
-            "the gloo push group needs a process without another torch.distributed group "
-            "(a single-process trainer); use SF_WEIGHTS_GROUP_BACKEND=nccl with trainer ranks"
-        )
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{settings.group_address}",
-        rank=settings.group_rank,
-        world_size=settings.group_size,
-        timeout=timedelta(seconds=settings.group_timeout_s),
+    group = collective.GlooGroup(
+        settings.group_address,
+        settings.group_rank,
+        settings.group_size,
+        timedelta(seconds=settings.group_timeout_s),
     )
-    group = collective.TorchCollective()
     if settings.group_shared_memory == "off":
         return group
     return same_host_ring(group, settings.shm_dir, settings.bucket_bytes, settings.group_timeout_s)

@@ -67,7 +67,8 @@ class WeightTransferSettings(RunFileSettings):
     group_backend: Literal["", "gloo", "nccl"] = ""
     """Push group: besides the pull store, the trainer broadcasts each payload to a fixed
     group of engines. ``nccl``: NCCL through CuPy on GPUs (the NCCL id travels over NATS);
-    ``gloo``: torch.distributed on CPU (needs a single-process trainer); empty = pull only.
+    ``gloo``: a gloo group of its own on CPU (beside the trainer ranks' own world); empty =
+    pull only.
     Engines that join later, or refuse a broadcast, pull from the store."""
 
     group_size: int = 0
