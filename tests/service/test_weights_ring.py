@@ -118,3 +118,39 @@ def test_the_ring_carries_what_spans_slots_and_a_member_that_stops_copying_break
     assert writer.startswith(f"True copied {nbytes} lent 100 out of step: ")
     assert "member(s) [1] did not copy out broadcast 6 within 2 s" in writer
     assert (tmp_path / "rank1").read_text() == "True lent slot True"
+
+
+def member_dies(rank: int, port: int, out: str) -> None:
+    """Rank 1 takes the announcement of a bucket, then its process ends without copying
+    it out: the writer learns it from the member's silent beat, long before the group's
+    timeout."""
+    import torch.distributed as dist
+
+    group = joined(rank, port, 2)
+    ring = same_host_ring(group, Path(out), SLOT, timeout_s=600, inline_bytes=16)
+    assert isinstance(ring, RingCollective)
+    if rank == 1:
+        control = torch.zeros(3, dtype=torch.int64)
+        group.broadcast(control, 0)
+        os._exit(0)  # gone, as a killed engine is: no clean-up, no goodbye
+    ring.silence_s = 1.0
+    lent = ring.lend(1, SLOT)
+    assert lent is not None
+    try:
+        ring.start_broadcast(lent[0], 0).wait()
+        outcome = "waited"
+    except RingOutOfStep as exc:
+        outcome = str(exc)
+    Path(out, "writer").write_text(outcome)
+    dist.destroy_process_group()
+
+
+def test_a_member_that_dies_before_copying_out_breaks_the_group_by_its_silence(
+    tmp_path: Path,
+) -> None:
+    mp.spawn(member_dies, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    outcome = (tmp_path / "writer").read_text()
+    assert (
+        outcome
+        == "push ring: member(s) [1] stopped (no beat for 1 s) before copying out broadcast 1"
+    )

@@ -11,8 +11,9 @@ memory in place of device memory.
 
 The ring (one file, mapped by every member, unlinked once all have mapped it, so nothing
 is left behind by a crash):
-- a control page: a magic, the trainer's nonce, the sizes, and ``consumed[rank]``, the
-  sequence number of the last broadcast member ``rank`` copied out;
+- a control page: a magic, the trainer's nonce, the sizes, ``consumed[rank]``, the
+  sequence number of the last broadcast member ``rank`` copied out, and ``beats[rank]``,
+  which a thread of each member advances every ``BEAT_S``;
 - ``SLOTS`` slots of one bucket each. The first ``LENT_SLOTS`` are lent to the trainer's
   encoder (``lend``), which fills its buckets straight into them: a lent bucket is sent
   without any copy on the trainer's side. The others take a copy of anything else large
@@ -23,7 +24,9 @@ Slot lifetime (the handle protocol): the trainer writes a slot only once every m
 member advances its ``consumed`` only after its copy finished. On x86-64 a store is never
 made visible before the loads that precede it, so a member's copy has read the slot by the
 time the trainer sees its number. A member that does not consume within the group's
-timeout breaks the group (the store still has every payload).
+timeout breaks the group (the store still has every payload), and so does one whose beat
+stops for ``SILENCE_S`` while the trainer waits on it: a member that died, which a socket
+would have told at once but shared memory does not.
 
 Each broadcast from the trainer sends ``int64[3]`` over the group first: its sequence
 number, the offset of its bytes in the ring (``INLINE``: the bytes follow over the group
@@ -38,6 +41,7 @@ import logging
 import mmap
 import os
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,9 +55,16 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"SFRING01"
 CONTROL_BYTES = 4096
-"""The control page: the header, then one int64 ``consumed`` per member."""
+"""The control page: the header, then one int64 ``consumed`` per member, and in its
+second half one int64 ``beats`` per member."""
 CONSUMED_OFFSET = 64
-MAX_MEMBERS = (CONTROL_BYTES - CONSUMED_OFFSET) // 8
+BEATS_OFFSET = CONTROL_BYTES // 2 + CONSUMED_OFFSET
+MAX_MEMBERS = (CONTROL_BYTES // 2 - CONSUMED_OFFSET) // 8
+BEAT_S = 0.1
+SILENCE_S = 10.0
+"""A member whose beat has not moved for this long while the trainer waits on it is
+gone. Generous: the beat is a Python thread, which a busy process still schedules
+every few milliseconds."""
 SLOTS = 4
 LENT_SLOTS = 2
 """Slots lent to the encoder (its two bucket buffers); the rest take copies."""
@@ -93,7 +104,9 @@ class SharedRing:
         self.descriptor, self.path = descriptor, path
         self._mapping = mapping
         whole = torch.frombuffer(mapping, dtype=torch.uint8)
-        self.consumed = whole[CONSUMED_OFFSET:CONTROL_BYTES].view(torch.int64)[: descriptor.members]
+        members = descriptor.members
+        self.consumed = whole[CONSUMED_OFFSET:BEATS_OFFSET].view(torch.int64)[:members]
+        self.beats = whole[BEATS_OFFSET:CONTROL_BYTES].view(torch.int64)[:members]
         self.data = whole[CONTROL_BYTES:]
         self.base = self.data.data_ptr()
 
@@ -153,7 +166,7 @@ class SharedRing:
         return None
 
     def close(self) -> None:
-        self.consumed = self.data = torch.empty(0, dtype=torch.uint8)
+        self.consumed = self.beats = self.data = torch.empty(0, dtype=torch.uint8)
         with contextlib.suppress(BufferError):  # a lent view still alive: unmapped at exit
             self._mapping.close()
 
@@ -182,6 +195,10 @@ class RingCollective:
         self._slot_sequence = [0] * SLOTS
         """The writer's last broadcast out of each slot."""
         self._next_copy_slot = LENT_SLOTS
+        self.silence_s = SILENCE_S
+        self._closed = threading.Event()
+        if self.rank != writer:
+            threading.Thread(target=self._beat, name="push-ring-beat", daemon=True).start()
 
     # ---------------------------------------------------------------- the writer's side
 
@@ -245,13 +262,25 @@ class RingCollective:
         if sequence == 0:
             return
         members = [rank for rank in range(self.world_size) if rank != self.writer]
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
+        beats = {rank: (int(self.ring.beats[rank]), started) for rank in members}
         pause = 0.0
         while True:
             behind = [rank for rank in members if int(self.ring.consumed[rank]) < sequence]
             if not behind:
                 return
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            for rank in behind:
+                beat = int(self.ring.beats[rank])
+                if beat != beats[rank][0]:
+                    beats[rank] = (beat, now)
+            silent = [rank for rank in behind if now - beats[rank][1] > self.silence_s]
+            if silent:
+                raise RingOutOfStep(
+                    f"push ring: member(s) {silent} stopped (no beat for "
+                    f"{self.silence_s:g} s) before copying out broadcast {sequence}"
+                )
+            if now - started > self.timeout_s:
                 raise RingOutOfStep(
                     f"push ring: member(s) {behind} did not copy out broadcast {sequence} "
                     f"within {self.timeout_s:g} s"
@@ -285,7 +314,15 @@ class RingCollective:
             if done == raw.numel():
                 return
 
+    def _beat(self) -> None:
+        while not self._closed.wait(BEAT_S):
+            beats = self.ring.beats
+            if beats.numel() <= self.rank:  # closed meanwhile
+                return
+            beats[self.rank] += 1
+
     def close(self) -> None:
+        self._closed.set()
         self.ring.close()
 
 
