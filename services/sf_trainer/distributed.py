@@ -25,6 +25,7 @@ tested with two gloo processes (``tests/mesh/test_trainer_distributed.py``).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -43,10 +44,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 # gathers: the full tensors, copied to the CPU, on rank 0 only
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+ROW_BLOCK_BYTES = 16 * 1024 * 1024
+"""The rows of a sharded tensor reach rank 0 in blocks of about this size, so a version
+is published with rank 0 holding a block, not a whole tensor, beside its buckets."""
 Model = TypeVar("Model", bound=torch.nn.Module)
 
 
@@ -198,23 +202,70 @@ class TrainGroup:
         model: torch.nn.Module,
         dtype: torch.dtype | None = None,
         skip: Collection[str] = (),
+        block_bytes: int = ROW_BLOCK_BYTES,
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The unsharded weights one tensor at a time, in the state dict's order (less
-        the names in ``skip``): on rank 0 each as a CPU tensor (the floating-point ones in
-        ``dtype``, cast where they live), nothing on the others. Every rank must run it
-        to the end: a sharded tensor is gathered by a collective. At most one whole
-        tensor exists at a time; a yielded tensor may be the live weight of one process,
-        so copy it before the next step."""
+        """The unsharded weights in the state dict's order (less the names in ``skip``):
+        on rank 0 as CPU tensors (the floating-point ones in ``dtype``, cast where they
+        live), nothing on the others. A tensor sharded by rows (FSDP2's ``Shard(0)``)
+        comes as consecutive blocks of its rows under its name, each of about
+        ``block_bytes``, sent to rank 0 by the rank that holds them: a large tensor (a
+        151,936-row embedding) never exists whole on rank 0. Every rank must run it to the
+        end (the blocks travel by collectives). A yielded tensor may be a live weight of
+        this process: copy it before the next step."""
         for name, tensor in model.state_dict().items():
             if name in skip:
                 continue
             value = tensor.detach()
+            if isinstance(value, DTensor) and _sharded_by_rows(value):
+                for block in self._row_blocks(value, dtype, block_bytes):
+                    if self.is_leader:
+                        yield name, block
+                continue
             if dtype is not None and value.is_floating_point() and value.dtype != dtype:
                 value = value.to(dtype)  # a DTensor casts its shard: half the gather's bytes
             if isinstance(value, DTensor):
                 value = value.full_tensor()
             if self.is_leader:
                 yield name, value.cpu()
+
+    def _row_blocks(
+        self, value: DTensor, dtype: torch.dtype | None, block_bytes: int
+    ) -> Iterator[torch.Tensor]:
+        """``value``'s rows in order, in blocks: each rank's shard (``torch.chunk``'s
+        split, as FSDP2 makes it) cut into blocks of about ``block_bytes``, cast on the
+        rank that holds it and sent to rank 0, which yields them as CPU tensors."""
+        local = value.to_local()
+        if dtype is not None and value.is_floating_point():
+            travel = dtype
+        else:
+            travel = value.dtype
+        mesh = value.device_mesh
+        group, world = mesh.get_group(), mesh.size()
+        me = mesh.get_local_rank()
+        rows, tail = value.shape[0], tuple(value.shape[1:])
+        per_rank = -(-rows // world)
+        row_bytes = max(1, math.prod(tail) * travel.itemsize)
+        block_rows = max(1, block_bytes // row_bytes)
+        leader = dist.get_global_rank(group, 0)
+        for holder in range(world):
+            start, end = min(holder * per_rank, rows), min((holder + 1) * per_rank, rows)
+            if holder == me and local.shape[0] != end - start:
+                raise RuntimeError(
+                    f"a shard of {local.shape[0]} rows where rows {start}:{end} were expected"
+                )
+            for first in range(start, end, block_rows):
+                last = min(first + block_rows, end)
+                if holder == me:
+                    block = local[first - start : last - start].to(travel).contiguous()
+                else:
+                    block = torch.empty((last - first, *tail), dtype=travel, device=local.device)
+                if holder != 0:  # from its holder to rank 0; the others skip it
+                    if me == holder:
+                        dist.send(block, leader, group)
+                    elif me == 0:
+                        dist.recv(block, dist.get_global_rank(group, holder), group)
+                if me == 0:
+                    yield block.cpu() if block.device.type != "cpu" else block
 
     def host_layout(
         self, model: torch.nn.Module, dtype: torch.dtype | None = None, skip: Collection[str] = ()
@@ -250,6 +301,17 @@ class TrainGroup:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.distributed)
         set_model_state_dict(model, model_state, options=options)
         set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+
+
+def _sharded_by_rows(value: DTensor) -> bool:
+    """Sharded on dim 0 over a one-dimensional mesh (how FSDP2 shards a parameter)."""
+    return (
+        value.device_mesh.ndim == 1
+        and len(value.placements) == 1
+        and isinstance(value.placements[0], Shard)
+        and value.placements[0].dim == 0
+        and value.dim() > 0
+    )
 
 
 def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:

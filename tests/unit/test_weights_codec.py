@@ -414,6 +414,59 @@ def test_a_version_streams_into_the_buffers_its_sink_lends() -> None:
     assert encoder._bucket_buffers == []
 
 
+def in_row_blocks(state: dict[str, torch.Tensor], rows: int) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of two dimensions or more as blocks of ``rows`` rows (the last one
+    short), as a sharded trainer hands them over; the others whole."""
+    pieces: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in state.items():
+        if tensor.dim() < 2:
+            pieces.append((name, tensor))
+        else:
+            pieces += [(name, block) for block in tensor.split(rows)]
+    return pieces
+
+
+@pytest.mark.parametrize("rows", [1, 7, 128, 300])
+def test_a_tensor_may_come_in_blocks_of_its_rows(rows: int) -> None:
+    """Row blocks of a tensor (a 300-row embedding in 1-row, 7-row, 128-row blocks, or
+    whole) give the payload, buckets and manifest of the whole tensors, streamed or
+    encoded into one payload."""
+    from seamlessflow.weights.layout import layout_of
+
+    state = model_state()
+    layout = layout_of((name, t.dtype, list(t.shape)) for name, t in state.items())
+    whole = WeightEncoder(bucket_bytes=1000).encode(3, state)
+    sink = KeepingSink()
+    manifest = WeightEncoder(bucket_bytes=1000).encode_buckets(
+        3, layout, iter(in_row_blocks(state, rows)), sink
+    )
+    assert manifest == whole.manifest
+    assert b"".join(sink.buckets) == bytes(whole.payload)
+    streamed = WeightEncoder(bucket_bytes=1000).encode_stream(
+        3, layout, iter(in_row_blocks(state, rows))
+    )
+    assert bytes(streamed.payload) == bytes(whole.payload)
+
+
+def test_row_blocks_that_do_not_make_their_tensor_are_refused() -> None:
+    from seamlessflow.weights.layout import layout_of
+
+    state = model_state()
+    layout = layout_of((name, t.dtype, list(t.shape)) for name, t in state.items())
+    embed = state["embed.weight"]
+    rest = list(state.items())[1:]
+    for pieces, problem in (
+        ([("embed.weight", embed[:100]), *rest], "'norm.weight' where 'embed.weight' still lacks"),
+        ([("embed.weight", embed), ("embed.weight", embed[:1]), *rest], "where the layout has"),
+        ([("embed.weight", embed[:299]), ("embed.weight", embed[:2]), *rest], "rows beyond"),
+        ([("embed.weight", embed[:100, :32]), *rest], r"\[rows, 64\]"),
+        ([("embed.weight", embed[:100].float()), *rest], "float32"),
+        ([("embed.weight", embed[:100])], "0 tensors for a layout of 4"),
+    ):
+        with pytest.raises(LayoutMismatch, match=problem):
+            WeightEncoder(bucket_bytes=1000).encode_buckets(4, layout, iter(pieces), KeepingSink())
+
+
 def test_an_encoder_with_deltas_does_not_stream() -> None:
     """A delta is computed against the whole previous version, which a streamed version
     never holds: such an encoder refuses to stream instead of sending only full ones."""

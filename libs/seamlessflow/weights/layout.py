@@ -89,27 +89,44 @@ def stream_into(
     flat: torch.Tensor, tensors: Iterable[tuple[str, torch.Tensor]], layout: list[TensorSpec]
 ) -> None:
     """Copy each ``(name, tensor)`` as it comes to its place in ``flat``: exactly the
-    layout's tensors, in its order. Only one of them needs to exist at a time (a trainer
-    gathers its shards tensor by tensor into the payload)."""
-    for spec, tensor in in_layout(tensors, layout):
-        place(flat, spec, tensor)
+    layout's tensors, in its order, each whole or as consecutive blocks of its rows
+    (``in_layout``). Only one of them needs to exist at a time (a trainer gathers its
+    shards block by block into the payload)."""
+    for spec, raw, at in in_layout(tensors, layout):
+        start = spec.offset + at
+        flat[start : start + raw.numel()].copy_(raw)
 
 
 def in_layout(
     tensors: Iterable[tuple[str, torch.Tensor]], layout: list[TensorSpec]
-) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
-    """Each ``(name, tensor)`` as it comes, with its spec: exactly the layout's tensors,
-    in its order (``LayoutMismatch`` otherwise, at the first one out of place)."""
-    count = 0
-    for count, (name, tensor) in enumerate(tensors, start=1):
-        if count > len(layout):
-            raise LayoutMismatch(f"{name!r} beyond a layout of {len(layout)} tensors")
-        spec = layout[count - 1]
+) -> Iterator[tuple[TensorSpec, torch.Tensor, int]]:
+    """Each ``(name, tensor)`` as it comes: its spec, its bytes (flat uint8) and where
+    they start in the whole tensor's. Exactly the layout's tensors, in its order; a
+    tensor may come as consecutive blocks of its rows under its name (the same dtype and
+    trailing shape, the rows adding up). ``LayoutMismatch`` otherwise, at the first one
+    out of place."""
+    index, done = -1, 0  # the tensor being filled, and how many of its bytes came
+    for name, tensor in tensors:
+        if index < 0 or done == spec_bytes(layout[index]):
+            index, done = index + 1, 0
+            if index >= len(layout):
+                raise LayoutMismatch(f"{name!r} beyond a layout of {len(layout)} tensors")
+        spec = layout[index]
         if name != spec.name:
+            if done:
+                raise LayoutMismatch(
+                    f"{name!r} where {spec.name!r} still lacks {spec_bytes(spec) - done} bytes"
+                )
             raise LayoutMismatch(f"{name!r} where the layout has {spec.name!r}")
-        yield spec, tensor
-    if count != len(layout):
-        raise LayoutMismatch(f"{count} tensors for a layout of {len(layout)}")
+        whole = done == 0 and list(tensor.shape) == spec.shape
+        raw = _raw_bytes(spec, tensor, rows=not whole)
+        if done + raw.numel() > spec_bytes(spec):
+            raise LayoutMismatch(f"{spec.name}: rows beyond its {spec.shape[0]}")
+        yield spec, raw, done
+        done += raw.numel()
+    complete = index + 1 if index < 0 or done == spec_bytes(layout[index]) else index
+    if complete != len(layout):
+        raise LayoutMismatch(f"{complete} tensors for a layout of {len(layout)}")
 
 
 def stream_buckets(
@@ -146,9 +163,8 @@ def stream_buckets(
                 yield as_bytes(bucket)
                 index, filled = index + 1, 0
 
-    for spec, tensor in in_layout(tensors, layout):
-        raw = _raw_bytes(spec, tensor)
-        yield from write(None, spec.offset - position)
+    for spec, raw, at in in_layout(tensors, layout):
+        yield from write(None, spec.offset + at - position)
         yield from write(raw, raw.numel())
     yield from write(None, layout_bytes(layout) - position)
     if filled:
@@ -162,12 +178,15 @@ def place(flat: torch.Tensor, spec: TensorSpec, tensor: torch.Tensor) -> None:
     flat[spec.offset : spec.offset + raw.numel()].copy_(raw)
 
 
-def _raw_bytes(spec: TensorSpec, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s bytes, flat; its dtype and shape must be the spec's."""
-    if dtype_name(tensor.dtype) != spec.dtype or list(tensor.shape) != spec.shape:
+def _raw_bytes(spec: TensorSpec, tensor: torch.Tensor, rows: bool = False) -> torch.Tensor:
+    """``tensor``'s bytes, flat; its dtype and shape must be the spec's (``rows``: its
+    trailing shape, for a block of the spec's rows)."""
+    shape, expected = list(tensor.shape), spec.shape
+    fits = (len(shape) > 0 and shape[1:] == expected[1:]) if rows else shape == expected
+    if dtype_name(tensor.dtype) != spec.dtype or not fits:
+        what = f"[rows, {', '.join(map(str, expected[1:]))}]" if rows else str(expected)
         raise LayoutMismatch(
-            f"{spec.name}: {dtype_name(tensor.dtype)}{list(tensor.shape)} "
-            f"!= {spec.dtype}{spec.shape}"
+            f"{spec.name}: {dtype_name(tensor.dtype)}{shape} != {spec.dtype}{what}"
         )
     return tensor.detach().reshape(-1).view(torch.uint8)
 
