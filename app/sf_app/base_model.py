@@ -88,7 +88,11 @@ class BaseModelConfig:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    max_position_embeddings: int = 512
+    max_position_embeddings: int = 1024
+    """The context the model states: the engines and the gateway allow it
+    (``SF_*_MAX_CONTEXT`` 0). Multi-turn runs on this model (OpenEnv episodes, an MCP
+    tool list in the prompt) reach 650-1000 tokens; it computed them before this field
+    said so, under the old 1024-token cap."""
     sft_steps: int = 500
     sft_batch_size: int = 64
     sft_lr: float = 3e-3

@@ -257,15 +257,15 @@ class TrainGroup:
                 last = min(first + block_rows, end)
                 if holder == me:
                     block = local[first - start : last - start].to(travel).contiguous()
-                else:
-                    block = torch.empty((last - first, *tail), dtype=travel, device=local.device)
-                if holder != 0:  # from its holder to rank 0; the others skip it
-                    if me == holder:
+                    if me != 0:
                         dist.send(block, leader, group)
-                    elif me == 0:
-                        dist.recv(block, dist.get_global_rank(group, holder), group)
-                if me == 0:
-                    yield block.cpu() if block.device.type != "cpu" else block
+                        continue
+                elif me == 0:
+                    block = torch.empty((last - first, *tail), dtype=travel, device=local.device)
+                    dist.recv(block, dist.get_global_rank(group, holder), group)
+                else:
+                    continue  # between its holder and rank 0
+                yield block.cpu() if block.device.type != "cpu" else block
 
     def host_layout(
         self, model: torch.nn.Module, dtype: torch.dtype | None = None, skip: Collection[str] = ()

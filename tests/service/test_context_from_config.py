@@ -4,6 +4,7 @@ model's own context, read from its config.json: no 1024-token cap."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import httpx
@@ -15,10 +16,22 @@ from tests.support import InProcessMesh, start_rollout
 
 
 async def test_the_gateway_and_the_engine_take_the_model_s_context(
-    mesh: InProcessMesh, base_model_dir: Path
+    nats_url: str, run_id: str, base_model_dir: Path, tmp_path: Path
 ) -> None:
-    context = json.loads((base_model_dir / "config.json").read_text())["max_position_embeddings"]
-    assert context != 1024  # the old default would not pass for the model's
+    # the test model, stating a context neither the old 1024 default nor its own build's
+    model_dir = tmp_path / "model"
+    shutil.copytree(base_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["max_position_embeddings"] = context = 640
+    (model_dir / "config.json").write_text(json.dumps(config))
+    mesh = InProcessMesh(nats_url, run_id, model_dir)
+    try:
+        await served_at_the_model_s_context(mesh, context)
+    finally:
+        await mesh.stop()
+
+
+async def served_at_the_model_s_context(mesh: InProcessMesh, context: int) -> None:
     url = await start_rollout(mesh, EngineSettings(engine_id="engine-c"), max_context=0)
     engine = mesh.running[2][0].engine  # scheduler, weight-sync, engine, gateway
     assert engine.max_context == context

