@@ -107,7 +107,7 @@ def run_rank(rank: int, port: int, out: str, ring: bool) -> None:
             log.append(f"{manifest.kind} {manifest.version} {'exact' if same else 'WRONG'}")
         log.append(f"holding {mirror.version}")
         if isinstance(group, RingCollective):
-            log.append(f"ring consumed {int(group.ring.consumed[rank])}")
+            log.append(f"ring consumed {group.ring.consumed(rank)}")
         Path(out, f"rank{rank}.log").write_text("\n".join(log))
     finally:
         dist.destroy_process_group()
@@ -167,6 +167,7 @@ def trainer_rank_or_engine(process: int, ports: tuple[int, int], out: str) -> No
         asyncio.run(publish_streamed(group, Path(out), version=6))
         collective.send_stop(group)
         Path(out, "trainer.log").write_text(f"{int(total)} ranks; {how_buckets_travel(group)}")
+        collective.close(group)  # as the publisher's close does: the group's threads joined
         dist.barrier()
         dist.destroy_process_group()
         return
@@ -174,6 +175,7 @@ def trainer_rank_or_engine(process: int, ports: tuple[int, int], out: str) -> No
     reused = collective.new_buffer(1 << 20)
     while (received := collective.receive(group, buffer=lambda n: reused[:n])) is not None:
         mirror.apply(received.manifest, received.payload, received.bucket_digests)
+    collective.close(group)  # as the push listener does once the trainer stops it
     got = mirror.tensors()
     exact = all(torch.equal(got[k], v) for k, v in state_at(6).items())
     Path(out, "engine.log").write_text(f"version {mirror.version} {'exact' if exact else 'WRONG'}")

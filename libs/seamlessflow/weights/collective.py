@@ -138,16 +138,31 @@ class GlooGroup:
 
         host, port = address.rsplit(":", 1)
         # rank 0's store waits (up to ``timeout``) until every member has connected
-        self._store = dist.TCPStore(host, int(port), world_size, rank == 0, timeout)
-        self._group = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
+        self._store: dist.TCPStore | None = dist.TCPStore(
+            host, int(port), world_size, rank == 0, timeout
+        )
+        self._group: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
+            self._store, rank, world_size, timeout
+        )
         self._options = dist.BroadcastOptions
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cpu")
+
+    def close(self) -> None:
+        """Join the group's threads now: left to the interpreter's exit, the destruction
+        of a gloo group (its peers gone, its threads still up) can abort the process
+        ("terminate called without an active exception", seen under CI load)."""
+        group, self._group = self._group, None
+        if group is not None:
+            group.shutdown()
+        self._store = None
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self.start_broadcast(tensor, src).wait()
 
     def start_broadcast(self, tensor: torch.Tensor, src: int) -> Pending:
+        if self._group is None:
+            raise RuntimeError("the push group was closed")
         options = self._options()
         options.rootRank, options.rootTensor = src, 0
         work: Pending = self._group.broadcast([tensor], options)  # type: ignore[attr-defined]
@@ -303,6 +318,14 @@ def _read_only_bytes(payload: memoryview) -> torch.Tensor:
 def send_stop(collective: Collective, src: int = 0) -> None:
     """Tell every receiver's loop that no more payloads come."""
     _header(collective, src, (STOP, 0, 0))
+
+
+def close(collective: Collective) -> None:
+    """Release a group this process made (``GlooGroup``, ``RingCollective``: those with
+    a ``close``); a group of torch.distributed's world is its owner's to destroy."""
+    closing = getattr(collective, "close", None)
+    if closing is not None:
+        closing()
 
 
 def new_buffer(nbytes: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Coroutine
@@ -138,6 +139,9 @@ class PushListener:
                 pending = asyncio.run_coroutine_threadsafe(self.apply(received), self.loop)
         except Exception as exc:  # a broken group: keep pulling from the store
             log.warning("push group ended: %r; pulling from the store only", exc)
+        finally:
+            with contextlib.suppress(Exception):
+                collective.close(self.group)
 
 
 def _settled(pending: concurrent.futures.Future[None]) -> None:

@@ -41,6 +41,7 @@ import logging
 import mmap
 import os
 import secrets
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from seamlessflow.weights.collective import Collective, Completed, Pending
+from seamlessflow.weights.collective import Collective, Completed, Pending, close
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,6 @@ class SharedRing:
         self.descriptor, self.path = descriptor, path
         self._mapping = mapping
         whole = torch.frombuffer(mapping, dtype=torch.uint8)
-        members = descriptor.members
-        self.consumed = whole[CONSUMED_OFFSET:BEATS_OFFSET].view(torch.int64)[:members]
-        self.beats = whole[BEATS_OFFSET:CONTROL_BYTES].view(torch.int64)[:members]
         self.data = whole[CONTROL_BYTES:]
         self.base = self.data.data_ptr()
 
@@ -166,9 +164,26 @@ class SharedRing:
         return None
 
     def close(self) -> None:
-        self.consumed = self.beats = self.data = torch.empty(0, dtype=torch.uint8)
+        self.data = torch.empty(0, dtype=torch.uint8)
         with contextlib.suppress(BufferError):  # a lent view still alive: unmapped at exit
             self._mapping.close()
+
+    # The control page is read and written with ``struct`` on the mapping, which holds
+    # the GIL throughout: a torch op would let it go, and a member's beat thread could
+    # then write into a mapping the interpreter unmaps as the process exits.
+
+    def consumed(self, rank: int) -> int:
+        return int(struct.unpack_from("<q", self._mapping, CONSUMED_OFFSET + 8 * rank)[0])
+
+    def set_consumed(self, rank: int, sequence: int) -> None:
+        struct.pack_into("<q", self._mapping, CONSUMED_OFFSET + 8 * rank, sequence)
+
+    def beats(self, rank: int) -> int:
+        return int(struct.unpack_from("<q", self._mapping, BEATS_OFFSET + 8 * rank)[0])
+
+    def beat(self, rank: int) -> None:
+        """One more beat of member ``rank``; ValueError once the mapping is closed."""
+        struct.pack_into("<q", self._mapping, BEATS_OFFSET + 8 * rank, self.beats(rank) + 1)
 
 
 class RingCollective:
@@ -263,15 +278,15 @@ class RingCollective:
             return
         members = [rank for rank in range(self.world_size) if rank != self.writer]
         started = time.monotonic()
-        beats = {rank: (int(self.ring.beats[rank]), started) for rank in members}
+        beats = {rank: (self.ring.beats(rank), started) for rank in members}
         pause = 0.0
         while True:
-            behind = [rank for rank in members if int(self.ring.consumed[rank]) < sequence]
+            behind = [rank for rank in members if self.ring.consumed(rank) < sequence]
             if not behind:
                 return
             now = time.monotonic()
             for rank in behind:
-                beat = int(self.ring.beats[rank])
+                beat = self.ring.beats(rank)
                 if beat != beats[rank][0]:
                     beats[rank] = (beat, now)
             silent = [rank for rank in behind if now - beats[rank][1] > self.silence_s]
@@ -309,21 +324,23 @@ class RingCollective:
                     self.group.broadcast(target, self.writer)
             else:
                 target.copy_(self.ring.data[offset : offset + nbytes])
-                self.ring.consumed[self.rank] = sequence  # after the copy (docstring)
+                self.ring.set_consumed(self.rank, sequence)  # after the copy (docstring)
             done += nbytes
             if done == raw.numel():
                 return
 
     def _beat(self) -> None:
         while not self._closed.wait(BEAT_S):
-            beats = self.ring.beats
-            if beats.numel() <= self.rank:  # closed meanwhile
+            try:
+                self.ring.beat(self.rank)
+            except ValueError:  # the mapping was closed meanwhile
                 return
-            beats[self.rank] += 1
 
     def close(self) -> None:
+        """Stop the beat, unmap the ring and close the group under it."""
         self._closed.set()
         self.ring.close()
+        close(self.group)
 
 
 class _Landing:

@@ -155,6 +155,8 @@ class WeightPublisher:
         if self.push is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(collective.send_stop, self.push)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(collective.close, self.push)
             self.push = None
         if self.store.ephemeral:
             for chain in self._chains:
