@@ -26,6 +26,11 @@ Invariants:
   unless ``keep_host_copies`` (pinned host memory is slow to allocate: kept, the next
   offload reuses it, at the price of holding it while resident).
 
+While offloaded, the tensors keep their shapes over storages of no bytes: reading or
+writing one is undefined (torch does not check every access; a read can crash the
+process). The owner alone touches them and reloads first (the trainer's ``Learner``
+reloads before any command that is not an offload).
+
 A storage that cannot be resized (a tensor read straight from a memory-mapped
 safetensors file: a CPU model loaded in the file's dtype) is refused when the tensors are
 given; ``resizable_parameters`` gives such a module's parameters storages of their own.

@@ -22,6 +22,7 @@ import torch
 from seamlessflow.assets.loading import check_tied, load_causal_lm
 from seamlessflow.assets.model_check import ModelNeeds, check_model
 from seamlessflow.protocol import TrainBatch, WeightManifest
+from seamlessflow.residency import Residency, Transition, resizable_parameters
 from seamlessflow.weights.codec import BucketSink, EncodedWeights, WeightEncoder
 from seamlessflow.weights.layout import dtype_name, layout_bytes, layout_of, torch_dtype
 from seamlessflow.weights.tied import tied_aliases, with_aliases, without_aliases
@@ -93,7 +94,25 @@ class Stop(msgspec.Struct, tag="stop"):
     """Rank 0 is done: followers return."""
 
 
-Command = Step | GatherWeights | StreamWeights | GatherCheckpoint | Restore | Evaluate | Stop
+class Offload(msgspec.Struct, tag="offload"):
+    """The slots are lent: move parameters and optimizer state to host memory."""
+
+
+class Reload(msgspec.Struct, tag="reload"):
+    """The slots are back: bring what ``Offload`` moved back to the device."""
+
+
+Command = (
+    Step
+    | GatherWeights
+    | StreamWeights
+    | GatherCheckpoint
+    | Restore
+    | Evaluate
+    | Offload
+    | Reload
+    | Stop
+)
 
 
 class Learner:
@@ -142,6 +161,13 @@ class Learner:
         self.tied = tied_aliases(model.state_dict(keep_vars=True))
         """{alias: name} of tied matrices: published and checkpointed once, under the
         first name (``seamlessflow.weights.tied``)."""
+        self.offloads = settings.offload_when_lent == "on" or (
+            settings.offload_when_lent == "auto" and group.device.type == "cuda"
+        )
+        """Whether ``offload`` moves anything (``SF_TRAINER_OFFLOAD_WHEN_LENT``)."""
+        self._offloaded: Residency | None = None
+        """What the last ``Offload`` moved, until reloaded: built at each offload, since
+        the optimizer's state appears at its first step."""
         self.model = self._placed(model)
         self.threads: ThreadBudget | None = None
         """One rank on the CPU: it may train on cores lent by idle rollout engines
@@ -195,6 +221,10 @@ class Learner:
         if self.group.distributed:
             materialize_own_shards(model, self.model_dir, self.group.device, self.tied)
             check_tied(model)
+        if self.offloads:
+            # a CPU model read in its file's dtype lies in the file's mapping, which
+            # cannot be freed in place
+            resizable_parameters(model)
         return model
 
     def _reference(self) -> PreTrainedModel:
@@ -293,6 +323,26 @@ class Learner:
         self._announce(Evaluate())
         return self._evaluate()
 
+    def offload(self) -> Transition | None:
+        """The slots are lent: every rank's parameters and optimizer state to host memory
+        (``seamlessflow.residency``); None when offloading is off or already done. Any
+        other command reloads first."""
+        if not self.offloads or self._offloaded is not None:
+            return None
+        self._announce(Offload())
+        return self._offload()
+
+    def reload(self) -> Transition | None:
+        """Undo ``offload`` on every rank; None when nothing is offloaded."""
+        if self._offloaded is None:
+            return None
+        self._announce(Reload())
+        return self._reload()
+
+    @property
+    def offloaded(self) -> bool:
+        return self._offloaded is not None
+
     def stop(self) -> None:
         self._announce(Stop())
         # every rank tears its process group down together: a follower whose peers (and
@@ -300,6 +350,8 @@ class Learner:
         self.group.barrier()
 
     def _announce(self, command: Command) -> None:
+        if self._offloaded is not None and not isinstance(command, Offload | Reload | Stop):
+            self.reload()  # every other command works on the weights where they live
         if self.group.distributed:
             self.group.broadcast_bytes(msgspec.msgpack.encode(command))
 
@@ -324,6 +376,10 @@ class Learner:
                     self._load({}, {})
                 case Evaluate():
                     self._evaluate()
+                case Offload():
+                    self._offload()
+                case Reload():
+                    self._reload()
                 case Stop():
                     self.group.barrier()
                     return
@@ -344,6 +400,26 @@ class Learner:
             self.group,
             self.reference,
         )
+
+    def _offload(self) -> Transition:
+        self.optimizer.zero_grad(set_to_none=True)  # a step leaves none; nothing to keep
+        tensors: list[torch.Tensor] = list(self.model.parameters())
+        if self.reference is not None:
+            tensors += self.reference.parameters()
+        for state in self.optimizer.state.values():
+            tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
+        residency = Residency(tensors, self.group.device)
+        transition = residency.offload()
+        self._offloaded = residency
+        log.info("slots lent: %s", transition.in_words())
+        return transition
+
+    def _reload(self) -> Transition:
+        assert self._offloaded is not None
+        transition = self._offloaded.reload()  # raises with the state kept: retryable
+        self._offloaded = None
+        log.info("slots back: %s", transition.in_words())
+        return transition
 
     def _evaluate(self) -> EvalResult:
         if self.eval_set is None:

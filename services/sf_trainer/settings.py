@@ -275,6 +275,14 @@ class TrainerSettings(RunFileSettings):
     claim_timeout_s: float = 30.0
     """Longest wait for the tag-scheduler to free the training slots (then train anyway)."""
 
+    offload_when_lent: Literal["auto", "on", "off"] = "auto"
+    """While the tag-scheduler lends this trainer's slots to rollout, every rank moves its
+    parameters and optimizer state to host memory (gradients are already freed after
+    each step) and takes them back once its slots are claimed (``seamlessflow.residency``):
+    what lets a lent engine use the accelerator's memory. ``auto``: on CUDA ranks; a CPU
+    trainer's memory is host memory already, so ``on`` there only exercises the
+    mechanism (the suite does). The scheduler lends only once the trainer has offloaded."""
+
     device: str = "cpu"
     """torch device of the policy (``cpu``, ``cuda``, ``cuda:1``). Under torchrun (several
     ranks) only the type counts: rank r uses ``cuda:<LOCAL_RANK>`` with nccl, or the CPU

@@ -6,7 +6,8 @@ MASTER_PORT). Every rank builds the Learner exactly as ``sf_trainer.launch`` doe
 follow. Usage: ``python trainer_rank.py SPEC.json``, where the spec names the model,
 the trainer settings, the batches, an optional checkpoint to resume from and the
 output directory (rank 0 writes ``results.json``, ``checkpoint/``, with
-``eval_every`` ``eval.json`` and with ``save_loaded`` ``loaded.pt``, the weights
+``eval_every`` ``eval.json``, with ``offload_between_steps`` each step's offload and
+reload accounted in its results, and with ``save_loaded`` ``loaded.pt``, the weights
 before any step, and ``published.pt``, the same published as a bf16 version, there). A
 one-process run also writes ``adam_trace.pt``: its AdamW moments after every step, from
 which the distributed tests derive how far float noise can move a weight.
@@ -71,6 +72,12 @@ def lead(learner: Learner, spec: dict[str, Any]) -> None:
             trace.append(
                 {name: {k: v.clone() for k, v in s.items()} for name, s in state["state"].items()}
             )
+        if spec.get("offload_between_steps"):  # as while the slots are lent
+            offload = learner.offload()
+            results[-1]["offload"] = dataclasses.asdict(offload) if offload else None
+            # every other step reloads explicitly; the others by the next command
+            reload = learner.reload() if version % 2 else None
+            results[-1]["reload"] = dataclasses.asdict(reload) if reload else None
     if trace is not None:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(trace, out / "adam_trace.pt")
