@@ -1,7 +1,8 @@
 """Lending a trainer's idle slots to rollout, and taking them back.
 
 It owns the trainer's side of the scheduler: ``sched.release`` (the trainer waits: the
-policy decides which engines on its slots to lend; they are lent in the background),
+policy decides which engines on its slots to lend; they are lent in the background, or,
+for a trainer that frees its device memory first, once ``sched.freed`` says it has),
 ``sched.claim`` (the trainer has a batch: every lent engine is reclaimed before the
 reply), the early reclaim on ``batch.<policy>.progress`` and the rebalance once lent
 engines serve (``engine.shed.<engine>``: requests moved onto them from the busiest
@@ -25,6 +26,7 @@ from seamlessflow.protocol import (
     ShedReport,
     ShedRequests,
     SlotsClaim,
+    SlotsFreed,
     SlotsGranted,
     SlotsReleased,
     check_policy,
@@ -58,6 +60,9 @@ class SlotLending:
         self.early_reclaims: dict[str, asyncio.Task[None]] = {}
         """Per policy, the early reclaim under way (the claim waits for it)."""
         self._lends: asyncio.Queue[tuple[str, LendPlan]] = asyncio.Queue()
+        self.held_lends: dict[str, LendPlan] = {}
+        """Per policy, the lend decided at a release whose trainer frees its memory
+        first: queued at its ``sched.freed``, dropped at its claim."""
 
     # ------------------------------------------------------------------ the trainer waits
 
@@ -93,12 +98,34 @@ class SlotLending:
                 "lend_in_s": decisions.lend_cost.value or 0.0,
             },
         ):
-            if plan.lend:
+            if plan.lend and release.frees_memory:
+                # the engines would share the device with the trainer's state: not yet
+                self.held_lends[release.policy] = plan
+            elif plan.lend:
                 self._lends.put_nowait((release.policy, plan))
         log.info(
             "trainer of %s waits (v%d): lend %s: %s",
             release.policy, release.version, list(plan.lend), plan.reason,
         )  # fmt: skip
+        return LendReport(
+            lent=list(plan.lend),
+            reason=plan.reason,
+            expected_wait_s=_finite(plan.expected_wait_s),
+            gain_s=_finite(plan.gain_s),
+            cost_s=plan.cost_s,
+        )
+
+    async def on_freed(self, freed: SlotsFreed) -> LendReport:
+        """The trainer's memory is free: lend what its release decided (what a claim
+        has not taken back since)."""
+        check_policy(freed.policy)
+        plan = self.held_lends.pop(freed.policy, None)
+        if plan is None:
+            return LendReport(lent=[], reason="nothing held to lend", expected_wait_s=None,
+                              gain_s=None, cost_s=0.0)  # fmt: skip
+        log.info("trainer of %s freed %.3f GB in %.2fs: lending %s", freed.policy,
+                 freed.offloaded_bytes / 1e9, freed.seconds, list(plan.lend))  # fmt: skip
+        self._lends.put_nowait((freed.policy, plan))
         return LendReport(
             lent=list(plan.lend),
             reason=plan.reason,
@@ -195,6 +222,7 @@ class SlotLending:
         check_policy(claim.policy)
         decisions = self.registry.decisions(claim.policy)
         plan = decisions.trainer_claims(started)
+        self.held_lends.pop(claim.policy, None)  # the trainer trains: never lent now
         early = self.early_reclaims.pop(claim.policy, None)
         if early is not None:
             await early  # the slots are the trainer's only once that reclaim is over

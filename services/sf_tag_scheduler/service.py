@@ -6,7 +6,10 @@ Consumes:
 - ``sf.<run>.sched.claim`` (request SlotsClaim -> SlotsGranted): the trainer has a
   batch; every engine lent from its slots is reclaimed before the reply
 - ``sf.<run>.sched.release`` (request SlotsReleased -> LendReport): the trainer waits;
-  the policy decides which engines on its slots to lend
+  the policy decides which engines on its slots to lend; with ``frees_memory`` they
+  are lent only at the trainer's
+- ``sf.<run>.sched.freed`` (request SlotsFreed -> LendReport): that trainer moved its
+  state off the device (``SF_TRAINER_OFFLOAD_WHEN_LENT``)
 - ``sf.<run>.batch.<policy>.progress`` (BatchProgress, core, from the trajectory
   service): with ``SF_TAG_SCHEDULER_RECLAIM_EARLY_AT`` < 1, once that share of the next
   batch's groups is ready the lent engines are taken back while the trainer still
@@ -62,6 +65,7 @@ from seamlessflow.protocol import (
     Heartbeat,
     ResourceRegister,
     SlotsClaim,
+    SlotsFreed,
     SlotsReleased,
 )
 from seamlessflow.service import ServiceContext, supervise
@@ -106,6 +110,7 @@ class TagSchedulerService:
         await bus.serve(subjects.sched_register(), ResourceRegister, self.membership.on_register)
         await bus.serve(subjects.sched_claim(), SlotsClaim, self.lending.on_claim)
         await bus.serve(subjects.sched_release(), SlotsReleased, self.lending.on_release)
+        await bus.serve(subjects.sched_freed(), SlotsFreed, self.lending.on_freed)
         await bus.subscribe(subjects.sched_heartbeat_all(), Heartbeat, self.membership.on_heartbeat)
         if self.settings.reclaim_early_at < 1:
             await bus.subscribe(

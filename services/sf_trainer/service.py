@@ -25,7 +25,10 @@ Produces:
 - ``sf.<run>.sched.register`` / ``sf.<run>.sched.heartbeat.<trainer>``
 - ``sf.<run>.sched.claim`` (SlotsClaim: a batch is here, reclaim engines lent from my
   slots) before each step; ``sf.<run>.sched.release`` (SlotsReleased: I wait, my
-  slots may be lent) after each publish and at start (``sf_trainer.slots``)
+  slots may be lent) after each publish and at start (``sf_trainer.slots``); with
+  ``SF_TRAINER_OFFLOAD_WHEN_LENT`` in effect and engines lent, ``sf.<run>.sched.freed``
+  (SlotsFreed) once every rank moved its state to host memory (spans
+  ``trainer.offload``, and ``trainer.reload`` after the claim)
 - ``<run_dir>/checkpoints/final`` and ``<run_dir>/checkpoints/step-<n>`` (another
   policy than the default: ``checkpoints/<policy>/...``; ``sf_trainer.checkpoint``: HF
   layout, optimizer state, step / version / data position); a save never replaces a
@@ -248,6 +251,7 @@ class TrainerService:
                 continue
             with telemetry.extracted_context(delivered.msg.headers):
                 await self.slots.claim(delivered.batch.batch_index)
+                await self._reload()
                 await self._step(delivered.batch, delivered.wait_seconds)
             # a redelivery is skipped by the data position, which the step record holds
             await ack_redeliverable(delivered.msg)
@@ -284,7 +288,27 @@ class TrainerService:
         Lent cores go back first (the engines get work with the version just published)."""
         if self.learner.threads is not None:
             self.learner.threads.lend(0)
-        await self.slots.release(self.version)
+        lent = await self.slots.release(self.version, frees_memory=self.learner.offloads)
+        if lent and self.learner.offloads:
+            with tracer.start_as_current_span("trainer.offload", attributes={"lent": lent}) as span:
+                offload = await self._on_learner(self.learner.offload)
+                if offload is not None:
+                    span.set_attribute("seconds", offload.seconds)
+                    span.set_attribute("bytes", offload.device_bytes_moved)
+            await self.slots.freed(
+                offload.device_bytes_moved if offload else 0, offload.seconds if offload else 0.0
+            )
+
+    async def _reload(self) -> None:
+        """The slots are claimed back: the state offloaded while lent returns to the
+        device before anything else runs on it (the step would reload it anyway)."""
+        if not self.learner.offloaded:
+            return
+        with tracer.start_as_current_span("trainer.reload") as span:
+            reload = await self._on_learner(self.learner.reload)
+            if reload is not None:
+                span.set_attribute("seconds", reload.seconds)
+                span.set_attribute("bytes", reload.device_bytes_moved)
 
     async def _step(self, batch: TrainBatch, wait_seconds: float) -> None:
         """One step of training end to end, the page to read first. The learner's part,

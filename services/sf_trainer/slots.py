@@ -2,6 +2,9 @@
 
 A trainer's slots are lent to rollout while it waits for a batch (``sf_tag_scheduler``).
 A scheduler that does not answer never blocks training: the trainer logs it and goes on.
+A trainer that offloads while lent (``SF_TRAINER_OFFLOAD_WHEN_LENT``) releases with
+``frees_memory``: the engines are lent once it has offloaded and said so (``freed``),
+never beside its state on the device.
 """
 
 from __future__ import annotations
@@ -10,7 +13,14 @@ import logging
 from typing import TypeVar
 
 from seamlessflow.bus import Bus, NoResponder, RemoteError
-from seamlessflow.protocol import LendReport, Message, SlotsClaim, SlotsGranted, SlotsReleased
+from seamlessflow.protocol import (
+    LendReport,
+    Message,
+    SlotsClaim,
+    SlotsFreed,
+    SlotsGranted,
+    SlotsReleased,
+)
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=Message)
@@ -33,12 +43,30 @@ class TrainingSlots:
         if granted is not None and granted.missed:
             log.warning("engines %s did not release their slots in time", granted.missed)
 
-    async def release(self, version: int) -> None:
-        """Waiting for a batch, ``version`` published: the scheduler may lend my slots."""
-        release = SlotsReleased(trainer_id=self.trainer_id, version=version, policy=self.policy)
+    async def release(self, version: int, frees_memory: bool = False) -> list[str]:
+        """Waiting for a batch, ``version`` published: the scheduler may lend my slots;
+        the engines it lends. With ``frees_memory`` they serve only after ``freed``."""
+        release = SlotsReleased(
+            trainer_id=self.trainer_id,
+            version=version,
+            policy=self.policy,
+            frees_memory=frees_memory,
+        )
         report = await self._ask(self.bus.subjects.sched_release(), release, LendReport)
-        if report is not None and report.lent:
-            log.debug("slots lent to %s: %s", report.lent, report.reason)
+        if report is None or not report.lent:
+            return []
+        log.debug("slots lent to %s: %s", report.lent, report.reason)
+        return report.lent
+
+    async def freed(self, offloaded_bytes: int, seconds: float) -> None:
+        """My state is off the device: the engines ``release`` named may serve now."""
+        freed = SlotsFreed(
+            trainer_id=self.trainer_id,
+            policy=self.policy,
+            offloaded_bytes=offloaded_bytes,
+            seconds=seconds,
+        )
+        await self._ask(self.bus.subjects.sched_freed(), freed, LendReport)
 
     async def _ask(self, subject: str, request: Message, reply_type: type[R]) -> R | None:
         """A scheduler that does not answer never blocks training: logged, then None."""

@@ -52,9 +52,16 @@ def test_modes_differ_only_in_tags() -> None:
 
 @pytest.mark.parametrize("mode", ["colocated", "multiplexed", "auto"])
 async def test_a_run_lends_and_reclaims_training_slots(
-    mode: str, nats_url: str, run_id: str, base_model_dir: Path, tmp_path: Path
+    mode: str,
+    nats_url: str,
+    run_id: str,
+    base_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     steps = 3
+    if mode == "colocated":  # the trainer offloads while lent, as on a GPU by default
+        monkeypatch.setenv("SF_TRAINER_OFFLOAD_WHEN_LENT", "on")
     # auto on pinned slots: laid out as multiplexed, lending decided by measurement
     summary = await small_embedded_run(
         run_id, tmp_path, base_model_dir, steps, nats_url=nats_url, mode=mode,
@@ -116,5 +123,33 @@ async def test_a_run_lends_and_reclaims_training_slots(
     for t in train:
         for r in lent_rollout:
             assert r["end"] <= t["start"] or r["start"] >= t["end"], "engine and trainer overlapped"
+    if mode == "colocated":
+        assert_lent_only_while_offloaded(spans, decisions)
     lanes = build_timeline(load_phase_spans(tmp_path / run_id / "spans.jsonl")).lanes
     assert sorted(lanes) == ["slot-0", "slot-1"]
+
+
+def assert_lent_only_while_offloaded(spans: list[dict], decisions: list[dict]) -> None:
+    """Every wait that lent engines offloaded the trainer first, and took its state back
+    before the step; from the first offload on, a lent engine started serving only while
+    the trainer's state was off the device. (Engines that register while no trainer
+    trains are lent at once, before any release: the first wait then lends nothing new.)"""
+    offloads = sorted(
+        (s for s in spans if s["name"] == "trainer.offload"), key=lambda s: s["start"]
+    )
+    reloads = sorted((s for s in spans if s["name"] == "trainer.reload"), key=lambda s: s["start"])
+    lending_waits = [d for d in decisions if d["lent"]]
+    assert len(offloads) == len(lending_waits) and offloads, decisions
+    assert all(o["attributes"]["bytes"] > 0 for o in offloads)
+    # the last wait ends the run: no claim, no reload after it
+    assert len(reloads) in (len(offloads), len(offloads) - 1)
+    rollouts = [
+        s for s in spans
+        if s["name"] == "phase.rollout" and s["start"] > offloads[0]["start"]
+        and s["attributes"]["resource.kind"] == "engine"
+    ]  # fmt: skip
+    assert rollouts
+    for rollout in rollouts:
+        offloaded = [o["end"] for o in offloads if o["end"] <= rollout["start"]]
+        reloaded = [r["start"] for r in reloads if r["start"] <= rollout["start"]]
+        assert offloaded and (not reloaded or max(reloaded) < max(offloaded)), rollout

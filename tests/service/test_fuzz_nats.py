@@ -68,6 +68,7 @@ from seamlessflow.protocol import (
     SessionFinished,
     SessionOpened,
     SlotsClaim,
+    SlotsFreed,
     SlotsReleased,
     Subjects,
     TaskAssignment,
@@ -326,6 +327,7 @@ REQUEST_SUBJECTS: list[RequestSubject] = [
     ("tag-scheduler: sched.register", Subjects.sched_register, ResourceRegister),
     ("tag-scheduler: sched.claim", Subjects.sched_claim, SlotsClaim),
     ("tag-scheduler: sched.release", Subjects.sched_release, SlotsReleased),
+    ("tag-scheduler: sched.freed", Subjects.sched_freed, SlotsFreed),
     ("engine: engine.generate", Subjects.engine_generate, GenerateRequest),
     (
         "engine: sched.assign.<engine>",

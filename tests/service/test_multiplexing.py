@@ -501,3 +501,67 @@ async def test_a_lend_decided_before_a_claim_is_not_carried_out_after_it(
         for beat in beats:
             beat.cancel()
         await mesh.stop()
+
+
+async def test_a_trainer_that_frees_its_memory_has_its_slots_lent_only_once_it_has(
+    nats_url: str, run_id: str, bus: Bus
+) -> None:
+    """``SF_TRAINER_OFFLOAD_WHEN_LENT``: a release with ``frees_memory`` decides the lend
+    but holds it until the trainer's SlotsFreed (its state is then off the device); a
+    claim before that drops it. The engine is the product's resource client."""
+    from seamlessflow.protocol import RoleAssignment, SlotsFreed
+    from seamlessflow.resources import ResourceMembership, RoleOutcome
+    from tests.support import InProcessMesh
+
+    roles: list[str] = []
+
+    async def on_role(assignment: RoleAssignment) -> RoleOutcome:
+        roles.append(assignment.role)
+        return RoleOutcome()
+
+    mesh = InProcessMesh(nats_url, run_id, None)
+    beats: list[asyncio.Task[None]] = []
+    try:
+        settings = TagSchedulerSettings(mode="colocated", rebalance_on_lend=False)
+        scheduler = await mesh.start(TagSchedulerService(settings))
+        members = [
+            ResourceMembership(bus, "t", "trainer", ["train"], slots=["slot-1"]),
+            ResourceMembership(
+                bus, "engine-a", "engine", ["train", "rollout"], ["slot-1"], on_role=on_role
+            ),
+        ]
+        for member in members:
+            await member.register()
+            beats.append(asyncio.create_task(member.heartbeat_loop()))
+        release = SlotsReleased(trainer_id="t", version=0, frees_memory=True)
+        claim = SlotsClaim(trainer_id="t", batch_index=0)
+        freed = SlotsFreed(trainer_id="t", offloaded_bytes=10**9, seconds=0.5)
+        await bus.request(bus.subjects.sched_claim(), claim, SlotsGranted)
+        assert roles[-1] == "idle"
+        taken = len(roles)
+        lending = scheduler.lending  # set up by then: the scheduler answered
+
+        report = await bus.request(bus.subjects.sched_release(), release, LendReport)
+        assert report.lent == ["engine-a"], report.reason
+        # decided, not carried out: held, nothing queued, the engine still idle
+        assert list(lending.held_lends) == [release.policy] and lending._lends.empty()
+        assert len(roles) == taken
+        report = await bus.request(bus.subjects.sched_freed(), freed, LendReport)
+        assert report.lent == ["engine-a"]
+        async with asyncio.timeout(10):
+            while roles[-1] != "rollout":  # noqa: ASYNC110 (the engine's own record)
+                await asyncio.sleep(0.02)
+        await bus.request(bus.subjects.sched_claim(), claim, SlotsGranted)
+        assert roles[-1] == "idle"
+
+        # a claim before the trainer freed its memory: the held lend is dropped
+        await bus.request(bus.subjects.sched_release(), release, LendReport)
+        await bus.request(bus.subjects.sched_claim(), claim, SlotsGranted)
+        report = await bus.request(bus.subjects.sched_freed(), freed, LendReport)
+        assert report.lent == [] and report.reason == "nothing held to lend"
+        assert not lending.held_lends and lending._lends.empty()
+        assert "rollout" not in roles[-2:], roles
+    finally:
+        for beat in beats:
+            beat.cancel()
+        await mesh.stop()

@@ -196,6 +196,8 @@ def examples() -> list[p.Message]:
         p.SlotsGranted(reclaimed=["e"], seconds=0.2, missed=[]),
         p.CoresLent(trainer_id="t", threads=1, engines=["e"]),
         p.SlotsReleased(trainer_id="t", version=5),
+        p.SlotsReleased(trainer_id="t", version=5, frees_memory=True),
+        p.SlotsFreed(trainer_id="t", offloaded_bytes=2**30, seconds=0.4),
         p.LendReport(lent=["e"], reason="r", expected_wait_s=None, gain_s=None, cost_s=1.0),
         p.LendReport(lent=[], reason="r", expected_wait_s=2.5, gain_s=2.0, cost_s=1.0),
         p.Heartbeat(resource_id="e", phase="rollout", in_flight=2, version=1),

@@ -94,6 +94,7 @@ from seamlessflow.protocol.scheduler import (
     RoleAck,
     RoleAssignment,
     SlotsClaim,
+    SlotsFreed,
     SlotsGranted,
     SlotsReleased,
 )
@@ -186,6 +187,7 @@ __all__ = [
     "ShedReport",
     "ShedRequests",
     "SlotsClaim",
+    "SlotsFreed",
     "SlotsGranted",
     "SlotsReleased",
     "Subjects",

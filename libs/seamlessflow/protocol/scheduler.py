@@ -94,6 +94,22 @@ class SlotsReleased(Message, tag="sched.released"):
     trainer_id: str
     version: int
     policy: str = DEFAULT_POLICY
+    frees_memory: bool = False
+    """The trainer frees its device memory before its slots serve rollout: the engines
+    the reply names are lent only once it says so (SlotsFreed)."""
+
+
+class SlotsFreed(Message, tag="sched.freed"):
+    """trainer -> tag-scheduler (request): after a SlotsReleased with ``frees_memory``
+    whose reply lent engines, the trainer has moved its state to host memory; those
+    engines may use the slots now. The reply names the engines still to be lent (none
+    when a claim took them back first)."""
+
+    trainer_id: str
+    policy: str = DEFAULT_POLICY
+    offloaded_bytes: int = 0
+    """What the trainer's ranks 0 moved off its device (its log has every rank's)."""
+    seconds: float = 0.0
 
 
 class LendReport(Message, tag="sched.lend"):

@@ -47,6 +47,7 @@ from seamlessflow.protocol.scheduler import (
     RoleAck,
     RoleAssignment,
     SlotsClaim,
+    SlotsFreed,
     SlotsGranted,
     SlotsReleased,
 )
@@ -424,6 +425,17 @@ class Subjects:
     def sched_release(self) -> str:
         """The step is published: the trainer's slots may be lent."""
         return f"{self._root}.sched.release"
+
+    @route(
+        SlotsFreed,
+        replies=LendReport,
+        by="trainer",
+        to="tag-scheduler",
+        transport="request/reply",
+    )
+    def sched_freed(self) -> str:
+        """The trainer moved its state off the device: its lent slots may serve now."""
+        return f"{self._root}.sched.freed"
 
     @route(CoresLent, by="tag-scheduler", to="trainer", transport="core")
     def sched_cores(self, trainer_id: str) -> str:
