@@ -120,6 +120,12 @@ class HfSettings(RunFileSettings):
     float32; the engine logs its hit rate at each weight load. (The ``vllm`` backend
     runs without prefix caching.)"""
 
+    offload_asleep: Literal["auto", "on", "off"] = "auto"
+    """While its slot is lent to training, the engine moves its weights to host memory
+    and frees its kept KV, and brings the weights back when lent to rollout again
+    (``seamlessflow.residency``); the kept KV is freed either way. ``auto``: on a CUDA
+    device (a CPU engine's weights are in host memory already)."""
+
     def model_device(self) -> str:
         """Where the model computes (what ``dtype = "auto"`` is resolved for)."""
         return self.device

@@ -60,8 +60,9 @@ async def test_a_run_lends_and_reclaims_training_slots(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     steps = 3
-    if mode == "colocated":  # the trainer offloads while lent, as on a GPU by default
+    if mode == "colocated":  # trainer and engines offload in turn, as on a GPU by default
         monkeypatch.setenv("SF_TRAINER_OFFLOAD_WHEN_LENT", "on")
+        monkeypatch.setenv("SF_ENGINE_HF_OFFLOAD_ASLEEP", "on")
     # auto on pinned slots: laid out as multiplexed, lending decided by measurement
     summary = await small_embedded_run(
         run_id, tmp_path, base_model_dir, steps, nats_url=nats_url, mode=mode,
@@ -125,6 +126,10 @@ async def test_a_run_lends_and_reclaims_training_slots(
             assert r["end"] <= t["start"] or r["start"] >= t["end"], "engine and trainer overlapped"
     if mode == "colocated":
         assert_lent_only_while_offloaded(spans, decisions)
+        for engine in ("engine-0", "engine-1"):  # asleep while reclaimed, awake when lent
+            engine_log = (tmp_path / run_id / "logs" / f"{engine}.log").read_text()
+            asleep = engine_log.count("asleep: offload in")
+            assert asleep >= steps - 1 and engine_log.count("awake: reload in") >= asleep - 1
     lanes = build_timeline(load_phase_spans(tmp_path / run_id / "spans.jsonl")).lanes
     assert sorted(lanes) == ["slot-0", "slot-1"]
 

@@ -432,3 +432,63 @@ async def test_a_request_that_spans_a_weight_load_is_not_kept(
     assert len(engine.prefix_cache) == 0  # its KV mixes two weight sets
     await engine.generate("after", [1, 2, *res.token_ids, 5], SamplingParams(max_tokens=2))
     assert engine.prefix_cache.stats.hits == 0
+
+
+async def test_asleep_the_weights_leave_the_device_and_wake_to_the_same_answers(
+    base_model: Qwen2ForCausalLM, other_weights: dict[str, torch.Tensor]
+) -> None:
+    """``offload_asleep`` (SF_ENGINE_HF_OFFLOAD_ASLEEP): sleep frees the kept KV and moves
+    every weight to host memory, accounted; wake brings them back bitwise; a weight load
+    that finds the engine asleep wakes it first."""
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    weight_bytes = sum(
+        t.untyped_storage().nbytes() for t in [*base_model.parameters(), *base_model.buffers()]
+    )
+    async with TransformersEngine(copy.deepcopy(base_model), offload_asleep=True) as engine:
+        before = await engine.generate("a", [5, 6, 7], params)
+        async with asyncio.timeout(10):  # its KV is kept for a continuation, once it ended
+            while len(engine.prefix_cache) == 0:  # noqa: ASYNC110 (the engine's own batch)
+                await asyncio.sleep(0.01)
+        await engine.pause("abort")
+        await engine.sleep()
+        asleep = engine.transitions[-1]
+        assert asleep.name == "offload" and len(engine.prefix_cache) == 0
+        assert asleep.before.on_device == weight_bytes and asleep.after.on_device == 0
+        assert asleep.after.host_copies == weight_bytes
+        await engine.sleep()  # idempotent: nothing more moves
+        assert len(engine.transitions) == 1
+        await engine.wake()
+        await engine.resume()
+        awake = engine.transitions[-1]
+        assert awake.name == "reload" and awake.after.on_device == weight_bytes
+        assert awake.after.host_copies == 0
+        again = await engine.generate("b", [5, 6, 7], params)
+        assert again.token_ids == before.token_ids and again.logprobs == before.logprobs
+
+        await engine.pause("abort")
+        await engine.sleep()
+        await engine.load_weights(other_weights, version=1)  # wakes to copy into them
+        assert [t.name for t in engine.transitions] == ["offload", "reload"] * 2
+        await engine.resume()
+        loaded = await engine.generate("c", [5, 6, 7], params)
+    async with TransformersEngine(copy.deepcopy(base_model)) as reference:
+        await reference.load_weights(other_weights, version=1)
+        expected = await reference.generate("c", [5, 6, 7], params)
+        await reference.pause("abort")
+        await reference.sleep()  # without offload_asleep: only the kept KV goes
+        assert len(reference.prefix_cache) == 0 and not reference.transitions
+    assert loaded.token_ids == expected.token_ids
+
+
+async def test_weights_read_from_their_file_can_sleep(tmp_path, base_model) -> None:  # type: ignore[no-untyped-def]
+    """A CPU model loaded in its file's dtype lies in the file's mapping: the engine
+    gives it memory of its own so that it can sleep."""
+    base_model.save_pretrained(tmp_path)
+    async with TransformersEngine(tmp_path, offload_asleep=True) as engine:
+        await engine.pause("abort")
+        await engine.sleep()
+        assert engine.transitions[-1].after.on_device == 0
+        await engine.wake()
+        await engine.resume()
+        result = await engine.generate("a", [5, 6, 7], SamplingParams(max_tokens=4))
+        assert len(result.token_ids) == 4

@@ -43,6 +43,7 @@ causal LM.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from seamlessflow.assets.loading import load_causal_lm
+from seamlessflow.residency import Residency, Transition, resizable_parameters
 from seamlessflow.weights.tied import tied_aliases
 from sf_engine.settings import HfSettings
 
@@ -133,6 +135,9 @@ class TransformersEngine(BatchingEngine[_Request]):
         version: version of the initial weights.
         prefix_cache_bytes: most bytes of finished requests' KV kept for reuse by
             requests that continue them (0: none).
+        offload_asleep: `sleep` also moves the weights to host memory, `wake` brings
+            them back (``seamlessflow.residency``); without it `sleep` frees the kept KV
+            only.
     """
 
     def __init__(
@@ -145,8 +150,15 @@ class TransformersEngine(BatchingEngine[_Request]):
         max_context: int | None = None,
         version: int = 0,
         prefix_cache_bytes: int = 2**30,
+        offload_asleep: bool = False,
     ) -> None:
         super().__init__(max_batch_size=max_batch_size, max_context=max_context, version=version)
+        self._offload_asleep = offload_asleep
+        self._sleeping = False
+        self._asleep: Residency | None = None
+        """The weights moved to the host by `sleep`, until `wake`."""
+        self.transitions: collections.deque[Transition] = collections.deque(maxlen=16)
+        """The latest sleeps and wakes, accounted (newest last)."""
         self._source = model
         self._dtype = dtype
         self._device = torch.device(device)
@@ -175,6 +187,8 @@ class TransformersEngine(BatchingEngine[_Request]):
             model = self._source
         model.to(device=self._device, dtype=self._dtype)  # type: ignore[call-arg]
         model.eval()
+        if self._offload_asleep:
+            resizable_parameters(model)  # a CPU model in its file's dtype is the file's mapping
         self._model = model
         self._params = dict(model.state_dict())
         self._tied = tied_aliases(self._params)
@@ -219,8 +233,37 @@ class TransformersEngine(BatchingEngine[_Request]):
         return self._admit(req)
 
     async def _swap_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        await self.wake()  # the copy goes into the weights where they live
         async with self._compute_lock:
             await _to_thread_to_completion(self._copy_weights, state_dict, version)
+
+    # -- sleep (the slot lent to training) -------------------------------------------
+    async def sleep(self) -> None:
+        """Free the KV kept for reuse and, with ``offload_asleep``, move the weights to
+        host memory. Called with nothing in flight (after ``pause("abort")``)."""
+        async with self._compute_lock:
+            self._sleeping = True
+            self._prefix.clear()
+            if not self._offload_asleep or self._asleep is not None or self._model is None:
+                return
+            weights = Residency([*self._model.parameters(), *self._model.buffers()], self._device)
+            transition = await _to_thread_to_completion(weights.offload)
+            self._asleep = weights
+        self.transitions.append(transition)
+        log.info("asleep: %s", transition.in_words())
+
+    async def wake(self) -> None:
+        async with self._compute_lock:
+            weights = self._asleep
+            if weights is None:
+                self._sleeping = False
+                return
+            # a failed reload raises with the weights still off the device: retryable
+            transition = await _to_thread_to_completion(weights.reload)
+            self._asleep = None
+            self._sleeping = False
+        self.transitions.append(transition)
+        log.info("awake: %s", transition.in_words())
 
     # -- scheduler (event loop side) -------------------------------------------------
     async def _run_batch(self) -> None:
@@ -236,7 +279,8 @@ class TransformersEngine(BatchingEngine[_Request]):
             if not keep and not new:
                 if state is not None and ended:
                     async with self._compute_lock:
-                        await _to_thread_to_completion(self._keep_prefixes, state, ended)
+                        if not self._sleeping:  # asleep, nothing is kept
+                            await _to_thread_to_completion(self._keep_prefixes, state, ended)
                 return
             self._running = [self._running[i] for i in keep] + new
             async with self._compute_lock:
@@ -514,6 +558,8 @@ def _build(settings: EngineSettings, model_dir: str) -> TransformersEngine:
         max_batch_size=settings.max_batch_size,
         max_context=settings.max_context,
         prefix_cache_bytes=own.prefix_cache_mb * 2**20,
+        offload_asleep=own.offload_asleep == "on"
+        or (own.offload_asleep == "auto" and torch.device(own.device).type == "cuda"),
     )
 
 
