@@ -23,6 +23,11 @@ Parts (``--only``; each records its figures, or its error, and the next one runs
   process maps the trainer's bf16 copy and copies it in: no host copy). Seconds per GB
   of bf16 weights against the copy engine's bound (D2H + H2D for host paths, one
   device copy for IPC).
+- ``offload``: what lending a slot moves on the card (``loadtests/offload.py``): the
+  trainer's offload and reload (fp32 weights and AdamW state to pinned host memory and
+  back) and the ``hf`` engine's sleep and wake (bf16 weights), on the Qwen2.5-0.5B and
+  1.5B shapes: seconds, GB/s and the allocator's count before and after each, beside a
+  pinned copy of the same bytes.
 - ``mesh``: ``seamlessflow up --model smollm2-135m-instruct`` with the trainer and the
   engine on the GPU, synchronous and in fp32 on both sides, so the trainer's logprobs
   of the engine's tokens must match the engine's to rounding: steps/s, the bubble
@@ -61,7 +66,7 @@ from typing import Any, Literal
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path("/tmp/sf-site")
-PARTS = ("bounds", "trainer", "engine", "handoff", "mesh", "checks")
+PARTS = ("bounds", "trainer", "engine", "handoff", "offload", "mesh", "checks")
 PRETRAINED = "smollm2-135m-instruct"
 GB = 1e9
 
@@ -108,10 +113,14 @@ class Sizes:
     mesh_steps: int
     bounds_matmul: int
     bounds_bytes: int
+    offload_shapes: tuple[str, ...]
 
 
-GPU_SIZES = Sizes(QWEN2_1_5B_SHAPE, 32, 16, 128, 384, 3, (1, 16, 64), 128, 2, 4, 8192, 1 << 30)
-CPU_SIZES = Sizes(TINY_SHAPE, 4, 4, 8, 8, 2, (1, 2, 4), 4, 2, 2, 256, 1 << 22)
+GPU_SIZES = Sizes(
+    QWEN2_1_5B_SHAPE, 32, 16, 128, 384, 3, (1, 16, 64), 128, 2, 4, 8192, 1 << 30,
+    ("qwen2.5-0.5b", "qwen2.5-1.5b"),
+)  # fmt: skip
+CPU_SIZES = Sizes(TINY_SHAPE, 4, 4, 8, 8, 2, (1, 2, 4), 4, 2, 2, 256, 1 << 22, ("tiny",))
 
 
 # ---------------------------------------------------------------- install (GPU machine)
@@ -719,6 +728,16 @@ def part_handoff(ctx: Context) -> dict[str, Any]:
     return out
 
 
+def part_offload(ctx: Context) -> dict[str, Any]:
+    import offload  # loadtests/offload.py, beside this script
+
+    out = {}
+    for shape in ctx.sizes.offload_shapes:
+        out[shape] = offload.measure(shape, ctx.device, repeats=3)
+        release(ctx.device)
+    return out
+
+
 def part_mesh(ctx: Context) -> dict[str, Any]:
     """``seamlessflow up`` on the device: synchronous, fp32 trainer and engine."""
     runs = ctx.workdir / "runs"
@@ -795,6 +814,7 @@ PART_RUNS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "trainer": part_trainer,
     "engine": part_engine,
     "handoff": part_handoff,
+    "offload": part_offload,
     "mesh": part_mesh,
     "checks": part_checks,
 }
@@ -846,6 +866,11 @@ def table(figures: dict[str, Any]) -> str:
                 f"the D2H+H2D bound), IPC {fmt(ipc.get('seconds_per_gb'))} s/GB "
                 f"(x{fmt(ipc.get('of_bound'))} a device copy)"
             )
+    for shape, row in figures.get("offload", {}).items():
+        if isinstance(row, dict) and "trainer" in row:
+            import offload
+
+            lines.extend(f"offload {line}" for line in offload.lines(shape, row))
     mesh = figures.get("mesh", {})
     if "steps" in mesh:
         lines.append(

@@ -140,20 +140,34 @@ class Residency:
         """The bytes of every storage held (what an offload moves)."""
         return sum(held.nbytes for held in self._held)
 
+    def holds(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Whether ``tensors`` lie in exactly the storages held (an owner whose tensors
+        did not change keeps one residency, and with it its host copies)."""
+        return {id_ for id_, _ in self._device_storages(tensors)} == {
+            held.storage._cdata for held in self._held
+        }
+
+    def _device_storages(
+        self, tensors: Iterable[torch.Tensor]
+    ) -> Iterable[tuple[int, torch.UntypedStorage]]:
+        """Each tensor's storage on the device, by the identity of the storage itself
+        (it outlives a resize, unlike its data pointer)."""
+        for tensor in tensors:
+            local = _local(tensor)
+            if local.device == self.device:
+                storage = local.untyped_storage()
+                yield storage._cdata, storage
+
     def _storages(self, tensors: Iterable[torch.Tensor]) -> list[_Held]:
         seen: dict[int, _Held] = {}
         unresizable = 0
-        for tensor in tensors:
-            local = _local(tensor)
-            if local.device != self.device:
-                continue
-            storage = local.untyped_storage()
-            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+        for identity, storage in self._device_storages(tensors):
+            if storage.nbytes() == 0 or identity in seen:
                 continue
             if not storage.resizable():
                 unresizable += 1
                 continue
-            seen[storage.data_ptr()] = _Held(storage)
+            seen[identity] = _Held(storage)
         if unresizable:
             raise ResidencyError(
                 f"{unresizable} tensors on {self.device} cannot be freed in place (their "

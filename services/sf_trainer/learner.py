@@ -165,9 +165,13 @@ class Learner:
             settings.offload_when_lent == "auto" and group.device.type == "cuda"
         )
         """Whether ``offload`` moves anything (``SF_TRAINER_OFFLOAD_WHEN_LENT``)."""
+        self._residency: Residency | None = None
+        """What offloads move, kept from one lend to the next while the tensors stay the
+        same (the optimizer's state appears at its first step): on CUDA with its pinned
+        host copies, which are slow to allocate (a CPU frees its copies instead: they
+        are the same memory the offload would free)."""
         self._offloaded: Residency | None = None
-        """What the last ``Offload`` moved, until reloaded: built at each offload, since
-        the optimizer's state appears at its first step."""
+        """``_residency`` while offloaded."""
         self.model = self._placed(model)
         self.threads: ThreadBudget | None = None
         """One rank on the CPU: it may train on cores lent by idle rollout engines
@@ -408,9 +412,11 @@ class Learner:
             tensors += self.reference.parameters()
         for state in self.optimizer.state.values():
             tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
-        residency = Residency(tensors, self.group.device)
-        transition = residency.offload()
-        self._offloaded = residency
+        device = self.group.device
+        if self._residency is None or not self._residency.holds(tensors):
+            self._residency = Residency(tensors, device, keep_host_copies=device.type == "cuda")
+        transition = self._residency.offload()
+        self._offloaded = self._residency
         log.info("slots lent: %s", transition.in_words())
         return transition
 

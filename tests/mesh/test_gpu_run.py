@@ -44,6 +44,11 @@ def test_cpu_form_runs_every_part_and_writes_its_figures(tmp_path: Path) -> None
         handoff = figures["handoff"][case]
         for transport in ("shm", "shared_memory_ipc"):
             assert handoff[transport]["seconds_per_gb"] > 0, transport
+    for row in figures["offload"].values():  # every transition moved the bytes it holds
+        trainer = row["trainer"]
+        assert trainer["offload"]["bytes"] == trainer["reload"]["bytes"] > 0
+        assert trainer["offload"]["first"]["after"]["on_device"] == 0
+        assert row["engine"]["sleep"]["bytes"] == row["engine"]["wake"]["bytes"] > 0
     engine = figures["engine"]["batches"]
     assert set(engine) == {str(n) for n in gpu_run.CPU_SIZES.engine_batches}
     for row in engine.values():  # every request ran to max_tokens, in both
@@ -55,7 +60,12 @@ def test_cpu_form_runs_every_part_and_writes_its_figures(tmp_path: Path) -> None
     assert 0 <= mesh["bubble_ratio"] <= 1
     assert {o["status"] for o in figures["checks"].values()} == {"pass"}
     table = (tmp_path / "gpu_run.txt").read_text()
-    assert "trainer small" in table and "mesh" in table and "ERROR" not in table
+    assert (
+        "trainer small" in table
+        and "mesh" in table
+        and "offload tiny" in table
+        and "ERROR" not in table
+    )
 
 
 def test_no_cuda_means_no_silent_cpu_run(tmp_path: Path) -> None:

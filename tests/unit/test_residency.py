@@ -170,3 +170,18 @@ def test_tensors_on_another_device_stay_where_they_are() -> None:
     assert residency.nbytes == on_device.nbytes
     residency.offload()
     assert on_device.untyped_storage().nbytes() == 0
+
+
+def test_a_residency_holds_the_same_storages_until_the_tensors_change() -> None:
+    """The trainer keeps one residency from lend to lend: the same storages, whatever
+    their resizes did to the data pointers; the optimizer's first step adds its own."""
+    torch.manual_seed(0)
+    model = TiedModel()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    residency = Residency(held_tensors(model, optimizer), CPU)
+    assert residency.holds(held_tensors(model, optimizer))
+    residency.offload()
+    residency.reload()  # new data pointers, the same storages
+    assert residency.holds(held_tensors(model, optimizer))
+    train_step(model, optimizer, seed=1)  # AdamW's state appears
+    assert not residency.holds(held_tensors(model, optimizer))

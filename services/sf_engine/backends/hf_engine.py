@@ -155,6 +155,7 @@ class TransformersEngine(BatchingEngine[_Request]):
         super().__init__(max_batch_size=max_batch_size, max_context=max_context, version=version)
         self._offload_asleep = offload_asleep
         self._sleeping = False
+        self._residency: Residency | None = None
         self._asleep: Residency | None = None
         """The weights moved to the host by `sleep`, until `wake`."""
         self.transitions: collections.deque[Transition] = collections.deque(maxlen=16)
@@ -246,7 +247,12 @@ class TransformersEngine(BatchingEngine[_Request]):
             self._prefix.clear()
             if not self._offload_asleep or self._asleep is not None or self._model is None:
                 return
-            weights = Residency([*self._model.parameters(), *self._model.buffers()], self._device)
+            weights = self._residency
+            if weights is None:  # once: loads copy into the same tensors
+                tensors = [*self._model.parameters(), *self._model.buffers()]
+                # pinned host copies are slow to allocate: kept on CUDA
+                keep = self._device.type == "cuda"
+                weights = self._residency = Residency(tensors, self._device, keep)
             transition = await _to_thread_to_completion(weights.offload)
             self._asleep = weights
         self.transitions.append(transition)
