@@ -75,14 +75,16 @@ transformers'), and is the one backend with structured outputs. Its own settings
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from seamlessflow.assets.model_check import ArchitectureNeed, one_line
 from sf_engine.settings import VllmSettings
@@ -103,6 +105,7 @@ from .registry import EngineBackend, declare
 if TYPE_CHECKING:
     import torch
 
+    from seamlessflow.residency import Transition
     from sf_engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -235,6 +238,8 @@ class VllmEngine(InferenceEngine):
         # sleep/wake give device memory back to a colocated trainer: CUDA only
         self._sleep_mode = bool(self._engine_kwargs.get("enable_sleep_mode", False))
         self._asleep = False
+        self.transitions: collections.deque[Transition] = collections.deque(maxlen=16)
+        """The latest sleeps and wakes, accounted (newest last)."""
 
         self._llm: Any = None
         self._vllm: Any = None  # the imported vllm names we use
@@ -530,13 +535,32 @@ class VllmEngine(InferenceEngine):
         needs ``enable_sleep_mode`` and CUDA. On CPU there is no device memory to give
         back, so the engine just stays paused."""
         if self._sleep_mode and not self._asleep:
+            before, started = _card_in_use(), time.perf_counter()
             await self._llm.sleep(level=1)
             self._asleep = True
+            self._account("offload", started, before)
 
     async def wake(self) -> None:
         if self._asleep:
+            before, started = _card_in_use(), time.perf_counter()
             await self._llm.wake_up()
             self._asleep = False
+            self._account("reload", started, before)
+
+    def _account(self, name: Literal["offload", "reload"], started: float, before: int) -> None:
+        """A sleep or wake, accounted as ``seamlessflow.residency`` accounts the hf
+        engine's, from the card's own count: vLLM's worker is another process, whose
+        allocator this one cannot read (``on_device``: the card's memory in use)."""
+        from seamlessflow.residency import MemoryFigures, Transition
+
+        transition = Transition(
+            name,
+            time.perf_counter() - started,
+            MemoryFigures(on_device=before, host_copies=0, allocated=None),
+            MemoryFigures(on_device=_card_in_use(), host_copies=0, allocated=None),
+        )
+        self.transitions.append(transition)
+        log.info("%s: %s", "asleep" if name == "offload" else "awake", transition.in_words())
 
     async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         self._require_running()
@@ -771,3 +795,13 @@ BACKEND = declare(
         starts_slowly=True,
     )
 )
+
+
+def _card_in_use() -> int:
+    """Bytes in use on the current CUDA device, by every process (0 without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
