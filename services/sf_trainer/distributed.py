@@ -118,7 +118,13 @@ class TrainGroup:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
 
-    def shard(self, model: Model, bf16_mixed: bool = False, cpu_offload: bool = False) -> Model:
+    def shard(
+        self,
+        model: Model,
+        bf16_mixed: bool = False,
+        cpu_offload: bool = False,
+        float32_compute: bool = False,
+    ) -> Model:
         """Move ``model`` to this rank's device; with several ranks, shard it with FSDP2.
 
         Each module class the model names as unsplittable (HF's ``_no_split_modules``:
@@ -130,19 +136,23 @@ class TrainGroup:
         broadcast. ``bf16_mixed``: the units all-gather their parameters in bfloat16
         and compute in it, and reduce gradients in float32 into the master shards
         (``MixedPrecisionPolicy``); one process ignores it (the step uses autocast,
-        ``forward_precision``). ``cpu_offload`` (CUDA ranks): the shards, their
-        gradients and the optimizer step live on the host (``CPUOffloadPolicy``).
+        ``forward_precision``). ``float32_compute`` (bf16 master weights without
+        ``bf16_mixed``): the units all-gather their bf16 shards into float32 and
+        compute and reduce in it; the gradients land in the bf16 shards. ``cpu_offload``
+        (CUDA ranks): the shards, their gradients and the optimizer step live on the
+        host (``CPUOffloadPolicy``).
         """
         on_meta = any(parameter.is_meta for parameter in model.parameters())
         if self.mesh is None:
             return model if on_meta else model.to(self.device)
         if not on_meta:
             model.to(self.device)
-        policy = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if bf16_mixed
-            else MixedPrecisionPolicy()
-        )
+        if bf16_mixed:
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        elif float32_compute:
+            policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        else:
+            policy = MixedPrecisionPolicy()
         offload = CPUOffloadPolicy() if cpu_offload and self.device.type == "cuda" else None
         options: dict[str, Any] = {"mesh": self.mesh, "mp_policy": policy}
         if offload is not None:

@@ -220,7 +220,11 @@ class Learner:
         """``model`` on this rank's device, sharded with several ranks; a model built
         on the meta device is then filled with this rank's shard of the weights."""
         model = self.group.shard(
-            model, bf16_mixed=self.bf16_mixed, cpu_offload=self.settings.cpu_offload
+            model,
+            bf16_mixed=self.bf16_mixed,
+            cpu_offload=self.settings.cpu_offload,
+            # bf16 storage, float32 arithmetic: what a CPU without native bf16 can run
+            float32_compute=self.master_dtype == torch.bfloat16 and not self.bf16_mixed,
         )
         if self.group.distributed:
             materialize_own_shards(model, self.model_dir, self.group.device, self.tied)

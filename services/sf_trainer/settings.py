@@ -153,7 +153,10 @@ class TrainerSettings(RunFileSettings):
     ``float32``: the usual master weights, whatever ``precision`` computes in.
     ``bfloat16``: half the memory of weights, gradients and optimizer state (about 8
     bytes a parameter instead of 16), at the cost of updates smaller than bf16's
-    resolution being lost; forward and backward then compute in bf16 too."""
+    resolution being lost. Forward and backward compute in bf16 in one process; on
+    several ranks with ``precision`` fp32, FSDP2 gathers each unit's bf16 shards into
+    float32 and computes in it (bf16 storage, float32 arithmetic: what a CPU without
+    native bf16 runs at float32's pace)."""
 
     cpu_offload: bool = False
     """With several ranks on GPUs: parameters, gradients and the AdamW state stay in host
