@@ -65,6 +65,12 @@ class NotFound(DomainError):
     code = "not_found"
 
 
+class ContextLengthExceeded(DomainError):
+    """A prompt and its token budget that do not fit the engine's context."""
+
+    code = "context_length_exceeded"
+
+
 class RemoteError(Exception):
     """The service we asked replied with a typed error."""
 

@@ -7,7 +7,8 @@ An engine serves one policy (``SF_POLICY``, registered with the tag ``policy:<na
 Consumes:
 - ``sf.<run>.engine.<policy>.generate`` (queue group ``engines``; GenerateRequest ->
   GenerateReply) and, while serving, ``sf.<run>.engine.<policy>.direct.<engine>`` (the
-  same, for requests rebalanced onto this engine)
+  same, for requests rebalanced onto this engine); a request refused is an ErrorReply,
+  ``context_length_exceeded`` for a prompt and budget over the engine's context
 - ``sf.<run>.engine.shed.<engine>`` (request ShedRequests -> ShedReport from the
   tag-scheduler: hand the youngest requests over to a freshly lent engine)
 - ``sf.<run>.engine.abort`` (AbortGeneration broadcast to every engine of the run)
@@ -59,7 +60,7 @@ import torch
 
 from seamlessflow import telemetry, weights
 from seamlessflow.assets.model_check import ModelNeeds, check_model, context_need
-from seamlessflow.bus import DomainError, Subscription
+from seamlessflow.bus import ContextLengthExceeded, DomainError, Subscription
 from seamlessflow.protocol import (
     ENGINE_QUEUE,
     AbortGeneration,
@@ -77,6 +78,7 @@ from seamlessflow.service import ServiceContext, supervise
 from seamlessflow.weights.settings import WeightTransferSettings, payload_stores
 from sf_engine.backends import (
     ENGINE_BACKENDS,
+    ContextTooLong,
     GeneratedToken,
     GenerationResult,
     InferenceEngine,
@@ -333,6 +335,8 @@ class EngineService:
         """
         try:
             stream = self.engine.stream(request.request_id, request.prompt_ids, params)
+        except ContextTooLong as exc:
+            raise ContextLengthExceeded(str(exc)) from None
         except ValueError as exc:
             raise DomainError(str(exc)) from None
         async with stream:

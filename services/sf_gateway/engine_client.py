@@ -125,6 +125,8 @@ class EngineClient:
                     code="engine_unavailable",
                 ) from None
             except RemoteError as exc:
+                if exc.code == "context_length_exceeded":  # the engine's context is smaller
+                    raise ApiError(400, exc.message, code="context_length_exceeded") from None
                 if exc.code == "bad_request":  # e.g. an engine that cannot constrain
                     param = "response_format" if plan.structured_output else None
                     raise ApiError(400, exc.message, param=param) from None

@@ -56,3 +56,38 @@ async def served_at_the_model_s_context(mesh: InProcessMesh, context: int) -> No
             model="policy", messages=[{"role": "user", "content": "What is 2 + 2?"}], max_tokens=4
         )
         assert answer.choices[0].message.content is not None
+
+
+async def test_an_engine_with_a_smaller_context_refuses_with_openai_s_code(
+    nats_url: str, run_id: str, base_model_dir: Path
+) -> None:
+    """The gateway allows the model's context, an engine less (``SF_ENGINE_MAX_CONTEXT``,
+    or a KV cache that holds less): the engine's refusal is a typed error reply that the
+    agent gets as the 400 ``context_length_exceeded`` the gateway's own check gives."""
+    mesh = InProcessMesh(nats_url, run_id, base_model_dir)
+    try:
+        url = await start_rollout(
+            mesh, EngineSettings(engine_id="engine-s", max_context=64), max_context=0
+        )
+        async with httpx.AsyncClient(base_url=url) as http:
+            session = (await http.post("/sessions", json={})).json()
+        async with AsyncOpenAI(
+            base_url=session["base_url"], api_key=session["api_key"], max_retries=0
+        ) as client:
+            with pytest.raises(BadRequestError) as refused:
+                await client.chat.completions.create(
+                    model="policy",
+                    messages=[{"role": "user", "content": "What is 2 + 2?"}],
+                    max_tokens=100,  # fits the model's context, not the engine's
+                )
+            error = refused.value.body
+            assert isinstance(error, dict) and error["code"] == "context_length_exceeded", error
+            assert "the context limit of 64 tokens" in error["message"]
+            answer = await client.chat.completions.create(
+                model="policy",
+                messages=[{"role": "user", "content": "What is 2 + 2?"}],
+                max_tokens=4,
+            )
+            assert answer.choices[0].finish_reason in ("stop", "length")
+    finally:
+        await mesh.stop()

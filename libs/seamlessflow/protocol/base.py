@@ -137,5 +137,14 @@ class Message(msgspec.Struct, tag_field="type", kw_only=True, forbid_unknown_fie
 class ErrorReply(Message, tag="error"):
     """Any service -> a requester: the request was refused. ``code`` is machine-readable."""
 
-    code: Literal["bad_request", "not_found", "conflict", "unavailable", "internal"]
+    code: Literal[
+        "bad_request",
+        "not_found",
+        "conflict",
+        "unavailable",
+        "internal",
+        "context_length_exceeded",
+    ]
+    """``context_length_exceeded``: a ``bad_request`` that the prompt and its budget do
+    not fit the engine's context (the gateway answers it with OpenAI's code)."""
     message: str

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .base import (
     MAX_TOP_LOGPROBS,
+    ContextTooLong,
     EngineError,
     EngineNotRunningError,
     FinishReason,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ENGINE_BACKENDS",
     "MAX_TOP_LOGPROBS",
+    "ContextTooLong",
     "EngineBackend",
     "EngineError",
     "EngineNotRunningError",

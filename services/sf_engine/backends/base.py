@@ -223,11 +223,15 @@ def check_request(
     if bad:
         raise ValueError(f"prompt_ids must be ints in [0, {vocab_size}), got e.g. {bad[0]!r}")
     if len(prompt) + params.max_tokens > max_context:
-        raise ValueError(
+        raise ContextTooLong(
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds "
             f"the context limit of {max_context} tokens"
         )
     return prompt
+
+
+class ContextTooLong(ValueError):
+    """The prompt and ``max_tokens`` exceed the engine's context (``check_request``)."""
 
 
 class GenerationStream(AsyncIterator[GeneratedToken]):
