@@ -39,17 +39,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
-TINY_SHAPE = {
-    "model_type": "qwen2",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": True,
-}
 
 
 def build_model(shape: str, device: str, dtype: Any) -> Any:
@@ -61,9 +50,10 @@ def build_model(shape: str, device: str, dtype: Any) -> Any:
     from seamlessflow.assets.loading import causal_lm_from_config
     from seamlessflow.assets.shapes import shape_config
 
-    if shape == "tiny":
-        values = dict(TINY_SHAPE)
-        config = AutoConfig.for_model(values.pop("model_type"), **values)
+    if shape == "tiny":  # the GPU run's CPU form's shape
+        from gpu_run import TINY_SHAPE
+
+        config = AutoConfig.for_model("qwen2", **TINY_SHAPE)
     else:
         config = shape_config(shape)
     torch.manual_seed(0)

@@ -107,13 +107,7 @@ class SlotLending:
             "trainer of %s waits (v%d): lend %s: %s",
             release.policy, release.version, list(plan.lend), plan.reason,
         )  # fmt: skip
-        return LendReport(
-            lent=list(plan.lend),
-            reason=plan.reason,
-            expected_wait_s=_finite(plan.expected_wait_s),
-            gain_s=_finite(plan.gain_s),
-            cost_s=plan.cost_s,
-        )
+        return _report(plan)
 
     async def on_freed(self, freed: SlotsFreed) -> LendReport:
         """The trainer's memory is free: lend what its release decided (what a claim
@@ -126,13 +120,7 @@ class SlotLending:
         log.info("trainer of %s freed %.3f GB in %.2fs: lending %s", freed.policy,
                  freed.offloaded_bytes / 1e9, freed.seconds, list(plan.lend))  # fmt: skip
         self._lends.put_nowait((freed.policy, plan))
-        return LendReport(
-            lent=list(plan.lend),
-            reason=plan.reason,
-            expected_wait_s=_finite(plan.expected_wait_s),
-            gain_s=_finite(plan.gain_s),
-            cost_s=plan.cost_s,
-        )
+        return _report(plan)
 
     def lend_others(self, policy: str, plan: LendPlan, except_id: str) -> None:
         """Queue the lends of ``plan`` except ``except_id`` (told in its registration
@@ -297,6 +285,17 @@ class SlotLending:
 
 def _finite(value: float) -> float | None:
     return None if math.isinf(value) else value
+
+
+def _report(plan: LendPlan) -> LendReport:
+    """What the trainer is told of ``plan``."""
+    return LendReport(
+        lent=list(plan.lend),
+        reason=plan.reason,
+        expected_wait_s=_finite(plan.expected_wait_s),
+        gain_s=_finite(plan.gain_s),
+        cost_s=plan.cost_s,
+    )
 
 
 def _span_seconds(value: float) -> float:

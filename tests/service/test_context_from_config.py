@@ -39,10 +39,7 @@ async def served_at_the_model_s_context(mesh: InProcessMesh, context: int) -> No
         counted = await http.post("/tokenize", json={"prompt": "What is 2 + 2?"})
         assert counted.status_code == 200, counted.text
         assert counted.json()["max_model_len"] == context
-        session = (await http.post("/sessions", json={})).json()
-    async with AsyncOpenAI(
-        base_url=session["base_url"], api_key=session["api_key"], max_retries=0
-    ) as client:
+    async with await agent_client(url) as client:
         with pytest.raises(BadRequestError) as refused:
             await client.chat.completions.create(
                 model="policy",
@@ -69,11 +66,7 @@ async def test_an_engine_with_a_smaller_context_refuses_with_openai_s_code(
         url = await start_rollout(
             mesh, EngineSettings(engine_id="engine-s", max_context=64), max_context=0
         )
-        async with httpx.AsyncClient(base_url=url) as http:
-            session = (await http.post("/sessions", json={})).json()
-        async with AsyncOpenAI(
-            base_url=session["base_url"], api_key=session["api_key"], max_retries=0
-        ) as client:
+        async with await agent_client(url) as client:
             with pytest.raises(BadRequestError) as refused:
                 await client.chat.completions.create(
                     model="policy",
@@ -91,3 +84,10 @@ async def test_an_engine_with_a_smaller_context_refuses_with_openai_s_code(
             assert answer.choices[0].finish_reason in ("stop", "length")
     finally:
         await mesh.stop()
+
+
+async def agent_client(url: str) -> AsyncOpenAI:
+    """An OpenAI client on a new session of the gateway at ``url``, as an agent gets one."""
+    async with httpx.AsyncClient(base_url=url) as http:
+        session = (await http.post("/sessions", json={})).json()
+    return AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
