@@ -21,6 +21,7 @@ import torch
 
 from seamlessflow.assets.loading import check_tied, load_causal_lm
 from seamlessflow.assets.model_check import ModelNeeds, check_model
+from seamlessflow.heap import compact_heap
 from seamlessflow.protocol import TrainBatch, WeightManifest
 from seamlessflow.residency import Residency, Transition, resizable_parameters
 from seamlessflow.weights.codec import BucketSink, EncodedWeights, WeightEncoder
@@ -128,6 +129,8 @@ class Learner:
         # (the settings check them too, unless built without validation)
         chosen_estimator(settings.advantage)
         chosen_loss(settings.loss)
+        if settings.compact_heap and compact_heap():
+            log.info("glibc heap: fixed mmap threshold, one arena (SF_TRAINER_COMPACT_HEAP)")
         torch.set_num_threads(settings.torch_threads)
         torch.manual_seed(seed)
         self.settings = settings
