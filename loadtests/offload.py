@@ -99,6 +99,8 @@ def trainer_case(shape: str, device: str, repeats: int) -> dict[str, Any]:
     offloads, reloads = [], []
     # as the trainer keeps it from one lend to the next (its host copies on CUDA only)
     residency = Residency(tensors, torch.device(device), keep_host_copies=device == "cuda")
+    if residency.nbytes == 0:
+        raise RuntimeError(f"nothing of the model is held on {device}")
     for _ in range(repeats):
         offloads.append(residency.offload())
         reloads.append(residency.reload())

@@ -123,6 +123,9 @@ class Residency:
         device: torch.device,
         keep_host_copies: bool = False,
     ) -> None:
+        if device.type == "cuda" and device.index is None:
+            # a tensor's device always names its index: compare like with like
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.keep_host_copies = keep_host_copies
         self.pinned = device.type == "cuda"
