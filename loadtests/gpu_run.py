@@ -32,6 +32,9 @@ Parts (``--only``; each records its figures, or its error, and the next one runs
   engine on the GPU, synchronous and in fp32 on both sides, so the trainer's logprobs
   of the engine's tokens must match the engine's to rounding: steps/s, the bubble
   ratio, the mean |trainer - engine| logprob gap per step.
+- ``modes``: ``seamlessflow up`` colocated and multiplexed on the one device (the
+  trainer offloading while lent, the engines asleep on the host: the defaults on CUDA):
+  steps/s of each and their ratio, and each offload and reload of the trainer.
 - ``checks``: ``loadtests/gpu_check.py`` on the ``hf`` engine (every check but vLLM's).
 
 Writes ``gpu_run.json`` (every figure) and ``gpu_run.txt`` (the table it prints) into
@@ -66,7 +69,7 @@ from typing import Any, Literal
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path("/tmp/sf-site")
-PARTS = ("bounds", "trainer", "engine", "handoff", "offload", "mesh", "checks")
+PARTS = ("bounds", "trainer", "engine", "handoff", "offload", "mesh", "modes", "checks")
 PRETRAINED = "smollm2-135m-instruct"
 GB = 1e9
 
@@ -740,17 +743,41 @@ def part_offload(ctx: Context) -> dict[str, Any]:
 
 def part_mesh(ctx: Context) -> dict[str, Any]:
     """``seamlessflow up`` on the device: synchronous, fp32 trainer and engine."""
+    options = ["--max-batches-ahead", "0", "--precision", "fp32"]
+    return up_on_device(ctx, "gpu-mesh", options, {"SF_ENGINE_DTYPE": "float32"})
+
+
+def part_modes(ctx: Context) -> dict[str, Any]:
+    """The same run colocated and multiplexed on the one device, the run's own
+    precision and pipelining: the trainer offloads while lent and the engines sleep
+    with their weights on the host (both ``auto``: on for CUDA). Steps/s of each, and
+    multiplexed over colocated (the issue's target: 1.3x or more)."""
+    out = {}
+    for mode in ("colocated", "multiplexed"):
+        out[mode] = up_on_device(ctx, f"gpu-{mode}", ["--mode", mode], {})
+    colocated, multiplexed = out["colocated"]["steps_per_s"], out["multiplexed"]["steps_per_s"]
+    out["multiplexed_over_colocated"] = (
+        multiplexed / colocated if colocated and multiplexed else None
+    )
+    return out
+
+
+def up_on_device(
+    ctx: Context, run_id: str, options: list[str], env_extra: dict[str, str]
+) -> dict[str, Any]:
+    """One ``seamlessflow up`` with the trainer and the engines on the device: its
+    figures from the run's summary and metrics."""
     runs = ctx.workdir / "runs"
     command = [sys.executable, "-m", "sf_app", "up", "--steps", str(ctx.sizes.mesh_steps)]
-    command += ["--runs-dir", str(runs), "--run-id", "gpu-mesh", "--no-live"]
-    command += ["--max-batches-ahead", "0", "--precision", "fp32", "--eval-every", "0"]
+    command += ["--runs-dir", str(runs), "--run-id", run_id, "--no-live", "--eval-every", "0"]
+    command += options
     if ctx.pretrained is not None:
         command += ["--model", PRETRAINED]
     else:
         command += ["--group-size", "2", "--groups-per-batch", "2"]
     env = dict(os.environ)
     env |= {"SF_TRAINER_DEVICE": ctx.device, "SF_ENGINE_HF_DEVICE": ctx.device}
-    env |= {"SF_ENGINE_DTYPE": "float32", "SF_TRAINER_TORCH_THREADS": "4"}
+    env |= {"SF_TRAINER_TORCH_THREADS": "4", **env_extra}
     started = time.perf_counter()
     done = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=360, check=False
@@ -759,16 +786,23 @@ def part_mesh(ctx: Context) -> dict[str, Any]:
     if done.returncode != 0:
         tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-5:]
         raise RuntimeError(f"seamlessflow up exited {done.returncode}: {' | '.join(tail)}")
-    summary = json.loads((runs / "gpu-mesh" / "summary.json").read_text())
+    summary = json.loads((runs / run_id / "summary.json").read_text())
     steps = [
         json.loads(line)
-        for line in (runs / "gpu-mesh" / "metrics.jsonl").read_text().splitlines()
+        for line in (runs / run_id / "metrics.jsonl").read_text().splitlines()
         if '"train.metrics"' in line
     ]
     gaps = [s["logprob_abs_diff"] for s in steps]
     stale = sum(n for s in steps for gap, n in s.get("staleness_histogram", {}).items() if int(gap))
+    spans = runs / run_id / "spans.jsonl"
+    handovers = [
+        json.loads(line)
+        for line in (spans.read_text().splitlines() if spans.exists() else [])
+        if '"trainer.offload"' in line or '"trainer.reload"' in line
+    ]
     return {
         "model": summary["config"].get("model") or "built-in",
+        "mode": summary.get("mode"),
         "steps": summary["steps"],
         "wall_s": wall,
         "steady_seconds_per_step": summary["steady_seconds_per_step"],
@@ -784,6 +818,10 @@ def part_mesh(ctx: Context) -> dict[str, Any]:
         "stale_tokens": stale,
         "reward_first": summary["reward_first"],
         "reward_last": summary["reward_last"],
+        "trainer_handovers": [
+            {"name": h["name"], **{k: h["attributes"].get(k) for k in ("seconds", "bytes")}}
+            for h in handovers
+        ],
     }
 
 
@@ -816,6 +854,7 @@ PART_RUNS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "handoff": part_handoff,
     "offload": part_offload,
     "mesh": part_mesh,
+    "modes": part_modes,
     "checks": part_checks,
 }
 
@@ -877,6 +916,13 @@ def table(figures: dict[str, Any]) -> str:
             f"mesh {mesh['model']}: {mesh['steps']} steps, {fmt(mesh['steps_per_s'])} steps/s, "
             f"bubble ratio {fmt(mesh['bubble_ratio'])}, logprob gap max "
             f"{fmt(mesh['logprob_gap_max'])} ({mesh['stale_tokens']} stale tokens)"
+        )
+    modes = figures.get("modes", {})
+    if "colocated" in modes:
+        lines.append(
+            f"modes: colocated {fmt(modes['colocated']['steps_per_s'])} steps/s, multiplexed "
+            f"{fmt(modes['multiplexed']['steps_per_s'])} steps/s (x"
+            f"{fmt(modes['multiplexed_over_colocated'])})"
         )
     for name, outcome in figures.get("checks", {}).items():
         if isinstance(outcome, dict) and "status" in outcome:

@@ -40,6 +40,7 @@ the host) are left where they are.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 State = Literal["resident", "offloading", "offloaded", "reloading"]
+LEDGER_LENGTH = 64
 
 
 class ResidencyError(RuntimeError):
@@ -129,8 +131,9 @@ class Residency:
         self.device = device
         self.keep_host_copies = keep_host_copies
         self.pinned = device.type == "cuda"
-        self.ledger: list[Transition] = []
-        """Every transition so far, oldest first."""
+        self.ledger: collections.deque[Transition] = collections.deque(maxlen=LEDGER_LENGTH)
+        """The latest transitions, oldest first (an owner may move its memory every
+        step for weeks)."""
         self._state: State = "resident"
         self._held = self._storages(tensors)
 
@@ -146,9 +149,8 @@ class Residency:
     def holds(self, tensors: Iterable[torch.Tensor]) -> bool:
         """Whether ``tensors`` lie in exactly the storages held (an owner whose tensors
         did not change keeps one residency, and with it its host copies)."""
-        return {id_ for id_, _ in self._device_storages(tensors)} == {
-            held.storage._cdata for held in self._held
-        }
+        given = {id_ for id_, storage in self._device_storages(tensors) if storage.nbytes()}
+        return given == {held.storage._cdata for held in self._held}
 
     def _device_storages(
         self, tensors: Iterable[torch.Tensor]

@@ -58,12 +58,17 @@ def test_cpu_form_runs_every_part_and_writes_its_figures(tmp_path: Path) -> None
     # fp32 on both sides and synchronous: the trainer recomputes the engine's logprobs
     assert mesh["logprob_gap_per_step"][0] < 1e-4, mesh
     assert 0 <= mesh["bubble_ratio"] <= 1
+    modes = figures["modes"]
+    for mode in ("colocated", "multiplexed"):
+        assert modes[mode]["mode"] == mode and modes[mode]["steps"] == gpu_run.CPU_SIZES.mesh_steps
+    assert modes["multiplexed_over_colocated"] > 0
     assert {o["status"] for o in figures["checks"].values()} == {"pass"}
     table = (tmp_path / "gpu_run.txt").read_text()
     assert (
         "trainer small" in table
         and "mesh" in table
         and "offload tiny" in table
+        and "modes:" in table
         and "ERROR" not in table
     )
 

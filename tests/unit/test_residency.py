@@ -137,7 +137,7 @@ def test_a_failed_offload_frees_nothing_and_a_failed_reload_can_be_retried() -> 
     with pytest.raises(RuntimeError, match="out of memory"):
         failing.offload()
     assert failing.state == "resident" and failing.figures().on_device == failing.nbytes
-    assert failing.ledger == []
+    assert not failing.ledger
 
     residency = Residency(held_tensors(model, optimizer), CPU)
     residency.offload()
