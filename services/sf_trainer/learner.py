@@ -197,6 +197,7 @@ class Learner:
             lr=settings.lr,
             betas=settings.betas,
             weight_decay=settings.weight_decay,
+            **({"fused": True} if settings.fused_optimizer else {"foreach": True}),
         )
 
     def _micro_batch_tokens(self, config: Any) -> int:
@@ -455,4 +456,7 @@ class Learner:
                 lr=self.settings.lr,
                 betas=self.settings.betas,
                 weight_decay=self.settings.weight_decay,
+                # a checkpoint names the kernel it was saved with: the settings' wins
+                fused=True if self.settings.fused_optimizer else None,
+                foreach=None if self.settings.fused_optimizer else True,
             )

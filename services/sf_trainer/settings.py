@@ -203,6 +203,13 @@ class TrainerSettings(RunFileSettings):
     weight_decay: float = 0.0
     """AdamW weight decay."""
 
+    fused_optimizer: bool = True
+    """AdamW's fused kernel (``fused=True``): one pass over each parameter with its math in
+    float32 (bf16 master weights included) and no temporary the size of the state. Off:
+    torch's multi-tensor (``foreach``) AdamW, which computes in the parameters' dtype and
+    allocates temporaries as large as the state. Measured on one core: 7x faster for 67M
+    float32 parameters, updates equal to 2.4e-7."""
+
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm."""
 

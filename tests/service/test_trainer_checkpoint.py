@@ -102,6 +102,29 @@ def test_a_resumed_learner_takes_the_step_an_uninterrupted_one_takes(
     assert any(not torch.equal(moved[k], v) for k, v in weights(uninterrupted).items())
 
 
+def test_the_optimizer_kernel_is_the_settings_and_a_resume_keeps_it(
+    base_model_dir: Path, tmp_path: Path
+) -> None:
+    """``SF_TRAINER_FUSED_OPTIMIZER``: AdamW's fused kernel by default, torch's foreach one
+    when off; a checkpoint saved with one restores under the other's settings with the
+    settings' kernel, and the two kernels take the same step to float32 rounding."""
+    multi_tensor = learner(base_model_dir, SETTINGS.model_copy(update={"fused_optimizer": False}))
+    assert [(g["fused"], g["foreach"]) for g in multi_tensor.optimizer.param_groups] == [
+        (None, True)
+    ]
+    multi_tensor.step(BATCHES[0], version=0)
+    multi_tensor.save(tmp_path / "step-1", TrainerState(step=1, version=1, data_position=0))
+    expected = multi_tensor.step(BATCHES[1], version=1)
+
+    fused = learner(base_model_dir)
+    fused.restore(tmp_path / "step-1")
+    assert [(g["fused"], g["foreach"]) for g in fused.optimizer.param_groups] == [(True, None)]
+    got = fused.step(BATCHES[1], version=1)
+    assert got.loss == expected.loss  # computed before this step's update
+    for name, tensor in weights(fused).items():
+        torch.testing.assert_close(tensor, weights(multi_tensor)[name], rtol=1e-5, atol=1e-6)
+
+
 def test_saving_again_under_a_name_replaces_the_checkpoint(
     base_model_dir: Path, tmp_path: Path
 ) -> None:
