@@ -67,6 +67,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import offload  # loadtests/offload.py, beside this script
+
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path("/tmp/sf-site")
 PARTS = ("bounds", "trainer", "engine", "handoff", "offload", "mesh", "modes", "checks")
@@ -84,16 +86,6 @@ QWEN2_1_5B_SHAPE = {
     "num_key_value_heads": 2,
     "vocab_size": 151936,
     "max_position_embeddings": 4096,
-    "tie_word_embeddings": True,
-}
-TINY_SHAPE = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 256,
     "tie_word_embeddings": True,
 }
 
@@ -123,7 +115,7 @@ GPU_SIZES = Sizes(
     QWEN2_1_5B_SHAPE, 32, 16, 128, 384, 3, (1, 16, 64), 128, 2, 4, 8192, 1 << 30,
     ("qwen2.5-0.5b", "qwen2.5-1.5b"),
 )  # fmt: skip
-CPU_SIZES = Sizes(TINY_SHAPE, 4, 4, 8, 8, 2, (1, 2, 4), 4, 2, 2, 256, 1 << 22, ("tiny",))
+CPU_SIZES = Sizes(offload.TINY_SHAPE, 4, 4, 8, 8, 2, (1, 2, 4), 4, 2, 2, 256, 1 << 22, ("tiny",))
 
 
 # ---------------------------------------------------------------- install (GPU machine)
@@ -313,7 +305,7 @@ def small_model(ctx: Context, dtype: Any) -> tuple[str, Any]:
     from seamlessflow.assets.loading import load_causal_lm
 
     if ctx.pretrained is None:
-        return "tiny (config)", config_model(TINY_SHAPE, ctx.device, dtype)
+        return "tiny (config)", config_model(offload.TINY_SHAPE, ctx.device, dtype)
     model: Any = load_causal_lm(ctx.pretrained, dtype)
     return PRETRAINED, model.to(ctx.device)
 
@@ -732,8 +724,6 @@ def part_handoff(ctx: Context) -> dict[str, Any]:
 
 
 def part_offload(ctx: Context) -> dict[str, Any]:
-    import offload  # loadtests/offload.py, beside this script
-
     out = {}
     for shape in ctx.sizes.offload_shapes:
         out[shape] = offload.measure(shape, ctx.device, repeats=3)
@@ -907,8 +897,6 @@ def table(figures: dict[str, Any]) -> str:
             )
     for shape, row in figures.get("offload", {}).items():
         if isinstance(row, dict) and "trainer" in row:
-            import offload
-
             lines.extend(f"offload {line}" for line in offload.lines(shape, row))
     mesh = figures.get("mesh", {})
     if "steps" in mesh:

@@ -39,6 +39,18 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
+TINY_SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+"""A Qwen2 of a few hundred thousand parameters: the CPU forms' model (this script's and
+the GPU run's)."""
 
 
 def build_model(shape: str, device: str, dtype: Any) -> Any:
@@ -50,9 +62,7 @@ def build_model(shape: str, device: str, dtype: Any) -> Any:
     from seamlessflow.assets.loading import causal_lm_from_config
     from seamlessflow.assets.shapes import shape_config
 
-    if shape == "tiny":  # the GPU run's CPU form's shape
-        from gpu_run import TINY_SHAPE
-
+    if shape == "tiny":
         config = AutoConfig.for_model("qwen2", **TINY_SHAPE)
     else:
         config = shape_config(shape)

@@ -107,7 +107,7 @@ def test_datasheet_peak_by_card_name() -> None:
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_matmul_parameters_count_the_head_once(tied: bool) -> None:
-    shape = gpu_run.TINY_SHAPE | {"tie_word_embeddings": tied}
+    shape = gpu_run.offload.TINY_SHAPE | {"tie_word_embeddings": tied}
     model = gpu_run.config_model(shape, "cpu", torch.float32)
     total = sum(p.numel() for p in model.parameters())
     embedding = shape["vocab_size"] * shape["hidden_size"]
