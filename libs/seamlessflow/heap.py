@@ -6,8 +6,9 @@ allocates an arena of its own. A trainer step allocates and frees activations, g
 FSDP2 units, gradients and optimizer temporaries of 1-500 MB from several threads: the
 heap keeps what was freed in whichever arena it came from and the process's resident
 memory grows past what torch holds. Measured on the trainer with two ranks
-(docs/benchmarks.md, "Models users train"): the peak per rank fell from 5.86 to 4.51 GB
-with bf16 master weights, and the first step took 36 s instead of 104 s.
+(docs/benchmarks.md, "Models users train"): the peak per rank fell from 5.70 to 4.51 GB
+with bf16 master weights (7.57 to 6.35 GB with float32 ones), and the first step took
+34.8 s instead of 44.9 s (44.9 instead of 63.5).
 
 ``compact_heap`` fixes the mmap threshold (blocks of 128 KiB and more are mapped on their
 own and returned to the kernel when freed) and caps the arenas at one. It calls
