@@ -112,8 +112,10 @@ async def run_service(service: Service, mesh: MeshSettings) -> None:
         stop_task = asyncio.create_task(ctx.stopping.wait())
         await asyncio.wait({run_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         stop_task.cancel()
-        if not run_task.done():
+        if ctx.stopping.is_set():
+            # said even when the service's own loops saw the signal first and ended
             log.info("stopping: draining for up to %.1fs", mesh.drain_timeout_s)
+        if not run_task.done():
             done, _ = await asyncio.wait({run_task}, timeout=mesh.drain_timeout_s)
             if not done:
                 log.warning("drain timed out; cancelling")
