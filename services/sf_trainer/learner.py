@@ -173,8 +173,6 @@ class Learner:
         same (the optimizer's state appears at its first step): on CUDA with its pinned
         host copies, which are slow to allocate (a CPU frees its copies instead: they
         are the same memory the offload would free)."""
-        self._offloaded: Residency | None = None
-        """``_residency`` while offloaded."""
         self.model = self._placed(model)
         self.threads: ThreadBudget | None = None
         """One rank on the CPU: it may train on cores lent by idle rollout engines
@@ -339,21 +337,21 @@ class Learner:
         """The slots are lent: every rank's parameters and optimizer state to host memory
         (``seamlessflow.residency``); None when offloading is off or already done. Any
         other command reloads first."""
-        if not self.offloads or self._offloaded is not None:
+        if not self.offloads or self.offloaded:
             return None
         self._announce(Offload())
         return self._offload()
 
     def reload(self) -> Transition | None:
         """Undo ``offload`` on every rank; None when nothing is offloaded."""
-        if self._offloaded is None:
+        if not self.offloaded:
             return None
         self._announce(Reload())
         return self._reload()
 
     @property
     def offloaded(self) -> bool:
-        return self._offloaded is not None
+        return self._residency is not None and self._residency.state == "offloaded"
 
     def stop(self) -> None:
         self._announce(Stop())
@@ -362,7 +360,7 @@ class Learner:
         self.group.barrier()
 
     def _announce(self, command: Command) -> None:
-        if self._offloaded is not None and not isinstance(command, Offload | Reload | Stop):
+        if self.offloaded and not isinstance(command, Offload | Reload | Stop):
             self.reload()  # every other command works on the weights where they live
         if self.group.distributed:
             self.group.broadcast_bytes(msgspec.msgpack.encode(command))
@@ -424,14 +422,12 @@ class Learner:
         if self._residency is None or not self._residency.holds(tensors):
             self._residency = Residency(tensors, device, keep_host_copies=device.type == "cuda")
         transition = self._residency.offload()
-        self._offloaded = self._residency
         log.info("slots lent: %s", transition.in_words())
         return transition
 
     def _reload(self) -> Transition:
-        assert self._offloaded is not None
-        transition = self._offloaded.reload()  # raises with the state kept: retryable
-        self._offloaded = None
+        assert self._residency is not None
+        transition = self._residency.reload()  # raises with the state kept: retryable
         log.info("slots back: %s", transition.in_words())
         return transition
 

@@ -156,8 +156,7 @@ class TransformersEngine(BatchingEngine[_Request]):
         self._offload_asleep = offload_asleep
         self._sleeping = False
         self._residency: Residency | None = None
-        self._asleep: Residency | None = None
-        """The weights moved to the host by `sleep`, until `wake`."""
+        """The weights' residency, made at the first `sleep` that moves them."""
         self.transitions: collections.deque[Transition] = collections.deque(maxlen=16)
         """The latest sleeps and wakes, accounted (newest last)."""
         self._source = model
@@ -245,7 +244,7 @@ class TransformersEngine(BatchingEngine[_Request]):
         async with self._compute_lock:
             self._sleeping = True
             self._prefix.clear()
-            if not self._offload_asleep or self._asleep is not None or self._model is None:
+            if not self._offload_asleep or self._weights_away() or self._model is None:
                 return
             weights = self._residency
             if weights is None:  # once: loads copy into the same tensors
@@ -254,22 +253,23 @@ class TransformersEngine(BatchingEngine[_Request]):
                 keep = self._device.type == "cuda"
                 weights = self._residency = Residency(tensors, self._device, keep)
             transition = await _to_thread_to_completion(weights.offload)
-            self._asleep = weights
         self.transitions.append(transition)
         log.info("asleep: %s", transition.in_words())
 
     async def wake(self) -> None:
         async with self._compute_lock:
-            weights = self._asleep
-            if weights is None:
+            if not self._weights_away():
                 self._sleeping = False
                 return
+            assert self._residency is not None
             # a failed reload raises with the weights still off the device: retryable
-            transition = await _to_thread_to_completion(weights.reload)
-            self._asleep = None
+            transition = await _to_thread_to_completion(self._residency.reload)
             self._sleeping = False
         self.transitions.append(transition)
         log.info("awake: %s", transition.in_words())
+
+    def _weights_away(self) -> bool:
+        return self._residency is not None and self._residency.state == "offloaded"
 
     # -- scheduler (event loop side) -------------------------------------------------
     async def _run_batch(self) -> None:
