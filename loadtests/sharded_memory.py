@@ -18,8 +18,13 @@ issue: 0.6x the full model in float32 plus its AdamW state (16 bytes a parameter
 model with ``from_pretrained``, then FSDP2 shards it), kept here as the yardstick by
 swapping the two loading functions in the worker; ``sharded`` is the product's path.
 
+``--vocab-parallel on,off`` runs each loading with the embeddings split by vocabulary
+rows (``SF_TRAINER_VOCAB_PARALLEL``, the default) and gathered by FSDP2;
+``--gradient-checkpointing`` recomputes the decoder layers' activations.
+
     .venv/bin/python loadtests/sharded_memory.py [--shapes qwen2.5-0.5b] \
-        [--loadings whole,sharded] [--master float32] [--out runs/load/sharded.json]
+        [--loadings whole,sharded] [--master float32] [--vocab-parallel on,off] \
+        [--gradient-checkpointing] [--out runs/load/sharded.json]
 """
 
 from __future__ import annotations
@@ -109,7 +114,12 @@ def rank_main(job: dict[str, Any]) -> None:
         learner_module.model_on_meta = load_causal_lm
         learner_module.materialize_own_shards = lambda *args: None
     settings = TrainerSettings(
-        torch_threads=1, master_dtype=job["master"], precision="fp32", eval_every=0
+        torch_threads=1,
+        master_dtype=job["master"],
+        precision="fp32",
+        eval_every=0,
+        vocab_parallel=job.get("vocab_parallel", "on") == "on",
+        gradient_checkpointing=job.get("gradient_checkpointing", False),
     )
     group = TrainGroup.from_env("cpu", timeout_s=1800)
     started = time.perf_counter()
@@ -235,6 +245,12 @@ def main() -> None:
     parser.add_argument("--shapes", default="qwen2.5-0.5b")
     parser.add_argument("--loadings", default="whole,sharded")
     parser.add_argument("--master", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--vocab-parallel",
+        default="on",
+        help="on, off or both (on,off): the embeddings split by vocabulary rows",
+    )
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument(
@@ -258,16 +274,25 @@ def main() -> None:
             print(f"{shape}: random bf16 weights written in {time.perf_counter() - started:.0f} s")
         parameters = parameter_count(model_dir)
         bound_gb = BOUND_RATIO * BYTES_PER_PARAMETER * parameters / GB
-        for loading in args.loadings.split(","):
+        configurations = [
+            (loading, vocab_parallel)
+            for loading in args.loadings.split(",")
+            for vocab_parallel in args.vocab_parallel.split(",")
+        ]
+        for loading, vocab_parallel in configurations:
             job = {
                 "shape": shape,
                 "loading": loading,
                 "master": args.master,
+                "vocab_parallel": vocab_parallel,
+                "gradient_checkpointing": args.gradient_checkpointing,
                 "model_dir": str(model_dir),
                 "samples": args.samples,
                 "tokens": args.tokens,
                 "step": not args.no_step,
-                "out": str(args.out.parent / "sharded_memory" / f"{shape}-{loading}"),
+                "out": str(
+                    args.out.parent / "sharded_memory" / f"{shape}-{loading}-vp-{vocab_parallel}"
+                ),
             }
             ranks = run_configuration(job, args.timeout_s)
             result = {**job, "parameters": parameters, "bound_gb": bound_gb, "ranks": ranks}
@@ -281,7 +306,9 @@ def main() -> None:
                 else "no step"
             )
             print(
-                f"{shape} ({parameters / 1e9:.2f}B) {loading:>7} {args.master}: before the model "
+                f"{shape} ({parameters / 1e9:.2f}B) {loading:>7} {args.master} vocabulary split "
+                f"{vocab_parallel}{', checkpointed' if args.gradient_checkpointing else ''}: "
+                f"before the model "
                 f"{leader['rss_before_model_gb']:.2f} GB, after loading "
                 f"{leader['rss_after_load_gb']:.2f} GB in {leader['load_s']:.1f} s; {step}; "
                 f"peak of rank 0 / 1 with the gather {ranks[0]['peak_rss_gb']:.2f} / "

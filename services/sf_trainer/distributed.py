@@ -46,6 +46,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from sf_trainer.vocab_parallel import split_embeddings
+
 # gathers: the full tensors, copied to the CPU, on rank 0 only
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 ROW_BLOCK_BYTES = 16 * 1024 * 1024
@@ -124,6 +126,7 @@ class TrainGroup:
         bf16_mixed: bool = False,
         cpu_offload: bool = False,
         float32_compute: bool = False,
+        vocab_parallel: bool = False,
     ) -> Model:
         """Move ``model`` to this rank's device; with several ranks, shard it with FSDP2.
 
@@ -140,7 +143,9 @@ class TrainGroup:
         ``bf16_mixed``): the units all-gather their bf16 shards into float32 and
         compute and reduce in it; the gradients land in the bf16 shards. ``cpu_offload``
         (CUDA ranks): the shards, their gradients and the optimizer step live on the
-        host (``CPUOffloadPolicy``).
+        host (``CPUOffloadPolicy``). ``vocab_parallel``: the input and output embeddings
+        are split by vocabulary rows instead, outside FSDP2
+        (``sf_trainer.vocab_parallel``), computing in the policy's dtype.
         """
         on_meta = any(parameter.is_meta for parameter in model.parameters())
         if self.mesh is None:
@@ -157,9 +162,12 @@ class TrainGroup:
         options: dict[str, Any] = {"mesh": self.mesh, "mp_policy": policy}
         if offload is not None:
             options["offload_policy"] = offload
+        ignored: set[torch.nn.Parameter] = set()
+        if vocab_parallel:
+            ignored = split_embeddings(model, self.mesh, policy.param_dtype)
         for unit in fsdp_units(model):
             fully_shard(unit, **options)
-        fully_shard(model, **options)
+        fully_shard(model, ignored_params=ignored or None, **options)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 # sum, don't average: the loss is normalised by the global token count

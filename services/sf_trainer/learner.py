@@ -227,6 +227,7 @@ class Learner:
             cpu_offload=self.settings.cpu_offload,
             # bf16 storage, float32 arithmetic: what a CPU without native bf16 can run
             float32_compute=self.master_dtype == torch.bfloat16 and not self.bf16_mixed,
+            vocab_parallel=self._splits_vocabulary(model),
         )
         if self.group.distributed:
             materialize_own_shards(model, self.model_dir, self.group.device, self.tied)
@@ -236,6 +237,20 @@ class Learner:
             # cannot be freed in place
             resizable_parameters(model)
         return model
+
+    def _splits_vocabulary(self, model: PreTrainedModel) -> bool:
+        """Whether the embeddings are split by vocabulary rows (``SF_TRAINER_VOCAB_PARALLEL``):
+        only where the logprobs come chunk by chunk from the head (the split head gives
+        whole logits only without grad), and not with the shards offloaded to the host
+        (the split rows would stay on the device)."""
+        settings = self.settings
+        return (
+            settings.vocab_parallel
+            and self.group.distributed
+            and settings.logprob_chunk_tokens > 0
+            and chunked_head_refusal(model) is None
+            and not (settings.cpu_offload and self.group.device.type == "cuda")
+        )
 
     def _reference(self) -> PreTrainedModel:
         """The base model as the KL term's reference: frozen (no grad, never in a

@@ -19,6 +19,9 @@ Under FSDP2 the root module (embeddings, final norm, head) does not reshard afte
 forward, so right after the full model's forward the output embedding is the unsharded
 (all-gathered, in the policy's compute dtype) parameter, and its gradient from the
 chunks is reduce-scattered with the root's other gradients at the end of the backward.
+With the embeddings split by vocabulary rows (``SF_TRAINER_VOCAB_PARALLEL``, several
+ranks) nothing is gathered: the ranks exchange hidden states and each projects onto its
+own rows (``sf_trainer.vocab_parallel``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 
 from sf_trainer.grpo import chunked_token_logprobs, token_logprobs
+from sf_trainer.vocab_parallel import VocabSplit, split_of, vocab_parallel_logprobs
 
 PLAIN_HEAD_MODEL_TYPES = frozenset({"gemma3_text", "llama", "mistral", "qwen2", "qwen3"})
 """``config.model_type`` of the families whose logits are ``lm_head(final hidden
@@ -122,7 +126,13 @@ def target_logprobs(
     finally:
         handle.remove()
     (hidden,) = captured
-    head_weight = model.get_output_embeddings().weight  # type: ignore[operator]
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    split = split_of(head)
+    if split is not None:
+        return _split_head_logprobs(
+            hidden, head.weight, split, targets, temperatures, chunk_tokens, selected, entropy
+        )
+    head_weight = head.weight
     with precision():
         if selected is None:
             return chunked_token_logprobs(
@@ -138,6 +148,39 @@ def target_logprobs(
             chunk_tokens,
             picked_entropy,
         )
+    if entropy is not None and picked_entropy is not None:
+        entropy.append(_scatter(picked_entropy[0], selected, targets.shape))
+    return _scatter(picked, selected, targets.shape)
+
+
+def _split_head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    split: VocabSplit,
+    targets: torch.Tensor,
+    temperatures: float | torch.Tensor,
+    chunk_tokens: int,
+    selected: torch.Tensor | None,
+    entropy: list[torch.Tensor] | None,
+) -> torch.Tensor:
+    """``target_logprobs``' chunked path with the head split by vocabulary rows over the
+    ranks (``sf_trainer.vocab_parallel``): the positions in ``selected`` (None: all)."""
+    rows = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1)
+    flat_temperatures: float | torch.Tensor = (
+        temperatures.reshape(-1) if isinstance(temperatures, torch.Tensor) else temperatures
+    )
+    if selected is not None:
+        rows, flat_targets = rows[selected], flat_targets[selected]
+        flat_temperatures = _pick(flat_temperatures, selected)
+    picked_entropy: list[torch.Tensor] | None = None if entropy is None else []
+    picked = vocab_parallel_logprobs(
+        rows, weight, split, flat_targets, flat_temperatures, chunk_tokens, picked_entropy
+    )
+    if selected is None:
+        if entropy is not None and picked_entropy is not None:
+            entropy.append(picked_entropy[0].reshape(targets.shape))
+        return picked.reshape(targets.shape)
     if entropy is not None and picked_entropy is not None:
         entropy.append(_scatter(picked_entropy[0], selected, targets.shape))
     return _scatter(picked, selected, targets.shape)

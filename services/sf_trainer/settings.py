@@ -267,6 +267,13 @@ class TrainerSettings(RunFileSettings):
     logits. Models whose head is more than the output embedding (e.g. a final logit
     soft-cap) always use whole logits."""
 
+    vocab_parallel: bool = True
+    """With several ranks, split the input and output embeddings by vocabulary rows
+    instead of letting FSDP2 gather them whole (``sf_trainer.vocab_parallel``): no rank
+    holds a whole [vocab, hidden] matrix, its gradient or a whole chunk of logits. Needs
+    chunked logprobs (``logprob_chunk_tokens`` > 0 and a plain head); otherwise, and with
+    one process, it changes nothing. The gradients are the same sums."""
+
     checkpoint_every: int = shared("checkpoint_every")
     """Also checkpoint every N steps (0 = only at the end and on stop). A resume loses
     the steps after the checkpoint it starts from (the policy never learns from their

@@ -137,7 +137,11 @@ def assert_same_results(
         # noise can tip a ratio sitting on the clip boundary: one token either way
         one_token = 1 / b["tokens_trained"]
         assert a["clip_fraction"] == pytest.approx(b["clip_fraction"], abs=one_token * 1.001)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=grad_norm_bound), "grad_norm"
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=grad_norm_bound), (
+            "grad_norm",
+            a["grad_norm"],
+            b["grad_norm"],
+        )
 
 
 BATCH_FIGURES = (
