@@ -470,6 +470,9 @@ def plan(
         bool, typer.Option(help="SF_TRAINER_GRADIENT_CHECKPOINTING.")
     ] = False,
     cpu_offload: Annotated[bool, typer.Option(help="SF_TRAINER_CPU_OFFLOAD.")] = False,
+    vocab_parallel: Annotated[
+        bool, typer.Option(help="SF_TRAINER_VOCAB_PARALLEL: embeddings split by vocabulary rows.")
+    ] = True,
     micro_batch_tokens: Annotated[int, typer.Option(help="SF_TRAINER_MICRO_BATCH_TOKENS.")] = 16384,
     logprob_chunk_tokens: Annotated[
         int, typer.Option(help="SF_TRAINER_LOGPROB_CHUNK_TOKENS.")
@@ -495,6 +498,7 @@ def plan(
         compute_dtype="bfloat16" if precision == "bf16-mixed" else "float32",
         gradient_checkpointing=gradient_checkpointing,
         cpu_offload=cpu_offload,
+        vocab_parallel=vocab_parallel,
         micro_batch_tokens=micro_batch_tokens,
         logprob_chunk_tokens=logprob_chunk_tokens,
         runtime_gb=runtime_gb,

@@ -13,7 +13,10 @@ rank holds, with ``ranks`` ranks:
   layers are gathered one at a time plus the one prefetched. Each in the compute
   dtype, and, while it is reduced, its unsharded gradient (compute dtype) and the
   float32 buffer FSDP2 copies it into for the reduce-scatter. The parts' peaks are
-  added as if they coincided: an estimate from above.
+  added as if they coincided: an estimate from above. With the embeddings split by
+  vocabulary rows (``vocab_parallel``, the trainer's default on several ranks) they are
+  never gathered: the root unit is the final norm, and a rank holds its embedding rows
+  once more in the compute dtype where that differs from the master dtype.
 - **activations** of one micro-batch (``micro_batch_tokens``) saved for backward, per
   token and layer: the layer's input, the q/k/v and attention outputs, the MLP's gate,
   up, activation and product (compute dtype; attention through SDPA keeps no
@@ -21,7 +24,10 @@ rank holds, with ``ranks`` ranks:
   checkpointing only each layer's input is kept, plus one layer's activations being
   recomputed.
 - **logits** of one chunk (``logprob_chunk_tokens``) x vocabulary in float32: the
-  logits, their log-softmax and its gradient.
+  logits, their log-softmax and its gradient. Split by vocabulary rows, one chunk of
+  every rank's rows x this rank's vocabulary rows in float32 (the forward shifts and
+  exponentiates it in place, the backward makes it the gradient in place), plus the
+  projection's output in the compute dtype where that is not float32.
 - **runtime**: what the process holds before the model (interpreter, torch, CUDA
   context): measured, not modelled (``runtime_gb``).
 
@@ -55,6 +61,9 @@ class ModelSizes:
     kv_width: int
     """Key (and value) width: key-value heads x head size."""
     vocab: int
+    embedding_parameters: int = 0
+    """The input and output embeddings (a tied matrix once): what ``vocab_parallel``
+    keeps out of the root unit."""
 
 
 def model_sizes(config: Any) -> ModelSizes:
@@ -68,6 +77,11 @@ def model_sizes(config: Any) -> ModelSizes:
     units = fsdp_units(model)
     in_units = {id(p) for unit in units for p in unit.parameters()}
     parameters = list(model.parameters())  # a tied matrix once
+    embeddings: dict[int, int] = {}  # a tied matrix once
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            embeddings[id(weight)] = weight.numel()
     text = config.get_text_config()
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -82,6 +96,7 @@ def model_sizes(config: Any) -> ModelSizes:
         intermediate=text.intermediate_size,
         kv_width=getattr(text, "num_key_value_heads", heads) * head_dim,
         vocab=text.vocab_size,
+        embedding_parameters=sum(embeddings.values()),
     )
 
 
@@ -97,6 +112,9 @@ class PlanSettings:
     cpu_offload: bool = False
     micro_batch_tokens: int = 16384
     logprob_chunk_tokens: int = 1024
+    vocab_parallel: bool = True
+    """The embeddings split by vocabulary rows (``SF_TRAINER_VOCAB_PARALLEL``): with
+    several ranks, chunked logprobs and no cpu offload, as the trainer applies it."""
     runtime_gb: float = 1.0
     """Held before the model: a CUDA context and torch on a GPU (about 1 GB); the
     interpreter, torch and transformers on a CPU (0.4-0.5 GB, measured)."""
@@ -119,23 +137,38 @@ class MemoryPlan:
 def plan_memory(sizes: ModelSizes, settings: PlanSettings) -> MemoryPlan:
     master = DTYPE_BYTES[settings.master_dtype]
     compute = DTYPE_BYTES[settings.compute_dtype]
-    if settings.master_dtype == "bfloat16":
-        compute = 2  # bf16 masters compute in bf16
+    if settings.master_dtype == "bfloat16" and settings.ranks == 1:
+        compute = 2  # one process computes bf16 masters in bf16; several gather them
+        # into the policy's dtype (float32 with precision fp32)
     state = sizes.parameters * 4 * master / settings.ranks
-    gathered = 0
+    split = (
+        settings.vocab_parallel
+        and settings.ranks > 1
+        and settings.logprob_chunk_tokens > 0
+        and not settings.cpu_offload
+    )
+    gathered = 0.0
     if settings.ranks > 1:
-        gathered_params = (sizes.root_parameters + 2 * sizes.layer_parameters) * compute
+        root = sizes.root_parameters - (sizes.embedding_parameters if split else 0)
+        gathered_params = (root + 2 * sizes.layer_parameters) * compute
         # a unit's full gradient in the compute dtype, and the float32 buffer FSDP2
         # copies it into to reduce-scatter it (a copy in float32 too)
-        largest_unit = max(sizes.root_parameters, sizes.layer_parameters)
+        largest_unit = max(root, sizes.layer_parameters)
         gathered = gathered_params + largest_unit * (compute + 4)
+        if split and compute != master:
+            gathered += sizes.embedding_parameters / settings.ranks * compute
     tokens = settings.micro_batch_tokens
     shape = LayerShape(sizes.layers, sizes.hidden, sizes.intermediate, sizes.kv_width)
     activations = tokens * activation_bytes_per_token(
         shape, compute, settings.gradient_checkpointing
     )
-    chunk = min(settings.logprob_chunk_tokens or tokens, tokens)
-    logits = 3 * chunk * sizes.vocab * 4
+    if split:
+        chunk = min(settings.logprob_chunk_tokens, tokens * settings.ranks)
+        own_vocab = -(-sizes.vocab // settings.ranks)
+        logits = chunk * own_vocab * (4 + (compute if compute != 4 else 0))
+    else:
+        chunk = min(settings.logprob_chunk_tokens or tokens, tokens)
+        logits = 3 * chunk * sizes.vocab * 4
     offloaded = settings.cpu_offload and settings.ranks > 1
     device = (0 if offloaded else state) + gathered + activations + logits
     device_gb = device / GB + settings.runtime_gb
@@ -159,7 +192,8 @@ def plan_table(name: str, sizes: ModelSizes, settings: PlanSettings, ranks: list
         f" master {settings.master_dtype}, compute {settings.compute_dtype}, micro-batch "
         f"{settings.micro_batch_tokens} tokens, gradient checkpointing "
         f"{'on' if settings.gradient_checkpointing else 'off'}, cpu offload "
-        f"{'on' if settings.cpu_offload else 'off'}",
+        f"{'on' if settings.cpu_offload else 'off'}, embeddings split by vocabulary "
+        f"{'on' if settings.vocab_parallel else 'off'}",
         "",
         "| ranks | state | gathered units | activations | logits | runtime | per rank | host |",
         "|---|---|---|---|---|---|---|---|",

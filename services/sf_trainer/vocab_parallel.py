@@ -339,7 +339,7 @@ def vocab_parallel_logprobs(
     scale = scale.to(every_row.device)
     logprobs, entropies = _SplitHeadLogprobs.apply(
         every_row,
-        split.local_weight(weight),
+        weight.to_local() if isinstance(weight, DTensor) else weight,
         every_target,
         scale,
         chunk_tokens,
@@ -353,8 +353,9 @@ def vocab_parallel_logprobs(
 
 class _SplitHeadLogprobs(torch.autograd.Function):
     """log p(target) of every row under a head split by vocabulary rows; the same on every
-    rank. Keeps no logits: the backward recomputes them chunk by chunk and accumulates
-    the weight's gradient in one buffer."""
+    rank. ``weight``: this rank's rows in the master dtype (cast to the compute dtype for
+    the forward, and again for the backward). Keeps no logits: the backward recomputes
+    them chunk by chunk and accumulates the weight's gradient in one buffer."""
 
     @staticmethod
     def forward(
@@ -367,6 +368,8 @@ class _SplitHeadLogprobs(torch.autograd.Function):
         split: VocabSplit,
         want_entropy: bool,
     ) -> Any:
+        stored = weight
+        weight = split.local_weight(stored)
         dtype = torch.promote_types(rows.dtype, torch.float32)
         count = rows.shape[0]
         log_sums = torch.empty(count, dtype=dtype, device=rows.device)
@@ -399,17 +402,19 @@ class _SplitHeadLogprobs(torch.autograd.Function):
             logprobs[first:end] = sums[0] - log_sum
             if want_entropy:
                 entropies[first:end] = log_sum - sums[2] / sums[1]
-        ctx.save_for_backward(rows, weight, targets, scale, log_sums)
+        # the rows in the master dtype: a cast copy would live from here to the backward
+        ctx.save_for_backward(rows, stored, targets, scale, log_sums)
         ctx.chunk_tokens, ctx.split = chunk_tokens, split
         ctx.mark_non_differentiable(entropies)
         return logprobs, entropies
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _grad_entropies: torch.Tensor) -> Any:
-        rows, weight, targets, scale, log_sums = ctx.saved_tensors
+        rows, stored, targets, scale, log_sums = ctx.saved_tensors
         split: VocabSplit = ctx.split
         dtype = log_sums.dtype
         grad_rows = torch.zeros_like(rows)
+        weight = ctx.split.local_weight(stored)
         grad_weight = torch.zeros_like(weight)
         for first in range(0, rows.shape[0], ctx.chunk_tokens):
             end = min(first + ctx.chunk_tokens, rows.shape[0])
@@ -423,7 +428,8 @@ class _SplitHeadLogprobs(torch.autograd.Function):
             grad_rows[first:end] = (grads @ weight.to(dtype)).to(rows.dtype)
             grad_weight.addmm_(grads.T.to(weight.dtype), rows[first:end].to(weight.dtype))
             del grads
-        return grad_rows, grad_weight, None, None, None, None, None
+        del weight
+        return grad_rows, grad_weight.to(stored.dtype), None, None, None, None, None
 
 
 def _scaled_logits(

@@ -65,7 +65,29 @@ def test_state_shards_checkpointing_and_offload_move_what_they_should() -> None:
     assert checkpointed.activations_gb < eight.activations_gb / 5
     offloaded = plan_memory(sizes, replace(base, ranks=8, cpu_offload=True))
     assert offloaded.host_gb == pytest.approx(eight.state_gb)
-    assert offloaded.device_gb == pytest.approx(eight.device_gb - eight.state_gb)
+    # offloaded shards keep the embeddings in FSDP2 (the trainer splits them only on the device)
+    gathered = plan_memory(sizes, replace(base, ranks=8, vocab_parallel=False))
+    assert offloaded.device_gb == pytest.approx(gathered.device_gb - gathered.state_gb)
+
+
+def test_split_embeddings_leave_the_root_unit_and_a_vocabulary_share_of_logits() -> None:
+    sizes = model_sizes(shape_config("qwen2.5-0.5b"))  # tied: 136M of 494M
+    assert sizes.embedding_parameters == 151936 * 896
+    base = PlanSettings(ranks=2, compute_dtype="float32", micro_batch_tokens=256)
+    split = plan_memory(sizes, base)
+    whole = plan_memory(sizes, replace(base, vocab_parallel=False))
+    assert split.state_gb == whole.state_gb and split.activations_gb == whole.activations_gb
+    # FSDP2 gathers the root (embedding + norm) in float32 and its gradient twice over
+    root = sizes.root_parameters
+    assert whole.gathered_gb - split.gathered_gb == pytest.approx(
+        (root + root * 2 - (root - sizes.embedding_parameters) - sizes.layer_parameters * 2)
+        * 4
+        / 1e9
+    )
+    # 512 rows (both ranks') x half the vocabulary, against 256 rows x all of it, 3 times
+    assert split.logits_gb == pytest.approx(512 * 75968 * 4 / 1e9)
+    assert whole.logits_gb == pytest.approx(3 * 256 * 151936 * 4 / 1e9)
+    assert plan_memory(sizes, replace(base, ranks=1)).gathered_gb == 0
 
 
 def test_the_command_prints_a_row_per_rank_count_and_refuses_an_unknown_shape() -> None:
