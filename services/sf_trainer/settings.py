@@ -271,8 +271,9 @@ class TrainerSettings(RunFileSettings):
     """With several ranks, split the input and output embeddings by vocabulary rows
     instead of letting FSDP2 gather them whole (``sf_trainer.vocab_parallel``): no rank
     holds a whole [vocab, hidden] matrix, its gradient or a whole chunk of logits. Needs
-    chunked logprobs (``logprob_chunk_tokens`` > 0 and a plain head); otherwise, and with
-    one process, it changes nothing. The gradients are the same sums."""
+    chunked logprobs (``logprob_chunk_tokens`` > 0 and a plain head) and no
+    ``cpu_offload`` of CUDA ranks (the split rows would stay on the device); otherwise,
+    and with one process, it changes nothing. The gradients are the same sums."""
 
     checkpoint_every: int = shared("checkpoint_every")
     """Also checkpoint every N steps (0 = only at the end and on stop). A resume loses
