@@ -14,7 +14,6 @@ in tests/mesh/test_trainer_distributed.py (the split is on by default).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 
 from sf_trainer.grpo import token_logprobs
 from tests.support import SUPPORT_DIR, free_port
+from tests.support.ranks import rank_environment
 from tests.support.vocab_parallel_rank import PADDING
 
 VOCAB, HIDDEN = 37, 6
@@ -64,15 +64,7 @@ def run_two_ranks(problem_path: Path, out: Path) -> list[dict[str, torch.Tensor]
     port = free_port()
     processes = []
     for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
+        env = rank_environment(rank, 2, port)
         processes.append(
             subprocess.Popen(
                 [

@@ -61,6 +61,19 @@ def spec(
     }
 
 
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """torchrun's environment for one rank on this host, one thread."""
+    return {
+        **os.environ,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
 def run_ranks(world_size: int, job: dict[str, Any], timeout: float = 300.0) -> list[dict[str, Any]]:
     """Start one process per rank with torchrun's environment; rank 0's results.
     ``timeout`` bounds a hang, nothing else: the ranks take 10-30 s on two idle cores,
@@ -73,15 +86,7 @@ def run_ranks(world_size: int, job: dict[str, Any], timeout: float = 300.0) -> l
     port = free_port()
     ranks = []
     for rank in range(world_size):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
+        env = rank_environment(rank, world_size, port)
         with (out / f"rank{rank}.log").open("wb") as log:
             ranks.append(
                 subprocess.Popen(
