@@ -33,12 +33,20 @@ from typing import Any
 import torch
 
 from sf_trainer.grpo import chunked_token_logprobs, token_logprobs
-from sf_trainer.vocab_parallel import VocabSplit, split_of, vocab_parallel_logprobs
+from sf_trainer.vocab_parallel import split_of, vocab_parallel_logprobs
 
 PLAIN_HEAD_MODEL_TYPES = frozenset({"gemma3_text", "llama", "mistral", "qwen2", "qwen3"})
 """``config.model_type`` of the families whose logits are ``lm_head(final hidden
 states)`` exactly (read in transformers' modeling files; Gemma 3 soft-caps only where its
 config sets ``final_logit_softcapping``, which :func:`chunked_head_refusal` checks)."""
+
+
+RowLogprobs = Callable[
+    [torch.Tensor, torch.Tensor, float | torch.Tensor, list[torch.Tensor] | None],
+    torch.Tensor,
+]
+"""log p(target) of each row (logits or final hidden states, a row per target), at its
+temperature, appending the rows' entropies to the list when one is given."""
 
 
 def chunked_head_refusal(model: torch.nn.Module) -> str | None:
@@ -98,16 +106,9 @@ def target_logprobs(
         with precision():
             logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         # float32 from here (token_logprobs upcasts): bf16 logits, float32 log-softmax
-        if selected is None:
-            return token_logprobs(logits[:, :-1], targets, temperatures, entropy)
-        rows = logits[:, :-1].reshape(-1, logits.shape[-1])[selected]
-        picked_entropy: list[torch.Tensor] | None = None if entropy is None else []
-        picked = token_logprobs(
-            rows, targets.reshape(-1)[selected], _pick(temperatures, selected), picked_entropy
+        return _at_positions(
+            token_logprobs, logits[:, :-1], targets, temperatures, selected, entropy
         )
-        if entropy is not None and picked_entropy is not None:
-            entropy.append(_scatter(picked_entropy[0], selected, targets.shape))
-        return _scatter(picked, selected, targets.shape)
     captured: list[torch.Tensor] = []
 
     def keep_hidden(_module: torch.nn.Module, _args: Any, output: Any) -> None:
@@ -129,61 +130,68 @@ def target_logprobs(
     head = model.get_output_embeddings()  # type: ignore[operator]
     split = split_of(head)
     if split is not None:
-        return _split_head_logprobs(
-            hidden, head.weight, split, targets, temperatures, chunk_tokens, selected, entropy
-        )
-    head_weight = head.weight
-    with precision():
-        if selected is None:
+        # every rank's rows meet this rank's vocabulary rows (sf_trainer.vocab_parallel)
+        def split_head(
+            rows: torch.Tensor,
+            row_targets: torch.Tensor,
+            row_temperatures: float | torch.Tensor,
+            row_entropy: list[torch.Tensor] | None,
+        ) -> torch.Tensor:
+            return vocab_parallel_logprobs(
+                rows.reshape(-1, rows.shape[-1]),
+                head.weight,
+                split,
+                row_targets.reshape(-1),
+                _flat(row_temperatures),
+                chunk_tokens,
+                row_entropy,
+            ).reshape(row_targets.shape)
+
+        per_row: RowLogprobs = split_head
+    else:
+
+        def whole_head(
+            rows: torch.Tensor,
+            row_targets: torch.Tensor,
+            row_temperatures: float | torch.Tensor,
+            row_entropy: list[torch.Tensor] | None,
+        ) -> torch.Tensor:
             return chunked_token_logprobs(
-                hidden[:, :-1], head_weight, targets, temperatures, chunk_tokens, entropy
+                rows, head.weight, row_targets, row_temperatures, chunk_tokens, row_entropy
             )
-        rows = hidden[:, :-1].reshape(-1, hidden.shape[-1])[selected]
-        picked_entropy = None if entropy is None else []
-        picked = chunked_token_logprobs(
-            rows,
-            head_weight,
-            targets.reshape(-1)[selected],
-            _pick(temperatures, selected),
-            chunk_tokens,
-            picked_entropy,
-        )
-    if entropy is not None and picked_entropy is not None:
-        entropy.append(_scatter(picked_entropy[0], selected, targets.shape))
-    return _scatter(picked, selected, targets.shape)
+
+        per_row = whole_head
+    with precision():
+        return _at_positions(per_row, hidden[:, :-1], targets, temperatures, selected, entropy)
 
 
-def _split_head_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    split: VocabSplit,
+def _at_positions(
+    per_row: RowLogprobs,
+    rows: torch.Tensor,
     targets: torch.Tensor,
     temperatures: float | torch.Tensor,
-    chunk_tokens: int,
     selected: torch.Tensor | None,
     entropy: list[torch.Tensor] | None,
 ) -> torch.Tensor:
-    """``target_logprobs``' chunked path with the head split by vocabulary rows over the
-    ranks (``sf_trainer.vocab_parallel``): the positions in ``selected`` (None: all)."""
-    rows = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    flat_targets = targets.reshape(-1)
-    flat_temperatures: float | torch.Tensor = (
-        temperatures.reshape(-1) if isinstance(temperatures, torch.Tensor) else temperatures
-    )
-    if selected is not None:
-        rows, flat_targets = rows[selected], flat_targets[selected]
-        flat_temperatures = _pick(flat_temperatures, selected)
-    picked_entropy: list[torch.Tensor] | None = None if entropy is None else []
-    picked = vocab_parallel_logprobs(
-        rows, weight, split, flat_targets, flat_temperatures, chunk_tokens, picked_entropy
-    )
+    """``per_row`` at the flat positions ``selected`` of ``rows`` [..., width] (None:
+    every position, without flattening), shaped like ``targets``, 0 elsewhere; the
+    entropies likewise into ``entropy``."""
     if selected is None:
-        if entropy is not None and picked_entropy is not None:
-            entropy.append(picked_entropy[0].reshape(targets.shape))
-        return picked.reshape(targets.shape)
+        return per_row(rows, targets, temperatures, entropy)
+    picked_entropy: list[torch.Tensor] | None = None if entropy is None else []
+    picked = per_row(
+        rows.reshape(-1, rows.shape[-1])[selected],
+        targets.reshape(-1)[selected],
+        _pick(temperatures, selected),
+        picked_entropy,
+    )
     if entropy is not None and picked_entropy is not None:
         entropy.append(_scatter(picked_entropy[0], selected, targets.shape))
     return _scatter(picked, selected, targets.shape)
+
+
+def _flat(temperatures: float | torch.Tensor) -> float | torch.Tensor:
+    return temperatures.reshape(-1) if isinstance(temperatures, torch.Tensor) else temperatures
 
 
 def _pick(temperatures: float | torch.Tensor, selected: torch.Tensor) -> float | torch.Tensor:

@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from sf_trainer.grpo import ENTROPY_ROWS
+from sf_trainer.sharded_loading import own_rows
 
 SPLIT_ATTRIBUTE = "_sf_vocab_split"
 """Set on the embedding and head modules whose weight is split: their
@@ -69,17 +70,13 @@ class VocabSplit:
     @classmethod
     def of(cls, mesh: DeviceMesh, vocab: int, compute_dtype: torch.dtype | None) -> VocabSplit:
         rank, ranks = mesh.get_local_rank(), mesh.size()
-        per_rank = -(-vocab // ranks)  # torch.chunk's split, as Shard(0) makes it
-        start = min(rank * per_rank, vocab)
-        return cls(
-            group=mesh.get_group(),
-            rank=rank,
-            ranks=ranks,
-            vocab=vocab,
-            start=start,
-            end=min(start + per_rank, vocab),
-            compute_dtype=compute_dtype,
-        )
+        start, end = own_rows(vocab, rank, ranks)  # as Shard(0) splits
+        return cls(mesh.get_group(), rank, ranks, vocab, start, end, compute_dtype)
+
+    @property
+    def rows_per_rank(self) -> int:
+        """The first rank's rows: every rank's, padded (the last ranks may hold fewer)."""
+        return own_rows(self.vocab, 0, self.ranks)[1]
 
     def local_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``weight`` (differentiable), in the compute dtype."""
@@ -145,7 +142,7 @@ def _sharded_parameter(
 def _embedding_forward(split: VocabSplit) -> Any:
     def forward(self: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)
-        counts = row_counts(flat.shape[0], split)
+        counts = row_counts(flat, split)
         every_id = all_gather_rows(flat, counts, split)
         looked_up = _SplitLookup.apply(
             every_id, self.weight, split, getattr(self, "padding_idx", None)
@@ -191,20 +188,7 @@ class _SplitLookup(torch.autograd.Function):
         local_ids, trained = ctx.saved_tensors
         parameter = ctx.parameter
         if parameter.grad is None:
-            local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
-            zeros = torch.zeros_like(local)
-            parameter.grad = (
-                DTensor.from_local(
-                    zeros,
-                    parameter.device_mesh,
-                    parameter.placements,
-                    run_check=False,
-                    shape=parameter.shape,
-                    stride=parameter.stride(),
-                )
-                if isinstance(parameter, DTensor)
-                else zeros
-            )
+            parameter.grad = torch.zeros_like(parameter)  # a DTensor placed as the parameter
         accumulated = parameter.grad
         if isinstance(accumulated, DTensor):
             accumulated = accumulated.to_local()
@@ -224,8 +208,7 @@ def _head_forward(split: VocabSplit) -> Any:
         assert isinstance(self.weight, torch.Tensor)
         weight = split.local_weight(self.weight)
         local = hidden.to(weight.dtype) @ weight.T
-        per_rank = -(-split.vocab // split.ranks)
-        padded = local.new_zeros((*local.shape[:-1], per_rank))
+        padded = local.new_zeros((*local.shape[:-1], split.rows_per_rank))
         padded[..., : local.shape[-1]] = local
         parts = [torch.empty_like(padded) for _ in range(split.ranks)]
         # every rank generates the same rows, so the shapes match
@@ -235,9 +218,10 @@ def _head_forward(split: VocabSplit) -> Any:
     return forward
 
 
-def row_counts(rows: int, split: VocabSplit) -> list[int]:
-    """Every rank's number of rows (the ranks train different sequences)."""
-    mine = torch.tensor([rows], dtype=torch.int64, device=_device(split))
+def row_counts(rows: torch.Tensor, split: VocabSplit) -> list[int]:
+    """Every rank's number of ``rows`` (its first dimension; the ranks train different
+    sequences)."""
+    mine = torch.tensor([rows.shape[0]], dtype=torch.int64, device=rows.device)
     counts = [torch.empty_like(mine) for _ in range(split.ranks)]
     dist.all_gather(counts, mine, group=split.group)
     return [int(count) for count in counts]
@@ -328,7 +312,7 @@ def vocab_parallel_logprobs(
     ``chunk_tokens`` rows (of all ranks) projects onto this rank's part of the vocabulary."""
     if chunk_tokens <= 0:
         raise ValueError("chunk_tokens must be positive")
-    counts = row_counts(rows.shape[0], split)
+    counts = row_counts(rows, split)
     every_row = _GatherRows.apply(rows, counts, split)
     every_target = all_gather_rows(targets, counts, split)
     if isinstance(temperature, torch.Tensor):
@@ -446,10 +430,3 @@ def _local_targets(targets: torch.Tensor, split: VocabSplit) -> tuple[torch.Tens
     whether this rank holds it."""
     inside = (targets >= split.start) & (targets < split.end)
     return torch.where(inside, targets - split.start, 0), inside
-
-
-def _device(split: VocabSplit) -> torch.device:
-    backend = dist.get_backend(split.group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
