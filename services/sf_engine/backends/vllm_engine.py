@@ -49,9 +49,19 @@ caller paused). Requests submitted after `load_weights` was called wait in this 
 until the load is done, so none is admitted between the call and vLLM's pause. While
 paused with "keep", the weights change under the frozen requests (their KV cache stays,
 `clear_cache=False`). No step runs during the copy; if the copy fails, the engine stays
-paused and raises `EngineError`, so a partial set is never served. Prefix caching is off:
-after a "keep" load vLLM cannot drop cached blocks that running requests hold, and a new
-request could reuse KV computed with old weights.
+paused and raises `EngineError`, so a partial set is never served. Prefix caching (on a
+GPU by default) is reset after every load (`reset_prefix_cache(reset_running_requests=
+True)`): no block computed with old weights is reused, and requests frozen across a
+"keep" load are preempted and recomputed on the new weights (vLLM's recompute path;
+their emitted tokens keep their versions).
+
+GPU defaults (``VllmSettings``): CUDA graphs, prefix caching and sleep mode on where vLLM
+runs on a GPU; chunked prefill is vLLM's own there (off only on CPU, below).
+
+Older vLLM (0.22-0.31, the builds that pin the GPU machine's torch 2.11) labels no step
+with a weight version: there a token's version is the engine's version when its output
+arrives. A load pauses generation first ("wait" drains the batch), so only tokens of a
+"keep"-frozen request that were in flight over the load can be labelled one version late.
 
 Tied embeddings (`tie_word_embeddings`, e.g. Qwen2.5-0.5B, Qwen3-0.6B, Llama-3.2-1B):
 the checkpoint holds one matrix, `model.embed_tokens.weight`. `load_weights` takes it
@@ -60,7 +70,7 @@ equal) and sends it once. After vLLM's reload the worker re-runs the processing 
 layers that share it (the lm_head: on CPU its prepacked GEMM copy of the matrix would
 otherwise keep serving the old output matrix, see `_refresh_shared_weight_layers`).
 
-Chunked prefill is off: on vLLM 0.32 CPU a seeded request whose prompt is prefilled in
+Chunked prefill is off on CPU: on vLLM 0.32 CPU a seeded request whose prompt is prefilled in
 chunks crashes the engine core (`CPU Generator does not use offset`).
 
 Pause modes map one to one onto `AsyncLLM.pause_generation(mode=...)`; requests that were
@@ -206,6 +216,7 @@ class VllmEngine(InferenceEngine):
         kv_cache_gib: CPU KV cache size (sets `VLLM_CPU_KVCACHE_SPACE` if unset).
         enforce_eager: skip torch.compile / CUDA graphs (startup ~18 s vs ~56 s cold).
         tensor_parallel: GPUs the model is split across (vLLM `tensor_parallel_size`).
+        prefix_caching: reuse the KV of common prompt prefixes; reset at every load.
         engine_kwargs: extra `AsyncEngineArgs` fields (override the defaults above).
     """
 
@@ -220,6 +231,7 @@ class VllmEngine(InferenceEngine):
         kv_cache_gib: int = 1,
         enforce_eager: bool = True,
         tensor_parallel: int = 1,
+        prefix_caching: bool = False,
         engine_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if max_batch_size < 1:
@@ -232,6 +244,10 @@ class VllmEngine(InferenceEngine):
         self._kv_cache_gib = kv_cache_gib
         self._enforce_eager = enforce_eager
         self._tensor_parallel = tensor_parallel
+        self._prefix_caching = prefix_caching
+        self._labels_versions = True
+        """This vLLM labels each step with the weight version (>= 0.32); before, a
+        token's version is the engine's when its output arrives (see `_versions`)."""
         self._has_tokenizer = (Path(model) / "tokenizer_config.json").is_file()
         """Structured outputs compile their grammar over the tokenizer's vocabulary."""
         self._engine_kwargs = dict(engine_kwargs or {})
@@ -311,7 +327,14 @@ class VllmEngine(InferenceEngine):
                 await self.close()
             raise
         try:
-            await self._llm.engine_core.set_weight_version_async(str(self._version))
+            self._labels_versions = hasattr(self._llm.engine_core, "set_weight_version_async")
+            if self._labels_versions:
+                await self._llm.engine_core.set_weight_version_async(str(self._version))
+            else:
+                log.warning(
+                    "this vLLM labels no step with a weight version (< 0.32): a token's "
+                    "version is the engine's when its output arrives"
+                )
             hooked = await self._llm.collective_rpc("sf_install_logprob_hook")
             self._exact_top_p = all(hooked)
             if not self._exact_top_p:
@@ -345,15 +368,18 @@ class VllmEngine(InferenceEngine):
             "skip_tokenizer_init": not self._has_tokenizer,
             "logprobs_mode": "processed_logprobs",
             "generation_config": "vllm",
-            "enable_prefix_caching": False,
-            # vLLM 0.32 on CPU: a seeded request whose prefill is split over steps kills
-            # the engine (it rewinds the request's torch.Generator with set_offset, which
-            # CPU generators do not support). Without chunked prefill no prompt is split.
-            "enable_chunked_prefill": False,
-            "max_num_batched_tokens": max(self._max_context, 2048),
+            "enable_prefix_caching": self._prefix_caching,
             "disable_log_stats": True,
             "worker_extension_cls": f"{__name__}._SfWorkerExtension",
         }
+        import torch
+
+        if not torch.cuda.is_available():
+            # vLLM 0.32 on CPU: a seeded request whose prefill is split over steps kills
+            # the engine (it rewinds the request's torch.Generator with set_offset, which
+            # CPU generators do not support). Without chunked prefill no prompt is split.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(self._max_context, 2048)
         kwargs.update(self._engine_kwargs)
         return kwargs
 
@@ -469,7 +495,9 @@ class VllmEngine(InferenceEngine):
 
     def _versions(self, req: _Request, completion: Any, count: int) -> list[int]:
         """Version of each of the `count` new tokens, from vLLM's per-step labels."""
-        final = completion.weight_versions
+        final = getattr(completion, "weight_versions", None)
+        if not self._labels_versions:
+            return [self._version] * count
         if final:
             req.spans = [(span.start, self._parse_version(span.version)) for span in final]
         else:
@@ -589,7 +617,12 @@ class VllmEngine(InferenceEngine):
                     if self._tied and not all(refreshed):
                         # the tie was broken: the lm_head would serve its old matrix
                         raise RuntimeError("no layer shares the tied embedding after reload")
-                    await self._llm.engine_core.set_weight_version_async(str(version))
+                    if self._labels_versions:
+                        await self._llm.engine_core.set_weight_version_async(str(version))
+                    if self._prefix_caching:
+                        # no block computed with the old weights is reused; requests
+                        # frozen across a "keep" load are recomputed on the new ones
+                        await self._llm.reset_prefix_cache(reset_running_requests=True)
                 except Exception as exc:
                     self._failed = f"weight load of version {version} failed: {exc!r}"
                     log.exception("weight load failed; the engine stays paused")
@@ -764,10 +797,21 @@ def _build(settings: EngineSettings, model_dir: str) -> VllmEngine:
         dtype=settings.dtype,
         max_batch_size=settings.max_batch_size,
         max_context=settings.max_context,
-        enforce_eager=not own.cuda_graphs,
+        enforce_eager=not own.resolved(own.cuda_graphs),
         tensor_parallel=own.tensor_parallel,
-        engine_kwargs={"enable_sleep_mode": True} if own.sleep_mode else None,
+        prefix_caching=own.resolved(own.prefix_caching),
+        engine_kwargs=gpu_engine_kwargs(own),
     )
+
+
+def gpu_engine_kwargs(own: VllmSettings) -> dict[str, Any]:
+    """vLLM's arguments that only a GPU engine takes from the settings."""
+    kwargs: dict[str, Any] = {}
+    if own.resolved(own.sleep_mode) and own.on_gpu():
+        kwargs["enable_sleep_mode"] = True
+    if own.gpu_memory_utilization:
+        kwargs["gpu_memory_utilization"] = own.gpu_memory_utilization
+    return kwargs
 
 
 def _architecture_problems(config: dict[str, Any]) -> list[str]:
