@@ -83,6 +83,7 @@ from seamlessflow.resources import ResourceMembership
 from seamlessflow.service import ServiceContext
 from seamlessflow.settings import checkpoints_dir
 from seamlessflow.weights.group import form_as_trainer, how_buckets_travel
+from seamlessflow.weights.ipc import DevicePayloads
 from seamlessflow.weights.settings import WeightTransferSettings, publisher
 from sf_trainer import checkpoint, history
 from sf_trainer.checkpoint import TrainerState
@@ -162,7 +163,10 @@ class TrainerService:
             )
             transfer = weight_transfer(self.settings)
             version_bytes = self.learner.version_bytes(transfer.travel_dtype)
-            self.publisher = publisher(ctx.bus, transfer, version_bytes)
+            self.publisher = publisher(ctx.bus, transfer, version_bytes, self.settings.device)
+            if isinstance(self.publisher.store, DevicePayloads):
+                # device buffers are freed as the engines acknowledge each version
+                await self.publisher.store.watch(ctx.bus)
             log.info("a version is %.3f GB: %s", version_bytes / 1e9,
                      "sent as deltas where smaller" if self.publisher.encoder.deltas else
                      "streamed bucket by bucket as it is gathered, in full"

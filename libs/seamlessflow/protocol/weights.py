@@ -35,6 +35,40 @@ class DeltaEncoding(msgspec.Struct, kw_only=True):
     index_bytes: int = 4
 
 
+class DeviceHandle(msgspec.Struct, kw_only=True):
+    """Where one payload bucket lies in the trainer's device memory, for an engine on the
+    same host to map (``seamlessflow.weights.ipc``). Plain data, never a pickle: a peer's
+    message is decoded, not executed.
+
+    ``kind`` names the device layer that exported it: ``cuda`` (a CUDA IPC handle of the
+    bucket's allocation; ``offset`` bytes into it) or ``shm`` (the CPU stand-in: a file
+    ``name`` in shared memory)."""
+
+    kind: Literal["cuda", "shm"]
+    name: bytes
+    """The handle itself: the CUDA IPC memory handle, or the stand-in's file name."""
+    nbytes: int
+    offset: int = 0
+    device: int = 0
+    """The exporter's CUDA device index (the importer maps it on the same device)."""
+    ref_counter: bytes = b""
+    """CUDA: torch's shared reference counter of the allocation (its file handle), which
+    keeps the exporter from reusing the memory while an importer holds it."""
+    ref_counter_offset: int = 0
+    event: bytes = b""
+    """CUDA: an IPC event recorded after the bucket was written (the importer waits on it)."""
+    event_sync: bool = False
+
+
+class DevicePayload(msgspec.Struct, kw_only=True):
+    """A payload also held in the trainer's device memory, bucket by bucket."""
+
+    buckets: list[DeviceHandle]
+    fallback: str
+    """The pull store that holds the same payload at the manifest's ``location``, for an
+    engine that cannot map the buckets (another host, no device, freed already)."""
+
+
 class WeightManifest(msgspec.Struct, kw_only=True):
     """One weight payload: where it is, how to check it, what it turns into.
 
@@ -48,7 +82,8 @@ class WeightManifest(msgspec.Struct, kw_only=True):
     kind: Literal["full", "delta"]
     base_version: int = 0
     transport: str
-    """Pull store holding the payload: ``object`` (NATS Object Store) or ``shm``."""
+    """Pull store holding the payload: ``object`` (NATS Object Store), ``shm``, or
+    ``cuda_ipc`` (device memory: ``device`` says where, and which store holds a copy)."""
     location: str
     payload_bytes: int
     bucket_bytes: int
@@ -58,6 +93,8 @@ class WeightManifest(msgspec.Struct, kw_only=True):
     state_digest: str
     layout: list[TensorSpec]
     delta: DeltaEncoding | None = None
+    device: DevicePayload | None = None
+    """``cuda_ipc``: the payload's buckets in the trainer's device memory."""
 
 
 class WeightsPublished(Message, tag="weights.published"):

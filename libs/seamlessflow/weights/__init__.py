@@ -9,6 +9,8 @@ Shared logic, written once:
 
 Thin transports:
 - ``stores``: pull stores, NATS Object Store (any host) and shared memory (same host);
+- ``ipc`` over ``device``: ``cuda_ipc``, buckets in the trainer's device memory mapped
+  by the engines of its host, a pull store beside it as the fallback;
 - ``collective``: push broadcast over a process group (torch.distributed gloo on CPU,
   NCCL through CuPy on GPUs).
 

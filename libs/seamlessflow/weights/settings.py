@@ -11,6 +11,8 @@ from pydantic_settings import SettingsConfigDict
 from seamlessflow.bus import Bus
 from seamlessflow.runfile import RunFileSettings
 from seamlessflow.weights.codec import WeightEncoder
+from seamlessflow.weights.device import CudaBuffers, DeviceBuffers, SharedMemoryBuffers
+from seamlessflow.weights.ipc import DevicePayloads, EnginePlacement, HeldVersions, choose_transport
 from seamlessflow.weights.layout import torch_dtype
 from seamlessflow.weights.stores import ObjectStorePayloads, PayloadStore, SharedMemoryPayloads
 from seamlessflow.weights.sync import WeightPublisher
@@ -26,10 +28,35 @@ class WeightTransferSettings(RunFileSettings):
         env_prefix="SF_WEIGHTS_", extra="ignore", use_attribute_docstrings=True
     )
 
-    transport: Literal["object", "shm"] = "object"
+    transport: Literal["object", "shm", "cuda_ipc", "auto"] = "object"
     """Where the trainer puts each version for engines to pull: ``object`` (NATS Object
-    Store, any host) or ``shm`` (files in ``shm_dir``; trainer and engines on one host).
+    Store, any host), ``shm`` (files in ``shm_dir``; trainer and engines on one host),
+    ``cuda_ipc`` (the trainer's CUDA memory, mapped by the engines of its host, with
+    ``ipc_fallback`` holding a copy), or ``auto``: ``cuda_ipc`` for a CUDA trainer when
+    ``engine_placement`` is ``this-host-cuda``, ``shm`` on one host, else ``object``.
     GPU engines in a collective group also get a push broadcast (``collective``)."""
+
+    engine_placement: EnginePlacement = "other-hosts"
+    """Where the engines are, for ``transport=auto`` (what the launcher knows):
+    ``other-hosts`` (some engine may be on another host), ``this-host`` (all on the
+    trainer's host), ``this-host-cuda`` (all on its host, each with a CUDA device)."""
+
+    ipc_fallback: Literal["shm", "object"] = "shm"
+    """``cuda_ipc``: the pull store that also holds every version, read by an engine that
+    cannot map the device buffers (freed, no device) and by late joiners."""
+
+    ipc_max_versions: int = 2
+    """``cuda_ipc``: versions whose device buffers the trainer holds at most. Publishing
+    one more frees the oldest at once (the trainer never waits); an engine that had not
+    mapped it reads ``ipc_fallback``."""
+
+    ipc_hold_s: float = 120.0
+    """``cuda_ipc``: a version's device buffers are freed this long after it was stored,
+    whether or not every engine acknowledged it (a silent engine reads the fallback)."""
+
+    ipc_expect_engines: int = 0
+    """``cuda_ipc``: engines that must acknowledge a version (``WeightsLoaded``) before
+    its device buffers are freed early; 0 = the engines heard from (at least one)."""
 
     dtype: str = ""
     """dtype the weights travel in (``bfloat16``, ``float32``); empty = the precision the
@@ -101,23 +128,75 @@ class WeightTransferSettings(RunFileSettings):
 
 def payload_stores(bus: Bus, settings: WeightTransferSettings) -> dict[str, PayloadStore]:
     """Every store an engine can fetch from; the manifest names the one to use."""
-    return {
+    stores: dict[str, PayloadStore] = {
         ObjectStorePayloads.name: ObjectStorePayloads(bus),
         SharedMemoryPayloads.name: SharedMemoryPayloads(
             bus.subjects.run_id, settings.shm_dir, bus.subjects.policy
         ),
     }
+    stores[DevicePayloads.name] = DevicePayloads(
+        stores, settings.ipc_fallback, None, held_versions(settings), device_readers(bus, settings)
+    )
+    return stores
 
 
-def publisher(bus: Bus, settings: WeightTransferSettings, version_bytes: int) -> WeightPublisher:
-    """The trainer's publisher for versions of ``version_bytes`` (their travel size)."""
+def held_versions(settings: WeightTransferSettings) -> HeldVersions:
+    return HeldVersions(
+        max_versions=settings.ipc_max_versions,
+        hold_s=settings.ipc_hold_s,
+        expect_engines=settings.ipc_expect_engines,
+    )
+
+
+def stand_in_buffers(bus: Bus, settings: WeightTransferSettings) -> SharedMemoryBuffers:
+    """The CPU stand-in of device buffers, named per run and policy like shm payloads."""
+    return SharedMemoryBuffers(
+        settings.shm_dir, f"seamlessflow-{bus.subjects.run_id}-{bus.subjects.policy}-"
+    )
+
+
+def device_readers(bus: Bus, settings: WeightTransferSettings) -> dict[str, DeviceBuffers]:
+    """The device layers an engine opens handles with: CUDA where there is a device."""
+    readers: dict[str, DeviceBuffers] = {"shm": stand_in_buffers(bus, settings)}
+    import torch
+
+    if torch.cuda.is_available():
+        readers["cuda"] = CudaBuffers()
+    return readers
+
+
+def resolved_transport(settings: WeightTransferSettings, trainer_device: str) -> str:
+    """The transport the trainer publishes with (``auto`` decided)."""
+    if settings.transport == "auto":
+        return choose_transport(trainer_device, settings.engine_placement)
+    return settings.transport
+
+
+def publisher(
+    bus: Bus,
+    settings: WeightTransferSettings,
+    version_bytes: int,
+    trainer_device: str = "cpu",
+    device_buffers: DeviceBuffers | None = None,
+) -> WeightPublisher:
+    """The trainer's publisher for versions of ``version_bytes`` (their travel size).
+
+    ``cuda_ipc`` allocates on ``trainer_device`` (or in ``device_buffers``: the CPU
+    stand-in in tests); its store must be started with ``DevicePayloads.watch``."""
     encoder = WeightEncoder(
         bucket_bytes=settings.bucket_bytes,
         deltas=settings.deltas and version_bytes <= settings.delta_max_mb * 1024 * 1024,
         full_every=settings.full_every,
         max_delta_ratio=settings.max_delta_ratio,
     )
-    store = payload_stores(bus, settings)[settings.transport]
+    stores = payload_stores(bus, settings)
+    transport = resolved_transport(settings, trainer_device)
+    store = stores[transport]
+    if isinstance(store, DevicePayloads):
+        if device_buffers is None and not trainer_device.startswith("cuda"):
+            raise ValueError(f"cuda_ipc needs a CUDA trainer, not {trainer_device!r}")
+        store.buffers = device_buffers or CudaBuffers(trainer_device)
+        store.readers.setdefault(store.buffers.kind, store.buffers)
     return WeightPublisher(
         store, encoder, keep_chains=settings.keep_chains, dtype=settings.travel_dtype
     )

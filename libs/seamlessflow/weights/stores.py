@@ -138,7 +138,7 @@ class ObjectStorePayloads:
 
     async def fetch(self, manifest: WeightManifest) -> memoryview:
         store = await self._objects()
-        _check_buckets(manifest)
+        check_buckets(manifest)
         ranges = list(bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes))
         # A manifest is input: its sizes must be those of the stored objects before its
         # payload is allocated, or one message could make an engine allocate anything.
@@ -221,7 +221,7 @@ class SharedMemoryPayloads:
     async def fetch(self, manifest: WeightManifest) -> memoryview:
         if not manifest.location.startswith(self.prefix):
             raise PayloadMissing(f"{manifest.location} is not a payload of this run")
-        _check_buckets(manifest)
+        check_buckets(manifest)
         try:
             with (self.directory / manifest.location).open("rb") as source:
                 stored = os.fstat(source.fileno()).st_size
@@ -318,7 +318,7 @@ class _SliceWriter(io.BufferedIOBase):
         return len(data)
 
 
-def _check_buckets(manifest: WeightManifest) -> None:
+def check_buckets(manifest: WeightManifest) -> None:
     """The manifest's sizes agree with each other: one digest per bucket. Arithmetic
     only, so a wild size never yields a long list of buckets."""
     size, bucket = manifest.payload_bytes, manifest.bucket_bytes

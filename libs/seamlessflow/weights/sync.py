@@ -33,6 +33,7 @@ from seamlessflow.weights.codec import (
     WeightMirror,
 )
 from seamlessflow.weights.collective import Collective, Received
+from seamlessflow.weights.ipc import DevicePayloads
 from seamlessflow.weights.stores import PayloadMissing, PayloadStore, PayloadWriter
 
 log = logging.getLogger(__name__)
@@ -150,8 +151,8 @@ class WeightPublisher:
 
     async def close(self) -> None:
         """Stop the push group's listeners; delete the payloads of an ephemeral store
-        (shared memory is RAM); payloads in the object store stay for engines still
-        catching up."""
+        (shared memory is RAM) and free device buffers; payloads in the object store
+        stay for engines still catching up."""
         if self.push is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(collective.send_stop, self.push)
@@ -163,6 +164,8 @@ class WeightPublisher:
                 for manifest in chain:
                     await self.store.delete(manifest)
             self._chains.clear()
+        if isinstance(self.store, DevicePayloads):  # device memory is freed in any case
+            await self.store.close()
 
     def _encode(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> EncodedWeights:
         if self.dtype is not None:

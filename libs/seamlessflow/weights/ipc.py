@@ -1,0 +1,324 @@
+"""The ``cuda_ipc`` transport: each version's buckets in the trainer's device memory,
+mapped by the engines of its host, with a pull store beside it as the fallback.
+
+- ``choose_transport``: what ``SF_WEIGHTS_TRANSPORT=auto`` resolves to.
+- ``HeldVersions``: which versions' device buffers the trainer still holds, and when
+  each may go (pure bookkeeping, no I/O, its clock injected).
+- ``DevicePayloads``: a ``PayloadStore``. The trainer's writer stores each bucket in the
+  fallback store (``shm`` or ``object``) and in a device buffer; the manifest it returns
+  says ``transport="cuda_ipc"``, carries one ``DeviceHandle`` per bucket, and names the
+  fallback store, which holds the same payload at the manifest's ``location``. An
+  engine's ``fetch`` maps each bucket, copies it out, releases the mapping, and checks
+  the bucket digests; any failure (freed, another host, no device, a digest mismatch)
+  fetches from the fallback store instead. ``watch`` listens for the engines'
+  ``WeightsLoaded`` (the acknowledgement) and the tag-scheduler's ``dead``.
+
+Lifetime (invariants):
+- A version's buffers are held until every engine the trainer knows acknowledged it or a
+  newer version (at least ``expect_engines`` of them, and at least one), or until
+  ``hold_s`` passed, or an engine is declared dead and the rest acknowledged. Engines
+  are known from their acknowledgements; a dead one is forgotten.
+- At most ``max_versions`` are held: publishing one more frees the oldest at once, so a
+  dead or stuck engine never stalls the trainer nor fills its device; an engine that had
+  not mapped it yet reads the fallback store (the same bytes).
+- Freeing never breaks a reader in the middle: an open mapping stays valid (torch keeps
+  a shared CUDA allocation until importers release it; the stand-in's unlinked file
+  stays mapped). A handle opened after the free fails, or (CUDA: the allocation reused)
+  yields bytes whose digests do not match: both read the fallback.
+- Nothing executable travels: handles are plain fields (``protocol.DeviceHandle``).
+
+Not yet a device-to-device path: the trainer encodes versions in host memory and the
+engine's ``WeightMirror`` holds and checks them (xxh3 digests) in host memory, so the
+trainer uploads each bucket and an engine copies each mapped bucket back to the host.
+The handshake, lifetime and fallbacks here stay as they are when the encoder and the
+mirror move to the device; only ``DeviceBuffers.allocate`` and ``read`` change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+from seamlessflow.bus import Bus
+from seamlessflow.protocol import DevicePayload, PhaseChanged, WeightManifest, WeightsLoaded
+from seamlessflow.weights.codec import EncodedWeights, WeightsCorrupted
+from seamlessflow.weights.device import BufferGone, DeviceBuffers
+from seamlessflow.weights.layout import bucket_digests, bucket_ranges
+from seamlessflow.weights.stores import (
+    PayloadMissing,
+    PayloadStore,
+    PayloadWriter,
+    check_buckets,
+    put_whole,
+)
+
+log = logging.getLogger(__name__)
+
+Transport = Literal["object", "shm", "cuda_ipc"]
+EnginePlacement = Literal["other-hosts", "this-host", "this-host-cuda"]
+
+
+def choose_transport(trainer_device: str, engines: EnginePlacement) -> Transport:
+    """``auto``: device memory when the trainer computes on CUDA and every engine is on
+    its host with a CUDA device; shared memory when they share the host; else the NATS
+    Object Store (the only one that reaches another host)."""
+    if engines == "other-hosts":
+        return "object"
+    if engines == "this-host-cuda" and trainer_device.startswith("cuda"):
+        return "cuda_ipc"
+    return "shm"
+
+
+@dataclass
+class HeldVersion:
+    version: int
+    buffers: list[Any]
+    since: float
+
+
+@dataclass
+class HeldVersions:
+    """The versions whose device buffers the trainer holds (see the module docstring).
+    Every method returns the versions it released; the caller frees their buffers."""
+
+    max_versions: int
+    hold_s: float
+    expect_engines: int = 0
+    clock: Callable[[], float] = time.monotonic
+    acked: dict[str, int] = field(default_factory=dict)
+    """Engine -> the newest version it acknowledged (the engines the trainer knows)."""
+    held: dict[int, HeldVersion] = field(default_factory=dict)
+    """Oldest first."""
+
+    def __post_init__(self) -> None:
+        if self.max_versions < 1:
+            raise ValueError("max_versions must be at least 1")
+
+    def hold(self, version: int, buffers: list[Any]) -> list[HeldVersion]:
+        released = self.drop(version)  # a republished version replaces its buffers
+        self.held[version] = HeldVersion(version, buffers, self.clock())
+        while len(self.held) > self.max_versions:
+            released.extend(self.drop(next(iter(self.held))))
+        return released + self._settled()
+
+    def ack(self, engine_id: str, version: int) -> list[HeldVersion]:
+        self.acked[engine_id] = max(self.acked.get(engine_id, 0), version)
+        return self._settled()
+
+    def gone(self, engine_id: str) -> list[HeldVersion]:
+        self.acked.pop(engine_id, None)
+        return self._settled()
+
+    def expire(self) -> list[HeldVersion]:
+        cutoff = self.clock() - self.hold_s
+        return [self.held.pop(v) for v, held in list(self.held.items()) if held.since <= cutoff]
+
+    def drop(self, version: int) -> list[HeldVersion]:
+        held = self.held.pop(version, None)
+        return [] if held is None else [held]
+
+    def drop_all(self) -> list[HeldVersion]:
+        released, self.held = list(self.held.values()), {}
+        return released
+
+    def _settled(self) -> list[HeldVersion]:
+        """Versions every known engine acknowledged (enough engines known)."""
+        if len(self.acked) < max(1, self.expect_engines):
+            return []
+        done = min(self.acked.values())
+        return [self.held.pop(v) for v in list(self.held) if v <= done]
+
+
+class DevicePayloads:
+    """``cuda_ipc`` (see the module docstring). ``stores`` are the pull stores by name,
+    ``fallback`` the one the trainer writes beside the device; ``buffers`` the device
+    layer the trainer allocates with; ``readers`` the layers an engine opens handles with
+    (by ``DeviceHandle.kind``)."""
+
+    name = "cuda_ipc"
+
+    def __init__(
+        self,
+        stores: Mapping[str, PayloadStore],
+        fallback: str,
+        buffers: DeviceBuffers | None,
+        held: HeldVersions,
+        readers: Mapping[str, DeviceBuffers] | None = None,
+    ) -> None:
+        if fallback not in stores or fallback == self.name:
+            raise ValueError(f"no fallback store {fallback!r}")
+        self.stores = dict(stores)
+        self.fallback = self.stores[fallback]
+        self.buffers = buffers
+        self.held = held
+        self.readers = dict(readers or {})
+        if buffers is not None:
+            self.readers.setdefault(buffers.kind, buffers)
+        self.ephemeral = self.fallback.ephemeral
+        self._expiry: asyncio.Task[None] | None = None
+        self._subscriptions: list[Any] = []
+
+    # -- trainer side ----------------------------------------------------------------
+
+    async def writer(self, version: int, kind: str) -> PayloadWriter:
+        return _DeviceWriter(self, await self.fallback.writer(version, kind), version)
+
+    async def put(self, encoded: EncodedWeights) -> WeightManifest:
+        return await put_whole(self, encoded)
+
+    async def delete(self, manifest: WeightManifest) -> None:
+        await self.release(self.held.drop(manifest.version))
+        await self._store_of(manifest).delete(manifest)
+
+    async def delete_before(self, version: int) -> None:
+        await self.release([h for v in list(self.held.held) if v < version
+                            for h in self.held.drop(v)])  # fmt: skip
+        await self.fallback.delete_before(version)
+
+    async def release(self, released: list[HeldVersion]) -> None:
+        """Free the buffers of released versions (engines still mapping them keep them)."""
+        if not released or self.buffers is None:
+            return
+        buffers = self.buffers
+        for held in released:
+            for buffer in held.buffers:
+                await asyncio.to_thread(buffers.free, buffer)
+            held.buffers.clear()
+            log.debug("device buffers of version %d freed", held.version)
+
+    async def watch(self, bus: Bus, tick_s: float = 1.0) -> None:
+        """Follow the engines' acknowledgements and deaths, and expire held versions."""
+        subjects = bus.subjects
+
+        async def on_loaded(loaded: WeightsLoaded) -> None:
+            await self.release(self.held.ack(loaded.engine_id, loaded.version))
+
+        async def on_phase(changed: PhaseChanged) -> None:
+            if changed.phase == "dead":
+                await self.release(self.held.gone(changed.resource_id))
+
+        async def expire() -> None:
+            while True:
+                await asyncio.sleep(tick_s)
+                await self.release(self.held.expire())
+
+        self._subscriptions = [
+            await bus.subscribe(subjects.weights_loaded(), WeightsLoaded, on_loaded),
+            await bus.subscribe(subjects.sched_phase(), PhaseChanged, on_phase),
+        ]
+        self._expiry = asyncio.create_task(expire())
+
+    async def close(self) -> None:
+        """Stop watching and free every held buffer."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry
+            self._expiry = None
+        for subscription in self._subscriptions:
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+        self._subscriptions = []
+        await self.release(self.held.drop_all())
+
+    # -- engine side -----------------------------------------------------------------
+
+    async def fetch(self, manifest: WeightManifest) -> memoryview:
+        """The payload from the trainer's device memory, else from the fallback store."""
+        try:
+            return await asyncio.to_thread(self._read_device, manifest)
+        except (BufferGone, WeightsCorrupted) as exc:
+            log.info("version %d: reading %s instead of device memory (%s)",
+                     manifest.version, self._fallback_name(manifest), exc)  # fmt: skip
+        return await self._store_of(manifest).fetch(manifest)
+
+    def _read_device(self, manifest: WeightManifest) -> memoryview:
+        device = manifest.device
+        if device is None:
+            raise BufferGone("the manifest has no device buffers")
+        check_buckets(manifest)
+        ranges = list(bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes))
+        # a manifest is input: every size is checked before anything is allocated
+        if len(device.buckets) != len(ranges) or any(
+            handle.nbytes != end - start
+            for handle, (start, end) in zip(device.buckets, ranges, strict=False)
+        ):
+            raise WeightsCorrupted(f"version {manifest.version}: buckets and handles disagree")
+        readers = [self.readers.get(handle.kind) for handle in device.buckets]
+        payload = memoryview(bytearray(manifest.payload_bytes))
+        for handle, reader, (start, end) in zip(device.buckets, readers, ranges, strict=True):
+            if reader is None:
+                raise BufferGone(f"no {handle.kind!r} device on this engine")
+            mapping = reader.open(handle)
+            try:
+                reader.read(mapping, payload[start:end])
+            finally:
+                reader.close(mapping)
+                del mapping
+        # checked here too, so that a buffer reused after its free reads the fallback
+        # instead of failing the version (the mirror checks again what it applies)
+        if bucket_digests(payload, manifest.bucket_bytes) != manifest.bucket_digests:
+            raise WeightsCorrupted(f"version {manifest.version}: device buckets changed")
+        return payload
+
+    def _fallback_name(self, manifest: WeightManifest) -> str:
+        return manifest.device.fallback if manifest.device is not None else manifest.transport
+
+    def _store_of(self, manifest: WeightManifest) -> PayloadStore:
+        """The store that holds the manifest's payload at its ``location``."""
+        name = self._fallback_name(manifest)
+        store = self.stores.get(name) if name != self.name else None
+        if store is None:
+            raise PayloadMissing(f"no {name!r} store on this process")
+        return store
+
+
+class _DeviceWriter:
+    """Each bucket to the fallback store and to a device buffer. A device that cannot
+    take a bucket (out of memory) leaves the version to the fallback store alone."""
+
+    def __init__(self, payloads: DevicePayloads, fallback: PayloadWriter, version: int) -> None:
+        self.payloads, self.fallback, self.version = payloads, fallback, version
+        self.buffers: list[Any] = []
+        self.device_ok = payloads.buffers is not None
+
+    async def write(self, index: int, bucket: memoryview) -> None:
+        await self.fallback.write(index, bucket)
+        layer = self.payloads.buffers
+        if not self.device_ok or layer is None:
+            return
+        try:
+            self.buffers.append(await asyncio.to_thread(layer.allocate, bucket))
+        except Exception as exc:  # e.g. out of device memory: the store has the bucket
+            log.warning("version %d stays out of device memory: %r", self.version, exc)
+            self.device_ok = False
+            await self._free()
+
+    async def close(self, manifest: WeightManifest) -> WeightManifest:
+        stored = await self.fallback.close(manifest)
+        layer = self.payloads.buffers
+        if not self.device_ok or layer is None or len(self.buffers) != len(stored.bucket_digests):
+            await self._free()
+            return stored
+        handles = [await asyncio.to_thread(layer.export, b) for b in self.buffers]
+        await self.payloads.release(self.payloads.held.hold(self.version, self.buffers))
+        return msgspec.structs.replace(
+            stored,
+            transport=DevicePayloads.name,
+            device=DevicePayload(buckets=handles, fallback=stored.transport),
+        )
+
+    async def abort(self) -> None:
+        await self._free()
+        await self.fallback.abort()
+
+    async def _free(self) -> None:
+        buffers, self.buffers = self.buffers, []
+        await self.payloads.release([HeldVersion(self.version, buffers, 0.0)])

@@ -1,0 +1,59 @@
+"""The CUDA layer of the ``cuda_ipc`` transport: a version's buckets in one process's
+CUDA memory, applied by another process that maps them by their handles (plain data,
+decoded from JSON as a manifest from NATS would be). Skipped without CUDA (the ``gpu``
+mark); the protocol above this layer runs on CPU in ``test_cuda_ipc_weights.py``."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from seamlessflow.protocol import WeightManifest
+from seamlessflow.weights import SharedMemoryPayloads, WeightEncoder, WeightMirror
+from seamlessflow.weights.device import CudaBuffers
+from seamlessflow.weights.ipc import DevicePayloads, HeldVersions
+
+pytestmark = pytest.mark.gpu
+
+
+def state() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(1024, 1024, generator=generator).bfloat16(), "b": torch.ones(7)}
+
+
+def engine(manifest_json: bytes, directory: str, out: str) -> None:
+    """Another process: apply the version from the handles alone (its shm copy is gone)."""
+    import asyncio
+
+    manifest = msgspec.json.decode(manifest_json, type=WeightManifest)
+    stores = {"shm": SharedMemoryPayloads("gpu", Path(directory))}
+    payloads = DevicePayloads(stores, "shm", None, HeldVersions(1, 1.0), {"cuda": CudaBuffers()})
+    mirror = WeightMirror()
+    mirror.apply(manifest, asyncio.run(payloads.fetch(manifest)))
+    got, want = mirror.tensors(), state()
+    Path(out).write_text(str(all(torch.equal(got[k], want[k]) for k in want)))
+
+
+async def test_another_process_applies_a_version_from_cuda_ipc_handles(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    stores = {"shm": SharedMemoryPayloads("gpu", tmp_path)}
+    trainer = DevicePayloads(stores, "shm", CudaBuffers("cuda"), HeldVersions(2, 60.0))
+    manifest = await trainer.put(WeightEncoder(bucket_bytes=1 << 19).encode(1, state()))
+    assert manifest.device is not None and {h.kind for h in manifest.device.buckets} == {"cuda"}
+    (tmp_path / manifest.location).unlink()
+    out = tmp_path / "engine"
+    process = multiprocessing.get_context("spawn").Process(
+        target=engine, args=(msgspec.json.encode(manifest), str(tmp_path), str(out))
+    )
+    process.start()
+    process.join(timeout=120)
+    assert process.exitcode == 0
+    assert out.read_text() == "True"
+    before = torch.cuda.memory_allocated()
+    await trainer.release(trainer.held.ack("engine-1", 1))
+    assert torch.cuda.memory_allocated() < before  # the acknowledgement freed them

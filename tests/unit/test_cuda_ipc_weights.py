@@ -1,0 +1,228 @@
+"""The ``cuda_ipc`` weight transport on CPU, through the shared-memory stand-in of
+device buffers: what ``auto`` chooses, how long a version's buffers are held (until
+every engine acknowledged it, a timeout, an engine's death or the bound), and engines
+that read the device buffers or, when those are gone or changed, the fallback store.
+Through a real nats-server (acknowledgements as ``WeightsLoaded``) is
+tests/service/test_cuda_ipc_transport.py; the CUDA layer itself is
+tests/unit/test_cuda_ipc_device.py (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from seamlessflow.protocol import WeightManifest
+from seamlessflow.weights import (
+    PayloadMissing,
+    SharedMemoryPayloads,
+    WeightEncoder,
+    WeightMirror,
+    WeightPublisher,
+)
+from seamlessflow.weights.device import BufferGone, SharedMemoryBuffers
+from seamlessflow.weights.ipc import DevicePayloads, HeldVersion, HeldVersions, choose_transport
+from tests.support.weight_states import small_state
+
+RUN = "seamlessflow-ipc-policy-"
+
+
+@pytest.mark.parametrize(
+    ("trainer_device", "engines", "chosen"),
+    [
+        ("cuda", "this-host-cuda", "cuda_ipc"),
+        ("cuda:1", "this-host-cuda", "cuda_ipc"),
+        ("cpu", "this-host-cuda", "shm"),
+        ("cuda", "this-host", "shm"),
+        ("cpu", "this-host", "shm"),
+        ("cuda", "other-hosts", "object"),
+        ("cpu", "other-hosts", "object"),
+    ],
+)
+def test_auto_chooses_device_memory_only_for_a_cuda_trainer_with_cuda_engines_beside_it(
+    trainer_device: str, engines: str, chosen: str
+) -> None:
+    assert choose_transport(trainer_device, engines) == chosen
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def versions(released: list[HeldVersion]) -> list[int]:
+    return [held.version for held in released]
+
+
+def test_a_version_is_held_until_every_known_engine_acknowledged_it_or_a_newer_one() -> None:
+    held = HeldVersions(max_versions=4, hold_s=60.0)
+    assert held.hold(1, ["b1"]) == []
+    assert versions(held.ack("e1", 1)) == [1]  # the only engine known
+    held.hold(2, ["b2"])
+    held.hold(3, ["b3"])
+    held.ack("e2", 1)  # a second engine, still on version 1
+    assert versions(held.ack("e1", 3)) == []
+    assert versions(held.ack("e2", 3)) == [2, 3]  # an ack of 3 settles 2 as well
+    assert held.held == {}
+
+
+def test_expected_engines_must_all_acknowledge_and_a_dead_one_is_not_waited_for() -> None:
+    held = HeldVersions(max_versions=4, hold_s=60.0, expect_engines=2)
+    held.hold(1, ["b1"])
+    assert held.ack("e1", 1) == []  # one of two expected engines
+    assert versions(held.ack("e2", 1)) == [1]
+    held.hold(2, ["b2"])
+    held.ack("e1", 2)
+    held.ack("e3", 2)
+    assert held.ack("e2", 1) == []  # e2 lags
+    assert versions(held.gone("e2")) == [2]  # declared dead: e1 and e3 are two engines
+
+
+def test_without_acknowledgements_a_version_is_freed_after_the_hold_time() -> None:
+    clock = Clock()
+    held = HeldVersions(max_versions=4, hold_s=10.0, clock=clock)
+    held.hold(1, ["b1"])
+    clock.now = 5.0
+    held.hold(2, ["b2"])
+    assert held.expire() == []
+    clock.now = 10.0
+    assert versions(held.expire()) == [1]
+    clock.now = 15.0
+    assert versions(held.expire()) == [2]
+
+
+def test_the_bound_frees_the_oldest_version_at_once() -> None:
+    held = HeldVersions(max_versions=2, hold_s=60.0)
+    held.hold(1, ["b1"])
+    held.hold(2, ["b2"])
+    assert versions(held.hold(3, ["b3"])) == [1]  # never waits for a lagging engine
+    assert list(held.held) == [2, 3]
+    with pytest.raises(ValueError):
+        HeldVersions(max_versions=0, hold_s=1.0)
+
+
+def trainer_and_engine(
+    tmp_path: Path, max_versions: int = 4
+) -> tuple[DevicePayloads, DevicePayloads, SharedMemoryBuffers]:
+    """The trainer's store and an engine's, each with its own shm store and stand-in."""
+    buffers = SharedMemoryBuffers(tmp_path, RUN)
+
+    def stores() -> dict[str, SharedMemoryPayloads]:
+        return {"shm": SharedMemoryPayloads("ipc", tmp_path)}
+
+    trainer = DevicePayloads(stores(), "shm", buffers, HeldVersions(max_versions, 60.0))
+    engine = DevicePayloads(
+        stores(), "shm", None, HeldVersions(1, 60.0), {"shm": SharedMemoryBuffers(tmp_path, RUN)}
+    )
+    return trainer, engine, buffers
+
+
+def buffer_files(tmp_path: Path) -> list[str]:
+    return sorted(name for name in os.listdir(tmp_path) if "-buffer-" in name)
+
+
+async def apply(engine: DevicePayloads, manifest: WeightManifest) -> dict[str, torch.Tensor]:
+    mirror = WeightMirror()
+    mirror.apply(manifest, await engine.fetch(manifest))
+    return mirror.tensors()
+
+
+def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+async def test_an_engine_reads_the_device_buffers_and_the_acknowledgement_frees_them(
+    tmp_path: Path,
+) -> None:
+    trainer, engine, _ = trainer_and_engine(tmp_path)
+    state = small_state(1)
+    encoded = WeightEncoder(bucket_bytes=10_000).encode(1, state)
+    manifest = await trainer.put(encoded)
+    assert manifest.transport == "cuda_ipc"
+    assert manifest.device is not None and manifest.device.fallback == "shm"
+    assert len(manifest.device.buckets) == len(manifest.bucket_digests) == 7
+    assert len(buffer_files(tmp_path)) == 7
+    (tmp_path / manifest.location).unlink()  # only the device buffers are read
+    assert same(await apply(engine, manifest), state)
+    await trainer.release(trainer.held.ack("engine-1", 1))
+    assert buffer_files(tmp_path) == []
+
+
+async def test_an_engine_reads_the_fallback_when_the_buffers_are_gone_or_changed(
+    tmp_path: Path,
+) -> None:
+    trainer, engine, _ = trainer_and_engine(tmp_path, max_versions=1)
+    states = [small_state(seed) for seed in (1, 2, 3)]
+    encoder = WeightEncoder(bucket_bytes=10_000)
+    first = await trainer.put(encoder.encode(1, states[0]))
+    second = await trainer.put(encoder.encode(2, states[1]))  # the bound frees version 1
+    assert len(buffer_files(tmp_path)) == len(second.bucket_digests)
+    assert same(await apply(engine, first), states[0])  # a lagging engine: from shm
+    assert same(await apply(engine, second), states[1])
+    # a freed allocation reused by other data: the digests send the engine to the store
+    assert second.device is not None
+    victim = tmp_path / second.device.buckets[0].name.decode()
+    victim.write_bytes(bytes(victim.stat().st_size))
+    assert same(await apply(engine, second), states[1])
+    # gone from both: the engine catches up from the chain later, as with any store
+    await trainer.delete(second)
+    with pytest.raises(PayloadMissing):
+        await engine.fetch(second)
+    assert buffer_files(tmp_path) == []
+
+
+async def test_a_mapping_opened_before_the_free_stays_readable(tmp_path: Path) -> None:
+    buffers = SharedMemoryBuffers(tmp_path, RUN)
+    buffer = buffers.allocate(memoryview(b"weights!"))
+    handle = buffers.export(buffer)
+    mapping = buffers.open(handle)
+    buffers.free(buffer)
+    into = memoryview(bytearray(8))
+    buffers.read(mapping, into)
+    buffers.close(mapping)
+    assert bytes(into) == b"weights!"
+    with pytest.raises(BufferGone):  # opened after the free
+        buffers.open(handle)
+    other_run = SharedMemoryBuffers(tmp_path, "seamlessflow-other-policy-")
+    with pytest.raises(BufferGone):  # a handle is input: only this run's names
+        other_run.open(handle)
+
+
+async def test_an_engine_without_the_fallback_store_or_the_device_kind_gets_payload_missing(
+    tmp_path: Path,
+) -> None:
+    trainer, _, _ = trainer_and_engine(tmp_path)
+    manifest = await trainer.put(WeightEncoder(bucket_bytes=10_000).encode(1, small_state(1)))
+    no_device = DevicePayloads(
+        {"shm": SharedMemoryPayloads("ipc", tmp_path)}, "shm", None, HeldVersions(1, 1.0)
+    )
+    assert len(await no_device.fetch(manifest)) == manifest.payload_bytes  # from shm
+    elsewhere = DevicePayloads(
+        {"shm": SharedMemoryPayloads("another-run", tmp_path)}, "shm", None, HeldVersions(1, 1.0)
+    )
+    with pytest.raises(PayloadMissing):
+        await elsewhere.fetch(manifest)
+
+
+async def test_the_publisher_keeps_chains_in_both_and_frees_every_buffer_on_close(
+    tmp_path: Path,
+) -> None:
+    trainer, engine, _ = trainer_and_engine(tmp_path)
+    encoder = WeightEncoder(bucket_bytes=1 << 20, deltas=True, full_every=2)
+    publisher = WeightPublisher(trainer, encoder, keep_chains=1)
+    state = small_state(2)
+    manifests = []
+    for version in (1, 2, 3):
+        state = {k: v + (0.5 if k == "b" else 0.0) for k, v in state.items()}
+        manifests.append(await publisher.publish(version, state))
+    assert [m.kind for m in manifests] == ["full", "delta", "full"]
+    assert list(trainer.held.held) == [3]  # the dropped chain's buffers went with it
+    assert same(await apply(engine, manifests[2]), state)
+    await publisher.close()
+    assert buffer_files(tmp_path) == []
+    assert not [name for name in os.listdir(tmp_path) if "weights-v" in name]
