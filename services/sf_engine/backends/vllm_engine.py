@@ -46,8 +46,10 @@ Weights. `load_weights` checks names and shapes against the checkpoint in the mo
 directory (safetensors headers) and requires the complete set (vLLM reloads fused layers,
 e.g. qkv_proj, as a whole; a partial set would leave parts uninitialized). Then: pause
 (mode "wait" unless already paused: the running batch drains, new requests queue) ->
-the worker extension's `sf_reload_weights` (raw bytes over `collective_rpc`, then vLLM's
-in-place layerwise `reload_weights`) -> set the version label -> resume (unless the
+the worker extension's `sf_reload_staged` (the set written once into a buffer the
+worker maps, `staged_weights`: a shared-memory file, or a CUDA allocation over IPC for
+CUDA tensors; raw bytes over `collective_rpc` only where no buffer fits), then vLLM's
+in-place layerwise `reload_weights` -> set the version label -> resume (unless the
 caller paused). Requests submitted after `load_weights` was called wait in this engine
 until the load is done, so none is admitted between the call and vLLM's pause. While
 paused with "keep", the weights change under the frozen requests (their KV cache stays,
@@ -96,7 +98,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -163,6 +165,17 @@ class _SfWorkerExtension:
         forward._sf_hook = True  # type: ignore[attr-defined]
         sampler.forward = forward
         return True
+
+    def sf_reload_staged(self, kind: str, where: Any, tensors: list[Any]) -> int:
+        """`reload_weights` from views of a buffer the engine staged (`staged_weights`:
+        a shared-memory file, or a CUDA allocation mapped over IPC)."""
+        from sf_engine.backends.staged_weights import opened
+
+        with opened(kind, where, tensors) as weights:
+            self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
+            del weights  # no view outlives the mapping
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return _refresh_shared_weight_layers(model)
 
     def sf_reload_weights(self, blobs: list[Any]) -> int:
         """`reload_weights` from [(name, dtype, shape, raw bytes)]: vLLM's utility-call
@@ -602,17 +615,27 @@ class VllmEngine(InferenceEngine):
         self._require_running()
         state_dict = _untie(state_dict, self._tied)
         self._check_weights(state_dict)
-        blobs = [_tensor_to_blob(name, tensor) for name, tensor in state_dict.items()]
+        from sf_engine.backends import staged_weights  # imports torch: only when loading
+
+        staged = await asyncio.to_thread(staged_weights.stage, state_dict)
+        if staged is None:  # no room to stage: the tensors travel as bytes
+            blobs = [_tensor_to_blob(name, tensor) for name, tensor in state_dict.items()]
+            call: tuple[str, tuple[Any, ...]] = ("sf_reload_weights", (blobs,))
+        else:
+            places = [astuple(t) for t in staged.tensors]
+            call = ("sf_reload_staged", (staged.kind, staged.where, places))
         self._loads_pending += 1
         self._admitting.clear()
         try:
-            await self._load(blobs, version)
+            await self._load(call, version)
         finally:
+            if staged is not None:
+                staged.close()  # the worker's call returned: it holds no view
             self._loads_pending -= 1
             if self._loads_pending == 0:
                 self._admitting.set()
 
-    async def _load(self, blobs: list[Any], version: int) -> None:
+    async def _load(self, call: tuple[str, tuple[Any, ...]], version: int) -> None:
         async with self._load_lock:
             self._require_running()
             self._loading = True
@@ -621,7 +644,7 @@ class VllmEngine(InferenceEngine):
                     # The running batch finishes on the old weights; new requests queue.
                     await self._llm.pause_generation(mode="wait", clear_cache=True)
                 try:
-                    refreshed = await self._llm.collective_rpc("sf_reload_weights", args=(blobs,))
+                    refreshed = await self._llm.collective_rpc(call[0], args=call[1])
                     if self._tied and not all(refreshed):
                         # the tie was broken: the lm_head would serve its old matrix
                         raise RuntimeError("no layer shares the tied embedding after reload")
