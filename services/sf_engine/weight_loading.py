@@ -131,8 +131,8 @@ class WeightLoader:
     async def _serve_held(self, how: str) -> None:
         """Swap the engine to the version the receiver holds and announce it (the caller
         holds ``lock``)."""
-        version = self.receiver.mirror.version
-        await self._swap(self.receiver.mirror.tensors(), version)
+        version = self.receiver.version
+        await self._swap(self.receiver.tensors(), version)
         self.membership.version = version
         await self.bus.publish(
             self.bus.subjects.weights_loaded(),

@@ -35,7 +35,13 @@ def engine(manifest_json: bytes, directory: str, out: str) -> None:
     mirror = WeightMirror()
     mirror.apply(manifest, asyncio.run(payloads.fetch(manifest)))
     got, want = mirror.tensors(), state()
-    Path(out).write_text(str(all(torch.equal(got[k], want[k]) for k in want)))
+    # and device to device: the buckets copied on this process's GPU, checked by sums
+    on_device = asyncio.run(payloads.fetch_tensors(manifest, torch.device("cuda")))
+    same = all(torch.equal(got[k], want[k]) for k in want)
+    same_on_device = all(
+        on_device[k].is_cuda and torch.equal(on_device[k].cpu(), want[k]) for k in want
+    )
+    Path(out).write_text(f"{same} {same_on_device}")
 
 
 async def test_another_process_applies_a_version_from_cuda_ipc_handles(tmp_path: Path) -> None:
@@ -53,7 +59,7 @@ async def test_another_process_applies_a_version_from_cuda_ipc_handles(tmp_path:
     process.start()
     process.join(timeout=120)
     assert process.exitcode == 0
-    assert out.read_text() == "True"
+    assert out.read_text() == "True True"
     before = torch.cuda.memory_allocated()
     await trainer.release(trainer.held.ack("engine-1", 1))
     assert torch.cuda.memory_allocated() < before  # the acknowledgement freed them

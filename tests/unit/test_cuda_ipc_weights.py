@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from seamlessflow.weights import (
     WeightEncoder,
     WeightMirror,
     WeightPublisher,
+    WeightReceiver,
 )
 from seamlessflow.weights.device import BufferGone, SharedMemoryBuffers
 from seamlessflow.weights.ipc import DevicePayloads, HeldVersion, HeldVersions, choose_transport
@@ -226,3 +228,66 @@ async def test_the_publisher_keeps_chains_in_both_and_frees_every_buffer_on_clos
     await publisher.close()
     assert buffer_files(tmp_path) == []
     assert not [name for name in os.listdir(tmp_path) if "weights-v" in name]
+
+
+async def test_an_engine_on_a_device_copies_a_full_version_there_without_the_host_mirror(
+    tmp_path: Path,
+) -> None:
+    trainer, engine, _ = trainer_and_engine(tmp_path)
+    state = small_state(3)
+    manifest = await trainer.put(WeightEncoder(bucket_bytes=10_000).encode(1, state))
+    assert manifest.device is not None
+    assert len(manifest.device.checksums) == len(manifest.device.buckets)
+    (tmp_path / manifest.location).unlink()  # nothing is read through the host store
+    receiver = WeightReceiver({"cuda_ipc": engine}, device=torch.device("cpu"))
+    assert await receiver.follow([manifest]) == receiver.version == 1
+    assert receiver.mirror.version == 0 and receiver.mirror.flat is None
+    assert same(receiver.tensors(), state)
+    # the version held is not fetched again
+    assert await receiver.follow([manifest]) == 1
+
+
+async def test_a_changed_bucket_or_a_delta_goes_through_the_host_instead(tmp_path: Path) -> None:
+    trainer, engine, _ = trainer_and_engine(tmp_path)
+    base = small_state(4)
+    # the next version changes one tensor: small enough to go as a delta
+    states = [base, {k: v + 1 if k == "b" else v for k, v in base.items()}]
+    encoder = WeightEncoder(bucket_bytes=10_000)
+    first = await trainer.put(encoder.encode(1, states[0]))
+    assert first.device is not None
+    # the bucket's memory reused by other data after a free: its byte sum differs
+    victim = tmp_path / first.device.buckets[2].name.decode()
+    victim.write_bytes(bytes(victim.stat().st_size))
+    receiver = WeightReceiver({"cuda_ipc": engine}, device=torch.device("cpu"))
+    assert await receiver.follow([first]) == 1
+    assert receiver.mirror.version == 1  # the host path: fallback store, digests, mirror
+    assert same(receiver.tensors(), states[0])
+    # without checksums (an older trainer's manifest) the device path is not taken
+    bare = msgspec.structs.replace(
+        first, device=msgspec.structs.replace(first.device, checksums=[])
+    )
+    with pytest.raises(BufferGone, match="no checksums"):
+        await engine.fetch_tensors(bare, torch.device("cpu"))
+    delta = WeightEncoder(bucket_bytes=10_000, deltas=True, full_every=5)
+    delta.encode(1, states[0])
+    second = await trainer.put(delta.encode(2, states[1]))
+    assert second.kind == "delta"
+    with pytest.raises(BufferGone, match="only a full version"):
+        await engine.fetch_tensors(second, torch.device("cpu"))
+    assert await receiver.follow([first, second]) == 2
+    assert same(receiver.tensors(), states[1])
+
+
+def test_a_cuda_ipc_publisher_sends_every_version_in_full(tmp_path: Path) -> None:
+    from seamlessflow.protocol.subjects import Subjects
+    from seamlessflow.weights.settings import WeightTransferSettings, publisher
+
+    class FakeBus:  # publisher() only names stores; nothing is sent
+        subjects = Subjects("ipc")
+
+    settings = WeightTransferSettings(transport="cuda_ipc", shm_dir=tmp_path, deltas=True)
+    stand_in = SharedMemoryBuffers(tmp_path, RUN)
+    made = publisher(FakeBus(), settings, 1 << 20, "cpu", device_buffers=stand_in)  # type: ignore[arg-type]
+    assert not made.encoder.deltas
+    shm = WeightTransferSettings(transport="shm", shm_dir=tmp_path, deltas=True)
+    assert publisher(FakeBus(), shm, 1 << 20).encoder.deltas  # type: ignore[arg-type]

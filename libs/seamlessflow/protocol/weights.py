@@ -67,6 +67,11 @@ class DevicePayload(msgspec.Struct, kw_only=True):
     fallback: str
     """The pull store that holds the same payload at the manifest's ``location``, for an
     engine that cannot map the buckets (another host, no device, freed already)."""
+    checksums: list[int] = []
+    """Each bucket's bytes summed (as int64) where the bucket lies: what an engine that
+    copies the buckets on its device checks them against (bucket digests are computed
+    on the host). It detects memory reused after a free, not tampering: the handles
+    come from a process of the same host and run."""
 
 
 class WeightManifest(msgspec.Struct, kw_only=True):

@@ -46,6 +46,10 @@ class DeviceBuffers(Protocol):
         """A handle other processes on this host can ``open``."""
         ...
 
+    def checksum(self, buffer: Any) -> int:
+        """``byte_sum`` of an allocated buffer, computed where it lies."""
+        ...
+
     def free(self, buffer: Any) -> None:
         """The owner is done with ``buffer``; opened mappings stay valid until closed."""
         ...
@@ -61,6 +65,18 @@ class DeviceBuffers(Protocol):
     def close(self, mapping: Any) -> None:
         """Release a mapping ``open`` returned."""
         ...
+
+    def tensor(self, mapping: Any) -> Any:
+        """The mapped buffer as a uint8 tensor where it lies (read it, never write it)."""
+        ...
+
+
+def byte_sum(buffer: Any) -> int:
+    """A uint8 tensor's bytes summed as int64, computed on its device: the checksum of a
+    device bucket (``DevicePayload.checksums``)."""
+    import torch
+
+    return int(buffer.sum(dtype=torch.int64)) if buffer.numel() else 0
 
 
 class SharedMemoryBuffers:
@@ -80,6 +96,12 @@ class SharedMemoryBuffers:
 
     def export(self, buffer: Path) -> DeviceHandle:
         return DeviceHandle(kind="shm", name=buffer.name.encode(), nbytes=buffer.stat().st_size)
+
+    def checksum(self, buffer: Path) -> int:
+        import torch
+
+        data = bytearray(buffer.read_bytes())
+        return byte_sum(torch.frombuffer(data, dtype=torch.uint8)) if data else 0
 
     def free(self, buffer: Path) -> None:
         buffer.unlink(missing_ok=True)
@@ -102,6 +124,15 @@ class SharedMemoryBuffers:
 
     def close(self, mapping: mmap.mmap) -> None:
         mapping.close()
+
+    def tensor(self, mapping: mmap.mmap) -> Any:
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings():  # a read-only mapping: it is only read
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 class CudaBuffers:
@@ -146,6 +177,9 @@ class CudaBuffers:
             event_sync=bool(event_sync),
         )
 
+    def checksum(self, buffer: Any) -> int:
+        return byte_sum(buffer)
+
     def free(self, buffer: Any) -> None:
         del buffer  # the caller drops its reference too; torch frees once importers let go
 
@@ -172,3 +206,6 @@ class CudaBuffers:
 
     def close(self, mapping: Any) -> None:
         del mapping  # the last reference: torch closes the handle and tells the exporter
+
+    def tensor(self, mapping: Any) -> Any:
+        return mapping  # already a uint8 CUDA tensor

@@ -27,11 +27,16 @@ Lifetime (invariants):
   yields bytes whose digests do not match: both read the fallback.
 - Nothing executable travels: handles are plain fields (``protocol.DeviceHandle``).
 
-Not yet a device-to-device path: the trainer encodes versions in host memory and the
-engine's ``WeightMirror`` holds and checks them (xxh3 digests) in host memory, so the
-trainer uploads each bucket and an engine copies each mapped bucket back to the host.
-The handshake, lifetime and fallbacks here stay as they are when the encoder and the
-mirror move to the device; only ``DeviceBuffers.allocate`` and ``read`` change.
+On the engine, device to device: an engine whose model is on a CUDA device
+(``WeightReceiver(device=...)``) copies a full version's buckets from their mappings
+into one buffer on its device (``fetch_tensors``), checks each bucket's byte sum
+(``DevicePayload.checksums``, computed by the trainer where the bucket lies), and loads
+views of it: no host copy, no host digest. With ``cuda_ipc`` the trainer sends every
+version in full (``weights.settings.publisher``): a delta needs the host mirror. Any
+failure there (not full, no checksums, a handle that will not open, a sum that differs)
+falls back to ``fetch`` through the host. On the trainer, not yet: versions are still
+gathered and encoded in host memory (the fallback store needs those bytes and digests),
+and each bucket is uploaded to its device buffer.
 """
 
 from __future__ import annotations
@@ -47,10 +52,22 @@ from typing import Any, Literal
 import msgspec
 
 from seamlessflow.bus import Bus
-from seamlessflow.protocol import DevicePayload, PhaseChanged, WeightManifest, WeightsLoaded
+from seamlessflow.protocol import (
+    DeviceHandle,
+    DevicePayload,
+    PhaseChanged,
+    WeightManifest,
+    WeightsLoaded,
+)
 from seamlessflow.weights.codec import EncodedWeights, WeightsCorrupted
-from seamlessflow.weights.device import BufferGone, DeviceBuffers
-from seamlessflow.weights.layout import bucket_digests, bucket_ranges
+from seamlessflow.weights.device import BufferGone, DeviceBuffers, byte_sum
+from seamlessflow.weights.layout import (
+    LayoutMismatch,
+    bucket_digests,
+    bucket_ranges,
+    layout_bytes,
+    tensor_views,
+)
 from seamlessflow.weights.stores import (
     PayloadMissing,
     PayloadStore,
@@ -240,20 +257,11 @@ class DevicePayloads:
         return await self._store_of(manifest).fetch(manifest)
 
     def _read_device(self, manifest: WeightManifest) -> memoryview:
-        device = manifest.device
-        if device is None:
-            raise BufferGone("the manifest has no device buffers")
-        check_buckets(manifest)
+        handles = self._checked_handles(manifest)
         ranges = list(bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes))
-        # a manifest is input: every size is checked before anything is allocated
-        if len(device.buckets) != len(ranges) or any(
-            handle.nbytes != end - start
-            for handle, (start, end) in zip(device.buckets, ranges, strict=False)
-        ):
-            raise WeightsCorrupted(f"version {manifest.version}: buckets and handles disagree")
-        readers = [self.readers.get(handle.kind) for handle in device.buckets]
+        readers = [self.readers.get(handle.kind) for handle in handles]
         payload = memoryview(bytearray(manifest.payload_bytes))
-        for handle, reader, (start, end) in zip(device.buckets, readers, ranges, strict=True):
+        for handle, reader, (start, end) in zip(handles, readers, ranges, strict=True):
             if reader is None:
                 raise BufferGone(f"no {handle.kind!r} device on this engine")
             mapping = reader.open(handle)
@@ -267,6 +275,61 @@ class DevicePayloads:
         if bucket_digests(payload, manifest.bucket_bytes) != manifest.bucket_digests:
             raise WeightsCorrupted(f"version {manifest.version}: device buckets changed")
         return payload
+
+    async def fetch_tensors(self, manifest: WeightManifest, device: Any) -> dict[str, Any]:
+        """A full version copied from the trainer's device buffers into one new buffer
+        on ``device`` (the engine's; device to device on CUDA), as tensor views: no host
+        copy. Checked by each bucket's ``checksums`` and the manifest's sizes; raises
+        ``BufferGone`` or ``WeightsCorrupted`` (the caller then fetches through the host).
+        """
+        return await asyncio.to_thread(self._copy_to_device, manifest, device)
+
+    def _copy_to_device(self, manifest: WeightManifest, device: Any) -> dict[str, Any]:
+        import torch
+
+        handles = self._checked_handles(manifest)
+        payload = manifest.device
+        assert payload is not None  # _checked_handles refused a manifest without one
+        if manifest.kind != "full" or manifest.payload_bytes != manifest.state_bytes:
+            raise BufferGone(f"version {manifest.version}: only a full version maps on a device")
+        if len(payload.checksums) != len(handles):
+            raise BufferGone(f"version {manifest.version}: its buckets carry no checksums")
+        try:
+            if layout_bytes(manifest.layout) != manifest.state_bytes:
+                raise WeightsCorrupted(f"version {manifest.version}: the layout disagrees")
+        except LayoutMismatch as exc:
+            raise WeightsCorrupted(f"version {manifest.version}: {exc}") from exc
+        flat = torch.empty(manifest.payload_bytes, dtype=torch.uint8, device=device)
+        ranges = bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes)
+        for handle, expected, (start, end) in zip(handles, payload.checksums, ranges, strict=True):
+            reader = self.readers.get(handle.kind)
+            if reader is None:
+                raise BufferGone(f"no {handle.kind!r} device on this engine")
+            mapping = reader.open(handle)
+            try:
+                flat[start:end].copy_(reader.tensor(mapping))
+            finally:
+                reader.close(mapping)
+                del mapping
+            # after the copy: a buffer freed and reused before or during it is caught
+            if byte_sum(flat[start:end]) != expected:
+                raise WeightsCorrupted(f"version {manifest.version}: device buckets changed")
+        return tensor_views(flat, manifest.layout)
+
+    def _checked_handles(self, manifest: WeightManifest) -> list[DeviceHandle]:
+        """The manifest's device handles, one per bucket of the sizes it announces (a
+        manifest is input: every size is checked before anything is allocated)."""
+        device = manifest.device
+        if device is None:
+            raise BufferGone("the manifest has no device buffers")
+        check_buckets(manifest)
+        ranges = list(bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes))
+        if len(device.buckets) != len(ranges) or any(
+            handle.nbytes != end - start
+            for handle, (start, end) in zip(device.buckets, ranges, strict=False)
+        ):
+            raise WeightsCorrupted(f"version {manifest.version}: buckets and handles disagree")
+        return device.buckets
 
     def _fallback_name(self, manifest: WeightManifest) -> str:
         return manifest.device.fallback if manifest.device is not None else manifest.transport
@@ -287,6 +350,7 @@ class _DeviceWriter:
     def __init__(self, payloads: DevicePayloads, fallback: PayloadWriter, version: int) -> None:
         self.payloads, self.fallback, self.version = payloads, fallback, version
         self.buffers: list[Any] = []
+        self.checksums: list[int] = []
         self.device_ok = payloads.buffers is not None
 
     async def write(self, index: int, bucket: memoryview) -> None:
@@ -295,7 +359,9 @@ class _DeviceWriter:
         if not self.device_ok or layer is None:
             return
         try:
-            self.buffers.append(await asyncio.to_thread(layer.allocate, bucket))
+            buffer = await asyncio.to_thread(layer.allocate, bucket)
+            self.buffers.append(buffer)
+            self.checksums.append(await asyncio.to_thread(layer.checksum, buffer))
         except Exception as exc:  # e.g. out of device memory: the store has the bucket
             log.warning("version %d stays out of device memory: %r", self.version, exc)
             self.device_ok = False
@@ -312,7 +378,9 @@ class _DeviceWriter:
         return msgspec.structs.replace(
             stored,
             transport=DevicePayloads.name,
-            device=DevicePayload(buckets=handles, fallback=stored.transport),
+            device=DevicePayload(
+                buckets=handles, fallback=stored.transport, checksums=self.checksums
+            ),
         )
 
     async def abort(self) -> None:

@@ -183,14 +183,18 @@ def publisher(
 
     ``cuda_ipc`` allocates on ``trainer_device`` (or in ``device_buffers``: the CPU
     stand-in in tests); its store must be started with ``DevicePayloads.watch``."""
+    transport = resolved_transport(settings, trainer_device)
     encoder = WeightEncoder(
         bucket_bytes=settings.bucket_bytes,
-        deltas=settings.deltas and version_bytes <= settings.delta_max_mb * 1024 * 1024,
+        # cuda_ipc: every version in full, which an engine copies on its device (a delta
+        # needs the host mirror); device bandwidth makes a delta's saving moot there
+        deltas=settings.deltas
+        and transport != DevicePayloads.name
+        and version_bytes <= settings.delta_max_mb * 1024 * 1024,
         full_every=settings.full_every,
         max_delta_ratio=settings.max_delta_ratio,
     )
     stores = payload_stores(bus, settings)
-    transport = resolved_transport(settings, trainer_device)
     store = stores[transport]
     if isinstance(store, DevicePayloads):
         if device_buffers is None and not trainer_device.startswith("cuda"):

@@ -31,8 +31,10 @@ from seamlessflow.weights.codec import (
     EncodedWeights,
     WeightEncoder,
     WeightMirror,
+    WeightsCorrupted,
 )
 from seamlessflow.weights.collective import Collective, Received
+from seamlessflow.weights.device import BufferGone
 from seamlessflow.weights.ipc import DevicePayloads
 from seamlessflow.weights.stores import PayloadMissing, PayloadStore, PayloadWriter
 
@@ -244,9 +246,28 @@ def _broadcast_now(sending: collective.StreamSend, bucket: memoryview) -> None:
 
 
 class WeightReceiver:
-    def __init__(self, stores: Mapping[str, PayloadStore]) -> None:
+    def __init__(
+        self, stores: Mapping[str, PayloadStore], device: torch.device | None = None
+    ) -> None:
         self.stores = dict(stores)
         self.mirror = WeightMirror()
+        self.device = device
+        """Where the engine computes, when that is a device: a version in the trainer's
+        device memory (``cuda_ipc``) is copied there, never through host memory."""
+        self._on_device: tuple[int, dict[str, torch.Tensor]] | None = None
+        """The version copied onto ``device`` last, while newer than the mirror's (kept
+        until the next version: a lent engine serves it when it wakes; the device then
+        holds one copy of the weights beyond the model's, as host memory holds the
+        mirror's)."""
+
+    @property
+    def version(self) -> int:
+        """The version held: on the device or in the mirror, whichever is newer."""
+        return self._on_device[0] if self._on_device is not None else self.mirror.version
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The held version's tensors (views: valid until the next ``follow``)."""
+        return self._on_device[1] if self._on_device is not None else self.mirror.tensors()
 
     async def accept(self, pushed: Received) -> int:
         """A pushed payload: apply it if it continues what the mirror holds; returns the
@@ -255,14 +276,23 @@ class WeightReceiver:
             await asyncio.to_thread(
                 self.mirror.apply, pushed.manifest, pushed.payload, pushed.bucket_digests
             )
-        return self.mirror.version
+            if self._on_device is not None and self._on_device[0] < self.mirror.version:
+                self._on_device = None  # the mirror holds the newer version
+        return self.version
 
     async def follow(self, chain: list[WeightManifest]) -> int:
         """Bring the mirror to the chain's last version (unless it holds it or a newer
         one); returns the version held, whose tensors are ``mirror.tensors()``.
 
         Raises VersionGap (ask for the whole chain), PayloadMissing (pruned or
-        unreachable: catch up later) or WeightsCorrupted (refused: nothing applied)."""
+        unreachable: catch up later) or WeightsCorrupted (refused: nothing applied).
+        A full last version in device memory is copied onto ``device`` if there is one
+        (``version`` and ``tensors`` then serve it; the mirror keeps what it held)."""
+        if chain and chain[-1].version <= self.version:
+            return self.version
+        if await self._follow_on_device(chain[-1] if chain else None):
+            return self.version
+        self._on_device = None  # the mirror moves past it, or fails as it would have
         for manifest in self.mirror.plan(chain):
             store = self.stores.get(manifest.transport)
             if store is None:
@@ -270,3 +300,16 @@ class WeightReceiver:
             payload = await store.fetch(manifest)
             await asyncio.to_thread(self.mirror.apply, manifest, payload)
         return self.mirror.version
+
+    async def _follow_on_device(self, last: WeightManifest | None) -> bool:
+        store = self.stores.get(last.transport) if last is not None else None
+        fetch_tensors = getattr(store, "fetch_tensors", None)
+        if self.device is None or last is None or last.device is None or fetch_tensors is None:
+            return False
+        try:
+            tensors = await fetch_tensors(last, self.device)
+        except (BufferGone, WeightsCorrupted) as exc:
+            log.info("version %d: through host memory (%s)", last.version, exc)
+            return False
+        self._on_device = (last.version, tensors)
+        return True
