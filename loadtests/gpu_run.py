@@ -55,11 +55,12 @@ cut into folders ``c0``, ``c1``, ... of 56 MiB. Each call carries one folder (a 
 carries 64 MiB with the working tree) and installs what is whole by then, so the
 calls that carry the first folders run the other parts while vLLM travels:
 
-    call k: carry [".gpu/c<k>"], python3 loadtests/gpu_run.py --install .gpu --only PARTS ``--device cpu`` runs the same code on tiny models
-and sizes (the suite runs it, so this file cannot rot).
+    python3 loadtests/gpu_run.py --install .gpu --only PARTS --out $OUT  # call k: .gpu/c<k>
 
-    python3 loadtests/gpu_run.py --install .gpu --out $OUT        # on the GPU machine
-    .venv/bin/python loadtests/gpu_run.py --device cpu --out /tmp/r   # the CPU form
+``--device cpu`` runs the same code on tiny models and sizes (the suite runs it, so this
+file cannot rot):
+
+    .venv/bin/python loadtests/gpu_run.py --device cpu --out /tmp/r
 """
 
 from __future__ import annotations
