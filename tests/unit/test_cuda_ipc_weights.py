@@ -26,7 +26,7 @@ from seamlessflow.weights import (
 )
 from seamlessflow.weights.device import BufferGone, SharedMemoryBuffers
 from seamlessflow.weights.ipc import DevicePayloads, HeldVersion, HeldVersions, choose_transport
-from tests.support.weight_states import small_state
+from tests.support.weight_states import publish_three, small_state
 
 RUN = "seamlessflow-ipc-policy-"
 
@@ -217,11 +217,7 @@ async def test_the_publisher_keeps_chains_in_both_and_frees_every_buffer_on_clos
     trainer, engine, _ = trainer_and_engine(tmp_path)
     encoder = WeightEncoder(bucket_bytes=1 << 20, deltas=True, full_every=2)
     publisher = WeightPublisher(trainer, encoder, keep_chains=1)
-    state = small_state(2)
-    manifests = []
-    for version in (1, 2, 3):
-        state = {k: v + (0.5 if k == "b" else 0.0) for k, v in state.items()}
-        manifests.append(await publisher.publish(version, state))
+    manifests, state = await publish_three(publisher)
     assert [m.kind for m in manifests] == ["full", "delta", "full"]
     assert list(trainer.held.held) == [3]  # the dropped chain's buffers went with it
     assert same(await apply(engine, manifests[2]), state)

@@ -20,7 +20,7 @@ from seamlessflow.weights import (
     WeightMirror,
     WeightPublisher,
 )
-from tests.support.weight_states import round_trip, small_state
+from tests.support.weight_states import publish_three, round_trip, small_state
 
 
 async def test_shared_memory_is_written_whole_and_read_in_place(tmp_path: Path) -> None:
@@ -66,11 +66,7 @@ async def test_the_publisher_keeps_only_its_latest_chains(tmp_path: Path) -> Non
     store = SharedMemoryPayloads("prune", tmp_path)
     encoder = WeightEncoder(bucket_bytes=1 << 20, deltas=True, full_every=2)
     publisher = WeightPublisher(store, encoder, keep_chains=1, dtype=torch.bfloat16)
-    state = small_state(2)
-    manifests = []
-    for version in (1, 2, 3):
-        state = {k: v + (0.5 if k == "b" else 0.0) for k, v in state.items()}
-        manifests.append(await publisher.publish(version, state))
+    manifests, _ = await publish_three(publisher)
     assert [m.kind for m in manifests] == ["full", "delta", "full"]
     assert manifests[1].payload_bytes < manifests[0].payload_bytes / 10
     assert manifests[0].layout[0].dtype == "bfloat16"
