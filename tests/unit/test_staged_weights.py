@@ -101,3 +101,21 @@ def test_cuda_tensors_are_staged_on_the_device() -> None:
     # opened here, in the same process, it is the same allocation: CUDA IPC refuses to
     # map a process's own memory, so the cross-process read is gpu_run's to check
     staged.close()
+
+
+def test_files_of_engines_that_no_longer_run_are_swept(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    left = tmp_path / f"{staged_weights.PREFIX}{gone.stdout.strip()}-abc"
+    left.write_bytes(b"weights of a killed engine")
+    mine = tmp_path / f"{staged_weights.PREFIX}{os.getpid()}-def"
+    mine.write_bytes(b"a load in flight")
+    other = tmp_path / "not-ours"
+    other.write_bytes(b"")
+    staged = stage({"w": torch.ones(3)}, tmp_path)
+    assert staged is not None
+    assert not left.exists() and mine.exists() and other.exists()
+    staged.close()

@@ -282,7 +282,7 @@ class WeightReceiver:
 
     async def follow(self, chain: list[WeightManifest]) -> int:
         """Bring the mirror to the chain's last version (unless it holds it or a newer
-        one); returns the version held, whose tensors are ``mirror.tensors()``.
+        one); returns the version held, whose tensors are ``tensors()``.
 
         Raises VersionGap (ask for the whole chain), PayloadMissing (pruned or
         unreachable: catch up later) or WeightsCorrupted (refused: nothing applied).

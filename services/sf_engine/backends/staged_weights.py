@@ -17,7 +17,9 @@ Two kinds of buffer:
   the model stays on the device.
 
 Lifetime: the engine removes the buffer once the worker's call has returned. The call
-is synchronous, and the worker holds no view after it. A host file that would not fit
+is synchronous, and the worker holds no view after it. A file left by an engine that
+was killed mid-load is removed by the next stage on the host (``sweep``: its pid is in
+the name). A host file that would not fit
 in the directory's free space is not written: ``stage`` returns None, and the caller
 sends bytes as before.
 """
@@ -44,6 +46,8 @@ ALIGN = 64
 """Each tensor starts at a multiple of this many bytes: a view of any dtype is aligned."""
 HEADROOM = 64 << 20
 """Free space a host buffer leaves in its directory (other users of /dev/shm)."""
+PREFIX = "sf-staged-weights-"
+"""A staged file's name: this, the engine's pid, a random part."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,8 @@ def stage(
         log.warning("weights (%.2f GB) do not fit in %s (%.2f GB free): sent as bytes",
                     total / 1e9, directory, free / 1e9)  # fmt: skip
         return None
-    path = directory / f"sf-staged-weights-{os.getpid()}-{uuid.uuid4().hex}"
+    sweep(directory)
+    path = directory / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, max(total, 1))
@@ -125,6 +130,29 @@ def stage(
     finally:
         os.close(fd)
     return StagedWeights("file", str(path), places, total)
+
+
+def sweep(directory: Path) -> int:
+    """Remove the staged files of engine processes that no longer run (one killed
+    between writing a set and removing it would otherwise leave it in RAM); returns how
+    many went."""
+    removed = 0
+    for path in directory.glob(f"{PREFIX}*"):
+        pid = path.name.removeprefix(PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: running
+        return True
+    return True
 
 
 def _stage_on_device(
