@@ -1117,11 +1117,12 @@ def part_modes(ctx: Context) -> dict[str, Any]:
 
 def part_vllm_modes(ctx: Context) -> dict[str, Any]:
     """``modes`` with vLLM engines (``SF_ENGINE_BACKEND=vllm`` and its GPU defaults: CUDA
-    graphs, prefix caching, sleep mode while lent), each engine given a fifth of the
-    card. GPU only: the CPU form of the same code is ``modes``."""
+    graphs, prefix caching, sleep mode while lent; the card shared as ``seamlessflow
+    up`` shares it, half to the engines together). GPU only: the CPU form of the same
+    code is ``modes``."""
     if ctx.device != "cuda":
         return {"skipped": "vLLM engines on the device: the CPU form is the modes part"}
-    env = {"SF_ENGINE_BACKEND": "vllm", "SF_ENGINE_VLLM_GPU_MEMORY_UTILIZATION": "0.2"}
+    env = {"SF_ENGINE_BACKEND": "vllm"}
     return modes_with(ctx, "gpu-vllm", env)
 
 

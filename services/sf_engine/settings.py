@@ -131,6 +131,11 @@ class HfSettings(RunFileSettings):
         return self.device
 
 
+ENGINES_GPU_SHARE = 0.5
+"""The part of one GPU's memory that a run's vLLM engines take together when its trainer
+shares the card (vLLM's own default, 0.9 each, would leave the trainer a tenth)."""
+
+
 class VllmSettings(RunFileSettings):
     """The ``vllm`` backend's own settings (env prefix ``SF_ENGINE_VLLM_``)."""
 
@@ -163,8 +168,19 @@ class VllmSettings(RunFileSettings):
 
     gpu_memory_utilization: float = Field(default=0.0, ge=0.0, le=1.0)
     """Fraction of the GPU's memory this engine may take for weights, activations and
-    its KV cache (vLLM's ``gpu_memory_utilization``); 0: vLLM's default (0.9). Colocated
-    with a trainer on one GPU, leave the trainer its share."""
+    its KV cache (vLLM's ``gpu_memory_utilization``). 0: with ``colocated_engines`` set,
+    ``ENGINES_GPU_SHARE`` (half the card) over those engines, the rest left to the
+    trainer; else vLLM's default, 0.9 of the card."""
+
+    colocated_engines: int = Field(default=0, ge=0)
+    """Engines of this run that share the GPU with its trainer (``seamlessflow up`` sets
+    it: its engines and trainer share the host's GPU); 0: none known."""
+
+    def memory_utilization(self) -> float:
+        """What vLLM is given (0: its own default)."""
+        if self.gpu_memory_utilization or not self.colocated_engines:
+            return self.gpu_memory_utilization
+        return round(ENGINES_GPU_SHARE / self.colocated_engines, 3)
 
     def on_gpu(self) -> bool:
         return self.model_device() == "cuda"

@@ -70,7 +70,7 @@ from sf_app.run.spec import resolved_sections, write_resolved
 from sf_app.run.supervisor import Supervisor, fork_server_for, free_port
 from sf_app.service_table import SERVICE_TABLE, settings_classes
 from sf_app.tracking import Tracker
-from sf_engine.settings import EngineSettings
+from sf_engine.settings import EngineSettings, VllmSettings
 from sf_envs.settings import EnvServerSettings
 from sf_gateway.settings import GatewaySettings
 from sf_trainer.settings import TrainerSettings
@@ -83,7 +83,7 @@ process reads its own section of it (``SF_CONFIG``)."""
 RUN_FILE_COPY = "run-file.toml"
 """The run file the run was started from (``--config``), as it was, beside it."""
 
-MESH, TRAINER, ENGINE = MeshSettings, TrainerSettings, EngineSettings
+MESH, TRAINER, ENGINE, VLLM = MeshSettings, TrainerSettings, EngineSettings, VllmSettings
 GATEWAY, AGENTS, ENV, WEIGHTS = (
     GatewaySettings,
     AgentRunnerSettings,
@@ -466,6 +466,10 @@ class EmbeddedRun(Supervisor):
             return self.label(policy, name)
 
         if service == "engine":
+            # vLLM engines on a GPU size their share of the card by this (VllmSettings)
+            env[variable(VLLM, "colocated_engines")] = str(
+                len(layout.engines) * len(self.config.policies)
+            )
             for rank, engine in enumerate(layout.engines, start=1):
                 engine_id = self.label(policy, engine.engine_id)
                 self.process_policy[engine_id] = policy

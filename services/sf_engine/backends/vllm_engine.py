@@ -840,8 +840,8 @@ def gpu_engine_kwargs(own: VllmSettings) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     if own.resolved(own.sleep_mode) and own.on_gpu():
         kwargs["enable_sleep_mode"] = True
-    if own.gpu_memory_utilization:
-        kwargs["gpu_memory_utilization"] = own.gpu_memory_utilization
+    if own.memory_utilization():
+        kwargs["gpu_memory_utilization"] = own.memory_utilization()
     return kwargs
 
 
