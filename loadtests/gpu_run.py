@@ -534,7 +534,10 @@ def trainer_case(ctx: Context, name: str, model: Any, samples: int) -> dict[str,
     length = ctx.sizes.prompt_tokens + ctx.sizes.completion_tokens
     flops_per_token = 6 * n + 12 * config.num_hidden_layers * config.hidden_size * length
     flops = flops_per_token * tokens / seconds
-    peak = ctx.figures.get("bounds", {}).get("datasheet_bf16_flops")
+    # the datasheet's peak by the card's name, also when ``bounds`` ran in an earlier call
+    peak = ctx.figures.get("bounds", {}).get("datasheet_bf16_flops") or datasheet_peak(
+        ctx.figures.get("device_name", "")
+    )
     measured = ctx.figures.get("bounds", {}).get("matmul_bf16_flops")
     return {
         "model": name,
