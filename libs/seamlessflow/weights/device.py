@@ -3,7 +3,7 @@ under the ``cuda_ipc`` transport (``weights.ipc``).
 
 A ``DeviceBuffers`` allocates a buffer filled with one payload bucket, exports a handle
 to it (plain data: ``protocol.DeviceHandle``), opens a handle another process exported,
-copies an opened buffer into host memory, and closes or frees. Two implementations:
+gives an opened buffer as a uint8 tensor where it lies, and closes or frees. Two implementations:
 
 - ``CudaBuffers``: uint8 CUDA tensors, handles from torch's CUDA IPC (the fields of
   ``torch.multiprocessing.reductions.reduce_tensor``'s recipe, rebuilt with
@@ -56,10 +56,6 @@ class DeviceBuffers(Protocol):
 
     def open(self, handle: DeviceHandle) -> Any:
         """Map another process's buffer. Raises ``BufferGone``."""
-        ...
-
-    def read(self, mapping: Any, into: memoryview) -> None:
-        """Copy the mapped buffer (``len(into)`` bytes) into host memory."""
         ...
 
     def close(self, mapping: Any) -> None:
@@ -118,9 +114,6 @@ class SharedMemoryBuffers:
                 return mmap.mmap(source.fileno(), 0, access=mmap.ACCESS_READ)
         except FileNotFoundError as exc:
             raise BufferGone(f"{name} (freed, or another host)") from exc
-
-    def read(self, mapping: mmap.mmap, into: memoryview) -> None:
-        into[:] = memoryview(mapping)[: len(into)]
 
     def close(self, mapping: mmap.mmap) -> None:
         mapping.close()
@@ -198,11 +191,6 @@ class CudaBuffers:
             )  # fmt: skip
         except (RuntimeError, TypeError, ValueError) as exc:  # a CUDA error is a RuntimeError
             raise BufferGone(f"CUDA IPC handle not opened: {exc}") from exc
-
-    def read(self, mapping: Any, into: memoryview) -> None:
-        import torch
-
-        torch.frombuffer(into, dtype=torch.uint8).copy_(mapping)
 
     def close(self, mapping: Any) -> None:
         del mapping  # the last reference: torch closes the handle and tells the exporter

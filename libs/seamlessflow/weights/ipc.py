@@ -257,24 +257,38 @@ class DevicePayloads:
         return await self._store_of(manifest).fetch(manifest)
 
     def _read_device(self, manifest: WeightManifest) -> memoryview:
-        handles = self._checked_handles(manifest)
-        ranges = list(bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes))
-        readers = [self.readers.get(handle.kind) for handle in handles]
+        import torch
+
         payload = memoryview(bytearray(manifest.payload_bytes))
-        for handle, reader, (start, end) in zip(handles, readers, ranges, strict=True):
-            if reader is None:
-                raise BufferGone(f"no {handle.kind!r} device on this engine")
-            mapping = reader.open(handle)
-            try:
-                reader.read(mapping, payload[start:end])
-            finally:
-                reader.close(mapping)
-                del mapping
+        if len(payload):
+            self._copy_buckets(manifest, torch.frombuffer(payload, dtype=torch.uint8))
         # checked here too, so that a buffer reused after its free reads the fallback
         # instead of failing the version (the mirror checks again what it applies)
         if bucket_digests(payload, manifest.bucket_bytes) != manifest.bucket_digests:
             raise WeightsCorrupted(f"version {manifest.version}: device buckets changed")
         return payload
+
+    def _copy_buckets(
+        self, manifest: WeightManifest, into: Any, checksums: list[int] | None = None
+    ) -> None:
+        """Each bucket copied from its mapping into its range of ``into`` (a uint8
+        tensor of the payload's size, on the host or a device), the mapping released
+        right after; with ``checksums``, each copied bucket's byte sum checked (after
+        the copy: a buffer freed and reused before or during it is caught)."""
+        handles = self._checked_handles(manifest)
+        ranges = bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes)
+        for index, (handle, (start, end)) in enumerate(zip(handles, ranges, strict=True)):
+            reader = self.readers.get(handle.kind)
+            if reader is None:
+                raise BufferGone(f"no {handle.kind!r} device on this engine")
+            mapping = reader.open(handle)
+            try:
+                into[start:end].copy_(reader.tensor(mapping))
+            finally:
+                reader.close(mapping)
+                del mapping
+            if checksums is not None and byte_sum(into[start:end]) != checksums[index]:
+                raise WeightsCorrupted(f"version {manifest.version}: device buckets changed")
 
     async def fetch_tensors(self, manifest: WeightManifest, device: Any) -> dict[str, Any]:
         """A full version copied from the trainer's device buffers into one new buffer
@@ -300,20 +314,7 @@ class DevicePayloads:
         except LayoutMismatch as exc:
             raise WeightsCorrupted(f"version {manifest.version}: {exc}") from exc
         flat = torch.empty(manifest.payload_bytes, dtype=torch.uint8, device=device)
-        ranges = bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes)
-        for handle, expected, (start, end) in zip(handles, payload.checksums, ranges, strict=True):
-            reader = self.readers.get(handle.kind)
-            if reader is None:
-                raise BufferGone(f"no {handle.kind!r} device on this engine")
-            mapping = reader.open(handle)
-            try:
-                flat[start:end].copy_(reader.tensor(mapping))
-            finally:
-                reader.close(mapping)
-                del mapping
-            # after the copy: a buffer freed and reused before or during it is caught
-            if byte_sum(flat[start:end]) != expected:
-                raise WeightsCorrupted(f"version {manifest.version}: device buckets changed")
+        self._copy_buckets(manifest, flat, payload.checksums)
         return tensor_views(flat, manifest.layout)
 
     def _checked_handles(self, manifest: WeightManifest) -> list[DeviceHandle]:
