@@ -787,21 +787,29 @@ def hf_generate(
     return time.perf_counter() - started, int(out[:, len(prompt) :].numel())
 
 
-def _ipc_engine(requests: Any, replies: Any, model_source: Any, device: str) -> None:
-    """The engine's process: holds a bf16 engine; each request is a dict of CUDA tensors
-    (mapped over CUDA IPC, no copy) that it loads; replies with the load's seconds."""
+def engine_in_this_process(model_source: Any, device: str) -> Any:
+    """An ``hf`` engine of an IPC engine's process: the model's files, or a config
+    (random weights, built here)."""
     import torch
 
     from sf_engine.backends import TransformersEngine
 
-    if not isinstance(model_source, str | Path):  # a config: random weights, built here
+    if not isinstance(model_source, str | Path):
         from transformers import AutoModelForCausalLM
 
         with torch.device(device):
             model_source = AutoModelForCausalLM.from_config(
                 model_source, dtype=engine_dtype(device)
             )
-    engine = TransformersEngine(model_source, dtype=engine_dtype(device), device=device)
+    return TransformersEngine(model_source, dtype=engine_dtype(device), device=device)
+
+
+def _ipc_engine(requests: Any, replies: Any, model_source: Any, device: str) -> None:
+    """The engine's process: holds a bf16 engine; each request is a dict of CUDA tensors
+    (mapped over CUDA IPC, no copy) that it loads; replies with the load's seconds."""
+    import torch
+
+    engine = engine_in_this_process(model_source, device)
     loop = asyncio.new_event_loop()
     loop.run_until_complete(engine.start())
     replies.put(("ready", 0.0))
@@ -831,16 +839,8 @@ def _product_ipc_engine(
     from seamlessflow.weights import SharedMemoryPayloads, WeightReceiver
     from seamlessflow.weights.device import CudaBuffers, SharedMemoryBuffers
     from seamlessflow.weights.ipc import DevicePayloads, HeldVersions
-    from sf_engine.backends import TransformersEngine
 
-    if not isinstance(model_source, str | Path):
-        from transformers import AutoModelForCausalLM
-
-        with torch.device(device):
-            model_source = AutoModelForCausalLM.from_config(
-                model_source, dtype=engine_dtype(device)
-            )
-    engine = TransformersEngine(model_source, dtype=engine_dtype(device), device=device)
+    engine = engine_in_this_process(model_source, device)
     stores = {"shm": SharedMemoryPayloads(run, Path(shm_dir))}
     readers: dict[str, Any] = {"shm": SharedMemoryBuffers(Path(shm_dir), f"{run}-buffers-")}
     if device == "cuda":
