@@ -20,8 +20,11 @@ Parts (``--only``; each records its figures, or its error, and the next one runs
   does (``host_tensors`` -> ``WeightEncoder.encode_buckets`` ->
   ``WeightPublisher.publish_streamed`` into ``SharedMemoryPayloads`` -> ``WeightMirror``
   -> ``engine.load_weights``); through the product's ``cuda_ipc`` transport
-  (``product_cuda_ipc``: the same stream into device buffers beside the shm fallback,
-  an engine in another process copying each version device to device); and device to
+  (``product_cuda_ipc``: each version packed into bucket buffers on the trainer's
+  device, brought to the host once for the shm fallback, an engine in another process
+  copying it device to device; ``product_cuda_ipc_host_encoded``: the same with the
+  version encoded in host memory and each bucket uploaded, the path before packing and
+  still that of a publisher with a push group); and device to
   device over bare CUDA IPC (the engine in another process maps the trainer's bf16 copy
   and copies it in: the bound of what the product could do). Seconds per GB of bf16
   weights against the copy engine's bound (D2H + H2D for host paths, one device copy
@@ -934,12 +937,14 @@ def _product_ipc_engine(
 
 
 def product_ipc_case(
-    ctx: Context, name: str, trainer_model: Any, bf16_bytes: int
+    ctx: Context, name: str, trainer_model: Any, bf16_bytes: int, packed: bool = True
 ) -> dict[str, Any]:
     """The product's ``cuda_ipc`` transport, trainer to an engine in another process: the
-    trainer streams each version as it does (host encode -> each bucket into a device
-    buffer, beside the shm fallback), the engine copies it device to device and loads
-    it. On the CPU form the device buffers are the shared-memory stand-in."""
+    trainer publishes each version as it does (``packed``: cast and packed into bucket
+    buffers on its device, each brought to the host once for the shm fallback; else the
+    path of a publisher with a push group: host encode, each bucket uploaded), the engine
+    copies it device to device and loads it. On the CPU form the device buffers are the
+    shared-memory stand-in."""
     import msgspec
     import torch
     import torch.multiprocessing as mp
@@ -982,6 +987,13 @@ def product_ipc_case(
         replies.get(timeout=600)  # ready
 
         async def publish(version: int) -> Any:
+            if packed:
+                on_device = group.host_tensors(trainer_model, dtype, skip=tied, on_device=True)
+                return await publisher.publish_packed(
+                    lambda: asyncio.to_thread(
+                        encoder.pack_buckets, version, layout, on_device, group.device
+                    )
+                )
             tensors = group.host_tensors(trainer_model, dtype, skip=tied)
             return await publisher.publish_streamed(
                 version,
@@ -1126,6 +1138,9 @@ def handoff_case(ctx: Context, name: str, trainer_model: Any) -> dict[str, Any]:
         if process.is_alive():
             process.kill()
     out["product_cuda_ipc"] = product_ipc_case(ctx, name, trainer_model, bf16_bytes)
+    out["product_cuda_ipc_host_encoded"] = product_ipc_case(
+        ctx, name, trainer_model, bf16_bytes, packed=False
+    )
     best = min(ipc, key=lambda t: t["total"])
     transport = "cuda_ipc" if device == "cuda" else "shared_memory_ipc"
     out[transport] = best | {"seconds_per_gb": best["total"] / (bf16_bytes / GB)}
@@ -1405,12 +1420,14 @@ def table(figures: dict[str, Any]) -> str:
     for key, row in figures.get("handoff", {}).items():
         if isinstance(row, dict) and "shm" in row:
             ipc = row.get("cuda_ipc") or row.get("shared_memory_ipc") or {}
-            product = row.get("product_cuda_ipc", {})
-            lines.append(
-                f"handoff {key}: product cuda_ipc {fmt(product.get('seconds_per_gb'))} s/GB "
-                f"(publish {fmt(product.get('publish'))} s, device copy "
-                f"{fmt(product.get('device_copy'))} s, load {fmt(product.get('load'))} s)"
-            )
+            for path in ("product_cuda_ipc", "product_cuda_ipc_host_encoded"):
+                product = row.get(path, {})
+                lines.append(
+                    f"handoff {key}: {path.replace('_', ' ', 1)} "
+                    f"{fmt(product.get('seconds_per_gb'))} s/GB (publish "
+                    f"{fmt(product.get('publish'))} s, device copy "
+                    f"{fmt(product.get('device_copy'))} s, load {fmt(product.get('load'))} s)"
+                )
             lines.append(
                 f"handoff {key}: {row['model']}, {fmt(row['weights_bytes'], 1e9)} GB bf16: "
                 f"shm {fmt(row['shm']['seconds_per_gb'])} s/GB (x{fmt(row['shm'].get('of_bound'))} "

@@ -221,10 +221,12 @@ class TrainGroup:
         dtype: torch.dtype | None = None,
         skip: Collection[str] = (),
         block_bytes: int = ROW_BLOCK_BYTES,
+        on_device: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The unsharded weights in the state dict's order (less the names in ``skip``):
         on rank 0 as CPU tensors (the floating-point ones in ``dtype``, cast where they
-        live), nothing on the others. A tensor sharded by rows (FSDP2's ``Shard(0)``)
+        live), or with ``on_device`` where rank 0 computes (packed there: ``cuda_ipc``),
+        nothing on the others. A tensor sharded by rows (FSDP2's ``Shard(0)``)
         comes as consecutive blocks of its rows under its name, each of about
         ``block_bytes``, sent to rank 0 by the rank that holds them: a large tensor (a
         151,936-row embedding) never exists whole on rank 0. Every rank must run it to the
@@ -237,21 +239,21 @@ class TrainGroup:
             if isinstance(value, DTensor) and _sharded_by_rows(value):
                 for block in self._row_blocks(value, dtype, block_bytes):
                     if self.is_leader:
-                        yield name, block
+                        yield name, block if on_device else block.cpu()
                 continue
             if dtype is not None and value.is_floating_point() and value.dtype != dtype:
                 value = value.to(dtype)  # a DTensor casts its shard: half the gather's bytes
             if isinstance(value, DTensor):
                 value = value.full_tensor()
             if self.is_leader:
-                yield name, value.cpu()
+                yield name, value if on_device else value.cpu()
 
     def _row_blocks(
         self, value: DTensor, dtype: torch.dtype | None, block_bytes: int
     ) -> Iterator[torch.Tensor]:
         """``value``'s rows in order, in blocks: each rank's shard (``torch.chunk``'s
         split, as FSDP2 makes it) cut into blocks of about ``block_bytes``, cast on the
-        rank that holds it and sent to rank 0, which yields them as CPU tensors."""
+        rank that holds it and sent to rank 0, which yields them where it computes."""
         local = value.to_local()
         if dtype is not None and value.is_floating_point():
             travel = dtype
@@ -283,7 +285,7 @@ class TrainGroup:
                     dist.recv(block, dist.get_global_rank(group, holder), group)
                 else:
                     continue  # between its holder and rank 0
-                yield block.cpu() if block.device.type != "cpu" else block
+                yield block
 
     def host_layout(
         self, model: torch.nn.Module, dtype: torch.dtype | None = None, skip: Collection[str] = ()

@@ -322,6 +322,22 @@ class Learner:
                 pass  # the followers run every gather (a collective): finish them first
             raise
 
+    def pack_weights(
+        self, encoder: WeightEncoder, version: int, dtype: torch.dtype | None
+    ) -> tuple[WeightManifest, list[torch.Tensor]]:
+        """``stream_weights`` packed where rank 0 computes (``WeightEncoder.pack_buckets``,
+        for ``cuda_ipc``): each tensor cast and copied on the device into its buckets,
+        none brought to the host. The other ranks run the same gathers (``StreamWeights``)."""
+        self._announce(StreamWeights(dtype=dtype_name(dtype) if dtype is not None else ""))
+        layout = layout_of(self.group.host_layout(self.model, dtype, skip=self.tied))
+        tensors = self.group.host_tensors(self.model, dtype, skip=self.tied, on_device=True)
+        try:
+            return encoder.pack_buckets(version, layout, tensors, self.group.device)
+        except BaseException:
+            for _ in tensors:
+                pass  # the followers run every gather (a collective): finish them first
+            raise
+
     def save(self, out: Path, state: TrainerState) -> Path:
         self._announce(GatherCheckpoint())
         model_state, optimizer_state = self._gather_checkpoint()

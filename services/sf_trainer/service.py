@@ -371,6 +371,12 @@ class TrainerService:
             # bucket by bucket to the store and the push group as it is gathered, or,
             # with deltas (which need the whole version), into one payload first
             encoder, dtype = self.publisher.encoder, self.publisher.dtype
+            if self.publisher.packs_on_device:  # cuda_ipc: packed on the device
+                return await self.publisher.publish_packed(
+                    lambda: self._on_learner(
+                        self.learner.pack_weights, encoder, self.version, dtype
+                    )
+                )
             if encoder.streams:
                 return await self.publisher.publish_streamed(
                     self.version,

@@ -42,7 +42,9 @@ def test_cpu_form_runs_every_part_and_writes_its_figures(tmp_path: Path) -> None
         trainer = figures["trainer"][case]
         assert trainer["losses_finite"] and trainer["tokens_per_s"] > 0
         handoff = figures["handoff"][case]
-        for transport in ("shm", "shared_memory_ipc", "product_cuda_ipc"):
+        for transport in (
+            "shm", "shared_memory_ipc", "product_cuda_ipc", "product_cuda_ipc_host_encoded"
+        ):  # fmt: skip
             assert handoff[transport]["seconds_per_gb"] > 0, transport
     for row in figures["offload"].values():  # every transition moved the bytes it holds
         trainer = row["trainer"]

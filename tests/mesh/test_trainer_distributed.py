@@ -126,12 +126,15 @@ def test_each_rank_reads_only_its_shard_and_the_ranks_step_as_one_process(
 
     loaded = torch.load(tmp_path / "ranks" / "loaded.pt", weights_only=True)
     published = torch.load(tmp_path / "ranks" / "published.pt", weights_only=True)
+    packed = torch.load(tmp_path / "ranks" / "packed.pt", weights_only=True)
     stored = load_model_state(model_dir)
-    assert loaded.keys() == stored.keys() == published.keys()
+    assert loaded.keys() == stored.keys() == published.keys() == packed.keys()
     for name, tensor in stored.items():
         assert torch.equal(loaded[name], tensor), name
         # the version engines get: gathered tensor by tensor into the payload, in bf16
         assert torch.equal(published[name], tensor.to(torch.bfloat16)), name
+        # and packed where rank 0 computes (cuda_ipc), its row blocks kept there
+        assert torch.equal(packed[name], tensor.to(torch.bfloat16)), name
     assert_same_results(ranks, alone, tmp_path / "alone")
     assert_same_checkpoint(tmp_path / "ranks" / "checkpoint", tmp_path / "alone")
 

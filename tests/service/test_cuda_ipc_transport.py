@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
-from seamlessflow.bus import Bus
-from seamlessflow.protocol import PhaseChanged, WeightsLoaded
-from seamlessflow.weights import WeightReceiver
+from seamlessflow.bus import Bus, decode
+from seamlessflow.protocol import PhaseChanged, WeightManifest, WeightsLoaded, WeightsPublished
+from seamlessflow.weights import WeightEncoder, WeightPublisher, WeightReceiver
 from seamlessflow.weights.ipc import DevicePayloads
 from seamlessflow.weights.settings import (
     WeightTransferSettings,
@@ -22,7 +24,7 @@ from seamlessflow.weights.settings import (
     publisher,
     stand_in_buffers,
 )
-from tests.support import eventually
+from tests.support import InProcessMesh, eventually
 from tests.support.weight_states import small_state
 
 
@@ -68,3 +70,67 @@ async def test_engines_apply_from_device_buffers_and_their_acknowledgements_free
     finally:
         await trainer.close()
     assert not os.listdir(tmp_path)
+
+
+async def test_a_trainer_packs_each_version_on_its_device_with_the_host_paths_bytes(
+    mesh: InProcessMesh,
+    bus: Bus,
+    base_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trainer service with ``cuda_ipc`` (its device buffers the CPU stand-in):
+    each version is packed where the trainer computes (``Learner.pack_weights``), and its
+    manifest carries the device handles and the digests of exactly the bytes the host
+    path gives for the same weights."""
+    from sf_tag_scheduler.service import TagSchedulerService
+    from sf_trainer import service as trainer_service
+    from tests.support.trainer_runs import BATCHES, SETTINGS, learner, run_trainer, trainer_mesh
+
+    monkeypatch.setenv("SF_WEIGHTS_TRANSPORT", "cuda_ipc")
+    monkeypatch.setenv("SF_WEIGHTS_SHM_DIR", str(tmp_path / "shm"))
+    monkeypatch.setenv("SF_WEIGHTS_BUCKET_MB", "0.05")
+    (tmp_path / "shm").mkdir()
+    packed: list[int] = []
+
+    def on_stand_in(
+        bus: Bus, settings: WeightTransferSettings, version_bytes: int, device: str = "cpu"
+    ) -> WeightPublisher:
+        made = publisher(bus, settings, version_bytes, device, stand_in_buffers(bus, settings))
+        publish_packed = made.publish_packed
+
+        async def counted(pack: Any) -> WeightManifest:
+            manifest = await publish_packed(pack)
+            packed.append(manifest.version)
+            return manifest
+
+        made.publish_packed = counted  # type: ignore[method-assign]
+        return made
+
+    monkeypatch.setattr(trainer_service, "publisher", on_stand_in)
+    await mesh.start(TagSchedulerService())
+    for batch in BATCHES[:2]:
+        await bus.js_publish(bus.subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}")
+    await run_trainer(
+        trainer_mesh(mesh, base_model_dir, tmp_path), SETTINGS.model_copy(update={"steps": 2})
+    )
+
+    announced = [
+        decode(m.data, WeightsPublished).manifest
+        for m in await bus.read_subject(
+            bus.subjects.stream_weights(), bus.subjects.weights_published()
+        )
+    ]
+    assert packed == [m.version for m in announced] == [1, 2]
+    last = announced[-1]
+    assert last.transport == "cuda_ipc" and last.device is not None
+    assert len(last.device.buckets) == len(last.device.checksums) == len(last.bucket_digests) > 1
+    expected = learner(base_model_dir)
+    for batch, version in zip(BATCHES[:2], range(2), strict=True):
+        expected.step(batch, version)
+    dtype = trainer_service.weight_transfer(SETTINGS).travel_dtype
+    through_host = expected.encode_weights(
+        WeightEncoder(bucket_bytes=last.bucket_bytes), 2, dtype
+    ).manifest
+    assert last.bucket_digests == through_host.bucket_digests
+    assert last.state_digest == through_host.state_digest

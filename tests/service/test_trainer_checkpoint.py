@@ -5,44 +5,28 @@ alone, are tests/unit/test_checkpoint_resume_and_prune.py."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from seamlessflow.bus import Bus, connect
+from seamlessflow.bus import Bus
 from seamlessflow.protocol import (
     TRAINER_DURABLE,
-    Subjects,
     TrainingFinished,
     TrainStepMetrics,
     WeightsPublished,
     decode,
 )
-from seamlessflow.service import ServiceContext
 from seamlessflow.settings import MeshSettings
 from sf_trainer import checkpoint
 from sf_trainer.checkpoint import TrainerState
-from sf_trainer.distributed import TrainGroup
 from sf_trainer.learner import Learner
-from sf_trainer.service import TrainerService
 from sf_trainer.settings import TrainerSettings
 from tests.support import InProcessMesh
 from tests.support.checkpoint_files import write_checkpoint_files
-from tests.support.trainer_batches import make_batch
-
-SETTINGS = TrainerSettings(lr=1e-3, micro_batch_tokens=48)
-BATCHES = [
-    make_batch(0, [[6, 9, 14, 20], [8, 11, 5, 17]], seed=1),
-    make_batch(1, [[12, 7, 19, 10], [9, 15, 6, 13]], seed=2),
-    make_batch(2, [[10, 16, 7, 9], [14, 6, 12, 8]], seed=4),
-]
-
-
-def learner(model_dir: Path, settings: TrainerSettings = SETTINGS) -> Learner:
-    return Learner(settings, TrainGroup(device=torch.device("cpu")), model_dir)
+from tests.support.trainer_runs import BATCHES, SETTINGS, learner, run_trainer, trainer_mesh
 
 
 def weights(learner: Learner) -> dict[str, torch.Tensor]:
@@ -164,23 +148,6 @@ def test_a_save_never_replaces_a_checkpoint_holding_more_trained_steps(
 
 
 # the service against a real nats-server -------------------------------------------------
-
-
-def trainer_mesh(mesh: InProcessMesh, model_dir: Path, run_dir: Path) -> MeshSettings:
-    """The mesh settings of a trainer joining ``mesh``'s run."""
-    return MeshSettings(
-        nats_url=mesh.mesh.nats_url, run_id=mesh.mesh.run_id, model_dir=model_dir, run_dir=run_dir
-    )
-
-
-async def run_trainer(mesh: MeshSettings, settings: TrainerSettings) -> None:
-    """One trainer process's life, in this event loop, until it finishes its steps."""
-    trainer_bus = await connect(mesh.nats_url, Subjects(mesh.run_id), name="trainer")
-    try:
-        trainer = TrainerService(settings)
-        await asyncio.wait_for(trainer.run(ServiceContext(mesh=mesh, bus=trainer_bus)), 60)
-    finally:
-        await trainer_bus.drain()
 
 
 async def test_a_resumed_trainer_skips_trained_batches_and_keeps_versions_monotonic(

@@ -26,6 +26,7 @@ import torch
 
 from seamlessflow.protocol import TrainBatch
 from seamlessflow.weights.codec import WeightEncoder, WeightMirror
+from seamlessflow.weights.layout import bucket_digests, state_digest
 from sf_trainer.checkpoint import TrainerState
 from sf_trainer.distributed import TrainGroup
 from sf_trainer.launch import exit_now
@@ -58,6 +59,20 @@ def lead(learner: Learner, spec: dict[str, Any]) -> None:
         mirror = WeightMirror()
         mirror.apply(encoded.manifest, encoded.payload)
         torch.save(mirror.tensors(), out / "published.pt")
+        # and packed where the leader computes (cuda_ipc), the buckets brought back here
+        manifest, buckets = learner.pack_weights(
+            WeightEncoder(bucket_bytes=1 << 16), 1, torch.bfloat16
+        )
+        payload = b"".join(bytes(bucket.cpu().numpy()) for bucket in buckets)
+        digests = bucket_digests(payload, 1 << 16)
+        packed = WeightMirror()
+        packed.apply(
+            msgspec.structs.replace(
+                manifest, bucket_digests=digests, state_digest=state_digest(digests)
+            ),
+            memoryview(payload),
+        )
+        torch.save(packed.tensors(), out / "packed.pt")
     if spec.get("resume"):
         version = learner.restore(Path(spec["resume"])).version
     results = []

@@ -26,6 +26,7 @@ from seamlessflow.weights import (
 )
 from seamlessflow.weights.device import BufferGone, SharedMemoryBuffers
 from seamlessflow.weights.ipc import DevicePayloads, HeldVersion, HeldVersions, choose_transport
+from seamlessflow.weights.layout import layout_of
 from tests.support.weight_states import publish_three, small_state
 
 RUN = "seamlessflow-ipc-policy-"
@@ -287,3 +288,83 @@ def test_a_cuda_ipc_publisher_sends_every_version_in_full(tmp_path: Path) -> Non
     assert not made.encoder.deltas
     shm = WeightTransferSettings(transport="shm", shm_dir=tmp_path, deltas=True)
     assert publisher(FakeBus(), shm, 1 << 20).encoder.deltas  # type: ignore[arg-type]
+
+
+def packed(
+    version: int, state: dict[str, torch.Tensor]
+) -> tuple[WeightManifest, list[torch.Tensor]]:
+    """``state`` packed where it lives (the trainer's device: here the host)."""
+    layout = layout_of((name, t.dtype, list(t.shape)) for name, t in state.items())
+    return WeightEncoder(bucket_bytes=10_000).pack_buckets(
+        version, layout, iter(state.items()), torch.device("cpu")
+    )
+
+
+async def test_a_version_packed_on_the_trainers_device_is_held_as_is_and_hashed_for_the_host(
+    tmp_path: Path,
+) -> None:
+    """``put_packed``: the packed buckets become the device buffers, the fallback gets
+    the same bytes with the digests the host path would give, and an engine reads the
+    version from either."""
+    trainer, engine, _ = trainer_and_engine(tmp_path)
+    state = small_state(5)
+    through_host = WeightEncoder(bucket_bytes=10_000).encode(1, state).manifest
+    manifest, buckets = packed(1, state)
+    stored = await trainer.put_packed(manifest, buckets)
+    assert stored.transport == "cuda_ipc" and stored.device is not None
+    assert stored.bucket_digests == through_host.bucket_digests
+    assert stored.state_digest == through_host.state_digest
+    assert len(buffer_files(tmp_path)) == len(stored.device.checksums) == len(buckets)
+    receiver = WeightReceiver({"cuda_ipc": engine}, device=torch.device("cpu"))
+    assert await receiver.follow([stored]) == 1
+    assert receiver.mirror.version == 0  # device to device, no host mirror
+    assert same(receiver.tensors(), state)
+    # the buffers gone, the fallback store alone serves the version
+    await trainer.release(trainer.held.drop(1))
+    assert buffer_files(tmp_path) == []
+    assert same(await apply(engine, stored), state)
+
+
+async def test_a_device_that_refuses_the_packed_buckets_leaves_the_version_to_the_fallback(
+    tmp_path: Path,
+) -> None:
+    class Refusing(SharedMemoryBuffers):
+        def adopt(self, bucket: object) -> Path:
+            if len(os.listdir(tmp_path)) > 3:
+                raise RuntimeError("CUDA out of memory")
+            return super().adopt(bucket)
+
+    stores = {"shm": SharedMemoryPayloads("ipc", tmp_path)}
+    trainer = DevicePayloads(stores, "shm", Refusing(tmp_path, RUN), HeldVersions(4, 60.0))
+    state = small_state(6)
+    stored = await trainer.put_packed(*packed(1, state))
+    assert stored.transport == "shm" and stored.device is None
+    assert buffer_files(tmp_path) == []  # what it had adopted was freed
+    _, engine, _ = trainer_and_engine(tmp_path)
+    assert same(await apply(engine, stored), state)
+
+
+async def test_the_publisher_packs_on_the_device_only_full_versions_without_a_push_group(
+    tmp_path: Path,
+) -> None:
+    trainer, engine, _ = trainer_and_engine(tmp_path)
+    publisher = WeightPublisher(trainer, WeightEncoder(bucket_bytes=10_000), keep_chains=1)
+    assert publisher.packs_on_device
+    state = small_state(7)
+
+    async def pack() -> tuple[WeightManifest, list[torch.Tensor]]:
+        return packed(1, state)
+
+    manifest = await publisher.publish_packed(pack)
+    assert manifest.transport == "cuda_ipc" and list(trainer.held.held) == [1]
+    assert same(await apply(engine, manifest), state)
+    await publisher.close()
+    assert buffer_files(tmp_path) == []
+    with_deltas = WeightPublisher(trainer, WeightEncoder(bucket_bytes=10_000, deltas=True))
+    shm_only = WeightPublisher(
+        SharedMemoryPayloads("ipc", tmp_path), WeightEncoder(bucket_bytes=10_000)
+    )
+    for refused in (with_deltas, shm_only):
+        assert not refused.packs_on_device
+        with pytest.raises(ValueError, match="cuda_ipc store"):
+            await refused.publish_packed(pack)

@@ -448,6 +448,46 @@ def test_a_tensor_may_come_in_blocks_of_its_rows(rows: int) -> None:
     assert bytes(streamed.payload) == bytes(whole.payload)
 
 
+@pytest.mark.parametrize("rows", [7, 300])
+def test_a_version_packed_where_it_lives_has_the_streamed_buckets(rows: int) -> None:
+    """``pack_buckets`` (``cuda_ipc``: on the trainer's device) writes exactly the bytes
+    ``encode_buckets`` hands over, one allocation per bucket of the manifest's sizes, and
+    leaves the digests to whoever brings them to the host."""
+    from seamlessflow.weights.layout import bucket_ranges, layout_of
+
+    state = model_state()
+    layout = layout_of((name, t.dtype, list(t.shape)) for name, t in state.items())
+    whole = WeightEncoder(bucket_bytes=1000).encode(3, state)
+    manifest, buckets = WeightEncoder(bucket_bytes=1000).pack_buckets(
+        3, layout, iter(in_row_blocks(state, rows)), torch.device("cpu")
+    )
+    ranges = list(bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes))
+    assert [b.numel() for b in buckets] == [end - start for start, end in ranges]
+    assert len({b.untyped_storage().data_ptr() for b in buckets}) == len(buckets)
+    assert b"".join(bytes(b.numpy()) for b in buckets) == bytes(whole.payload)
+    assert manifest.bucket_digests == [] and manifest.state_digest != whole.manifest.state_digest
+    assert (
+        msgspec.structs.replace(
+            manifest,
+            bucket_digests=whole.manifest.bucket_digests,
+            state_digest=whole.manifest.state_digest,
+        )
+        == whole.manifest
+    )
+    with pytest.raises(ValueError, match="deltas"):
+        WeightEncoder(1000, deltas=True).pack_buckets(3, layout, iter([]), torch.device("cpu"))
+
+
+def test_buckets_of_the_wrong_sizes_are_refused() -> None:
+    from seamlessflow.weights.layout import fill_buckets, layout_of
+
+    state = model_state()
+    layout = layout_of((name, t.dtype, list(t.shape)) for name, t in state.items())
+    wrong = [torch.empty(1000, dtype=torch.uint8) for _ in range(2)]
+    with pytest.raises(ValueError, match="buckets of"):
+        fill_buckets(iter(state.items()), layout, wrong)
+
+
 def test_row_blocks_that_do_not_make_their_tensor_are_refused() -> None:
     from seamlessflow.weights.layout import layout_of
 

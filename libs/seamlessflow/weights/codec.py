@@ -28,7 +28,9 @@ from seamlessflow.weights.layout import (
     LayoutMismatch,
     as_bytes,
     bucket_digests,
+    bucket_ranges,
     digest_of,
+    fill_buckets,
     flatten_into,
     layout_bytes,
     plan_layout,
@@ -167,6 +169,31 @@ class WeightEncoder:
         self._previous = self._spare = None
         self._previous_version, self._previous_layout = version, layout
         return self._full_manifest(version, payload_bytes, layout, digests)
+
+    def pack_buckets(
+        self,
+        version: int,
+        layout: list[TensorSpec],
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        device: torch.device,
+    ) -> tuple[WeightManifest, list[torch.Tensor]]:
+        """A full version packed where the trainer computes: one uint8 tensor per bucket
+        on ``device``, each its own allocation (another process maps a bucket whole:
+        ``cuda_ipc``), filled as ``tensors`` come (in ``layout``'s order, where they
+        live): no host copy. The bytes are those ``encode_buckets`` hands over; the
+        manifest has no digests yet: they are hashed where the buckets reach the host
+        (``DevicePayloads.put_packed``). Blocking (a worker thread)."""
+        if not self.streams:
+            raise ValueError("an encoder that sends deltas needs whole versions: encode_stream")
+        payload_bytes = layout_bytes(layout)
+        buckets = [
+            torch.empty(end - start, dtype=torch.uint8, device=device)
+            for start, end in bucket_ranges(payload_bytes, self.bucket_bytes)
+        ]
+        fill_buckets(tensors, layout, buckets)
+        self._previous = self._spare = None  # as encode_buckets: the next version is full
+        self._previous_version, self._previous_layout = version, layout
+        return self._full_manifest(version, payload_bytes, layout, []), buckets
 
     def _full_manifest(
         self, version: int, payload_bytes: int, layout: list[TensorSpec], digests: list[str]

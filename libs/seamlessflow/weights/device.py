@@ -1,9 +1,10 @@
 """Device buffers that another process on the host can map: the thin, swappable layer
 under the ``cuda_ipc`` transport (``weights.ipc``).
 
-A ``DeviceBuffers`` allocates a buffer filled with one payload bucket, exports a handle
-to it (plain data: ``protocol.DeviceHandle``), opens a handle another process exported,
-gives an opened buffer as a uint8 tensor where it lies, and closes or frees. Two implementations:
+A ``DeviceBuffers`` allocates a buffer filled with one payload bucket (or adopts one the
+trainer packed on its device), exports a handle to it (plain data:
+``protocol.DeviceHandle``), opens a handle another process exported, gives an opened
+buffer as a uint8 tensor where it lies, and closes or frees. Two implementations:
 
 - ``CudaBuffers``: uint8 CUDA tensors, handles from torch's CUDA IPC (the fields of
   ``torch.multiprocessing.reductions.reduce_tensor``'s recipe, rebuilt with
@@ -40,6 +41,12 @@ class DeviceBuffers(Protocol):
 
     def allocate(self, data: memoryview) -> Any:
         """A new buffer holding a copy of ``data``, complete when this returns."""
+        ...
+
+    def adopt(self, bucket: Any) -> Any:
+        """A buffer holding ``bucket`` (a uint8 tensor the trainer packed on its device):
+        the tensor itself where this layer's buffers are such tensors, else a copy;
+        complete when this returns."""
         ...
 
     def export(self, buffer: Any) -> DeviceHandle:
@@ -89,6 +96,10 @@ class SharedMemoryBuffers:
         partial.write_bytes(data)
         os.replace(partial, path)  # whole or absent, as a device allocation is
         return path
+
+    def adopt(self, bucket: Any) -> Path:
+        host = bucket.detach().cpu().contiguous()
+        return self.allocate(memoryview(host.numpy()).cast("B"))
 
     def export(self, buffer: Path) -> DeviceHandle:
         return DeviceHandle(kind="shm", name=buffer.name.encode(), nbytes=buffer.stat().st_size)
@@ -148,6 +159,21 @@ class CudaBuffers:
         # complete before any handle to it leaves: importers read on their own streams
         torch.cuda.synchronize(self.device)
         return buffer
+
+    def adopt(self, bucket: Any) -> Any:
+        """``bucket`` itself: a uint8 tensor on this layer's device that is a whole
+        allocation of its own (``export`` maps storages, not views)."""
+        import torch
+
+        if bucket.device != self.device or bucket.dtype != torch.uint8:
+            raise ValueError(
+                f"a {bucket.dtype} bucket on {bucket.device}, not uint8 on {self.device}"
+            )
+        if bucket.storage_offset() or bucket.untyped_storage().nbytes() != bucket.numel():
+            raise ValueError("a bucket must be a whole storage of its own")
+        # packed on the trainer's stream: complete before any handle to it leaves
+        torch.cuda.synchronize(self.device)
+        return bucket
 
     def export(self, buffer: Any) -> DeviceHandle:
         from torch.multiprocessing.reductions import reduce_tensor

@@ -34,9 +34,15 @@ into one buffer on its device (``fetch_tensors``), checks each bucket's byte sum
 views of it: no host copy, no host digest. With ``cuda_ipc`` the trainer sends every
 version in full (``weights.settings.publisher``): a delta needs the host mirror. Any
 failure there (not full, no checksums, a handle that will not open, a sum that differs)
-falls back to ``fetch`` through the host. On the trainer, not yet: versions are still
-gathered and encoded in host memory (the fallback store needs those bytes and digests),
-and each bucket is uploaded to its device buffer.
+falls back to ``fetch`` through the host.
+
+On the trainer, packed on its device (``put_packed``): a CUDA trainer casts and copies
+each tensor, where it lives, into per-bucket device allocations
+(``WeightEncoder.pack_buckets``), which become the held buffers as they are; the only
+host work left is the fallback's: one pinned copy per bucket, hashed, written to the
+store. It is on the version's path still: the manifest is announced after the fallback
+holds the version (its digests are the host's). ``put`` and ``writer`` (a version encoded
+in host memory, each bucket uploaded) serve a publisher with a push group or deltas.
 """
 
 from __future__ import annotations
@@ -63,9 +69,12 @@ from seamlessflow.weights.codec import EncodedWeights, WeightsCorrupted
 from seamlessflow.weights.device import BufferGone, DeviceBuffers, byte_sum
 from seamlessflow.weights.layout import (
     LayoutMismatch,
+    as_bytes,
     bucket_digests,
     bucket_ranges,
+    digest_of,
     layout_bytes,
+    state_digest,
     tensor_views,
 )
 from seamlessflow.weights.stores import (
@@ -189,6 +198,59 @@ class DevicePayloads:
 
     async def put(self, encoded: EncodedWeights) -> WeightManifest:
         return await put_whole(self, encoded)
+
+    async def put_packed(self, manifest: WeightManifest, buckets: list[Any]) -> WeightManifest:
+        """A full version the trainer packed on its device (``WeightEncoder.pack_buckets``:
+        ``manifest`` without digests, one tensor per bucket): the buckets become the
+        device buffers as they are (no upload) and are summed there; the fallback store
+        gets each through one host copy (pinned, two reused in turn), hashed as it
+        arrives (the manifest's digests), the copy of the next bucket overlapping the
+        store's write of this one. The manifest as ``put`` returns it."""
+        layer = self.buffers
+        if layer is None:
+            raise ValueError("only a trainer's DevicePayloads (with buffers) stores versions")
+        if manifest.kind != "full" or manifest.payload_bytes != manifest.state_bytes:
+            raise ValueError(f"version {manifest.version}: only a full version is packed")
+        writer = await self.fallback.writer(manifest.version, manifest.kind)
+        staging = _HostStaging()
+        writing: asyncio.Future[None] | None = None
+        digests: list[str] = []
+        try:
+            for index, bucket in enumerate(buckets):
+                view, digest = await asyncio.to_thread(staging.copy_and_hash, index, bucket)
+                digests.append(digest)
+                if writing is not None:
+                    await writing  # its staging buffer is the one the next copy fills
+                writing = asyncio.ensure_future(writer.write(index, view))
+            if writing is not None:
+                await writing
+            hashed = msgspec.structs.replace(
+                manifest, bucket_digests=digests, state_digest=state_digest(digests)
+            )
+            stored = await writer.close(hashed)
+        except BaseException:
+            if writing is not None and not writing.done():
+                writing.cancel()
+                with contextlib.suppress(BaseException):
+                    await writing
+            await writer.abort()
+            raise
+        held: list[Any] = []
+        try:
+            for bucket in buckets:
+                held.append(await asyncio.to_thread(layer.adopt, bucket))
+            checksums = [await asyncio.to_thread(layer.checksum, b) for b in held]
+            handles = [await asyncio.to_thread(layer.export, b) for b in held]
+        except Exception as exc:  # the device refused them: the store has the version
+            log.warning("version %d stays out of device memory: %r", manifest.version, exc)
+            await self.release([HeldVersion(manifest.version, held, 0.0)])
+            return stored
+        await self.release(self.held.hold(manifest.version, held))
+        return msgspec.structs.replace(
+            stored,
+            transport=self.name,
+            device=DevicePayload(buckets=handles, fallback=stored.transport, checksums=checksums),
+        )
 
     async def delete(self, manifest: WeightManifest) -> None:
         await self.release(self.held.drop(manifest.version))
@@ -342,6 +404,29 @@ class DevicePayloads:
         if store is None:
             raise PayloadMissing(f"no {name!r} store on this process")
         return store
+
+
+class _HostStaging:
+    """Host copies of a packed version's buckets, for the fallback store: two buffers
+    used in turn (pinned when the buckets are on a CUDA device: the copy runs at the
+    link's rate), each read until the bucket after next is copied."""
+
+    def __init__(self) -> None:
+        self.buffers: list[Any] = []
+
+    def copy_and_hash(self, index: int, bucket: Any) -> tuple[memoryview, str]:
+        import torch
+
+        if bucket.device.type == "cpu":  # the buckets are host memory already
+            view = as_bytes(bucket)
+            return view, digest_of(view)
+        if len(self.buffers) < 2:  # sized by the first bucket: no later one is larger
+            pin = bucket.device.type == "cuda"
+            self.buffers.append(torch.empty(bucket.numel(), dtype=torch.uint8, pin_memory=pin))
+        target = self.buffers[index % 2][: bucket.numel()]
+        target.copy_(bucket)
+        view = as_bytes(target)
+        return view, digest_of(view)
 
 
 class _DeviceWriter:

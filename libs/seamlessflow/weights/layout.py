@@ -9,7 +9,7 @@ dtype and every element size divides every offset (the delta codec relies on it)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -143,15 +143,48 @@ def stream_buckets(
     are zero)."""
     if not buffers or any(b.numel() != buffers[0].numel() for b in buffers):
         raise ValueError("stream_buckets needs buffers of one bucket size")
-    bucket_bytes = buffers[0].numel()
+    filled = _filled_buckets(
+        tensors, layout, buffers[0].numel(), lambda index: buffers[index % len(buffers)]
+    )
+    for bucket in filled:
+        yield as_bytes(bucket)
+
+
+def fill_buckets(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    layout: list[TensorSpec],
+    buckets: Sequence[torch.Tensor],
+) -> None:
+    """The flat state of ``layout`` written across ``buckets`` as ``tensors`` come: one
+    uint8 tensor per bucket of ``bucket_ranges(layout_bytes(layout), bucket_bytes)``, of
+    that bucket's size, wherever they lie (the trainer's device: ``cuda_ipc``). The same
+    bytes as ``stream_buckets``."""
+    total = layout_bytes(layout)
+    bucket_bytes = buckets[0].numel() if buckets else 1
+    sizes = [end - start for start, end in bucket_ranges(total, bucket_bytes)]
+    if [b.numel() for b in buckets] != sizes:
+        raise ValueError(f"buckets of {[b.numel() for b in buckets]} bytes for {sizes}")
+    for _ in _filled_buckets(tensors, layout, bucket_bytes, buckets.__getitem__):
+        pass
+
+
+def _filled_buckets(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    layout: list[TensorSpec],
+    bucket_bytes: int,
+    buffer_of: Callable[[int], torch.Tensor],
+) -> Iterator[torch.Tensor]:
+    """Bucket ``i`` of the flat state written into ``buffer_of(i)`` (at least the
+    bucket's size) and yielded once complete: the last one, short, as a view of its
+    first bytes."""
     index = filled = position = 0
 
-    def write(source: torch.Tensor | None, length: int) -> Iterator[memoryview]:
+    def write(source: torch.Tensor | None, length: int) -> Iterator[torch.Tensor]:
         """``length`` bytes of ``source`` (zeros if None) at ``position``."""
         nonlocal index, filled, position
         done = 0
         while done < length:
-            bucket = buffers[index % len(buffers)]
+            bucket = buffer_of(index)
             count = min(bucket_bytes - filled, length - done)
             target = bucket[filled : filled + count]
             if source is None:
@@ -160,7 +193,7 @@ def stream_buckets(
                 target.copy_(source[done : done + count])
             filled, done, position = filled + count, done + count, position + count
             if filled == bucket_bytes:
-                yield as_bytes(bucket)
+                yield bucket
                 index, filled = index + 1, 0
 
     for spec, raw, at in in_layout(tensors, layout):
@@ -168,7 +201,7 @@ def stream_buckets(
         yield from write(raw, raw.numel())
     yield from write(None, layout_bytes(layout) - position)
     if filled:
-        yield as_bytes(buffers[index % len(buffers)][:filled])
+        yield buffer_of(index)[:filled]
 
 
 def place(flat: torch.Tensor, spec: TensorSpec, tensor: torch.Tensor) -> None:

@@ -109,6 +109,35 @@ class WeightPublisher:
                 self._push_broken(exc)
         return await self._keep(stored)
 
+    @property
+    def packs_on_device(self) -> bool:
+        """Versions are packed where the trainer computes (``publish_packed``): the
+        ``cuda_ipc`` store with the trainer's device buffers, full versions, no push
+        group (whose members are on other hosts and take host buckets)."""
+        return (
+            isinstance(self.store, DevicePayloads)
+            and self.store.buffers is not None
+            and self.encoder.streams
+            and self.push is None
+        )
+
+    async def publish_packed(
+        self,
+        pack: Callable[[], Awaitable[tuple[WeightManifest, list[torch.Tensor]]]],
+    ) -> WeightManifest:
+        """``publish`` of a version packed on the trainer's device: ``pack()`` runs
+        ``encoder.pack_buckets`` (a trainer gathers into it tensor by tensor:
+        ``Learner.pack_weights``); the buckets become the ``cuda_ipc`` store's device
+        buffers and reach its fallback through one host copy each
+        (``DevicePayloads.put_packed``)."""
+        if not self.packs_on_device:
+            raise ValueError("publish_packed needs a cuda_ipc store with device buffers")
+        assert isinstance(self.store, DevicePayloads)
+        manifest, buckets = await pack()
+        stored = await self.store.put_packed(manifest, buckets)
+        del buckets  # held by the store (or freed) from here
+        return await self._keep(stored)
+
     def _push_broken(self, exc: BaseException) -> None:
         log.warning("push group broken (%r); engines pull from the store", exc)
         self.push = None
