@@ -16,6 +16,7 @@ from seamlessflow.protocol import WeightManifest
 from seamlessflow.weights import SharedMemoryPayloads, WeightEncoder, WeightMirror
 from seamlessflow.weights.device import CudaBuffers
 from seamlessflow.weights.ipc import DevicePayloads, HeldVersions
+from seamlessflow.weights.layout import layout_of
 
 pytestmark = pytest.mark.gpu
 
@@ -44,12 +45,27 @@ def engine(manifest_json: bytes, directory: str, out: str) -> None:
     Path(out).write_text(f"{same} {same_on_device}")
 
 
-async def test_another_process_applies_a_version_from_cuda_ipc_handles(tmp_path: Path) -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["uploaded", "packed-on-device"])
+async def test_another_process_applies_a_version_from_cuda_ipc_handles(
+    tmp_path: Path, packed: bool
+) -> None:
+    """Encoded on the host and each bucket uploaded (``put``), or packed where the
+    trainer's weights live (``pack_buckets`` + ``put_packed``: the buckets adopted as
+    they are, the fallback hashed from pinned host copies): the same bytes either way."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     stores = {"shm": SharedMemoryPayloads("gpu", tmp_path)}
     trainer = DevicePayloads(stores, "shm", CudaBuffers("cuda"), HeldVersions(2, 60.0))
-    manifest = await trainer.put(WeightEncoder(bucket_bytes=1 << 19).encode(1, state()))
+    encoder = WeightEncoder(bucket_bytes=1 << 19)
+    if packed:
+        on_device = {name: tensor.cuda() for name, tensor in state().items()}
+        layout = layout_of((name, t.dtype, list(t.shape)) for name, t in on_device.items())
+        manifest = await trainer.put_packed(
+            *encoder.pack_buckets(1, layout, iter(on_device.items()), torch.device("cuda"))
+        )
+        assert manifest.bucket_digests == encoder.encode(1, state()).manifest.bucket_digests
+    else:
+        manifest = await trainer.put(encoder.encode(1, state()))
     assert manifest.device is not None and {h.kind for h in manifest.device.buckets} == {"cuda"}
     (tmp_path / manifest.location).unlink()
     out = tmp_path / "engine"
