@@ -21,8 +21,9 @@ Parts (``--only``; each records its figures, or its error, and the next one runs
   ``WeightPublisher.publish_streamed`` into ``SharedMemoryPayloads`` -> ``WeightMirror``
   -> ``engine.load_weights``); through the product's ``cuda_ipc`` transport
   (``product_cuda_ipc``: each version packed into bucket buffers on the trainer's
-  device, brought to the host once for the shm fallback, an engine in another process
-  copying it device to device; ``product_cuda_ipc_host_encoded``: the same with the
+  device and announced, an engine in another process copying it device to device while
+  the trainer brings it to the host once for the shm fallback (``fallback_stored``: when
+  that was done); ``product_cuda_ipc_host_encoded``: the same with the
   version encoded in host memory and each bucket uploaded, the path before packing and
   still that of a publisher with a push group); and device to
   device over bare CUDA IPC (the engine in another process maps the trainer's bf16 copy
@@ -986,7 +987,8 @@ def product_ipc_case(
     try:
         replies.get(timeout=600)  # ready
 
-        async def publish(version: int) -> Any:
+        async def publish(version: int) -> tuple[Any, Any]:
+            """The manifest to announce, and the task storing its fallback (packed)."""
             if packed:
                 on_device = group.host_tensors(trainer_model, dtype, skip=tied, on_device=True)
                 return await publisher.publish_packed(
@@ -995,24 +997,34 @@ def product_ipc_case(
                     )
                 )
             tensors = group.host_tensors(trainer_model, dtype, skip=tied)
-            return await publisher.publish_streamed(
+            streamed = await publisher.publish_streamed(
                 version,
                 lambda sink: asyncio.to_thread(
                     encoder.encode_buckets, version, layout, tensors, sink
                 ),
             )
+            return streamed, None
 
         loop = asyncio.new_event_loop()
         for version in range(1, ctx.sizes.handoff_repeats + 1):
             started = time.perf_counter()
-            manifest = loop.run_until_complete(publish(version))
+            manifest, storing = loop.run_until_complete(publish(version))
             published = time.perf_counter()
             requests.put(msgspec.json.encode(manifest))
-            status, copy_s, load_s = replies.get(timeout=600)
+            # the loop runs while the engine loads: the fallback is stored meanwhile
+            status, copy_s, load_s = loop.run_until_complete(
+                asyncio.to_thread(replies.get, timeout=600)
+            )
+            loaded = time.perf_counter()
             if status != "loaded":
                 raise RuntimeError(f"the engine refused version {version}: {copy_s}")
+            if storing is not None:
+                completed = loop.run_until_complete(storing)
+                if completed.fallback_pending or not completed.bucket_digests:
+                    raise RuntimeError(f"version {version}: its fallback was not completed")
             trials.append({"publish": published - started, "device_copy": copy_s,
-                           "load": load_s, "total": time.perf_counter() - started})  # fmt: skip
+                           "load": load_s, "total": loaded - started,
+                           "fallback_stored": time.perf_counter() - started})  # fmt: skip
         requests.put(None)
         process.join(timeout=120)
         loop.run_until_complete(publisher.close())
@@ -1426,7 +1438,8 @@ def table(figures: dict[str, Any]) -> str:
                     f"handoff {key}: {path.replace('_', ' ', 1)} "
                     f"{fmt(product.get('seconds_per_gb'))} s/GB (publish "
                     f"{fmt(product.get('publish'))} s, device copy "
-                    f"{fmt(product.get('device_copy'))} s, load {fmt(product.get('load'))} s)"
+                    f"{fmt(product.get('device_copy'))} s, load {fmt(product.get('load'))} s; "
+                    f"fallback stored after {fmt(product.get('fallback_stored'))} s)"
                 )
             lines.append(
                 f"handoff {key}: {row['model']}, {fmt(row['weights_bytes'], 1e9)} GB bf16: "

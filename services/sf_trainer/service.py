@@ -15,8 +15,11 @@ Consumes:
   train on now; ``sf_trainer.threads``)
 Produces:
 - weight payloads (``seamlessflow.weights``: full or delta, in the NATS Object Store or
-  shared memory, complete before announced; the trainer deletes chains it no longer keeps)
-- ``sf.<run>.weights.<policy>.published`` (JetStream: WeightsPublished)
+  shared memory, complete before announced; the trainer deletes chains it no longer keeps;
+  with ``cuda_ipc`` on a CUDA device, packed there and announced once held, the fallback
+  store's copy written after)
+- ``sf.<run>.weights.<policy>.published`` (JetStream: WeightsPublished; a ``cuda_ipc``
+  version packed on the device twice: held, its fallback pending, then completed)
 - with a push group (``SF_WEIGHTS_GROUP_*``): each payload broadcast to the group's
   engines; with ``nccl`` it answers ``sf.<run>.weights.<policy>.group`` (the NCCL id)
 - ``sf.<run>.train.<policy>.metrics`` / ``.finished`` (JetStream ``SF_<RUN>_METRICS``),
@@ -126,6 +129,8 @@ class TrainerService:
         """``trainer-<policy>-<host>-<pid>``: unique in the run (set when it starts)."""
         self.step = 0
         self.version = 0
+        self._announcing: set[asyncio.Task[None]] = set()
+        """Second announcements waiting for their versions' fallbacks to be stored."""
         self.data_position = -1
         """``batch_index`` of the last trained batch: a batch at or before it is not trained."""
         self.trained_steps = 0
@@ -207,6 +212,8 @@ class TrainerService:
                 heartbeat.cancel()
                 self.membership.end_phase()
                 await self.membership.leave()
+                # the last versions' second announcements (their fallbacks stored) first
+                await asyncio.gather(*self._announcing, return_exceptions=True)
                 await self.publisher.close()
         finally:
             # Ctrl-C or SIGTERM still leaves a loadable checkpoint of the latest policy.
@@ -330,7 +337,7 @@ class TrainerService:
             span.set_attribute("grad_norm", result.grad_norm)
         self.membership.set_phase("sync")
         started = time.monotonic()
-        manifest = await self._publish_weights()
+        manifest, storing = await self._publish_weights()
         publish_seconds = time.monotonic() - started
         self.membership.version = self.version
         metrics = metrics_of(
@@ -357,13 +364,37 @@ class TrainerService:
             WeightsPublished(manifest=manifest, step=self.step),
             msg_id=MessageIds.weights(self.policy, self.version),
         )
+        if storing is not None:  # after the first announcement: the stream keeps the order
+            self._announce_when_stored(storing, self.step)
         await self._checkpoint_if_due()
         last = self.step == self.settings.steps
         if self.settings.eval_every and (self.step % self.settings.eval_every == 0 or last):
             await self._evaluate()
 
-    async def _publish_weights(self) -> WeightManifest:
-        """The version just trained, stored completely (not yet announced)."""
+    def _announce_when_stored(self, storing: asyncio.Task[WeightManifest], step: int) -> None:
+        """Announce a version a second time once its fallback is stored (it was first
+        announced with the fallback pending: ``DevicePayload.fallback_pending``)."""
+
+        async def announce() -> None:
+            try:
+                manifest = await storing
+            except Exception as exc:  # engines that map the buckets still have it
+                log.error("the fallback of a version was not stored: %r", exc)
+                return
+            await self.ctx.bus.js_publish(
+                self.ctx.subjects.weights_published(),
+                WeightsPublished(manifest=manifest, step=step),
+                msg_id=MessageIds.weights_stored(self.policy, manifest.version),
+            )
+
+        task = asyncio.create_task(announce())
+        self._announcing.add(task)
+        task.add_done_callback(self._announcing.discard)
+
+    async def _publish_weights(self) -> tuple[WeightManifest, asyncio.Task[WeightManifest] | None]:
+        """The version just trained, stored completely (not yet announced), or held in
+        device memory with its fallback being stored (the task: announce its result
+        too)."""
         with tracer.start_as_current_span(
             "trainer.publish_weights", attributes={"version": self.version}
         ):
@@ -372,22 +403,27 @@ class TrainerService:
             # with deltas (which need the whole version), into one payload first
             encoder, dtype = self.publisher.encoder, self.publisher.dtype
             if self.publisher.packs_on_device:  # cuda_ipc: packed on the device
-                return await self.publisher.publish_packed(
-                    lambda: self._on_learner(
-                        self.learner.pack_weights, encoder, self.version, dtype
+                try:
+                    return await self.publisher.publish_packed(
+                        lambda: self._on_learner(
+                            self.learner.pack_weights, encoder, self.version, dtype
+                        )
                     )
-                )
+                except torch.OutOfMemoryError as exc:  # the device cannot take a copy
+                    log.warning("version %d not packed on the device (%r): through host "
+                                "memory", self.version, exc)  # fmt: skip
             if encoder.streams:
-                return await self.publisher.publish_streamed(
+                streamed = await self.publisher.publish_streamed(
                     self.version,
                     lambda sink: self._on_learner(
                         self.learner.stream_weights, encoder, self.version, dtype, sink
                     ),
                 )
+                return streamed, None
             encoded = await self._on_learner(
                 self.learner.encode_weights, encoder, self.version, dtype
             )
-            return await self.publisher.publish_encoded(encoded)
+            return await self.publisher.publish_encoded(encoded), None
 
     async def _checkpoint_if_due(self) -> None:
         """``checkpoints/step-<n>`` every ``SF_CHECKPOINT_EVERY`` steps, keeping

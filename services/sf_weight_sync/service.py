@@ -11,7 +11,8 @@ Consumes:
   dead is forgotten)
 Produces:
 - ``sf.<run>.engine.<policy>.load`` (LoadWeights broadcast to the policy's engines: the
-  new version's manifest)
+  new version's manifest; a ``cuda_ipc`` version first announced with its fallback
+  pending is broadcast again once completed, for engines that could not map it)
 
 weight-sync moves no weight bytes: the trainer stores payloads (``seamlessflow.weights``)
 and engines fetch them. It keeps the chain that builds the current version (the latest
@@ -155,7 +156,8 @@ class WeightSyncService:
 
     async def _sync(self, published: WeightsPublished) -> None:
         manifest = published.manifest
-        if manifest.version <= self.chain.version:
+        completing = self.chain.completes(manifest)
+        if manifest.version <= self.chain.version and not completing:
             return  # a redelivery after a restart: already the current version
         if not self.chain.extend(manifest):
             # a delta on a version this chain does not end with: engines could never
@@ -176,6 +178,8 @@ class WeightSyncService:
                 self.ctx.subjects.engine_load(), LoadWeights(manifest=manifest)
             )
             span.set_attribute("engines.known", len(self.engine_versions))
+        if completing:  # for engines that could not map it; the others hold it already
+            return
         watcher = asyncio.create_task(self._await_engines(manifest.version, started))
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)

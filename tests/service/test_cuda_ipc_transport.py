@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from seamlessflow.bus import Bus, decode
-from seamlessflow.protocol import PhaseChanged, WeightManifest, WeightsLoaded, WeightsPublished
+from seamlessflow.protocol import PhaseChanged, WeightsLoaded, WeightsPublished
 from seamlessflow.weights import WeightEncoder, WeightPublisher, WeightReceiver
 from seamlessflow.weights.ipc import DevicePayloads
 from seamlessflow.weights.settings import (
@@ -72,7 +72,7 @@ async def test_engines_apply_from_device_buffers_and_their_acknowledgements_free
     assert not os.listdir(tmp_path)
 
 
-async def test_a_trainer_packs_each_version_on_its_device_with_the_host_paths_bytes(
+async def test_a_trainer_packs_each_version_on_its_device_and_announces_it_twice(
     mesh: InProcessMesh,
     bus: Bus,
     base_model_dir: Path,
@@ -80,9 +80,9 @@ async def test_a_trainer_packs_each_version_on_its_device_with_the_host_paths_by
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The trainer service with ``cuda_ipc`` (its device buffers the CPU stand-in):
-    each version is packed where the trainer computes (``Learner.pack_weights``), and its
-    manifest carries the device handles and the digests of exactly the bytes the host
-    path gives for the same weights."""
+    each version is packed where the trainer computes (``Learner.pack_weights``) and
+    announced held, its fallback pending, then again once the fallback holds it, with
+    the digests of exactly the bytes the host path gives for the same weights."""
     from sf_tag_scheduler.service import TagSchedulerService
     from sf_trainer import service as trainer_service
     from tests.support.trainer_runs import BATCHES, SETTINGS, learner, run_trainer, trainer_mesh
@@ -91,29 +91,18 @@ async def test_a_trainer_packs_each_version_on_its_device_with_the_host_paths_by
     monkeypatch.setenv("SF_WEIGHTS_SHM_DIR", str(tmp_path / "shm"))
     monkeypatch.setenv("SF_WEIGHTS_BUCKET_MB", "0.05")
     (tmp_path / "shm").mkdir()
-    packed: list[int] = []
 
     def on_stand_in(
         bus: Bus, settings: WeightTransferSettings, version_bytes: int, device: str = "cpu"
     ) -> WeightPublisher:
-        made = publisher(bus, settings, version_bytes, device, stand_in_buffers(bus, settings))
-        publish_packed = made.publish_packed
-
-        async def counted(pack: Any) -> WeightManifest:
-            manifest = await publish_packed(pack)
-            packed.append(manifest.version)
-            return manifest
-
-        made.publish_packed = counted  # type: ignore[method-assign]
-        return made
+        return publisher(bus, settings, version_bytes, device, stand_in_buffers(bus, settings))
 
     monkeypatch.setattr(trainer_service, "publisher", on_stand_in)
     await mesh.start(TagSchedulerService())
     for batch in BATCHES[:2]:
         await bus.js_publish(bus.subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}")
-    await run_trainer(
-        trainer_mesh(mesh, base_model_dir, tmp_path), SETTINGS.model_copy(update={"steps": 2})
-    )
+    steps = SETTINGS.model_copy(update={"steps": 2})
+    await run_trainer(trainer_mesh(mesh, base_model_dir, tmp_path), steps)
 
     announced = [
         decode(m.data, WeightsPublished).manifest
@@ -121,16 +110,70 @@ async def test_a_trainer_packs_each_version_on_its_device_with_the_host_paths_by
             bus.subjects.stream_weights(), bus.subjects.weights_published()
         )
     ]
-    assert packed == [m.version for m in announced] == [1, 2]
-    last = announced[-1]
-    assert last.transport == "cuda_ipc" and last.device is not None
-    assert len(last.device.buckets) == len(last.device.checksums) == len(last.bucket_digests) > 1
+    for version in (1, 2):
+        held, completed = [m for m in announced if m.version == version]  # in this order
+        assert held.fallback_pending and held.bucket_digests == [] and held.device is not None
+        assert not completed.fallback_pending and completed.device is not None
+        assert completed.device.buckets == held.device.buckets  # the same device buffers
+        assert len(completed.bucket_digests) == len(held.device.checksums) > 1
     expected = learner(base_model_dir)
     for batch, version in zip(BATCHES[:2], range(2), strict=True):
         expected.step(batch, version)
     dtype = trainer_service.weight_transfer(SETTINGS).travel_dtype
     through_host = expected.encode_weights(
-        WeightEncoder(bucket_bytes=last.bucket_bytes), 2, dtype
+        WeightEncoder(bucket_bytes=completed.bucket_bytes), 2, dtype
     ).manifest
-    assert last.bucket_digests == through_host.bucket_digests
-    assert last.state_digest == through_host.state_digest
+    assert completed.bucket_digests == through_host.bucket_digests
+    assert completed.state_digest == through_host.state_digest
+
+
+async def test_a_version_that_does_not_fit_the_device_goes_through_host_memory(
+    mesh: InProcessMesh,
+    bus: Bus,
+    base_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Packing needs one more copy of the weights on the device: when it does not fit,
+    the trainer publishes that version the host path's way (announced once, complete)
+    and goes on training."""
+    from sf_tag_scheduler.service import TagSchedulerService
+    from sf_trainer import service as trainer_service
+    from sf_trainer.learner import Learner
+    from tests.support.trainer_runs import BATCHES, SETTINGS, run_trainer, trainer_mesh
+
+    monkeypatch.setenv("SF_WEIGHTS_TRANSPORT", "cuda_ipc")
+    monkeypatch.setenv("SF_WEIGHTS_SHM_DIR", str(tmp_path / "shm"))
+    (tmp_path / "shm").mkdir()
+    monkeypatch.setattr(
+        trainer_service,
+        "publisher",
+        lambda bus, settings, version_bytes, device="cpu": publisher(
+            bus, settings, version_bytes, device, stand_in_buffers(bus, settings)
+        ),
+    )
+    pack_weights = Learner.pack_weights
+
+    def out_of_memory_at_first(self: Learner, *args: Any) -> Any:
+        if args[1] == 1:  # the version
+            for _ in self.group.host_tensors(self.model):
+                pass  # as a failed pack leaves the gathers: finished
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.55 GiB")
+        return pack_weights(self, *args)
+
+    monkeypatch.setattr(Learner, "pack_weights", out_of_memory_at_first)
+    await mesh.start(TagSchedulerService())
+    for batch in BATCHES[:2]:
+        await bus.js_publish(bus.subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}")
+    steps = SETTINGS.model_copy(update={"steps": 2})
+    await run_trainer(trainer_mesh(mesh, base_model_dir, tmp_path), steps)
+
+    announced = [
+        decode(m.data, WeightsPublished).manifest
+        for m in await bus.read_subject(
+            bus.subjects.stream_weights(), bus.subjects.weights_published()
+        )
+    ]
+    first = [m for m in announced if m.version == 1]
+    assert len(first) == 1 and not first[0].fallback_pending and first[0].bucket_digests
+    assert [m.fallback_pending for m in announced if m.version == 2] == [True, False]

@@ -233,3 +233,56 @@ async def test_weight_sync_rebuilds_the_chain_after_a_restart(
     for manifest in current.chain:
         mirror.apply(manifest, await store.fetch(manifest))
     assert torch.equal(mirror.tensors()["b"], state["b"])
+
+
+async def test_a_version_announced_with_its_fallback_pending_is_completed_in_place(
+    nats_url: str, run_id: str, bus: Bus, tmp_path: Path
+) -> None:
+    """``cuda_ipc`` packed on the trainer's device: weight-sync broadcasts the held
+    version at once, then its completed manifest (for engines that could not map the
+    buckets), and a restarted weight-sync's chain ends with the completed one."""
+    from seamlessflow.protocol import LoadWeights
+    from seamlessflow.weights.device import SharedMemoryBuffers
+    from seamlessflow.weights.ipc import DevicePayloads, HeldVersions
+    from seamlessflow.weights.layout import layout_of
+    from tests.support import InProcessMesh, announce_weights
+
+    stores = {"shm": SharedMemoryPayloads(run_id, tmp_path)}
+    buffers = SharedMemoryBuffers(tmp_path, f"seamlessflow-{run_id}-policy-")
+    trainer = DevicePayloads(stores, "shm", buffers, HeldVersions(2, 60.0))
+    state = small_state(4)
+    layout = layout_of((name, t.dtype, list(t.shape)) for name, t in state.items())
+    manifest, buckets = WeightEncoder(bucket_bytes=10_000).pack_buckets(
+        1, layout, iter(state.items()), torch.device("cpu")
+    )
+    broadcast: list[WeightManifest] = []
+
+    async def on_load(load: LoadWeights) -> None:
+        broadcast.append(load.manifest)
+
+    await bus.subscribe(bus.subjects.engine_load(), LoadWeights, on_load)
+    mesh = InProcessMesh(nats_url, run_id, None)
+    try:
+        weight_sync = await mesh.start(WeightSyncService())
+        await asyncio.wait_for(weight_sync.ready.wait(), 30)
+        held = await trainer.hold_packed(manifest, buckets)
+        assert held is not None
+        await announce_weights(bus, held)
+        async with asyncio.timeout(30):
+            while not broadcast:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert broadcast[0].fallback_pending and weight_sync.chain.manifests == [held]
+        completed = await trainer.store_fallback(held, buckets)
+        await announce_weights(bus, completed, completed=True)
+        async with asyncio.timeout(30):
+            while len(broadcast) < 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        assert broadcast == [held, completed] and weight_sync.chain.manifests == [completed]
+        await mesh.stop()
+        restarted = await mesh.start(WeightSyncService())
+        await asyncio.wait_for(restarted.ready.wait(), 30)
+        assert restarted.chain.manifests == [completed]
+    finally:
+        await mesh.stop()
+        await trainer.close()

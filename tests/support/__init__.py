@@ -306,14 +306,18 @@ async def announce_plan(bus: Bus, steps: int, seed: int = 0) -> None:
     )
 
 
-async def announce_weights(bus: Bus, manifest) -> None:  # type: ignore[no-untyped-def]
-    """Announce a stored payload as ``sf_trainer`` does after a step."""
+async def announce_weights(bus: Bus, manifest, completed: bool = False) -> None:  # type: ignore[no-untyped-def]
+    """Announce a stored payload as ``sf_trainer`` does after a step; ``completed``: a
+    ``cuda_ipc`` version's second announcement, its fallback stored."""
     from seamlessflow.protocol import MessageIds, WeightsPublished
 
+    policy, version = bus.subjects.policy, manifest.version
     await bus.js_publish(
         bus.subjects.weights_published(),
-        WeightsPublished(manifest=manifest, step=manifest.version),
-        msg_id=MessageIds.weights(bus.subjects.policy, manifest.version),
+        WeightsPublished(manifest=manifest, step=version),
+        msg_id=MessageIds.weights_stored(policy, version)
+        if completed
+        else MessageIds.weights(policy, version),
     )
 
 

@@ -9,6 +9,7 @@ tests/unit/test_cuda_ipc_device.py (skipped without a GPU)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import msgspec
@@ -24,6 +25,7 @@ from seamlessflow.weights import (
     WeightPublisher,
     WeightReceiver,
 )
+from seamlessflow.weights.codec import WeightsCorrupted
 from seamlessflow.weights.device import BufferGone, SharedMemoryBuffers
 from seamlessflow.weights.ipc import DevicePayloads, HeldVersion, HeldVersions, choose_transport
 from seamlessflow.weights.layout import layout_of
@@ -344,20 +346,66 @@ async def test_a_device_that_refuses_the_packed_buckets_leaves_the_version_to_th
     assert same(await apply(engine, stored), state)
 
 
+async def test_a_packed_version_is_announced_held_and_completed_once_its_fallback_is_stored(
+    tmp_path: Path,
+) -> None:
+    """``hold_packed``: loadable device to device at once, its fallback pending (the host
+    path refuses it: catch up later); ``store_fallback``: the same version completed, with
+    the host path's digests."""
+    trainer, engine, _ = trainer_and_engine(tmp_path)
+    state = small_state(8)
+    manifest, buckets = packed(1, state)
+    held = await trainer.hold_packed(manifest, buckets)
+    assert held is not None and held.fallback_pending
+    assert held.bucket_digests == [] and held.location == "" and held.state_digest == ""
+    assert not [name for name in os.listdir(tmp_path) if "weights-v" in name]  # not stored
+    on_device = WeightReceiver({"cuda_ipc": engine}, device=torch.device("cpu"))
+    assert await on_device.follow([held]) == 1 and same(on_device.tensors(), state)
+    through_host = WeightReceiver({"cuda_ipc": engine})
+    with pytest.raises(PayloadMissing, match="until its fallback is stored"):
+        await through_host.follow([held])
+    completed = await trainer.store_fallback(held, buckets)
+    assert not completed.fallback_pending and completed.device is not None
+    assert completed.device.buckets == held.device.buckets  # the same buffers
+    assert (
+        completed.bucket_digests == WeightEncoder(10_000).encode(1, state).manifest.bucket_digests
+    )
+    assert await through_host.follow([completed]) == 1 and same(through_host.tensors(), state)
+    # a pending manifest whose handles do not make its buckets is refused before a copy
+    short = msgspec.structs.replace(
+        held, device=msgspec.structs.replace(held.device, buckets=held.device.buckets[:-1])
+    )
+    with pytest.raises(WeightsCorrupted, match="device buckets"):
+        await engine.fetch_tensors(short, torch.device("cpu"))
+
+
 async def test_the_publisher_packs_on_the_device_only_full_versions_without_a_push_group(
     tmp_path: Path,
 ) -> None:
+    """``publish_packed`` returns the manifest to announce now and the task that stores
+    its fallback; the fallbacks are stored in version order and kept in the chains."""
     trainer, engine, _ = trainer_and_engine(tmp_path)
     publisher = WeightPublisher(trainer, WeightEncoder(bucket_bytes=10_000), keep_chains=1)
     assert publisher.packs_on_device
-    state = small_state(7)
+    states = [small_state(7), small_state(9)]
 
-    async def pack() -> tuple[WeightManifest, list[torch.Tensor]]:
-        return packed(1, state)
+    def pack(version: int) -> Callable[[], Awaitable[tuple[WeightManifest, list[torch.Tensor]]]]:
+        async def packing() -> tuple[WeightManifest, list[torch.Tensor]]:
+            return packed(version, states[version - 1])
 
-    manifest = await publisher.publish_packed(pack)
-    assert manifest.transport == "cuda_ipc" and list(trainer.held.held) == [1]
-    assert same(await apply(engine, manifest), state)
+        return packing
+
+    first, storing_first = await publisher.publish_packed(pack(1))
+    second, storing_second = await publisher.publish_packed(pack(2))
+    assert first.fallback_pending and second.fallback_pending
+    assert storing_first is not None and storing_second is not None
+    completed = [await storing_first, await storing_second]
+    assert [m.version for m in completed] == [1, 2]
+    assert not any(m.fallback_pending for m in completed)
+    # the chains keep the completed manifests: the first chain dropped, its fallback gone
+    assert [m.version for chain in publisher._chains for m in chain] == [2]
+    assert same(await apply(engine, completed[1]), states[1])
+    assert [name for name in os.listdir(tmp_path) if "weights-v" in name] == [completed[1].location]
     await publisher.close()
     assert buffer_files(tmp_path) == []
     with_deltas = WeightPublisher(trainer, WeightEncoder(bucket_bytes=10_000, deltas=True))
@@ -367,4 +415,4 @@ async def test_the_publisher_packs_on_the_device_only_full_versions_without_a_pu
     for refused in (with_deltas, shm_only):
         assert not refused.packs_on_device
         with pytest.raises(ValueError, match="cuda_ipc store"):
-            await refused.publish_packed(pack)
+            await refused.publish_packed(pack(1))

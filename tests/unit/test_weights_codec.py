@@ -254,6 +254,33 @@ def test_version_chain_accepts_only_what_continues_it() -> None:
     assert chain.extend(fresh) and [m.version for m in chain.manifests] == [5]
 
 
+def test_version_chain_completes_a_version_whose_fallback_was_pending() -> None:
+    """A ``cuda_ipc`` version announced held (its fallback pending) is replaced by the
+    same version completed; never the other way round, nor by another version's."""
+    from seamlessflow.protocol import DeviceHandle, DevicePayload
+
+    stored = WeightEncoder(bucket_bytes=4096).encode(3, model_state()).manifest
+    handles = [DeviceHandle(kind="shm", name=b"b", nbytes=1)]
+    device = DevicePayload(buckets=handles, fallback="shm", checksums=[1])
+    completed = msgspec.structs.replace(stored, transport="cuda_ipc", device=device)
+    pending = msgspec.structs.replace(
+        completed,
+        bucket_digests=[],
+        location="",
+        device=msgspec.structs.replace(device, fallback_pending=True),
+    )
+    assert pending.fallback_pending and not completed.fallback_pending
+    chain = VersionChain()
+    assert chain.extend(pending) and chain.manifests == [pending]
+    assert chain.completes(completed) and chain.extend(completed)
+    assert chain.manifests == [completed]
+    assert not chain.completes(pending) and not chain.extend(pending)  # not undone
+    later = msgspec.structs.replace(completed, version=4)
+    assert not VersionChain().completes(completed)
+    chain.manifests = [pending]
+    assert not chain.completes(later) and chain.extend(later)  # a newer version, as ever
+
+
 def test_the_weight_sync_service_starts_without_torch() -> None:
     """weight-sync keeps manifests, never tensors: its service module, the package's
     names and its chain import no torch (seconds of CPU at every start and restart)."""

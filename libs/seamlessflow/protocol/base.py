@@ -88,6 +88,12 @@ class MessageIds:
         return f"weights-{policy}-v{version}"
 
     @staticmethod
+    def weights_stored(policy: str, version: int) -> str:
+        """The second announcement of a version first announced with its fallback store
+        pending (``DevicePayload.fallback_pending``)."""
+        return f"weights-{policy}-v{version}-stored"
+
+    @staticmethod
     def train_metrics(policy: str, version: int) -> str:
         return f"metrics-{policy}-v{version}"
 

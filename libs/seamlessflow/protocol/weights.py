@@ -72,6 +72,12 @@ class DevicePayload(msgspec.Struct, kw_only=True):
     copies the buckets on its device checks them against (bucket digests are computed
     on the host). It detects memory reused after a free, not tampering: the handles
     come from a process of the same host and run."""
+    fallback_pending: bool = False
+    """The fallback store is still being written: the manifest has no bucket digests,
+    state digest or location yet, and only an engine that copies the buckets on its
+    device can load it. The trainer announces the same version again once the fallback
+    holds it (the completed manifest); an engine that cannot map the buckets waits for
+    that one."""
 
 
 class WeightManifest(msgspec.Struct, kw_only=True):
@@ -101,10 +107,19 @@ class WeightManifest(msgspec.Struct, kw_only=True):
     device: DevicePayload | None = None
     """``cuda_ipc``: the payload's buckets in the trainer's device memory."""
 
+    @property
+    def fallback_pending(self) -> bool:
+        """Loadable from the trainer's device memory only, for now
+        (``DevicePayload.fallback_pending``)."""
+        return self.device is not None and self.device.fallback_pending
+
 
 class WeightsPublished(Message, tag="weights.published"):
     """trainer -> weight-sync (JetStream): the payload of ``manifest.version`` is complete
-    in its store (written before this message exists)."""
+    in its store (written before this message exists). With ``cuda_ipc`` it may be
+    complete in the trainer's device memory only (``DevicePayload.fallback_pending``); the
+    version is then announced a second time, completed, once its fallback store holds
+    it."""
 
     manifest: WeightManifest
     step: int

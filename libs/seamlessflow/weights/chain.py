@@ -20,8 +20,12 @@ class VersionChain:
         return self.manifests[-1].version if self.manifests else 0
 
     def extend(self, manifest: WeightManifest) -> bool:
-        """Add the next version; False if it does not continue this chain (a delta on
-        a base this chain does not end with), which leaves the chain unchanged."""
+        """Add the next version, or complete the current one (``completes``); False if
+        it does neither (a delta on a base this chain does not end with, an older or
+        repeated version), which leaves the chain unchanged."""
+        if self.completes(manifest):
+            self.manifests[-1] = manifest
+            return True
         if manifest.kind == "full":
             if manifest.version > self.version or not self.manifests:
                 self.manifests = [manifest]
@@ -31,3 +35,14 @@ class VersionChain:
             self.manifests.append(manifest)
             return True
         return False
+
+    def completes(self, manifest: WeightManifest) -> bool:
+        """``manifest`` is the current version announced again with its fallback stored,
+        where the chain holds it with the fallback pending (``fallback_pending``)."""
+        last = self.manifests[-1] if self.manifests else None
+        return (
+            last is not None
+            and manifest.version == last.version
+            and last.fallback_pending
+            and not manifest.fallback_pending
+        )

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
 import numpy as np
 import torch
 
@@ -193,7 +194,8 @@ class WeightEncoder:
         fill_buckets(tensors, layout, buckets)
         self._previous = self._spare = None  # as encode_buckets: the next version is full
         self._previous_version, self._previous_layout = version, layout
-        return self._full_manifest(version, payload_bytes, layout, []), buckets
+        manifest = self._full_manifest(version, payload_bytes, layout, [])
+        return msgspec.structs.replace(manifest, state_digest=""), buckets
 
     def _full_manifest(
         self, version: int, payload_bytes: int, layout: list[TensorSpec], digests: list[str]

@@ -36,13 +36,16 @@ version in full (``weights.settings.publisher``): a delta needs the host mirror.
 failure there (not full, no checksums, a handle that will not open, a sum that differs)
 falls back to ``fetch`` through the host.
 
-On the trainer, packed on its device (``put_packed``): a CUDA trainer casts and copies
-each tensor, where it lives, into per-bucket device allocations
-(``WeightEncoder.pack_buckets``), which become the held buffers as they are; the only
-host work left is the fallback's: one pinned copy per bucket, hashed, written to the
-store. It is on the version's path still: the manifest is announced after the fallback
-holds the version (its digests are the host's). ``put`` and ``writer`` (a version encoded
-in host memory, each bucket uploaded) serve a publisher with a push group or deltas.
+On the trainer, packed on its device: a CUDA trainer casts and copies each tensor, where
+it lives, into per-bucket device allocations (``WeightEncoder.pack_buckets``), which
+``hold_packed`` makes the held buffers as they are. The manifest it returns is announced
+at once, its fallback pending (``DevicePayload.fallback_pending``: no digests, no
+location): engines copy the version device to device while ``store_fallback`` writes the
+fallback (one pinned copy per bucket, hashed, written to the store), off the version's
+path; the trainer then announces the completed manifest, which an engine that could not
+map the buckets loads (until then ``fetch`` raises ``PayloadMissing``: catch up later).
+``put`` and ``writer`` (a version encoded in host memory, each bucket uploaded) serve a
+publisher with a push group or deltas.
 """
 
 from __future__ import annotations
@@ -200,17 +203,57 @@ class DevicePayloads:
         return await put_whole(self, encoded)
 
     async def put_packed(self, manifest: WeightManifest, buckets: list[Any]) -> WeightManifest:
+        """A full version the trainer packed on its device, stored in both at once:
+        ``hold_packed`` then ``store_fallback``. The manifest as ``put`` returns it."""
+        held = await self.hold_packed(manifest, buckets)
+        return await self.store_fallback(held or manifest, buckets)
+
+    async def hold_packed(
+        self, manifest: WeightManifest, buckets: list[Any]
+    ) -> WeightManifest | None:
         """A full version the trainer packed on its device (``WeightEncoder.pack_buckets``:
-        ``manifest`` without digests, one tensor per bucket): the buckets become the
-        device buffers as they are (no upload) and are summed there; the fallback store
-        gets each through one host copy (pinned, two reused in turn), hashed as it
-        arrives (the manifest's digests), the copy of the next bucket overlapping the
-        store's write of this one. The manifest as ``put`` returns it."""
+        ``manifest`` without digests, one tensor per bucket): the buckets become the held
+        device buffers as they are (no upload), summed there. Returns the manifest an
+        engine that copies the buckets on its device loads from, its fallback pending
+        (``DevicePayload.fallback_pending``: ``store_fallback`` completes it), or None
+        when the device refused the buckets (nothing held: the fallback alone serves)."""
         layer = self.buffers
         if layer is None:
             raise ValueError("only a trainer's DevicePayloads (with buffers) stores versions")
         if manifest.kind != "full" or manifest.payload_bytes != manifest.state_bytes:
             raise ValueError(f"version {manifest.version}: only a full version is packed")
+        held: list[Any] = []
+        try:
+            for bucket in buckets:
+                held.append(await asyncio.to_thread(layer.adopt, bucket))
+            checksums = [await asyncio.to_thread(layer.checksum, b) for b in held]
+            handles = [await asyncio.to_thread(layer.export, b) for b in held]
+        except Exception as exc:  # the device refused them: the store will have the version
+            log.warning("version %d stays out of device memory: %r", manifest.version, exc)
+            await self.release([HeldVersion(manifest.version, held, 0.0)])
+            return None
+        await self.release(self.held.hold(manifest.version, held))
+        device = DevicePayload(
+            buckets=handles,
+            fallback=self.fallback.name,
+            checksums=checksums,
+            fallback_pending=True,
+        )
+        return msgspec.structs.replace(
+            manifest,
+            transport=self.name,
+            location="",
+            bucket_digests=[],
+            state_digest="",
+            device=device,
+        )
+
+    async def store_fallback(self, manifest: WeightManifest, buckets: list[Any]) -> WeightManifest:
+        """The fallback store's copy of a packed version (``manifest``: ``hold_packed``'s,
+        or the encoder's when the device refused it): each bucket through one host copy
+        (pinned, two reused in turn), hashed as it arrives, the copy of the next bucket
+        overlapping the store's write of this one. Returns the manifest completed: its
+        digests and location, its fallback no longer pending."""
         writer = await self.fallback.writer(manifest.version, manifest.kind)
         staging = _HostStaging()
         writing: asyncio.Future[None] | None = None
@@ -235,22 +278,12 @@ class DevicePayloads:
                     await writing
             await writer.abort()
             raise
-        held: list[Any] = []
-        try:
-            for bucket in buckets:
-                held.append(await asyncio.to_thread(layer.adopt, bucket))
-            checksums = [await asyncio.to_thread(layer.checksum, b) for b in held]
-            handles = [await asyncio.to_thread(layer.export, b) for b in held]
-        except Exception as exc:  # the device refused them: the store has the version
-            log.warning("version %d stays out of device memory: %r", manifest.version, exc)
-            await self.release([HeldVersion(manifest.version, held, 0.0)])
+        if manifest.device is None:
             return stored
-        await self.release(self.held.hold(manifest.version, held))
-        return msgspec.structs.replace(
-            stored,
-            transport=self.name,
-            device=DevicePayload(buckets=handles, fallback=stored.transport, checksums=checksums),
+        device = msgspec.structs.replace(
+            manifest.device, fallback=stored.transport, fallback_pending=False
         )
+        return msgspec.structs.replace(stored, transport=self.name, device=device)
 
     async def delete(self, manifest: WeightManifest) -> None:
         await self.release(self.held.drop(manifest.version))
@@ -311,6 +344,12 @@ class DevicePayloads:
 
     async def fetch(self, manifest: WeightManifest) -> memoryview:
         """The payload from the trainer's device memory, else from the fallback store."""
+        if manifest.device is not None and manifest.device.fallback_pending:
+            # the host path needs the digests the completed manifest will carry
+            raise PayloadMissing(
+                f"version {manifest.version}: in device memory only until its fallback "
+                "is stored (the trainer announces it again then)"
+            )
         try:
             return await asyncio.to_thread(self._read_device, manifest)
         except (BufferGone, WeightsCorrupted) as exc:
@@ -385,7 +424,7 @@ class DevicePayloads:
         device = manifest.device
         if device is None:
             raise BufferGone("the manifest has no device buffers")
-        check_buckets(manifest)
+        check_buckets(manifest, len(device.buckets) if device.fallback_pending else None)
         ranges = list(bucket_ranges(manifest.payload_bytes, manifest.bucket_bytes))
         if len(device.buckets) != len(ranges) or any(
             handle.nbytes != end - start

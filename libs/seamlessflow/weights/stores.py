@@ -318,14 +318,19 @@ class _SliceWriter(io.BufferedIOBase):
         return len(data)
 
 
-def check_buckets(manifest: WeightManifest) -> None:
-    """The manifest's sizes agree with each other: one digest per bucket. Arithmetic
+def check_buckets(manifest: WeightManifest, count: int | None = None) -> None:
+    """The manifest's sizes agree with each other: one digest per bucket (or ``count``
+    buckets: a version whose digests are pending has device handles only). Arithmetic
     only, so a wild size never yields a long list of buckets."""
     size, bucket = manifest.payload_bytes, manifest.bucket_bytes
-    if size < 0 or bucket <= 0 or -(-size // bucket) != len(manifest.bucket_digests):
+    if count is None:
+        have, what = len(manifest.bucket_digests), "bucket digests"
+    else:
+        have, what = count, "device buckets"
+    if size < 0 or bucket <= 0 or -(-size // bucket) != have:
         raise WeightsCorrupted(
             f"version {manifest.version}: {size} bytes in buckets of {bucket} bytes "
-            f"do not make its {len(manifest.bucket_digests)} bucket digests"
+            f"do not make its {have} {what}"
         )
 
 

@@ -63,6 +63,8 @@ class WeightPublisher:
         self._sweep_due = False
         self._expired: list[WeightManifest] = []
         """Payloads of dropped chains not deleted yet (the broker was away)."""
+        self._storing: asyncio.Task[WeightManifest] | None = None
+        """The fallback of the newest version packed on the device, being stored."""
 
     async def publish(self, version: int, state_dict: Mapping[str, torch.Tensor]) -> WeightManifest:
         """Store ``version`` completely (cast to ``dtype`` if set); its manifest."""
@@ -124,19 +126,33 @@ class WeightPublisher:
     async def publish_packed(
         self,
         pack: Callable[[], Awaitable[tuple[WeightManifest, list[torch.Tensor]]]],
-    ) -> WeightManifest:
+    ) -> tuple[WeightManifest, asyncio.Task[WeightManifest] | None]:
         """``publish`` of a version packed on the trainer's device: ``pack()`` runs
         ``encoder.pack_buckets`` (a trainer gathers into it tensor by tensor:
-        ``Learner.pack_weights``); the buckets become the ``cuda_ipc`` store's device
-        buffers and reach its fallback through one host copy each
-        (``DevicePayloads.put_packed``)."""
+        ``Learner.pack_weights``), and the buckets become the ``cuda_ipc`` store's device
+        buffers. Returns the manifest to announce now, its fallback pending, and the task
+        that stores the fallback (one host copy per bucket) and resolves to the completed
+        manifest, to announce once done; the fallbacks are stored one version after
+        the other. When the device refuses the buckets, the fallback is stored first and
+        the manifest returned is complete (no task)."""
         if not self.packs_on_device:
             raise ValueError("publish_packed needs a cuda_ipc store with device buffers")
         assert isinstance(self.store, DevicePayloads)
+        store = self.store
         manifest, buckets = await pack()
-        stored = await self.store.put_packed(manifest, buckets)
-        del buckets  # held by the store (or freed) from here
-        return await self._keep(stored)
+        held = await store.hold_packed(manifest, buckets)
+        if held is None:
+            return await self._keep(await store.store_fallback(manifest, buckets)), None
+        previous = self._storing
+
+        async def store_fallback() -> WeightManifest:
+            if previous is not None:  # in version order: the chains stay in order
+                with contextlib.suppress(Exception):  # reported by its own announcer
+                    await previous
+            return await self._keep(await store.store_fallback(held, buckets))
+
+        self._storing = asyncio.create_task(store_fallback())
+        return held, self._storing
 
     def _push_broken(self, exc: BaseException) -> None:
         log.warning("push group broken (%r); engines pull from the store", exc)
@@ -184,6 +200,9 @@ class WeightPublisher:
         """Stop the push group's listeners; delete the payloads of an ephemeral store
         (shared memory is RAM) and free device buffers; payloads in the object store
         stay for engines still catching up."""
+        if self._storing is not None:  # a fallback being stored finishes first
+            with contextlib.suppress(Exception):
+                await self._storing
         if self.push is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(collective.send_stop, self.push)
