@@ -259,7 +259,13 @@ def make_engine(ctx: Context, model_dir: Path, *, sleep_mode: bool = False) -> A
         dtype = "bfloat16" if ctx.device == "cuda" else "float32"
         kwargs: dict[str, Any] = {"enable_sleep_mode": True} if sleep_mode else {}
         if ctx.device == "cuda":
-            kwargs["gpu_memory_utilization"] = 0.3  # the tiny model needs little KV cache
+            kwargs["gpu_memory_utilization"] = 0.3
+            # The tiny models need little KV cache, and a share of the card is millions
+            # of blocks for 2 layers of 2 KV heads (43 GB of an H200: 5.2M blocks of 16
+            # tokens, against SmolLM2's 117k). On the H200 (2026-12-04) their engine
+            # cores failed to start while SmolLM2's did not; the cause was not kept, and
+            # this bound is the suspected difference. 4096 blocks hold 65k tokens.
+            kwargs["num_gpu_blocks_override"] = 4096
         engine = VllmEngine(model_dir, dtype=dtype, max_context=256, engine_kwargs=kwargs)
         return engine, getattr(torch, dtype)
     from sf_engine.backends import TransformersEngine
