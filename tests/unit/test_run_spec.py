@@ -252,3 +252,57 @@ def test_the_resolved_file_is_toml_that_up_itself_accepts(tmp_path: Path) -> Non
     # the task's own completion budget, applied once, in every section that uses it
     again = up_config(["--config", str(resolved)])
     assert (again.steps, again.task, again.max_tokens) == (5, "counting", config.max_tokens)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "engines", "room", "expected"),
+    [
+        ("cpu", "cpu", True, {"transport": "shm", "engine_placement": "this-host"}),
+        ("cpu", "cpu", False, {"transport": "object", "engine_placement": "this-host"}),
+        ("cuda", "cpu", True, {"transport": "shm", "engine_placement": "this-host"}),
+        (
+            "cuda",
+            "cuda",
+            True,
+            {"transport": "cuda_ipc", "ipc_fallback": "shm", "engine_placement": "this-host-cuda"},
+        ),
+        (
+            "cuda:0",
+            "cuda",
+            False,
+            {
+                "transport": "cuda_ipc",
+                "ipc_fallback": "object",
+                "engine_placement": "this-host-cuda",
+            },
+        ),
+    ],
+)
+def test_up_sends_weights_through_the_fastest_way_this_host_allows(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    trainer: str,
+    engines: str,
+    room: bool,
+    expected: dict[str, str],
+) -> None:
+    """``seamlessflow up``'s weights defaults: the trainer's device memory when it and
+    the engines compute on CUDA, with shared memory as its fallback where /dev/shm has
+    room for the weights (else the object store)."""
+    from sf_app.run import embedded
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(bytes(1000))
+    monkeypatch.setattr(embedded, "SHM_DIR", tmp_path if room else tmp_path / "missing")
+    assert embedded.local_weight_transport(model, trainer, engines) == expected
+
+
+def test_the_engines_device_is_their_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sf_app.run import embedded
+
+    monkeypatch.setenv("SF_ENGINE_BACKEND", "hf")
+    monkeypatch.setenv("SF_ENGINE_HF_DEVICE", "cuda:1")
+    assert embedded.engine_device() == "cuda:1"
+    monkeypatch.setenv("SF_ENGINE_BACKEND", "some-plugin")
+    assert embedded.engine_device() == "cpu"  # a backend with no device setting

@@ -70,7 +70,7 @@ from sf_app.run.spec import resolved_sections, write_resolved
 from sf_app.run.supervisor import Supervisor, fork_server_for, free_port
 from sf_app.service_table import SERVICE_TABLE, settings_classes
 from sf_app.tracking import Tracker
-from sf_engine.settings import EngineSettings, VllmSettings
+from sf_engine.settings import BACKEND_SETTINGS, EngineSettings, VllmSettings
 from sf_envs.settings import EnvServerSettings
 from sf_gateway.settings import GatewaySettings
 from sf_trainer.settings import TrainerSettings
@@ -197,10 +197,11 @@ class EmbeddedRun(Supervisor):
     def run_defaults(model_dir: Path) -> dict[str, dict]:
         """What an embedded run keeps unless its run file says otherwise: one more
         checkpoint than the latest (what a restarted trainer resumes from), and weights
-        through shared memory where it has room (``local_weight_transport``)."""
+        through the trainer's device memory or shared memory, as this host allows
+        (``local_weight_transport``)."""
         return {
             "trainer": {"keep_checkpoints": 2},
-            "weights": {"transport": local_weight_transport(model_dir)},
+            "weights": local_weight_transport(model_dir, trainer_device(), engine_device()),
         }
 
     def write_spec(self, nats_url: str, model_dir: Path, gateway_port: int) -> Path:
@@ -605,6 +606,14 @@ def trainer_device() -> str:
     return os.environ.get(variable(TRAINER, "device"), "cpu")
 
 
+def engine_device() -> str:
+    """Where the run's engines compute: their backend's device, from the environment as
+    their processes read it (``hf``: ``SF_ENGINE_HF_DEVICE``; vLLM: the GPU if any)."""
+    backend = os.environ.get(variable(ENGINE, "backend"), ENGINE.model_fields["backend"].default)
+    own = BACKEND_SETTINGS.get(backend)
+    return own().model_device() if own is not None else "cpu"
+
+
 def run_embedded(config: RunConfig) -> Summary:
     import uvloop
 
@@ -621,21 +630,37 @@ of the model's weights: the trainer keeps ``SF_WEIGHTS_KEEP_CHAINS`` (2) chains 
 payload and its deltas, and writes the next beside them."""
 
 
-def local_weight_transport(model_dir: Path) -> str:
-    """How weights travel in an embedded run, where every process is on this host:
-    ``shm`` (the trainer writes a file in /dev/shm, engines map it: a memcpy) unless
-    /dev/shm is missing or has room for fewer than ``SHM_COPIES`` copies of the weights
-    (a container's default is 64 MB), then ``object`` (the broker's object store, which
-    any host reaches: each payload crosses loopback TCP twice and JetStream's file store).
-    For 538 MB (SmolLM2-135M in fp32) that is ~1.5 s of syncing per version against ~8 s
-    (docs/benchmarks.md, "Weight sync"). ``SF_WEIGHTS_TRANSPORT`` set by the user wins."""
+def local_weight_transport(
+    model_dir: Path, trainer_device: str = "cpu", engine_device: str = "cpu"
+) -> dict[str, str]:
+    """How weights travel in an embedded run, where every process is on this host (the
+    ``weights`` section's defaults; ``SF_WEIGHTS_*`` set by the user win):
+
+    - a pull store: ``shm`` (the trainer writes a file in /dev/shm, engines map it: a
+      memcpy) unless /dev/shm is missing or has room for fewer than ``SHM_COPIES``
+      copies of the weights (a container's default is 64 MB), then ``object`` (the
+      broker's object store: each payload crosses loopback TCP twice and JetStream's
+      file store). For 538 MB (SmolLM2-135M in fp32) that is ~1.5 s of syncing per
+      version against ~8 s (docs/benchmarks.md, "Weight sync");
+    - with the trainer and the engines on CUDA, ``cuda_ipc`` before it (the trainer's
+      device buffers mapped by the engines; the pull store is its fallback): on an H200
+      the engine's side copied 3.55 GB in 0.05 s (docs/benchmarks.md, "The second H200
+      lease").
+
+    ``engine_placement`` says where the engines are, for a user who sets
+    ``SF_WEIGHTS_TRANSPORT=auto``."""
+    on_cuda = trainer_device.startswith("cuda") and engine_device.startswith("cuda")
+    placement = "this-host-cuda" if on_cuda else "this-host"
+    pull = "shm"
     weights = sum(path.stat().st_size for path in Path(model_dir).glob("*.safetensors"))
     try:
         free = shutil.disk_usage(SHM_DIR).free
     except OSError:
-        return "object"
+        free = 0
     if free < SHM_COPIES * weights:
         log.info("weights through the object store: /dev/shm has %d MB free, fewer than "
                  "%d copies of the weights", free >> 20, SHM_COPIES)  # fmt: skip
-        return "object"
-    return "shm"
+        pull = "object"
+    if on_cuda:
+        return {"transport": "cuda_ipc", "ipc_fallback": pull, "engine_placement": placement}
+    return {"transport": pull, "engine_placement": placement}
