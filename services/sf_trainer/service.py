@@ -365,22 +365,28 @@ class TrainerService:
             msg_id=MessageIds.weights(self.policy, self.version),
         )
         if storing is not None:  # after the first announcement: the stream keeps the order
-            self._announce_when_stored(storing, self.step)
+            self._announce_when_stored(storing, self.version, self.step)
         await self._checkpoint_if_due()
         last = self.step == self.settings.steps
         if self.settings.eval_every and (self.step % self.settings.eval_every == 0 or last):
             await self._evaluate()
 
-    def _announce_when_stored(self, storing: asyncio.Task[WeightManifest], step: int) -> None:
-        """Announce a version a second time once its fallback is stored (it was first
-        announced with the fallback pending: ``DevicePayload.fallback_pending``)."""
+    def _announce_when_stored(
+        self, storing: asyncio.Task[WeightManifest], version: int, step: int
+    ) -> None:
+        """Announce ``version`` a second time once its fallback is stored (it was first
+        announced with the fallback pending: ``DevicePayload.fallback_pending``); the
+        span ``trainer.store_fallback`` lasts from the first announcement to then."""
 
         async def announce() -> None:
-            try:
-                manifest = await storing
-            except Exception as exc:  # engines that map the buckets still have it
-                log.error("the fallback of a version was not stored: %r", exc)
-                return
+            with tracer.start_as_current_span(
+                "trainer.store_fallback", attributes={"version": version}
+            ):
+                try:
+                    manifest = await storing
+                except Exception as exc:  # engines that map the buckets still have it
+                    log.error("version %d: its fallback was not stored: %r", version, exc)
+                    return
             await self.ctx.bus.js_publish(
                 self.ctx.subjects.weights_published(),
                 WeightsPublished(manifest=manifest, step=step),

@@ -344,8 +344,7 @@ class DevicePayloads:
 
     async def fetch(self, manifest: WeightManifest) -> memoryview:
         """The payload from the trainer's device memory, else from the fallback store."""
-        if manifest.device is not None and manifest.device.fallback_pending:
-            # the host path needs the digests the completed manifest will carry
+        if manifest.fallback_pending:  # the host path needs the completed one's digests
             raise PayloadMissing(
                 f"version {manifest.version}: in device memory only until its fallback "
                 "is stored (the trainer announces it again then)"
@@ -448,10 +447,14 @@ class DevicePayloads:
 class _HostStaging:
     """Host copies of a packed version's buckets, for the fallback store: two buffers
     used in turn (pinned when the buckets are on a CUDA device: the copy runs at the
-    link's rate), each read until the bucket after next is copied."""
+    link's rate), each read until the bucket after next is copied. On CUDA the copies
+    run on a stream of their own, so that the trainer's next step, queued on its stream
+    meanwhile, neither waits for them nor holds them back (the buckets were complete
+    before they were held: ``CudaBuffers.adopt``, and are never written again)."""
 
     def __init__(self) -> None:
         self.buffers: list[Any] = []
+        self.stream: Any = None
 
     def copy_and_hash(self, index: int, bucket: Any) -> tuple[memoryview, str]:
         import torch
@@ -463,7 +466,14 @@ class _HostStaging:
             pin = bucket.device.type == "cuda"
             self.buffers.append(torch.empty(bucket.numel(), dtype=torch.uint8, pin_memory=pin))
         target = self.buffers[index % 2][: bucket.numel()]
-        target.copy_(bucket)
+        if bucket.device.type == "cuda":
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(device=bucket.device)
+            with torch.cuda.stream(self.stream):
+                target.copy_(bucket, non_blocking=True)
+            self.stream.synchronize()
+        else:
+            target.copy_(bucket)
         view = as_bytes(target)
         return view, digest_of(view)
 
