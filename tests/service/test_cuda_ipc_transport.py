@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from seamlessflow.bus import Bus, decode
-from seamlessflow.protocol import PhaseChanged, WeightsLoaded, WeightsPublished
+from seamlessflow.protocol import PhaseChanged, WeightManifest, WeightsLoaded, WeightsPublished
 from seamlessflow.weights import WeightEncoder, WeightPublisher, WeightReceiver
 from seamlessflow.weights.ipc import DevicePayloads
 from seamlessflow.weights.settings import (
@@ -72,20 +72,18 @@ async def test_engines_apply_from_device_buffers_and_their_acknowledgements_free
     assert not os.listdir(tmp_path)
 
 
-async def test_a_trainer_packs_each_version_on_its_device_and_announces_it_twice(
+async def two_steps_on_a_cuda_ipc_trainer(
     mesh: InProcessMesh,
     bus: Bus,
     base_model_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The trainer service with ``cuda_ipc`` (its device buffers the CPU stand-in):
-    each version is packed where the trainer computes (``Learner.pack_weights``) and
-    announced held, its fallback pending, then again once the fallback holds it, with
-    the digests of exactly the bytes the host path gives for the same weights."""
+) -> list[WeightManifest]:
+    """The trainer service with ``cuda_ipc``, its device buffers the CPU stand-in, for
+    two steps: every manifest it announced, in order."""
     from sf_tag_scheduler.service import TagSchedulerService
     from sf_trainer import service as trainer_service
-    from tests.support.trainer_runs import BATCHES, SETTINGS, learner, run_trainer, trainer_mesh
+    from tests.support.trainer_runs import BATCHES, SETTINGS, run_trainer, trainer_mesh
 
     monkeypatch.setenv("SF_WEIGHTS_TRANSPORT", "cuda_ipc")
     monkeypatch.setenv("SF_WEIGHTS_SHM_DIR", str(tmp_path / "shm"))
@@ -103,13 +101,30 @@ async def test_a_trainer_packs_each_version_on_its_device_and_announces_it_twice
         await bus.js_publish(bus.subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}")
     steps = SETTINGS.model_copy(update={"steps": 2})
     await run_trainer(trainer_mesh(mesh, base_model_dir, tmp_path), steps)
-
-    announced = [
+    return [
         decode(m.data, WeightsPublished).manifest
         for m in await bus.read_subject(
             bus.subjects.stream_weights(), bus.subjects.weights_published()
         )
     ]
+
+
+async def test_a_trainer_packs_each_version_on_its_device_and_announces_it_twice(
+    mesh: InProcessMesh,
+    bus: Bus,
+    base_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each version is packed where the trainer computes (``Learner.pack_weights``) and
+    announced held, its fallback pending, then again once the fallback holds it, with
+    the digests of exactly the bytes the host path gives for the same weights."""
+    from sf_trainer.service import weight_transfer
+    from tests.support.trainer_runs import BATCHES, SETTINGS, learner
+
+    announced = await two_steps_on_a_cuda_ipc_trainer(
+        mesh, bus, base_model_dir, tmp_path, monkeypatch
+    )
     for version in (1, 2):
         held, completed = [m for m in announced if m.version == version]  # in this order
         assert held.fallback_pending and held.bucket_digests == [] and held.device is not None
@@ -119,7 +134,7 @@ async def test_a_trainer_packs_each_version_on_its_device_and_announces_it_twice
     expected = learner(base_model_dir)
     for batch, version in zip(BATCHES[:2], range(2), strict=True):
         expected.step(batch, version)
-    dtype = trainer_service.weight_transfer(SETTINGS).travel_dtype
+    dtype = weight_transfer(SETTINGS).travel_dtype
     through_host = expected.encode_weights(
         WeightEncoder(bucket_bytes=completed.bucket_bytes), 2, dtype
     ).manifest
@@ -137,21 +152,8 @@ async def test_a_version_that_does_not_fit_the_device_goes_through_host_memory(
     """Packing needs one more copy of the weights on the device: when it does not fit,
     the trainer publishes that version the host path's way (announced once, complete)
     and goes on training."""
-    from sf_tag_scheduler.service import TagSchedulerService
-    from sf_trainer import service as trainer_service
     from sf_trainer.learner import Learner
-    from tests.support.trainer_runs import BATCHES, SETTINGS, run_trainer, trainer_mesh
 
-    monkeypatch.setenv("SF_WEIGHTS_TRANSPORT", "cuda_ipc")
-    monkeypatch.setenv("SF_WEIGHTS_SHM_DIR", str(tmp_path / "shm"))
-    (tmp_path / "shm").mkdir()
-    monkeypatch.setattr(
-        trainer_service,
-        "publisher",
-        lambda bus, settings, version_bytes, device="cpu": publisher(
-            bus, settings, version_bytes, device, stand_in_buffers(bus, settings)
-        ),
-    )
     pack_weights = Learner.pack_weights
 
     def out_of_memory_at_first(self: Learner, *args: Any) -> Any:
@@ -162,18 +164,9 @@ async def test_a_version_that_does_not_fit_the_device_goes_through_host_memory(
         return pack_weights(self, *args)
 
     monkeypatch.setattr(Learner, "pack_weights", out_of_memory_at_first)
-    await mesh.start(TagSchedulerService())
-    for batch in BATCHES[:2]:
-        await bus.js_publish(bus.subjects.batch_ready(), batch, msg_id=f"batch-{batch.batch_index}")
-    steps = SETTINGS.model_copy(update={"steps": 2})
-    await run_trainer(trainer_mesh(mesh, base_model_dir, tmp_path), steps)
-
-    announced = [
-        decode(m.data, WeightsPublished).manifest
-        for m in await bus.read_subject(
-            bus.subjects.stream_weights(), bus.subjects.weights_published()
-        )
-    ]
+    announced = await two_steps_on_a_cuda_ipc_trainer(
+        mesh, bus, base_model_dir, tmp_path, monkeypatch
+    )
     first = [m for m in announced if m.version == 1]
     assert len(first) == 1 and not first[0].fallback_pending and first[0].bucket_digests
     assert [m.fallback_pending for m in announced if m.version == 2] == [True, False]
