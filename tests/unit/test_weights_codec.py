@@ -513,6 +513,8 @@ def test_buckets_of_the_wrong_sizes_are_refused() -> None:
     wrong = [torch.empty(1000, dtype=torch.uint8) for _ in range(2)]
     with pytest.raises(ValueError, match="buckets of"):
         fill_buckets(iter(state.items()), layout, wrong)
+    with pytest.raises(ValueError, match="no buckets"):
+        fill_buckets(iter(state.items()), layout, [])
 
 
 def test_row_blocks_that_do_not_make_their_tensor_are_refused() -> None:

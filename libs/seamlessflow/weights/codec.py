@@ -183,7 +183,7 @@ class WeightEncoder:
         ``cuda_ipc``), filled as ``tensors`` come (in ``layout``'s order, where they
         live): no host copy. The bytes are those ``encode_buckets`` hands over; the
         manifest has no digests yet: they are hashed where the buckets reach the host
-        (``DevicePayloads.put_packed``). Blocking (a worker thread)."""
+        (``DevicePayloads.store_fallback``). Blocking (a worker thread)."""
         if not self.streams:
             raise ValueError("an encoder that sends deltas needs whole versions: encode_stream")
         payload_bytes = layout_bytes(layout)

@@ -160,7 +160,11 @@ def fill_buckets(
     that bucket's size, wherever they lie (the trainer's device: ``cuda_ipc``). The same
     bytes as ``stream_buckets``."""
     total = layout_bytes(layout)
-    bucket_bytes = buckets[0].numel() if buckets else 1
+    if not buckets:
+        if total:
+            raise ValueError(f"no buckets for {total} bytes")
+        return
+    bucket_bytes = buckets[0].numel()
     sizes = [end - start for start, end in bucket_ranges(total, bucket_bytes)]
     if [b.numel() for b in buckets] != sizes:
         raise ValueError(f"buckets of {[b.numel() for b in buckets]} bytes for {sizes}")
