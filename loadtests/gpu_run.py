@@ -416,6 +416,18 @@ def installed_environment() -> dict[str, str]:
     return env
 
 
+def run_logged(
+    command: list[str], log_path: Path, timeout: float, **options: Any
+) -> subprocess.CompletedProcess[bytes]:
+    """``command`` with its stdout and stderr written into ``log_path`` as it runs (a
+    call cut short by its time limit still brings back how far it got)."""
+    with log_path.open("w") as log_file:
+        return subprocess.run(
+            command, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout, check=False,
+            **options,
+        )  # fmt: skip
+
+
 # ---------------------------------------------------------------- timing helpers
 
 
@@ -1250,11 +1262,7 @@ def up_on_device(
     env |= {"SF_TRAINER_TORCH_THREADS": "4", **env_extra}
     started = time.perf_counter()
     log_path = ctx.logs / f"up-{run_id}.log"
-    with log_path.open("w") as log_file:
-        done = subprocess.run(
-            command, env=env, stdout=log_file, stderr=subprocess.STDOUT, timeout=360,
-            check=False,
-        )  # fmt: skip
+    done = run_logged(command, log_path, timeout=360, env=env)
     wall = time.perf_counter() - started
     if done.returncode != 0:
         tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
@@ -1314,11 +1322,7 @@ def part_gpu_tests(ctx: Context) -> dict[str, Any]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     log_path = ctx.logs / "gpu_tests.log"
-    with log_path.open("w") as log_file:
-        done = subprocess.run(
-            command, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-            timeout=600, check=False,
-        )  # fmt: skip
+    done = run_logged(command, log_path, timeout=600, env=env, cwd=ROOT)
     summaries = [
         line.strip("= ")
         for line in log_path.read_text(errors="replace").splitlines()
@@ -1357,10 +1361,7 @@ def checks_of(ctx: Context, engine: str, only: list[str]) -> dict[str, Any]:
         command += ["--device", "cpu", "--only", "reload/qwen2"]
     elif only:
         command += ["--only", ",".join(only)]
-    with (ctx.logs / f"gpu_check_{engine}.log").open("w") as log_file:
-        done = subprocess.run(
-            command, stdout=log_file, stderr=subprocess.STDOUT, timeout=480, check=False
-        )
+    done = run_logged(command, ctx.logs / f"gpu_check_{engine}.log", timeout=480)
     # each check's own process wrote its output there (gpu_check keeps it per check)
     check_logs = ctx.workdir / f"gpu_check_{engine}" / "logs"
     if check_logs.is_dir():

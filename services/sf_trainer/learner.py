@@ -11,8 +11,10 @@ Commands cross only the trainer's own process group (torch.distributed), never N
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +24,7 @@ import torch
 from seamlessflow.assets.loading import check_tied, load_causal_lm
 from seamlessflow.assets.model_check import ModelNeeds, check_model
 from seamlessflow.heap import compact_heap
-from seamlessflow.protocol import TrainBatch, WeightManifest
+from seamlessflow.protocol import TensorSpec, TrainBatch, WeightManifest
 from seamlessflow.residency import Residency, Transition, resizable_parameters
 from seamlessflow.weights.codec import BucketSink, EncodedWeights, WeightEncoder
 from seamlessflow.weights.layout import dtype_name, layout_bytes, layout_of, torch_dtype
@@ -292,9 +294,7 @@ class Learner:
         """The weights published as ``version``, gathered one tensor at a time straight
         into ``encoder``'s payload (floating-point tensors in ``dtype``): no whole copy of
         the model exists on rank 0 beside the payload."""
-        self._announce(StreamWeights(dtype=dtype_name(dtype) if dtype is not None else ""))
-        layout = layout_of(self.group.host_layout(self.model, dtype, skip=self.tied))
-        tensors = self.group.host_tensors(self.model, dtype, skip=self.tied)
+        layout, tensors = self._version_tensors(dtype)
         return encoder.encode_stream(version, layout, tensors)
 
     def version_bytes(self, dtype: torch.dtype | None = None) -> int:
@@ -312,15 +312,9 @@ class Learner:
         """``encode_weights``, handed to ``sink`` bucket by bucket as the tensors are
         gathered (``WeightEncoder.encode_buckets``): rank 0 holds one tensor and two
         buckets of the version at a time, never its payload."""
-        self._announce(StreamWeights(dtype=dtype_name(dtype) if dtype is not None else ""))
-        layout = layout_of(self.group.host_layout(self.model, dtype, skip=self.tied))
-        tensors = self.group.host_tensors(self.model, dtype, skip=self.tied)
-        try:
+        layout, tensors = self._version_tensors(dtype)
+        with _gathers_finished(tensors):
             return encoder.encode_buckets(version, layout, tensors, sink)
-        except BaseException:
-            for _ in tensors:
-                pass  # the followers run every gather (a collective): finish them first
-            raise
 
     def pack_weights(
         self, encoder: WeightEncoder, version: int, dtype: torch.dtype | None
@@ -328,15 +322,19 @@ class Learner:
         """``stream_weights`` packed where rank 0 computes (``WeightEncoder.pack_buckets``,
         for ``cuda_ipc``): each tensor cast and copied on the device into its buckets,
         none brought to the host. The other ranks run the same gathers (``StreamWeights``)."""
+        layout, tensors = self._version_tensors(dtype, on_device=True)
+        with _gathers_finished(tensors):
+            return encoder.pack_buckets(version, layout, tensors, self.group.device)
+
+    def _version_tensors(
+        self, dtype: torch.dtype | None, on_device: bool = False
+    ) -> tuple[list[TensorSpec], Iterator[tuple[str, torch.Tensor]]]:
+        """A version's layout and its tensors as rank 0 gathers them (``host_tensors``),
+        the other ranks told to run the same gathers (``StreamWeights``)."""
         self._announce(StreamWeights(dtype=dtype_name(dtype) if dtype is not None else ""))
         layout = layout_of(self.group.host_layout(self.model, dtype, skip=self.tied))
-        tensors = self.group.host_tensors(self.model, dtype, skip=self.tied, on_device=True)
-        try:
-            return encoder.pack_buckets(version, layout, tensors, self.group.device)
-        except BaseException:
-            for _ in tensors:
-                pass  # the followers run every gather (a collective): finish them first
-            raise
+        tensors = self.group.host_tensors(self.model, dtype, skip=self.tied, on_device=on_device)
+        return layout, tensors
 
     def save(self, out: Path, state: TrainerState) -> Path:
         self._announce(GatherCheckpoint())
@@ -487,3 +485,15 @@ class Learner:
                 fused=True if self.settings.fused_optimizer else None,
                 foreach=None if self.settings.fused_optimizer else True,
             )
+
+
+@contextlib.contextmanager
+def _gathers_finished(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[None]:
+    """On a failure, run ``tensors`` to its end before raising: the other ranks take
+    part in every gather (a collective) and would wait for the rest."""
+    try:
+        yield
+    except BaseException:
+        for _ in tensors:
+            pass
+        raise

@@ -437,9 +437,7 @@ class EmbeddedRun(Supervisor):
         )
         # the engines' backend comes from the environment, as their processes read it
         # (an unknown name is the engine's own error: checked here as transformers)
-        backend = ENGINE_BACKENDS.find(
-            os.environ.get(variable(ENGINE, "backend"), ENGINE.model_fields["backend"].default)
-        )
+        backend = ENGINE_BACKENDS.find(engine_backend())
         needs = ModelNeeds(
             architecture=backend.architecture if backend else TRANSFORMERS_CAUSAL_LM,
             context_tokens=context,
@@ -606,11 +604,15 @@ def trainer_device() -> str:
     return os.environ.get(variable(TRAINER, "device"), "cpu")
 
 
+def engine_backend() -> str:
+    """The run's engines' backend, from the environment as their processes read it."""
+    return os.environ.get(variable(ENGINE, "backend"), ENGINE.model_fields["backend"].default)
+
+
 def engine_device() -> str:
-    """Where the run's engines compute: their backend's device, from the environment as
-    their processes read it (``hf``: ``SF_ENGINE_HF_DEVICE``; vLLM: the GPU if any)."""
-    backend = os.environ.get(variable(ENGINE, "backend"), ENGINE.model_fields["backend"].default)
-    own = BACKEND_SETTINGS.get(backend)
+    """Where the run's engines compute: their backend's device (``hf``:
+    ``SF_ENGINE_HF_DEVICE``; vLLM: the GPU if any)."""
+    own = BACKEND_SETTINGS.get(engine_backend())
     return own().model_device() if own is not None else "cpu"
 
 

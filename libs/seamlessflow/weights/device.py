@@ -98,8 +98,9 @@ class SharedMemoryBuffers:
         return path
 
     def adopt(self, bucket: Any) -> Path:
-        host = bucket.detach().cpu().contiguous()
-        return self.allocate(memoryview(host.numpy()).cast("B"))
+        from seamlessflow.weights.layout import as_bytes
+
+        return self.allocate(as_bytes(bucket.detach().cpu().contiguous()))
 
     def export(self, buffer: Path) -> DeviceHandle:
         return DeviceHandle(kind="shm", name=buffer.name.encode(), nbytes=buffer.stat().st_size)
