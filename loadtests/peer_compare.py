@@ -46,6 +46,14 @@ after the other in one process; SeamlessFlow's rollout runs on its own engine pr
 asynchronously and one batch ahead of the trainer (``--max-batches-ahead``, default 1),
 so it trains on samples up to one weight version old.
 
+``--device cuda`` races on a GPU (the ``trl_race`` part of ``loadtests/gpu_run.py``):
+our trainer and engines on the card (``SF_TRAINER_DEVICE``, ``SF_ENGINE_HF_DEVICE``; a
+vLLM engine takes ``ENGINES_GPU_SHARE`` of it, as ``seamlessflow up`` shares one), and
+TRL's GRPOTrainer as a TRL user runs it there: generating with its colocated vLLM
+(``use_vllm``, ``vllm_mode="colocate"``) given the same share of the card, with TRL's own
+defaults otherwise (its importance-sampling correction of the vLLM logprobs included).
+The base model's reward and held-out accuracy are measured on the card too.
+
 ``--judge-median-ms M`` scores with a judge service instead of in process (see
 ``peer_judge.py``: a real HTTP server whose answers take a log-normal time of median M,
 the same sequence of latencies for each side): the arithmetic task's training prompts
@@ -111,6 +119,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import importlib.util
 import json
 import logging
 import os
@@ -143,6 +152,7 @@ TASKS = ("arithmetic", "counting")
 """Built-in tasks (each with its own built base model); ``rg:`` names besides."""
 RG_PREFIX = "rg:"
 ENGINES = ("hf", "vllm")
+DEVICES = ("cpu", "cuda")
 
 
 def task_name(text: str) -> str:
@@ -231,6 +241,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--device", choices=DEVICES, default="cpu",
+        help="where both sides train and generate (default %(default)s); cuda: our trainer "
+        "and engines on the GPU, TRL with its colocated vLLM (module docstring)",
+    )  # fmt: skip
+    parser.add_argument(
         "--trl-threads", type=int, default=len(os.sched_getaffinity(0)),
         help="torch threads of the TRL process (default: every core this process may use, "
         "%(default)s here)",
@@ -300,8 +315,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from seamlessflow.machine import resolve_precision
     from seamlessflow.tasks import get_task_source
 
-    # both sides in the one precision this machine computes best (TRL's bf16 flag)
-    args.precision = resolve_precision(args.precision).chosen
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device here")
+    # both sides in the one precision the device computes best (TRL's bf16 flag)
+    args.precision = resolve_precision(args.precision, args.device).chosen
 
     try:
         source = get_task_source(args.task, args.seed)  # an rg: task checks its options here
@@ -411,7 +431,8 @@ def base_figures(
     from seamlessflow.tasks import get_task_source
     from sf_app.base_model import sampled_reward
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = model.to(args.device).eval()
     reward = sampled_reward(
         model,
         sampling_tokenizer(model_dir),
@@ -452,14 +473,12 @@ def held_out_accuracy(
     model: Any, model_dir: Path, eval_set: Any, args: argparse.Namespace
 ) -> float:
     """``model``'s held-out accuracy by our trainer's own evaluation (greedy, left
-    padded, the task's ``eval_reward_fn``), in this process on the CPU."""
-    import torch
-
+    padded, the task's ``eval_reward_fn``), in this process on the model's device."""
     from sf_trainer.distributed import TrainGroup
     from sf_trainer.evaluation import evaluate
 
     settings = eval_settings(args, eval_set.task)
-    group = TrainGroup(device=torch.device("cpu"))
+    group = TrainGroup(device=next(model.parameters()).device)
     return evaluate(model, model_dir, eval_set, settings, group).mean_reward
 
 
@@ -710,8 +729,10 @@ def run_seamlessflow(
     # the engine processes read their backend from the environment they inherit, the
     # trainer its number of held-out items (the run sets SF_EVAL_EVERY from
     # eval_every, SF_TRAINER_EVAL_TASK and SF_MAX_TOKENS from task and
-    # max_tokens: RUN_KEYS)
+    # max_tokens: RUN_KEYS) and both their device
     os.environ["SF_ENGINE_BACKEND"] = engine
+    os.environ["SF_TRAINER_DEVICE"] = args.device
+    os.environ["SF_ENGINE_HF_DEVICE"] = args.device
     os.environ["SF_TRAINER_EVAL_ITEMS"] = str(args.eval_items)
     config = RunConfig(
         run_id=f"peer-sf-{engine}-{time.strftime('%Y%m%d-%H%M%S')}",
@@ -766,15 +787,32 @@ def run_seamlessflow(
     return steps, started, finished, extra
 
 
+def trl_device_settings(device: str) -> dict[str, Any]:
+    """The ``GRPOConfig`` settings that place TRL on ``device``: the CPU, generating with
+    transformers' ``generate``; or the GPU, generating with its colocated vLLM on the
+    share of the card our engines get (``ENGINES_GPU_SHARE``; TRL's default is 0.3)."""
+    if device == "cpu":
+        return {"use_cpu": True}
+    from sf_engine.settings import ENGINES_GPU_SHARE
+
+    return {
+        "use_cpu": False,
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "vllm_gpu_memory_utilization": ENGINES_GPU_SHARE,
+    }
+
+
 def grpo_config(args: argparse.Namespace, output_dir: str, **extra: Any) -> Any:
     """The TRL side's ``GRPOConfig`` (peer_compare.py and peer_env.py): the optimizer and
     GRPO settings of our trainer (module docstring), one optimizer step per batch of
-    ``group_size * groups_per_batch`` samples, on the CPU; ``extra`` adds to them."""
+    ``group_size * groups_per_batch`` samples, on ``--device`` (peer_env: the CPU);
+    ``extra`` adds to them."""
     from trl import GRPOConfig
 
     return GRPOConfig(
         output_dir=output_dir,
-        use_cpu=True,
+        **trl_device_settings(getattr(args, "device", "cpu")),
         gradient_checkpointing=False,
         per_device_train_batch_size=args.group_size * args.groups_per_batch,
         gradient_accumulation_steps=1,
@@ -834,6 +872,9 @@ def run_trl(
 
     reward_fn = get_task_source(args.task, args.seed).reward_fn
     torch.set_num_threads(threads)
+    if args.device == "cuda" and importlib.util.find_spec("flashinfer") is None:
+        # as our vLLM engine does: vLLM's GPU sampler imports FlashInfer unguarded
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     clock = EvalClock()
     started = clock.now()
 
@@ -913,6 +954,8 @@ def run_trl(
     train = [e - s for s, e in zip(scored[1:], ends[1:], strict=True)]
     extra = {
         "torch_threads": threads,
+        "device": args.device,
+        "generation": "colocated vLLM" if args.device == "cuda" else "transformers generate",
         "loss_type": "dapo",
         "reward": "judge service (async, whole batch at once)" if judged else "in process",
         "mean_generate_s": sum(generate) / len(generate) if generate else None,
@@ -966,10 +1009,15 @@ def judged_task(args: argparse.Namespace, directory: Path, judge_url: str) -> st
 # --------------------------------------------------------------------------- the report
 
 
-def machine(trl_version: str | None) -> dict[str, Any]:
+def machine(trl_version: str | None, device: str = "cpu") -> dict[str, Any]:
     from seamlessflow.machine import machine_description
 
-    return machine_description() | {"trl": trl_version}
+    described = machine_description() | {"trl": trl_version}
+    if device == "cuda":
+        import torch
+
+        described["gpu"] = torch.cuda.get_device_name()
+    return described
 
 
 def loadavg() -> float | None:
@@ -1112,7 +1160,7 @@ def compare(
     """Both sides, one after the other, on ``task``'s prompts in dispatch order."""
     items = dispatch_order(args.steps * args.groups_per_batch, args.seed, task)
     report: dict[str, Any] = {
-        "machine": machine(trl_version),
+        "machine": machine(trl_version, args.device),
         "settings": {
             "steps": args.steps,
             "task": args.task,
@@ -1126,6 +1174,7 @@ def compare(
             "lr": args.lr,
             "precision": args.precision,
             "seed": args.seed,
+            "device": args.device,
             "temperature": 1.0,
             "trl_threads": args.trl_threads,
             "trl_threads_sweep": args.trl_threads_sweep,

