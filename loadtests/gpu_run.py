@@ -962,7 +962,7 @@ def _product_ipc_engine(
 
 
 def product_ipc_case(
-    ctx: Context, name: str, trainer_model: Any, bf16_bytes: int, packed: bool = True
+    ctx: Context, name: str, trainer_model: Any, weights_bytes: int, packed: bool = True
 ) -> dict[str, Any]:
     """The product's ``cuda_ipc`` transport, trainer to an engine in another process: the
     trainer publishes each version as it does (``packed``: cast and packed into bucket
@@ -1057,7 +1057,7 @@ def product_ipc_case(
         if process.is_alive():
             process.kill()
     best = min(trials, key=lambda t: t["total"])
-    return best | {"seconds_per_gb": best["total"] / (bf16_bytes / GB)}
+    return best | {"seconds_per_gb": best["total"] / (weights_bytes / GB)}
 
 
 def handoff_case(ctx: Context, name: str, trainer_model: Any) -> dict[str, Any]:
@@ -1083,10 +1083,15 @@ def handoff_case(ctx: Context, name: str, trainer_model: Any) -> dict[str, Any]:
     device, dtype = ctx.device, engine_dtype(ctx.device)
     group = TrainGroup(device=torch.device(device))
     tied = tied_aliases(trainer_model.state_dict(keep_vars=True))
-    bf16_bytes = sum(
+    # the engine's dtype: bf16 on CUDA, fp32 in the CPU form
+    weights_bytes = sum(
         p.numel() * torch.finfo(dtype).bits // 8 for p in trainer_model.state_dict().values()
     )
-    out: dict[str, Any] = {"model": name, "weights_bytes": bf16_bytes}
+    out: dict[str, Any] = {
+        "model": name,
+        "weights_bytes": weights_bytes,
+        "weights_dtype": str(dtype).removeprefix("torch."),
+    }
 
     engine_model = config_model_like(trainer_model, device, dtype)
     engine = TransformersEngine(engine_model, dtype=dtype, device=device)
@@ -1132,7 +1137,7 @@ def handoff_case(ctx: Context, name: str, trainer_model: Any) -> dict[str, Any]:
 
     trials = asyncio.run(through_store())
     best = min(trials, key=lambda t: t["total"])
-    out["shm"] = best | {"seconds_per_gb": best["total"] / (bf16_bytes / GB)}
+    out["shm"] = best | {"seconds_per_gb": best["total"] / (weights_bytes / GB)}
 
     bounds = ctx.figures.get("bounds", {})
     if device == "cuda":
@@ -1173,13 +1178,13 @@ def handoff_case(ctx: Context, name: str, trainer_model: Any) -> dict[str, Any]:
     finally:
         if process.is_alive():
             process.kill()
-    out["product_cuda_ipc"] = product_ipc_case(ctx, name, trainer_model, bf16_bytes)
+    out["product_cuda_ipc"] = product_ipc_case(ctx, name, trainer_model, weights_bytes)
     out["product_cuda_ipc_host_encoded"] = product_ipc_case(
-        ctx, name, trainer_model, bf16_bytes, packed=False
+        ctx, name, trainer_model, weights_bytes, packed=False
     )
     best = min(ipc, key=lambda t: t["total"])
     transport = "cuda_ipc" if device == "cuda" else "shared_memory_ipc"
-    out[transport] = best | {"seconds_per_gb": best["total"] / (bf16_bytes / GB)}
+    out[transport] = best | {"seconds_per_gb": best["total"] / (weights_bytes / GB)}
     out[transport]["of_bound"] = (
         out[transport]["seconds_per_gb"] / out["device_copy_bound_seconds_per_gb"]
     )
@@ -1513,7 +1518,8 @@ def table(figures: dict[str, Any]) -> str:
                     f"fallback stored after {fmt(product.get('fallback_stored'))} s)"
                 )
             lines.append(
-                f"handoff {key}: {row['model']}, {fmt(row['weights_bytes'], 1e9)} GB bf16: "
+                f"handoff {key}: {row['model']}, {fmt(row['weights_bytes'], 1e9)} GB "
+                f"{row.get('weights_dtype', 'bfloat16')}: "
                 f"shm {fmt(row['shm']['seconds_per_gb'])} s/GB (x{fmt(row['shm'].get('of_bound'))} "
                 f"the D2H+H2D bound), IPC {fmt(ipc.get('seconds_per_gb'))} s/GB "
                 f"(x{fmt(ipc.get('of_bound'))} a device copy)"
