@@ -537,6 +537,21 @@ class Context:
     """``--out``'s ``logs``: the output of every child process, written as it runs, so
     that a call cut short by its time limit still brings back how far each got."""
 
+    @property
+    def figures_file(self) -> Path:
+        return self.logs.parent / "gpu_run.json"
+
+    def save(self) -> None:
+        """Write every figure so far (after each part, and within a long part after each
+        of its cases: a call cut short keeps what it finished)."""
+        self.figures_file.write_text(json.dumps(self.figures, indent=2, default=str) + "\n")
+
+    def finished_case(self, part: str, case: str, figures: dict[str, Any]) -> dict[str, Any]:
+        """``figures`` of one case of ``part``, recorded and saved now; returned."""
+        self.figures.setdefault(part, {})[case] = figures
+        self.save()
+        return figures
+
 
 # ---------------------------------------------------------------- parts
 
@@ -1207,11 +1222,11 @@ def part_handoff(ctx: Context) -> dict[str, Any]:
         ctx.figures["bounds"] = part_bounds(ctx)
     out = {}
     name, model = small_model(ctx, torch.float32)
-    out["small"] = handoff_case(ctx, name, model)
+    out["small"] = ctx.finished_case("handoff", "small", handoff_case(ctx, name, model))
     del model
     release(ctx.device)
     model = config_model(ctx.sizes.big_shape, ctx.device, torch.float32)
-    out["big"] = handoff_case(ctx, big_name(ctx), model)
+    out["big"] = ctx.finished_case("handoff", "big", handoff_case(ctx, big_name(ctx), model))
     del model
     release(ctx.device)
     return out
@@ -1236,7 +1251,7 @@ def part_modes(ctx: Context) -> dict[str, Any]:
     precision and pipelining: the trainer offloads while lent and the engines sleep
     with their weights on the host (both ``auto``: on for CUDA). Steps/s of each, and
     multiplexed over colocated (the issue's target: 1.3x or more)."""
-    return modes_with(ctx, "gpu", {})
+    return modes_with(ctx, "modes", "gpu", {})
 
 
 def part_vllm_modes(ctx: Context) -> dict[str, Any]:
@@ -1247,13 +1262,16 @@ def part_vllm_modes(ctx: Context) -> dict[str, Any]:
     if ctx.device != "cuda":
         return {"skipped": "vLLM engines on the device: the CPU form is the modes part"}
     env = {"SF_ENGINE_BACKEND": "vllm"}
-    return modes_with(ctx, "gpu-vllm", env)
+    return modes_with(ctx, "vllm_modes", "gpu-vllm", env)
 
 
-def modes_with(ctx: Context, prefix: str, env: dict[str, str]) -> dict[str, Any]:
+def modes_with(ctx: Context, part: str, prefix: str, env: dict[str, str]) -> dict[str, Any]:
+    """Colocated, then multiplexed, each recorded as soon as it ends (``part``'s cases);
+    the runs are ``<prefix>-<mode>``."""
     out = {}
     for mode in ("colocated", "multiplexed"):
-        out[mode] = up_on_device(ctx, f"{prefix}-{mode}", ["--mode", mode], env)
+        run = up_on_device(ctx, f"{prefix}-{mode}", ["--mode", mode], env)
+        out[mode] = ctx.finished_case(part, mode, run)
     colocated, multiplexed = out["colocated"]["steps_per_s"], out["multiplexed"]["steps_per_s"]
     out["multiplexed_over_colocated"] = (
         multiplexed / colocated if colocated and multiplexed else None
@@ -1660,7 +1678,7 @@ def main(argv: list[str] | None = None) -> int:
             figures["errors"][part] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         figures.setdefault("seconds", {})[part] = round(time.perf_counter() - started, 1)
         release(device)
-        (args.out / "gpu_run.json").write_text(json.dumps(figures, indent=2, default=str) + "\n")
+        ctx.save()
     report = table(figures)
     (args.out / "gpu_run.txt").write_text(report + "\n")
     print(report)

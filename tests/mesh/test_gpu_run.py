@@ -65,6 +65,7 @@ def test_cpu_form_runs_every_part_and_writes_its_figures(tmp_path: Path) -> None
         assert modes[mode]["mode"] == mode and modes[mode]["steps"] == gpu_run.CPU_SIZES.mesh_steps
     assert modes["multiplexed_over_colocated"] > 0
     assert {o["status"] for o in figures["checks"].values()} == {"pass"}
+    assert "skipped" in figures["trl_race"]  # TRL with its colocated vLLM: GPU only
     # the suite's GPU tests, found by their mark and skipped without CUDA
     tests = figures["gpu_tests"]
     assert "tests/unit/test_cuda_ipc_device.py" in tests["files"]
@@ -82,6 +83,19 @@ def test_cpu_form_runs_every_part_and_writes_its_figures(tmp_path: Path) -> None
         and "modes:" in table
         and "ERROR" not in table
     )
+
+
+def test_a_finished_case_is_saved_before_its_part_ends(tmp_path: Path) -> None:
+    """A call cut short keeps the cases its long part finished (the H200 lease of
+    2026-12-04 lost a whole ``vllm_modes`` to its end)."""
+    out = tmp_path / "out"
+    ctx = gpu_run.Context("cpu", gpu_run.CPU_SIZES, None, tmp_path, {"errors": {}}, out / "logs")
+    ctx.logs.mkdir(parents=True)
+    assert ctx.finished_case("vllm_modes", "colocated", {"steps_per_s": 1.5}) == {
+        "steps_per_s": 1.5
+    }
+    saved = json.loads((out / "gpu_run.json").read_text())
+    assert saved == {"errors": {}, "vllm_modes": {"colocated": {"steps_per_s": 1.5}}}
 
 
 def test_no_cuda_means_no_silent_cpu_run(tmp_path: Path) -> None:
