@@ -133,6 +133,12 @@ class WeightLoader:
         holds ``lock``)."""
         version = self.receiver.version
         await self._swap(self.receiver.tensors(), version)
+        # the engine holds the version in its own weights now: a copy on the device
+        # goes back to the card (the trainer and the KV cache share it)
+        released = self.receiver.release_device_copy()
+        if released:
+            log.debug("%s: %d bytes of version %d released from the device",
+                      self.engine_id, released, version)  # fmt: skip
         self.membership.version = version
         await self.bus.publish(
             self.bus.subjects.weights_loaded(),

@@ -244,6 +244,13 @@ async def test_an_engine_on_a_device_copies_a_full_version_there_without_the_hos
     assert same(receiver.tensors(), state)
     # the version held is not fetched again
     assert await receiver.follow([manifest]) == 1
+    # once the engine has it, the device copy goes: the receiver holds the mirror's
+    assert receiver.release_device_copy() == sum(
+        t.numel() * t.element_size() for t in state.values()
+    )
+    assert receiver.version == 0 and receiver.release_device_copy() == 0
+    assert await receiver.follow([manifest]) == 1  # copied again if asked again
+    assert same(receiver.tensors(), state)
 
 
 async def test_a_changed_bucket_or_a_delta_goes_through_the_host_instead(tmp_path: Path) -> None:

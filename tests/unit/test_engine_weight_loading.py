@@ -12,6 +12,7 @@ current chain; a lent (asleep) engine loads nothing; the swap pauses and resumes
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any, cast
 
 import msgspec
@@ -30,8 +31,10 @@ from seamlessflow.protocol import (
 from seamlessflow.weights import WeightReceiver
 from seamlessflow.weights.codec import EncodedWeights, WeightEncoder
 from seamlessflow.weights.collective import Received
+from seamlessflow.weights.device import SharedMemoryBuffers
+from seamlessflow.weights.ipc import DevicePayloads, HeldVersions
 from seamlessflow.weights.layout import bucket_digests
-from seamlessflow.weights.stores import PayloadMissing
+from seamlessflow.weights.stores import PayloadMissing, SharedMemoryPayloads
 from sf_engine.in_flight import InFlight
 from sf_engine.settings import EngineSettings
 from sf_engine.weight_loading import WeightLoader
@@ -129,7 +132,7 @@ def state(seed: int) -> dict[str, torch.Tensor]:
 class Rig:
     """A loader with its store, encoder and recorders."""
 
-    def __init__(self, **settings: Any) -> None:
+    def __init__(self, receiver: WeightReceiver | None = None, **settings: Any) -> None:
         self.store = MemoryStore()
         self.encoder = WeightEncoder(BUCKET_BYTES, deltas=True)
         self.engine = RecordingEngine()
@@ -141,7 +144,7 @@ class Rig:
             cast(Any, self.engine),
             EngineSettings(**settings),
             cast(Any, self.bus),
-            WeightReceiver({self.store.name: self.store}),
+            receiver or WeightReceiver({self.store.name: self.store}),
             cast(Any, self.membership),
             self.in_flight,
         )
@@ -277,3 +280,33 @@ async def test_a_version_floor_weight_sync_never_announces_ends_after_the_wait()
     async with asyncio.timeout(5):
         await rig.loader.reach(3)
     assert rig.engine.loaded == [] and rig.bus.asked > 1
+
+
+async def test_a_version_copied_onto_the_device_is_released_once_the_engine_loaded_it(
+    tmp_path: Path,
+) -> None:
+    """``cuda_ipc`` with its shared-memory stand-in for device memory: the receiver's
+    copy of a version on the engine's device is a whole set of weights beyond the
+    engine's own; once the engine has loaded it, the card gets it back."""
+    run = "seamlessflow-loader-policy-"
+
+    def shm() -> dict[str, SharedMemoryPayloads]:
+        return {"shm": SharedMemoryPayloads("ipc", tmp_path)}
+
+    trainer = DevicePayloads(shm(), "shm", SharedMemoryBuffers(tmp_path, run), HeldVersions(4, 60))
+    engine_store = DevicePayloads(
+        shm(), "shm", None, HeldVersions(1, 60), {"shm": SharedMemoryBuffers(tmp_path, run)}
+    )
+    receiver = WeightReceiver({"cuda_ipc": engine_store}, device=torch.device("cpu"))
+    rig = Rig(receiver=receiver)
+    for version in (1, 2):
+        weights = state(version)
+        manifest = await trainer.put(WeightEncoder(BUCKET_BYTES).encode(version, weights))
+        assert manifest.device is not None
+        await rig.loader.on_load(LoadWeights(manifest=manifest))
+        assert_serves(rig, version, weights)
+        # device to device: the host mirror never held it, and no copy stays
+        assert receiver.mirror.version == 0 and receiver.version == 0
+        assert receiver.release_device_copy() == 0
+    await rig.loader.on_load(LoadWeights(manifest=manifest))  # served: not loaded again
+    assert [v for v, _ in rig.engine.loaded] == [1, 2] and rig.announced() == [1, 2]

@@ -303,10 +303,10 @@ class WeightReceiver:
         """Where the engine computes, when that is a device: a version in the trainer's
         device memory (``cuda_ipc``) is copied there, never through host memory."""
         self._on_device: tuple[int, dict[str, torch.Tensor]] | None = None
-        """The version copied onto ``device`` last, while newer than the mirror's (kept
-        until the next version: a lent engine serves it when it wakes; the device then
-        holds one copy of the weights beyond the model's, as host memory holds the
-        mirror's)."""
+        """The version copied onto ``device`` last, while newer than the mirror's, until
+        the engine has it in its own weights (``release_device_copy``): a whole copy of
+        the weights on the card beyond the model's, which a colocated trainer and the
+        engine's KV cache need back."""
 
     @property
     def version(self) -> int:
@@ -316,6 +316,22 @@ class WeightReceiver:
     def tensors(self) -> dict[str, torch.Tensor]:
         """The held version's tensors (views: valid until the next ``follow``)."""
         return self._on_device[1] if self._on_device is not None else self.mirror.tensors()
+
+    def release_device_copy(self) -> int:
+        """Drop the version copied onto ``device`` once the engine has loaded it (the
+        engine copies into its own weights: hf ``copy_``, vLLM through its staged
+        set), and give its memory back to the card. ``version`` is the mirror's again:
+        the engine keeps the version it serves, and a later chain that ends at this
+        version would be copied again. Returns the bytes of the tensors dropped."""
+        if self._on_device is None:
+            return 0
+        _, tensors = self._on_device
+        self._on_device = None
+        released = sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the caching allocator would keep it for this process
+        return released
 
     async def accept(self, pushed: Received) -> int:
         """A pushed payload: apply it if it continues what the mirror holds; returns the
