@@ -41,7 +41,9 @@ Parts (``--only``; each records its figures, or its error, and the next one runs
   ratio, the mean |trainer - engine| logprob gap per step.
 - ``modes``: ``seamlessflow up`` colocated and multiplexed on the one device (the
   trainer offloading while lent, the engines asleep on the host: the defaults on CUDA):
-  steps/s of each and their ratio, and each offload and reload of the trainer.
+  steps/s of each and their ratio, the bubble ratio, the steady step over the sum of
+  its parts (``step_parts``: train, publish, generate, an engine's load), and each
+  offload and reload of the trainer.
 - ``checks``: ``loadtests/gpu_check.py`` on the ``hf`` engine (every check but vLLM's).
 - ``gpu_tests``: the suite's tests marked ``gpu`` (the CUDA layer of ``cuda_ipc``,
   staged vLLM loads from device memory, ...), run by the machine's pytest.
@@ -1283,7 +1285,8 @@ def up_on_device(
     ctx: Context, run_id: str, options: list[str], env_extra: dict[str, str]
 ) -> dict[str, Any]:
     """One ``seamlessflow up`` with the trainer and the engines on the device: its
-    figures from the run's summary and metrics."""
+    figures from the run's summary and metrics, and the step against its parts
+    (``step_parts``)."""
     runs = ctx.workdir / "runs"
     command = [sys.executable, "-m", "sf_app", "up", "--steps", str(ctx.sizes.mesh_steps)]
     command += ["--runs-dir", str(runs), "--run-id", run_id, "--no-live", "--eval-every", "0"]
@@ -1334,10 +1337,37 @@ def up_on_device(
         "stale_tokens": stale,
         "reward_first": summary["reward_first"],
         "reward_last": summary["reward_last"],
+        **step_parts(summary),
         "trainer_handovers": [
             {"name": h["name"], **{k: h["attributes"].get(k) for k in ("seconds", "bytes")}}
             for h in handovers
         ],
+    }
+
+
+def step_parts(summary: dict[str, Any]) -> dict[str, Any]:
+    """The issue's yardstick for a mesh step: the sum of its parts, each per step,
+    from the run's summary: the trainer's step and publish (``mean_step_s``,
+    ``mean_publish_s``), the generation (the busiest engine's seconds in ``rollout``
+    over the steps: engines generate side by side) and an engine's weight load (the
+    slowest engine's ``mean_sync_s``); and the steady step over that sum
+    (``step_over_parts``: 1 = nothing but the parts in turn, below 1 = they overlap,
+    the target is 1.5 or less)."""
+    engines = [
+        seconds for rid, seconds in summary["phase_seconds"].items() if rid.startswith("engine")
+    ]
+    steps = summary["steps"] or 1
+    parts = {
+        "train_s": summary["mean_step_s"] or 0.0,
+        "publish_s": summary["mean_publish_s"] or 0.0,
+        "generate_s": max((e.get("rollout", 0.0) for e in engines), default=0.0) / steps,
+        "engine_load_s": max((e.get("mean_sync_s", 0.0) for e in engines), default=0.0),
+    }
+    total = sum(parts.values())
+    steady = summary["steady_seconds_per_step"]
+    return {
+        "step_parts_s": parts,
+        "step_over_parts": steady / total if steady and total else None,
     }
 
 
@@ -1555,7 +1585,9 @@ def table(figures: dict[str, Any]) -> str:
     modes = figures.get("modes", {})
     if "colocated" in modes:
         lines.append(
-            f"modes: colocated {fmt(modes['colocated']['steps_per_s'])} steps/s, multiplexed "
+            f"modes: colocated {fmt(modes['colocated']['steps_per_s'])} steps/s (bubble "
+            f"{fmt(modes['colocated']['bubble_ratio'])}, step x"
+            f"{fmt(modes['colocated'].get('step_over_parts'))} its parts), multiplexed "
             f"{fmt(modes['multiplexed']['steps_per_s'])} steps/s (x"
             f"{fmt(modes['multiplexed_over_colocated'])})"
         )
@@ -1578,7 +1610,8 @@ def table(figures: dict[str, Any]) -> str:
     if "colocated" in vllm_modes:
         lines.append(
             f"vllm modes: colocated {fmt(vllm_modes['colocated']['steps_per_s'])} steps/s "
-            f"(bubble {fmt(vllm_modes['colocated']['bubble_ratio'])}), multiplexed "
+            f"(bubble {fmt(vllm_modes['colocated']['bubble_ratio'])}, step x"
+            f"{fmt(vllm_modes['colocated'].get('step_over_parts'))} its parts), multiplexed "
             f"{fmt(vllm_modes['multiplexed']['steps_per_s'])} steps/s (x"
             f"{fmt(vllm_modes['multiplexed_over_colocated'])})"
         )

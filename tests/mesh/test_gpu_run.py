@@ -63,6 +63,12 @@ def test_cpu_form_runs_every_part_and_writes_its_figures(tmp_path: Path) -> None
     modes = figures["modes"]
     for mode in ("colocated", "multiplexed"):
         assert modes[mode]["mode"] == mode and modes[mode]["steps"] == gpu_run.CPU_SIZES.mesh_steps
+        # the step against its parts (train, publish, generate, engine load), all measured
+        assert modes[mode]["step_over_parts"] > 0
+        parts = modes[mode]["step_parts_s"]
+        # an engine's load of the tiny model rounds to 0.00 s in the summary
+        assert parts["train_s"] > 0 and parts["generate_s"] > 0 and parts["publish_s"] > 0
+        assert parts["engine_load_s"] >= 0, parts
     assert modes["multiplexed_over_colocated"] > 0
     assert {o["status"] for o in figures["checks"].values()} == {"pass"}
     assert "skipped" in figures["trl_race"]  # TRL with its colocated vLLM: GPU only
