@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 
 import nats
@@ -77,6 +78,12 @@ async def test_full_mesh_trains_and_every_trained_token_came_from_an_engine(
 
     run_dir = tmp_path / run_id
     spans = [json.loads(line) for line in (run_dir / "spans.jsonl").read_text().splitlines()]
+    # every process's resident memory was sampled while the run went on (Linux's /proc)
+    memory = json.loads((run_dir / "summary.json").read_text())["process_memory"]
+    if sys.platform == "linux":
+        assert {"trainer", "trajectory", "weight-sync", "engine-0"} <= set(memory), memory
+        assert all(f["samples"] >= 1 and f["peak_rss_bytes"] > 0 for f in memory.values())
+        assert memory["trainer"]["peak_rss_bytes"] > 100 << 20, memory  # torch and a model
     # Identical (prompt, completion) pairs can come from several engine calls, whose
     # logprobs differ in the last bits with the batch they were computed in, so every
     # call is kept and a trained sample must match one of them exactly.

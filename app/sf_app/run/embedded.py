@@ -155,6 +155,7 @@ class EmbeddedRun(Supervisor):
             run_dir=self.run_dir,
             metrics_by_policy={policy: [] for policy in config.policies},
             restarts=self.restarts,
+            process_memory=self.memory.figures,
         )
         self.precision = resolve_precision(config.precision, trainer_device())
         """``--precision`` resolved for this machine (``auto``: from the hardware), as

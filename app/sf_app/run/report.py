@@ -46,6 +46,9 @@ class RunState:
     """running, then finished | interrupted | failed: <the one line why>."""
     restarts: dict[str, int] = field(default_factory=dict)
     """The supervisor's restart counts (the same dict)."""
+    process_memory: dict[str, dict[str, int]] = field(default_factory=dict)
+    """The supervisor's samples of each process's resident memory (the same dict;
+    ``sf_app.run.memory``)."""
     precision: PrecisionChoice | None = None
     """The trainer's precision as the run resolved it (``--precision``, ``auto``)."""
     mode_choice: dict[str, str] = field(default_factory=dict)
@@ -135,6 +138,11 @@ class Summary:
     restarts: dict[str, int] = field(default_factory=dict)
     """Supervision: how many times each process (by label; ``nats`` for the embedded
     server) was started again after an unexpected exit."""
+    process_memory: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per process (by label, ``nats`` too): ``peak_rss_bytes`` (the kernel's high-water
+    mark of its resident memory), ``tree_peak_rss_bytes`` (the largest sampled sum with
+    its descendants': vLLM's engine core) and ``samples``, sampled every 2 s while the
+    run goes on (``sf_app.run.memory``; Linux only, else empty)."""
     config: dict[str, Any] = field(default_factory=dict)
     precision: dict[str, str] = field(default_factory=dict)
     """What the trainer computed in and why: ``requested`` (``auto`` unless given),
@@ -223,6 +231,7 @@ def write_report(state: RunState) -> Summary:
         eval_first=eval_record(evals[0]) if evals else None,
         eval_last=eval_record(evals[-1]) if evals else None,
         restarts=dict(state.restarts),
+        process_memory={label: dict(f) for label, f in sorted(state.process_memory.items())},
         config=json.loads(state.config.model_dump_json()),
         precision=state.precision.record() if state.precision else {},
         hardware=dict(state.hardware),

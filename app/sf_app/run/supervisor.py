@@ -29,6 +29,7 @@ from typing import Protocol
 from seamlessflow.bus import EXIT_UNRECOVERABLE
 from seamlessflow.natsserver import EmbeddedNats
 from sf_app.run.forkserver import READY_TIMEOUT_S, ForkServer, ForkServerGone
+from sf_app.run.memory import ProcessMemory
 from sf_app.service_table import SERVICE_TABLE
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,8 @@ class Supervisor:
         """Policies whose trainer announced its finish: its exit 0 is then a normal end."""
         self._clean_exits: dict[str, float] = {}
         """Trainers that exited 0 before their finish arrived: since when."""
+        self.memory = ProcessMemory()
+        """Every process's resident memory, sampled by ``unexpected_exit``'s polls."""
 
     @property
     def multi_policy(self) -> bool:
@@ -209,6 +212,9 @@ class Supervisor:
         def service_of(label: str) -> str:
             return self.launches[label].service  # engine-0, gateway-1, <policy>-trainer ...
 
+        # the last sample: each process's high-water mark now covers its whole life
+        self.memory.sample(self.live_pids(), force=True)
+
         stages = [
             {spec.name for spec in SERVICE_TABLE if spec.stop_stage == stage}
             for stage in sorted({spec.stop_stage for spec in SERVICE_TABLE})
@@ -259,10 +265,21 @@ class Supervisor:
         """The embedded server (a cluster's first node); None with another broker."""
         return self.nats_servers[0] if self.nats_servers else None
 
+    def live_pids(self) -> dict[str, int]:
+        """Label -> pid of each process still running (the NATS server as ``nats``, or
+        ``nats-<i>`` for a cluster's nodes)."""
+        pids = {label: p.pid for label, p in self.processes.items() if p.returncode is None}
+        for index, nats_server in enumerate(self.nats_servers):
+            if nats_server.process is not None and nats_server.process.returncode is None:
+                label = "nats" if len(self.nats_servers) == 1 else f"nats-{index}"
+                pids[label] = nats_server.process.pid
+        return pids
+
     def unexpected_exit(self) -> str | None:
         """Supervision, polled while the run goes on: start again what ended unexpectedly
         (the embedded NATS server in place: same port, same store), within
         ``max_restarts`` per process. Past the budget: what failed, and the run fails."""
+        self.memory.sample(self.live_pids())
         budget = self.max_restarts
         for index, nats_server in enumerate(self.nats_servers):
             if nats_server.process is None:
