@@ -61,6 +61,7 @@ import torch
 from seamlessflow import telemetry, weights
 from seamlessflow.assets.model_check import ModelNeeds, check_model, context_need
 from seamlessflow.bus import ContextLengthExceeded, DomainError, Subscription
+from seamlessflow.heap import compact_heap
 from seamlessflow.protocol import (
     ENGINE_QUEUE,
     AbortGeneration,
@@ -147,6 +148,8 @@ class EngineService:
             **context_need(self.settings, "SF_ENGINE_MAX_CONTEXT"),
         )
         await asyncio.to_thread(check_model, ctx.mesh.model_dir, needs)
+        if self.settings.compact_heap and compact_heap():
+            log.info("glibc heap: fixed mmap threshold, one arena (SF_ENGINE_COMPACT_HEAP)")
         self.engine = build_engine(self.settings, str(ctx.mesh.model_dir))
         await self.engine.start()
         self.membership = ResourceMembership(

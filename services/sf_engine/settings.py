@@ -66,6 +66,15 @@ class EngineSettings(RunFileSettings):
     torch_threads: int = 1
     """torch intra-op threads (processes share a few cores in embedded mode)."""
 
+    compact_heap: bool = True
+    """Tune glibc's heap for tensors of megabytes before the engine is built, as the
+    trainer does (``SF_TRAINER_COMPACT_HEAP``, ``seamlessflow.heap``): a fixed mmap
+    threshold (freed blocks go back to the kernel) and one arena. An engine receives a
+    whole weight set per version and frees the last one: with glibc's defaults the
+    freed blocks stay in the heap. Measured with SmolLM2-135M-Instruct on the hf engine
+    (docs/benchmarks.md, "An engine's heap"). This process only: vLLM's engine core is
+    a process of its own. Off: glibc's defaults (``MALLOC_*`` variables still apply)."""
+
     interrupt_mode: Literal["keep", "abort", "wait"] = "keep"
     """How a new weight version reaches requests in flight (partial rollout):
     ``keep`` freezes them at a token boundary, swaps the weights under them and lets

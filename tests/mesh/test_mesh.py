@@ -84,6 +84,10 @@ async def test_full_mesh_trains_and_every_trained_token_came_from_an_engine(
         assert {"trainer", "trajectory", "weight-sync", "engine-0"} <= set(memory), memory
         assert all(f["samples"] >= 1 and f["peak_rss_bytes"] > 0 for f in memory.values())
         assert memory["trainer"]["peak_rss_bytes"] > 100 << 20, memory  # torch and a model
+        # the engine and the trainer tuned glibc's heap before building their models
+        for name, setting in (("engine-0", "ENGINE"), ("trainer", "TRAINER")):
+            line = f"glibc heap: fixed mmap threshold, one arena (SF_{setting}_COMPACT_HEAP)"
+            assert line in (run_dir / "logs" / f"{name}.log").read_text(), name
     # Identical (prompt, completion) pairs can come from several engine calls, whose
     # logprobs differ in the last bits with the batch they were computed in, so every
     # call is kept and a trained sample must match one of them exactly.
