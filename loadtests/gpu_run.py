@@ -430,16 +430,32 @@ def installed_environment() -> dict[str, str]:
     return env
 
 
+STOP_GRACE_S = 45.0
+"""How long a child past its time limit has to stop after SIGTERM (``seamlessflow up``
+stops its processes in order: the engines let go of the card) before SIGKILL."""
+
+
 def run_logged(
     command: list[str], log_path: Path, timeout: float, **options: Any
 ) -> subprocess.CompletedProcess[bytes]:
     """``command`` with its stdout and stderr written into ``log_path`` as it runs (a
-    call cut short by its time limit still brings back how far it got)."""
+    call cut short by its time limit still brings back how far it got). Past
+    ``timeout`` it is asked to stop (SIGTERM), then killed after ``STOP_GRACE_S``, and
+    ``subprocess.TimeoutExpired`` is raised: a run's processes live in sessions of
+    their own, so a SIGKILL alone would leave them holding the card for the next part."""
     with log_path.open("w") as log_file:
-        return subprocess.run(
-            command, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout, check=False,
-            **options,
-        )  # fmt: skip
+        child = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, **options)
+        try:
+            returncode = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.terminate()
+            try:
+                child.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            raise
+    return subprocess.CompletedProcess(command, returncode)
 
 
 # ---------------------------------------------------------------- timing helpers

@@ -132,6 +132,27 @@ def test_install_puts_a_wheels_scripts_on_the_path(tmp_path: Path) -> None:
     assert gpu_run.install_scripts(tmp_path / "pkg-1.0.tar.gz", tmp_path / "bin") == []
 
 
+def test_a_child_past_its_limit_is_asked_to_stop_before_it_is_killed(tmp_path: Path) -> None:
+    """A ``seamlessflow up`` past its limit stops its processes on SIGTERM; a SIGKILL
+    alone would leave them on the card. The child here says it was asked, then stops."""
+    child = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        "    print('asked to stop', flush=True)\n"
+        "    sys.exit(3)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('running', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    log_path = tmp_path / "child.log"
+    with pytest.raises(subprocess.TimeoutExpired):
+        # 10 s: the child has its handler in place by then, even on a loaded machine
+        gpu_run.run_logged([sys.executable, "-c", child], log_path, timeout=10)
+    assert log_path.read_text().splitlines() == ["running", "asked to stop"]
+    done = gpu_run.run_logged([sys.executable, "-c", "print('done')"], log_path, timeout=30)
+    assert done.returncode == 0 and log_path.read_text() == "done\n"
+
+
 def test_unknown_part_is_refused() -> None:
     with pytest.raises(SystemExit, match="unknown parts"):
         gpu_run.main(["--device", "cpu", "--only", "bounds,warp-drive"])
