@@ -119,7 +119,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import importlib.util
 import json
 import logging
 import os
@@ -872,9 +871,10 @@ def run_trl(
 
     reward_fn = get_task_source(args.task, args.seed).reward_fn
     torch.set_num_threads(threads)
-    if args.device == "cuda" and importlib.util.find_spec("flashinfer") is None:
-        # as our vLLM engine does: vLLM's GPU sampler imports FlashInfer unguarded
-        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if args.device == "cuda":
+        from sf_engine.backends.vllm_engine import sample_without_missing_flashinfer
+
+        sample_without_missing_flashinfer()  # TRL's colocated vLLM, as our engine
     clock = EvalClock()
     started = clock.now()
 

@@ -265,14 +265,17 @@ class Supervisor:
         """The embedded server (a cluster's first node); None with another broker."""
         return self.nats_servers[0] if self.nats_servers else None
 
+    def nats_label(self, index: int) -> str:
+        """The embedded server's label (``nats``), or a cluster node's (``nats-<i>``)."""
+        return "nats" if len(self.nats_servers) == 1 else f"nats-{index}"
+
     def live_pids(self) -> dict[str, int]:
         """Label -> pid of each process still running (the NATS server as ``nats``, or
         ``nats-<i>`` for a cluster's nodes)."""
         pids = {label: p.pid for label, p in self.processes.items() if p.returncode is None}
         for index, nats_server in enumerate(self.nats_servers):
             if nats_server.process is not None and nats_server.process.returncode is None:
-                label = "nats" if len(self.nats_servers) == 1 else f"nats-{index}"
-                pids[label] = nats_server.process.pid
+                pids[self.nats_label(index)] = nats_server.process.pid
         return pids
 
     def unexpected_exit(self) -> str | None:
@@ -286,7 +289,7 @@ class Supervisor:
                 continue
             code = nats_server.process.poll()
             if code is not None:
-                label = "nats" if len(self.nats_servers) == 1 else f"nats-{index}"
+                label = self.nats_label(index)
                 if self.restarts.get(label, 0) >= budget:
                     return f"{label}: nats-server exited with code {code} after {budget} restarts"
                 self._count_restart(label, code)

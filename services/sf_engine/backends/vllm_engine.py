@@ -308,10 +308,7 @@ class VllmEngine(InferenceEngine):
             raise EngineError("engine already started")
         self._started = True
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self._kv_cache_gib))
-        if importlib.util.find_spec("flashinfer") is None:
-            # vLLM's GPU sampler imports FlashInfer unguarded unless told not to use it
-            # (vLLM 0.26 on an H200 without it: "No module named 'flashinfer'" at start)
-            os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        sample_without_missing_flashinfer()
         config = json.loads((self._model_dir / "config.json").read_text())
         text = config.get("text_config") or config
         self._vocab_size = int(text["vocab_size"])
@@ -686,6 +683,15 @@ class VllmEngine(InferenceEngine):
                 f"the vLLM engine loads complete weight sets; missing {len(missing)} "
                 f"weights, e.g. {sorted(missing)[:3]}"
             )
+
+
+def sample_without_missing_flashinfer() -> None:
+    """Where FlashInfer is not installed, tell vLLM's GPU sampler not to use it: it
+    imports FlashInfer unguarded otherwise (vLLM 0.26 on an H200 without it: "No module
+    named 'flashinfer'" at start). Before vLLM starts; this engine's and any in-process
+    ``LLM`` of this process (TRL's colocated one in loadtests/peer_compare.py)."""
+    if importlib.util.find_spec("flashinfer") is None:
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
 def _shutdown_once(llm: Any) -> None:
